@@ -1,0 +1,292 @@
+"""The physical KV block pool: blocks, ref counts, the free list and the prefix cache.
+
+Pure bookkeeping: nothing here touches a tensor. Sequences and owners live one layer up,
+in ``ledger.py``; this module only knows blocks.
+
+A block is in exactly one of three states:
+- leased: ``ref_count > 0`` (it may also be registered in the prefix cache, if it holds a
+  full block some sequence released with ``cache_prefix`` or got from a prefix hit);
+- cached: ``ref_count == 0`` and registered: its K/V is still valid and can be revived;
+- free: ``ref_count == 0`` and not registered.
+
+Cached and free blocks share one free list, a doubly linked list threaded through the
+block objects (as vLLM v1's ``FreeKVCacheBlockQueue``): allocation pops from the head,
+freed blocks go to the tail, so cached blocks are evicted least recently freed first,
+and reviving a cached block from the middle is O(1) and allocates nothing. Eviction is
+lazy: a cached block keeps its hash entry until the moment it is taken for reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from cache_service.prefix_hash import ROOT_HASH, HashFn
+
+
+class Block:
+    """One physical block. All of them exist from start-up and are never replaced.
+
+    ``parent_reg``/``reg_id`` make prefix hits exact even under hash collisions: every
+    registration gets a fresh ``reg_id``, and a block records the ``reg_id`` of the block
+    that preceded it when it was registered. A hit must match the stored token ids and
+    the identity of the block matched just before it, so by induction a hit chain holds
+    exactly the queried tokens, whatever the hash function does.
+    """
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent_reg", "reg_id", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None  # set only while registered in the prefix cache
+        self.token_ids: tuple[int, ...] | None = None
+        self.parent_reg = 0
+        self.reg_id = 0
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        state = "leased" if self.ref_count else ("cached" if self.block_hash is not None else "free")
+        return f"Block({self.block_id}, ref_count={self.ref_count}, {state})"
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` tokens, with ref counts and a prefix cache.
+
+    The caller (the ledger) checks ``num_free`` before ``take`` and ``acquire``; these
+    methods trust it, so that a refused request never changes anything.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Sentinels at both ends, so linking and unlinking never test for None.
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        previous = self._head
+        for block in self.blocks:
+            previous.next = block
+            block.prev = previous
+            previous = block
+        previous.next = self._tail
+        self._tail.prev = previous
+        self.num_free = num_blocks  # blocks in the free list: plain free + cached
+        self.num_cached = 0  # blocks in the free list that are still registered
+        self.cached: dict[int, Block] = {}  # block hash -> registered block (leased or cached)
+        self._last_reg_id = 0
+
+    # ---------------------------------------------------------------- counts
+
+    @property
+    def num_leased(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_plain_free(self) -> int:
+        return self.num_free - self.num_cached
+
+    # ---------------------------------------------------------------- leasing
+
+    def take(self, count: int) -> list[Block]:
+        """Pop ``count`` blocks from the head of the free list, evicting cached ones.
+
+        Each comes back with ``ref_count == 1``. The caller has checked ``count <= num_free``.
+        """
+        if count <= 0:
+            return []
+        if count > self.num_free:
+            raise AssertionError(f"take({count}) with only {self.num_free} blocks in the free list")
+        head = self._head
+        block = head.next
+        taken = []
+        append = taken.append
+        for _ in range(count):
+            if block.block_hash is not None:  # lazy eviction: its prefix entry dies only now
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
+                self.num_cached -= 1
+            block.ref_count = 1
+            append(block)
+            block = block.next
+        # Unlink the whole taken run at once.
+        head.next = block
+        block.prev = head
+        self.num_free -= count
+        return taken
+
+    def acquire(self, blocks: Iterable[Block]) -> None:
+        """Add a reference to each block (sharing), reviving cached ones out of the free list."""
+        for block in blocks:
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    raise AssertionError(f"acquire of {block!r}: only leased or cached blocks can be shared")
+                prev, nxt = block.prev, block.next
+                prev.next = nxt
+                nxt.prev = prev
+                self.num_free -= 1
+                self.num_cached -= 1
+            block.ref_count += 1
+
+    def free(self, blocks: Sequence[Block]) -> int:
+        """Drop one reference from each block, last block first.
+
+        Blocks reaching zero go to the free-list tail in that order, so a sequence's tail
+        blocks are evicted before its head blocks (the head is the likelier shared prefix).
+        Returns how many blocks reached zero.
+        """
+        tail = self._tail
+        last = tail.prev
+        freed = 0
+        cached = 0
+        for block in reversed(blocks):
+            ref_count = block.ref_count - 1
+            if ref_count > 0:
+                block.ref_count = ref_count
+                continue
+            if ref_count < 0:
+                # Fix the links before raising, so the pool stays consistent.
+                last.next = tail
+                tail.prev = last
+                self.num_free += freed
+                self.num_cached += cached
+                raise AssertionError(f"free of {block!r}: ref count would go below zero")
+            block.ref_count = 0
+            last.next = block
+            block.prev = last
+            last = block
+            freed += 1
+            if block.block_hash is not None:
+                cached += 1
+        last.next = tail
+        tail.prev = last
+        self.num_free += freed
+        self.num_cached += cached
+        return freed
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def lookup(self, token_ids: Sequence[int], max_blocks: int) -> list[Block]:
+        """The registered blocks holding the longest prefix of ``token_ids``, up to ``max_blocks``.
+
+        Only full blocks match. References are not taken: pass the result to ``acquire``.
+        """
+        block_size = self.block_size
+        max_blocks = min(max_blocks, len(token_ids) // block_size)
+        if max_blocks <= 0 or not self.cached:
+            return []
+        tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
+        cached_get = self.cached.get
+        hash_fn = self.hash_fn
+        parent_hash = ROOT_HASH
+        parent_reg = 0
+        hits: list[Block] = []
+        append = hits.append
+        start = 0
+        for _ in range(max_blocks):
+            chunk = tokens[start : start + block_size]
+            parent_hash = hash_fn((parent_hash, chunk))
+            block = cached_get(parent_hash)
+            # Verify: a colliding hash must not return another prefix's blocks.
+            if block is None or block.parent_reg != parent_reg or block.token_ids != chunk:
+                break
+            append(block)
+            parent_reg = block.reg_id
+            start += block_size
+        return hits
+
+    def register(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> int:
+        """Register the full blocks of a sequence holding ``token_ids`` in the prefix cache.
+
+        ``blocks[i]`` holds tokens ``[i * block_size, (i + 1) * block_size)``. When an
+        identical block is already registered, that one stays the cached copy and
+        ``blocks[i]`` is left as it is (it becomes plain free when released). Registration
+        stops at the first block that cannot be registered (a hash collision with another
+        prefix, or a block already registered with other contents), since nothing after it
+        could be found. Returns how many blocks were newly registered.
+        """
+        block_size = self.block_size
+        count = min(len(token_ids) // block_size, len(blocks))
+        if count <= 0:
+            return 0
+        tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
+        cached = self.cached
+        hash_fn = self.hash_fn
+        parent_hash = ROOT_HASH
+        parent_reg = 0
+        registered = 0
+        for index in range(count):
+            chunk = tokens[index * block_size : (index + 1) * block_size]
+            parent_hash = hash_fn((parent_hash, chunk))
+            block = blocks[index]
+            canonical = cached.get(parent_hash)
+            if canonical is None:
+                if block.block_hash is not None or block.ref_count == 0:
+                    break  # registered under another hash: it holds other tokens than claimed
+                self._last_reg_id += 1
+                block.block_hash = parent_hash
+                block.token_ids = chunk
+                block.parent_reg = parent_reg
+                block.reg_id = self._last_reg_id
+                cached[parent_hash] = block
+                registered += 1
+            elif canonical.parent_reg != parent_reg or canonical.token_ids != chunk:
+                break  # hash collision with a different prefix
+            parent_reg = canonical.reg_id if canonical is not None else block.reg_id
+        return registered
+
+    # ---------------------------------------------------------------- checks
+
+    def free_list(self) -> list[Block]:
+        """The free list, head (next to be taken) first. For tests and invariant checks."""
+        out = []
+        block = self._head.next
+        while block is not self._tail:
+            out.append(block)
+            if len(out) > self.num_blocks:
+                raise AssertionError("free list has a cycle or more entries than the pool has blocks")
+            block = block.next
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken pool invariant."""
+        free_list = self.free_list()
+        ids = [block.block_id for block in free_list]
+        if len(set(ids)) != len(ids):
+            raise AssertionError(f"free list holds a block twice: {sorted(ids)}")
+        if len(free_list) != self.num_free:
+            raise AssertionError(f"free list has {len(free_list)} blocks but num_free is {self.num_free}")
+        previous = self._head
+        for block in free_list:
+            if block.prev is not previous:
+                raise AssertionError(f"{block!r}.prev does not point to the block before it in the free list")
+            previous = block
+        if self._tail.prev is not previous:
+            raise AssertionError("free-list tail sentinel does not point to the last free block")
+        in_list = set(ids)
+        for block in self.blocks:
+            if block.ref_count < 0:
+                raise AssertionError(f"{block!r} has a negative ref count")
+            if (block.ref_count == 0) != (block.block_id in in_list):
+                raise AssertionError(f"{block!r}: in free list = {block.block_id in in_list}, ref_count = {block.ref_count}")
+            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+                raise AssertionError(f"{block!r} has a hash but is not the registered block for it")
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(f"prefix entry {block_hash} points to {block!r} whose hash is {block.block_hash}")
+            if block.token_ids is None or len(block.token_ids) != self.block_size:
+                raise AssertionError(f"registered {block!r} does not hold one full block of token ids")
+        num_cached = sum(1 for block in free_list if block.block_hash is not None)
+        if num_cached != self.num_cached:
+            raise AssertionError(f"{num_cached} cached blocks in the free list but num_cached is {self.num_cached}")
+        plain_free = self.num_free - self.num_cached
+        if plain_free + self.num_leased + self.num_cached != self.num_blocks:
+            raise AssertionError(
+                f"free {plain_free} + leased {self.num_leased} + cached {self.num_cached} != total {self.num_blocks}"
+            )

@@ -1,0 +1,177 @@
+"""The live KV pool: physical memory, its sizing, the block ledger and the sessions.
+
+Plain code, no gRPC: the servicer validates requests and calls this. The pool is
+created by the first Attach, because only the model knows the KV geometry; every later
+Attach must bring the same geometry (a model service that restarts gets the same pool,
+and the prefix cache with it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from cache_service.ledger import Ledger
+from cache_service.sessions import Session, Sessions
+from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
+from pagedkv import pool_memory
+from pagedkv.cache.v1 import cache_pb2
+from pagedkv.kv_geometry import KvGeometry
+
+log = structlog.get_logger()
+
+
+class GeometryMismatch(Exception):
+    """An Attach whose geometry differs from the live pool's."""
+
+
+class NoPool(Exception):
+    """Nothing has attached yet, so there is no pool to report on."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    # 16 tokens a block: the last, partial block of a sequence wastes at most 15 token
+    # slots, while block tables and the kernels' per-block loops stay short.
+    block_size: int = 16
+    memory_fraction: float = 0.90
+    headroom: float = 0.05
+    kv_cache_bytes: int | None = None
+    max_blocks: int | None = None
+    lease_ttl_ms: int = 5000
+    shm_dir: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"--headroom must be in [0, 1), got {self.headroom}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"--kv-cache-bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_blocks is not None and self.max_blocks <= 0:
+            raise ValueError(f"--max-blocks must be positive, got {self.max_blocks}")
+        if self.lease_ttl_ms < 100:
+            raise ValueError(f"--lease-ttl-ms must be at least 100, got {self.lease_ttl_ms}")
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    session: Session
+    sizing: SizingReport
+    handle: cache_pb2.PoolHandle
+
+
+class KvPool:
+    def __init__(self, settings: PoolSettings) -> None:
+        self.settings = settings
+        self.sessions = Sessions(settings.lease_ttl_ms / 1000)
+        self.geometry: KvGeometry | None = None
+        self.sizing: SizingReport | None = None
+        self.ledger: Ledger | None = None
+        self.handle: cache_pb2.PoolHandle | None = None
+        self._memory: pool_memory.SharedPool | torch.Tensor | None = None
+
+    # -- sessions -------------------------------------------------------------------
+
+    def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int) -> Attachment:
+        if self.geometry is None:
+            self._create(geometry, workspace_bytes, max_model_len)
+        elif geometry != self.geometry:
+            raise GeometryMismatch(
+                f"the live pool was made for {describe(self.geometry)}, this model needs {describe(geometry)}; "
+                "a pool is never resized under its cached prefixes: restart the cache service to serve another model"
+            )
+        else:
+            self._check_fits(max_model_len)
+        session = self.sessions.open(client_name)
+        log.info("session_attached", session=session.session_id[:8], client=client_name)
+        return Attachment(session, self.sizing, self.handle)
+
+    def heartbeat(self, session_id: str) -> None:
+        self.sessions.touch(session_id)
+
+    def detach(self, session_id: str) -> int:
+        session = self.sessions.close(session_id)
+        released = self.ledger.release_owner(session.session_id)
+        log.info("session_detached", session=session_id[:8], blocks_reclaimed=released)
+        return released
+
+    def reap_expired(self) -> int:
+        """Reclaims the leases of every session that missed its TTL; returns blocks freed."""
+        released = 0
+        for session in self.sessions.expire():
+            blocks = self.ledger.release_owner(session.session_id)
+            released += blocks
+            log.warning("session_expired", session=session.session_id[:8], client=session.client_name,
+                        blocks_reclaimed=blocks, ttl_ms=self.settings.lease_ttl_ms)
+        return released
+
+    def require_pool(self) -> tuple[Ledger, SizingReport]:
+        if self.ledger is None:
+            raise NoPool("no pool yet: it is created when the first model service attaches")
+        return self.ledger, self.sizing
+
+    # -- the physical pool -----------------------------------------------------------
+
+    def _create(self, geometry: KvGeometry, workspace_bytes: int, max_model_len: int) -> None:
+        memory_total, memory_free = measure_device_memory(geometry.device)
+        if geometry.device == "cpu":
+            # A /dev/shm file larger than the tmpfs would fail with SIGBUS on first
+            # write, long after start-up: count its free space as free memory.
+            memory_free = min(memory_free, shm_free_bytes(self.settings.shm_dir))
+        sizing = size_pool(
+            geometry,
+            block_size=self.settings.block_size,
+            memory_total=memory_total,
+            memory_free=memory_free,
+            memory_fraction=self.settings.memory_fraction,
+            headroom=self.settings.headroom,
+            workspace_bytes=workspace_bytes,
+            max_model_len=max_model_len,
+            kv_cache_bytes=self.settings.kv_cache_bytes if geometry.device == "cpu" else None,
+            max_blocks=self.settings.max_blocks,
+        )
+        shape = geometry.pool_shape(sizing.num_blocks, sizing.block_size)
+        if geometry.device == "cpu":
+            shared = pool_memory.create_shared_pool(shape, geometry.dtype, directory=self.settings.shm_dir)
+            self._memory = shared
+            self.handle = pool_memory.shared_handle_to_proto(shared.handle)
+        else:
+            tensor = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
+            self._memory = tensor
+            self.handle = pool_memory.cuda_handle_to_proto(tensor)
+        self.geometry = geometry
+        self.sizing = sizing
+        self.ledger = Ledger(sizing.num_blocks, sizing.block_size)
+        log.info("pool_created", geometry=describe(geometry), num_blocks=sizing.num_blocks,
+                 block_size=sizing.block_size, bytes_per_block=sizing.bytes_per_block,
+                 max_total_tokens=sizing.max_total_tokens, limited_by=sizing.limited_by)
+
+    def _check_fits(self, max_model_len: int) -> None:
+        needed = -(-max_model_len // self.sizing.block_size)
+        if needed > self.sizing.num_blocks:
+            raise SizingError(
+                f"a sequence of max_model_len {max_model_len} tokens needs {needed} blocks but the live pool "
+                f"has {self.sizing.num_blocks}; lower --max-model-len or restart the cache service with more memory"
+            )
+
+    def close(self) -> None:
+        """Unlinks the shared-memory file; the pool must never outlive the service."""
+        if isinstance(self._memory, pool_memory.SharedPool):
+            self._memory.close()
+        self._memory = None
+
+
+def shm_free_bytes(directory: str) -> int:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def describe(geometry: KvGeometry) -> str:
+    return (f"{geometry.num_layers} layers × {geometry.num_kv_heads} KV heads × head_dim {geometry.head_dim}, "
+            f"{str(geometry.dtype).removeprefix('torch.')} on {geometry.device}")

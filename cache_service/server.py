@@ -1,0 +1,103 @@
+"""`python -m cache_service`: the cache service process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import structlog
+
+from cache_service import metrics
+from cache_service.pool import KvPool, PoolSettings
+from cache_service.servicer import CacheServicer
+from pagedkv import pool_memory
+from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
+from pagedkv.flags import add_flag, add_server_flags
+from pagedkv.logs import configure_logging
+from pagedkv.serving import GrpcServer, ServerConfig, serve_until_signal
+from pagedkv.units import parse_bytes
+
+log = structlog.get_logger()
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cache_service",
+        description="pagedkv cache service: owns the KV block pool, sizes it, and leases block tables. "
+        "`python -m cache_service sizing --help` is the offline sizing calculator.",
+    )
+    add_server_flags(parser, port=50052, metrics_port=9402)
+    add_flag(parser, "--block-size", default=16, type=int, help="tokens per KV block")
+    add_flag(parser, "--memory-fraction", default=0.90, type=float,
+             help="share of device memory (CUDA) or available RAM (CPU, without --kv-cache-bytes) pagedkv may use")
+    add_flag(parser, "--headroom", default=0.05, type=float,
+             help="share of the budget left unallocated for allocator slack and activations warmup did not see")
+    add_flag(parser, "--kv-cache-bytes", default=None, type=parse_bytes,
+             help="CPU: the pool budget, e.g. 256MiB (default: --memory-fraction of available RAM)")
+    add_flag(parser, "--max-blocks", default=None, type=int, help="upper bound on the number of blocks")
+    add_flag(parser, "--lease-ttl-ms", default=5000, type=int,
+             help="a session silent this long has every lease reclaimed")
+    add_flag(parser, "--shm-dir", default="/dev/shm", help="CPU: where the pool's shared-memory file lives")
+    add_flag(parser, "--grace-s", default=5.0, type=float, help="seconds in-flight calls get on SIGTERM")
+    return parser
+
+
+async def reap_forever(pool: KvPool) -> None:
+    # Four checks per TTL: a dead session's blocks come back within 1.25 TTL.
+    interval = pool.settings.lease_ttl_ms / 4000
+    while True:
+        await asyncio.sleep(interval)
+        before = len(pool.sessions)
+        pool.reap_expired()
+        metrics.SESSIONS_EXPIRED.inc(before - len(pool.sessions))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    settings = PoolSettings(
+        block_size=args.block_size,
+        memory_fraction=args.memory_fraction,
+        headroom=args.headroom,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_blocks=args.max_blocks,
+        lease_ttl_ms=args.lease_ttl_ms,
+        shm_dir=args.shm_dir,
+    )
+    removed = pool_memory.cleanup_stale_pools(args.shm_dir)
+    if removed:
+        log.warning("stale_pools_removed", files=removed)
+    pool = KvPool(settings)
+    metrics.register_pool(pool)
+    servicer = CacheServicer(pool)
+    server = GrpcServer(
+        ServerConfig.from_args(args),
+        [SERVICE_NAME],
+        lambda grpc_server: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, grpc_server),
+    )
+    reaper = None
+    try:
+        await server.start()
+        reaper = asyncio.create_task(reap_forever(pool))
+        await server.set_serving(True)
+        await serve_until_signal(server, on_stop=_nothing, grace_s=args.grace_s)
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+        pool.close()
+
+
+async def _nothing() -> None:
+    return None
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, json=args.log_json)
+    try:
+        ServerConfig.from_args(args)
+        asyncio.run(serve(args))
+    except ValueError as error:
+        parser.error(str(error))
+    return 0

@@ -1,0 +1,160 @@
+"""CacheService over gRPC: validates, maps errors to status codes, calls KvPool/Ledger."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from cache_service import metrics
+from cache_service.ledger import Ledger, LeaseError
+from cache_service.pool import GeometryMismatch, KvPool, NoPool
+from cache_service.sessions import UnknownSession
+from cache_service.sizing import SizingError
+from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
+from pagedkv.kv_geometry import KvGeometry
+
+# One call carries at most one engine step's worth of ops; far more is a client bug.
+MAX_OPS_PER_CALL = 65536
+
+# Most specific first: SizingError is a ValueError.
+ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnknownSession, grpc.StatusCode.NOT_FOUND),
+    (GeometryMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (NoPool, grpc.StatusCode.FAILED_PRECONDITION),
+    (SizingError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+LEASE_STATUS = {
+    "NO_FREE_BLOCKS": cache_pb2.LEASE_STATUS_NO_FREE_BLOCKS,
+    "NOT_FOUND": cache_pb2.LEASE_STATUS_NOT_FOUND,
+    "PERMISSION_DENIED": cache_pb2.LEASE_STATUS_PERMISSION_DENIED,
+    "INVALID_ARGUMENT": cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
+}
+
+
+async def abort_for(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    for error_type, code in ERROR_STATUS:
+        if isinstance(error, error_type):
+            await context.abort(code, str(error))
+    raise error
+
+
+class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
+    def __init__(self, pool: KvPool) -> None:
+        self.pool = pool
+
+    async def Attach(self, request, context):
+        try:
+            if not request.HasField("geometry"):
+                raise ValueError("geometry is required: num_layers, num_kv_heads, head_dim, dtype, device")
+            geometry = KvGeometry.from_proto(request.geometry)
+            attachment = self.pool.attach(
+                request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len
+            )
+        except (ValueError, GeometryMismatch) as error:
+            await abort_for(context, error)
+        return cache_pb2.AttachResponse(
+            session_id=attachment.session.session_id,
+            lease_ttl_ms=self.pool.settings.lease_ttl_ms,
+            sizing=attachment.sizing.to_proto(),
+            pool=attachment.handle,
+        )
+
+    async def Heartbeat(self, request, context):
+        try:
+            self.pool.heartbeat(request.session_id)
+        except UnknownSession as error:
+            await abort_for(context, error)
+        return cache_pb2.HeartbeatResponse(lease_ttl_ms=self.pool.settings.lease_ttl_ms)
+
+    async def Detach(self, request, context):
+        try:
+            released = self.pool.detach(request.session_id)
+        except UnknownSession as error:
+            await abort_for(context, error)
+        return cache_pb2.DetachResponse(blocks_reclaimed=released)
+
+    async def Lease(self, request, context):
+        started = time.perf_counter()
+        try:
+            # A lease call is proof of life too.
+            self.pool.heartbeat(request.session_id)
+            ledger, _ = self.pool.require_pool()
+            if len(request.ops) > MAX_OPS_PER_CALL:
+                raise ValueError(f"{len(request.ops)} ops in one Lease call; at most {MAX_OPS_PER_CALL}")
+        except (UnknownSession, NoPool, ValueError) as error:
+            await abort_for(context, error)
+        results = [apply_op(ledger, request.session_id, op) for op in request.ops]
+        metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
+        return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
+
+    async def GetSizing(self, request, context):
+        try:
+            _, sizing = self.pool.require_pool()
+        except NoPool as error:
+            await abort_for(context, error)
+        return sizing.to_proto()
+
+    async def GetStats(self, request, context):
+        return stats_proto(self.pool)
+
+
+def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp) -> cache_pb2.LeaseResult:
+    """Applies one op; a failure becomes this op's result and touches nothing else."""
+    kind = op.WhichOneof("op")
+    try:
+        if kind == "allocate":
+            allocation = ledger.allocate(owner, op.allocate.num_tokens, op.allocate.prompt_token_ids)
+            result = cache_pb2.LeaseResult(
+                status=cache_pb2.LEASE_STATUS_OK, sequence_id=allocation.sequence_id,
+                block_ids=allocation.block_ids, cached_tokens=allocation.cached_tokens,
+            )
+        elif kind == "extend":
+            appended = ledger.extend(owner, op.extend.sequence_id, op.extend.num_tokens)
+            result = cache_pb2.LeaseResult(
+                status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.extend.sequence_id, block_ids=appended
+            )
+        elif kind == "fork":
+            fork = ledger.fork(owner, op.fork.sequence_id)
+            result = cache_pb2.LeaseResult(
+                status=cache_pb2.LEASE_STATUS_OK, sequence_id=fork.sequence_id, block_ids=fork.block_ids
+            )
+            if fork.copy is not None:
+                result.copy.src_block, result.copy.dst_block = fork.copy
+        elif kind == "release":
+            released = ledger.release(
+                owner, op.release.sequence_id, op.release.cache_prefix, op.release.token_ids
+            )
+            result = cache_pb2.LeaseResult(
+                status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.release.sequence_id, blocks_released=released
+            )
+        else:
+            result = cache_pb2.LeaseResult(
+                status=cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
+                message="empty lease op: set one of allocate, extend, fork, release",
+            )
+    except LeaseError as error:
+        result = cache_pb2.LeaseResult(status=LEASE_STATUS[error.code], message=str(error))
+        if kind in ("extend", "fork", "release"):
+            result.sequence_id = getattr(op, kind).sequence_id
+    metrics.LEASE_OPS.labels(kind or "empty", cache_pb2.LeaseStatus.Name(result.status)).inc()
+    return result
+
+
+def stats_proto(pool: KvPool) -> cache_pb2.CacheStats:
+    if pool.ledger is None:
+        return cache_pb2.CacheStats(sessions=len(pool.sessions))
+    stats = pool.ledger.stats()
+    return cache_pb2.CacheStats(
+        blocks_total=stats.blocks_total,
+        blocks_free=stats.blocks_free,
+        blocks_leased=stats.blocks_leased,
+        blocks_cached=stats.blocks_cached,
+        sessions=len(pool.sessions),
+        sequences=stats.sequences,
+        prefix_queries=stats.prefix_queries,
+        prefix_hits=stats.prefix_hits,
+        bytes_reserved=pool.sizing.pool_bytes,
+    )

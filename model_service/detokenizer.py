@@ -1,0 +1,127 @@
+"""Incremental detokenization of a generated stream, with stop strings.
+
+Decoding one token at a time is wrong for byte-level tokenizers (a character can span
+tokens) and for SentencePiece ones (a token's leading space depends on what precedes
+it). So, as in vLLM and text-generation-inference, each step decodes a short window of
+recent tokens twice, up to `read_offset` and to the end, and emits only the difference,
+once the window no longer ends in U+FFFD (an incomplete UTF-8 character).
+
+Stop strings are matched on the emitted text. The longest tail that could still be the
+start of a stop string is held back, so a stop string that spans tokens is found and
+never half-emitted; the text is cut where the stop string begins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# How many prompt tokens the first window starts before the prompt's end: enough for
+# SentencePiece spacing and for a UTF-8 character cut across tokens (at most 4 bytes).
+PROMPT_WINDOW_TOKENS = 5
+# A window still ending in U+FFFD after this many new tokens is invalid UTF-8, not a
+# character in progress (one needs at most 4 tokens); emit it rather than re-decode an
+# ever longer window on every step.
+MAX_PENDING_TOKENS = 16
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizedDelta:
+    text: str
+    stopped: bool
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]):
+        self._tokenizer = tokenizer
+        self._token_ids = list(prompt_token_ids)
+        self._prefix_offset = max(len(self._token_ids) - PROMPT_WINDOW_TOKENS, 0)
+        self._read_offset = len(self._token_ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self._stop = tuple(stop)
+        if any(not s for s in self._stop):
+            raise ValueError("stop strings must be non-empty")
+        self._held = ""  # decoded text not yet emitted: it may begin a stop string
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string was found; nothing more is emitted after it."""
+        return self._stopped
+
+    def push(self, token_ids: Sequence[int]) -> DetokenizedDelta:
+        """Add generated tokens; return the text now safe to emit."""
+        if self._stopped:
+            return DetokenizedDelta("", True)
+        self._token_ids.extend(token_ids)
+        return self._release(self._decode_new(final=False), final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: emit everything still held back."""
+        if self._stopped:
+            return ""
+        return self._release(self._decode_new(final=True), final=True).text
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._token_ids[start:end])
+
+    def _decode_new(self, *, final: bool) -> str:
+        if len(self._token_ids) == self._read_offset:
+            return ""
+        window_text = self._decode(self._prefix_offset, len(self._token_ids))
+        pending = len(self._token_ids) - self._read_offset
+        if window_text.endswith(REPLACEMENT_CHAR) and not final and pending < MAX_PENDING_TOKENS:
+            return ""  # a character is still in progress
+        # The window may decode shorter than its prefix (a tokenizer that merges or
+        # cleans up across the boundary): then there is nothing new to emit yet.
+        new_text = window_text[len(self._prefix_text):]
+        if not new_text and not final:
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return new_text
+
+    def _release(self, new_text: str, *, final: bool) -> DetokenizedDelta:
+        text = self._held + new_text
+        if not self._stop:
+            self._held = ""
+            return DetokenizedDelta(text, False)
+        stop_at = _first_stop(text, self._stop)
+        if stop_at is not None:
+            self._held = ""
+            self._stopped = True
+            return DetokenizedDelta(text[:stop_at], True)
+        hold = 0 if final else _longest_stop_prefix_suffix(text, self._stop)
+        self._held = text[len(text) - hold:] if hold else ""
+        return DetokenizedDelta(text[: len(text) - hold], False)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string in `text` begins, or None."""
+    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+    return min(found) if found else None
+
+
+def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        # Candidate tails start where stop[0] occurs within the last len(stop)-1 chars;
+        # the earliest such start that matches is the longest for this stop string.
+        start = max(len(text) - (len(stop) - 1), 0)
+        while True:
+            start = text.find(stop[0], start)
+            if start < 0 or len(text) - start <= longest:
+                break
+            if stop.startswith(text[start:]):
+                longest = len(text) - start
+                break
+            start += 1
+    return longest

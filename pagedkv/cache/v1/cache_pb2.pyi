@@ -1,0 +1,304 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+
+class LeaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEASE_STATUS_UNSPECIFIED: _ClassVar[LeaseStatus]
+    LEASE_STATUS_OK: _ClassVar[LeaseStatus]
+    LEASE_STATUS_NO_FREE_BLOCKS: _ClassVar[LeaseStatus]
+    LEASE_STATUS_NOT_FOUND: _ClassVar[LeaseStatus]
+    LEASE_STATUS_PERMISSION_DENIED: _ClassVar[LeaseStatus]
+    LEASE_STATUS_INVALID_ARGUMENT: _ClassVar[LeaseStatus]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+LEASE_STATUS_UNSPECIFIED: LeaseStatus
+LEASE_STATUS_OK: LeaseStatus
+LEASE_STATUS_NO_FREE_BLOCKS: LeaseStatus
+LEASE_STATUS_NOT_FOUND: LeaseStatus
+LEASE_STATUS_PERMISSION_DENIED: LeaseStatus
+LEASE_STATUS_INVALID_ARGUMENT: LeaseStatus
+
+class Geometry(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "device")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType
+    device: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    geometry: Geometry
+    workspace_bytes: int
+    max_model_len: int
+    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("session_id", "lease_ttl_ms", "sizing", "pool")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    SIZING_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_ttl_ms: int
+    sizing: SizingReport
+    pool: PoolHandle
+    def __init__(self, session_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., sizing: _Optional[_Union[SizingReport, _Mapping]] = ..., pool: _Optional[_Union[PoolHandle, _Mapping]] = ...) -> None: ...
+
+class PoolHandle(_message.Message):
+    __slots__ = ("shape", "dtype", "device", "shared_memory", "cuda_ipc")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    device: str
+    shared_memory: SharedMemoryHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryHandle(_message.Message):
+    __slots__ = ("path", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_index", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "stride", "storage_offset")
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    device_index: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    storage_offset: int
+    def __init__(self, device_index: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_ttl_ms",)
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_ms: int
+    def __init__(self, lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ("blocks_reclaimed",)
+    BLOCKS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    blocks_reclaimed: int
+    def __init__(self, blocks_reclaimed: _Optional[int] = ...) -> None: ...
+
+class AllocateOp(_message.Message):
+    __slots__ = ("num_tokens", "prompt_token_ids")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExtendOp(_message.Message):
+    __slots__ = ("sequence_id", "num_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    num_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkOp(_message.Message):
+    __slots__ = ("sequence_id",)
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    def __init__(self, sequence_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseOp(_message.Message):
+    __slots__ = ("sequence_id", "cache_prefix", "token_ids")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    cache_prefix: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., cache_prefix: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaseOp(_message.Message):
+    __slots__ = ("allocate", "extend", "fork", "release")
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    allocate: AllocateOp
+    extend: ExtendOp
+    fork: ForkOp
+    release: ReleaseOp
+    def __init__(self, allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("session_id", "ops")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ops: _containers.RepeatedCompositeFieldContainer[LeaseOp]
+    def __init__(self, session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[LeaseOp, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src_block", "dst_block")
+    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    src_block: int
+    dst_block: int
+    def __init__(self, src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
+
+class LeaseResult(_message.Message):
+    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    status: LeaseStatus
+    message: str
+    sequence_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_tokens: int
+    copy: BlockCopy
+    blocks_released: int
+    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("results", "blocks_available")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LeaseResult]
+    blocks_available: int
+    def __init__(self, results: _Optional[_Iterable[_Union[LeaseResult, _Mapping]]] = ..., blocks_available: _Optional[int] = ...) -> None: ...
+
+class GetSizingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SizingReport(_message.Message):
+    __slots__ = ("block_size", "bytes_per_block", "num_blocks", "max_total_tokens", "device", "dtype", "memory_total_bytes", "memory_free_bytes", "memory_fraction", "workspace_bytes", "headroom", "limited_by", "budget_bytes", "pool_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len", "max_full_length_sequences", "explanation")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_BY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FULL_LENGTH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    bytes_per_block: int
+    num_blocks: int
+    max_total_tokens: int
+    device: str
+    dtype: DType
+    memory_total_bytes: int
+    memory_free_bytes: int
+    memory_fraction: float
+    workspace_bytes: int
+    headroom: float
+    limited_by: str
+    budget_bytes: int
+    pool_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    max_model_len: int
+    max_full_length_sequences: float
+    explanation: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., workspace_bytes: _Optional[int] = ..., headroom: _Optional[float] = ..., limited_by: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_full_length_sequences: _Optional[float] = ..., explanation: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved")
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    blocks_total: int
+    blocks_free: int
+    blocks_leased: int
+    blocks_cached: int
+    sessions: int
+    sequences: int
+    prefix_queries: int
+    prefix_hits: int
+    bytes_reserved: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,46 @@
+"""Command-line flags with PAGEDKV_* environment twins.
+
+Every flag `--some-flag` can also be set by `PAGEDKV_SOME_FLAG`; the command line wins.
+The twin is shown in --help so nobody has to guess it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def env_name(flag: str) -> str:
+    return "PAGEDKV_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any = None, help: str, **kwargs: Any) -> None:
+    """Adds --flag whose default comes from its PAGEDKV_* twin when that is set."""
+    twin = env_name(flag)
+    raw = os.environ.get(twin)
+    if raw is not None:
+        if kwargs.get("action") == "store_true":
+            default = raw.strip().lower() in {"1", "true", "yes", "on"}
+        else:
+            convert = kwargs.get("type", str)
+            try:
+                default = convert(raw)
+            except (TypeError, ValueError) as error:
+                parser.error(f"{twin}={raw!r} is not valid for {flag}: {error}")
+    shown = "" if default is None or default is False else f" (default: {default})"
+    parser.add_argument(flag, default=default, help=f"{help}{shown} [env {twin}]", **kwargs)
+
+
+def add_server_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port: int) -> None:
+    """The flags every pagedkv gRPC server shares."""
+    add_flag(parser, "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the service to the network")
+    add_flag(parser, "--port", default=port, type=int, help="gRPC port (0 picks a free one)")
+    add_flag(parser, "--metrics-port", default=metrics_port, type=int, help="Prometheus /metrics HTTP port (0 picks a free one, -1 disables)")
+    add_flag(parser, "--auth-token", default=None, help="shared token required as 'authorization: Bearer TOKEN' on every RPC but health")
+    add_flag(parser, "--tls-cert", default=None, help="PEM certificate chain; with --tls-key serves TLS instead of plaintext")
+    add_flag(parser, "--tls-key", default=None, help="PEM private key for --tls-cert")
+    add_flag(parser, "--max-message-bytes", default=16 * 1024 * 1024, type=int, help="largest gRPC message accepted or sent")
+    add_flag(parser, "--log-level", default="info", help="debug, info, warning or error")
+    add_flag(parser, "--log-json", default=None, action="store_true", help="JSON log lines even on a terminal")
+    add_flag(parser, "--port-file", default=None, help="write the bound gRPC and metrics ports here as JSON once serving (for supervisors and tests)")

@@ -1,0 +1,187 @@
+"""The gRPC server scaffolding both services share.
+
+Health checking, reflection (so grpcurl works), optional shared-token auth, optional
+TLS, message size limits, the Prometheus HTTP endpoint and a graceful stop on SIGTERM.
+A service registers its servicer and says when it is SERVING; everything else is here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import prometheus_client
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+log = structlog.get_logger()
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str
+    port: int
+    metrics_port: int
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_bytes: int = 16 * 1024 * 1024
+    port_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"--max-message-bytes {self.max_message_bytes} is too small (at least 1024)")
+
+    @classmethod
+    def from_args(cls, args) -> ServerConfig:
+        return cls(
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            auth_token=args.auth_token or None,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            max_message_bytes=args.max_message_bytes,
+            port_file=args.port_file,
+        )
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata that carries a shared token, for clients of either service."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call but health checks that lacks 'authorization: Bearer <token>'."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        presented = metadata.get("authorization", "").encode()
+        # Constant-time comparison: the token is a secret.
+        if hmac.compare_digest(presented, self._expected):
+            return handler
+        reason = "missing authorization metadata" if not presented else "wrong token"
+        return _deny(handler, f"{reason}: send 'authorization: Bearer <token>' matching the server's --auth-token")
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
+
+    async def abort_unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort_unary, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort_unary, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(abort_stream, **kwargs)
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+class GrpcServer:
+    """An aio gRPC server with health, reflection, auth, TLS and metrics wired in."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_names: Iterable[str],
+        register: Callable[[grpc.aio.Server], None],
+    ) -> None:
+        self.config = config
+        self.service_names = list(service_names)
+        interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=message_options(config.max_message_bytes))
+        register(self.server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([*self.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME], self.server)
+        self.port = 0
+        self.metrics_port = -1
+        self._metrics_server = None
+
+    async def start(self) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())]
+            )
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {address}: is the port in use?")
+        # Everything starts NOT_SERVING; the service says when it is ready.
+        await self.set_serving(False)
+        await self.server.start()
+        if self.config.metrics_port >= 0:
+            self._metrics_server, _ = prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
+            self.metrics_port = self._metrics_server.server_port
+        if self.config.port_file:
+            Path(self.config.port_file).write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port}))
+        log.info("grpc_listening", address=f"{self.config.host}:{self.port}", metrics_port=self.metrics_port,
+                 tls=bool(self.config.tls_cert), auth=bool(self.config.auth_token))
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+
+
+async def wait_for_stop_signal() -> signal.Signals:
+    """Returns once SIGTERM or SIGINT arrives."""
+    loop = asyncio.get_running_loop()
+    stopped: asyncio.Future[signal.Signals] = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: stopped.done() or stopped.set_result(s))
+    return await stopped
+
+
+async def serve_until_signal(server: GrpcServer, on_stop: Callable[[], Awaitable[None]], grace_s: float) -> None:
+    """Runs until SIGTERM/SIGINT, then health goes NOT_SERVING, on_stop runs, the server stops."""
+    sig = await wait_for_stop_signal()
+    log.info("stopping", signal=sig.name, grace_s=grace_s)
+    await server.set_serving(False)
+    await on_stop()
+    await server.stop(grace_s)
+    log.info("stopped")
