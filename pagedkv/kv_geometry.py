@@ -57,7 +57,7 @@ def dtype_from_proto(value: int) -> torch.dtype:
     """cache_pb2.DTYPE_BFLOAT16 -> torch.bfloat16; ValueError for DTYPE_UNSPECIFIED or unknown."""
     if value not in _PROTO_TO_DTYPE:
         label = "DTYPE_UNSPECIFIED" if value == cache_pb2.DTYPE_UNSPECIFIED else f"unknown DType {value}"
-        raise ValueError(f"geometry dtype is {label}; set one of DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16")
+        raise ValueError(f"dtype is {label}; set one of DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16")
     return _PROTO_TO_DTYPE[value]
 
 
@@ -87,7 +87,7 @@ class KvGeometry:
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def dtype_name(self) -> str:

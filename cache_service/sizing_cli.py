@@ -1,0 +1,196 @@
+"""Offline sizing calculator: how many KV blocks a model would get on a device of a given size.
+
+    python -m cache_service sizing --config path/to/config.json --memory 80GiB --dtype bfloat16
+
+It applies the same formula as the live service (cache_service.sizing.size_pool) to a
+Hugging Face config.json, with free memory taken as total − weights − workspace. The
+live service measures free memory after the model's warmup instead, so its answer is
+the one that counts; this one is for planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from cache_service.sizing import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HEADROOM,
+    DEFAULT_MEMORY_FRACTION,
+    SizingError,
+    size_pool,
+)
+from pagedkv.kv_geometry import KvGeometry, dtype_from_name
+from pagedkv.units import format_bytes, parse_bytes
+
+
+class ConfigError(ValueError):
+    """config.json is missing, unreadable or lacks a field the sizing needs."""
+
+
+def load_config(path: str | Path) -> dict:
+    """A config.json, or a checkpoint directory holding one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config file at {path}") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    # Multimodal checkpoints keep the language model's config in text_config.
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}
+    return config
+
+
+def _require(config: dict, name: str) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"config.json needs a positive integer {name!r}, got {value!r}")
+    return value
+
+
+def geometry_from_config(config: dict, dtype_name: str, device: str) -> KvGeometry:
+    """num_hidden_layers; num_key_value_heads (default num_attention_heads); head_dim
+    (default hidden_size // num_attention_heads)."""
+    num_heads = _require(config, "num_attention_heads")
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    head_dim = config.get("head_dim") or _require(config, "hidden_size") // num_heads
+    return KvGeometry(
+        num_layers=_require(config, "num_hidden_layers"),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype_from_name(dtype_name),
+        device=device,
+    )
+
+
+def estimate_parameters(config: dict) -> int:
+    """An estimate of a Llama-family (Llama, Mistral, Qwen2, Mixtral) model's parameters.
+
+    Counted: the embedding; per layer q/k/v/o projections (with biases when
+    attention_bias is set, or for Qwen2's q/k/v), the gate/up/down MLP (times
+    num_local_experts, plus the router, for mixture-of-experts), two RMSNorms; the final
+    norm; lm_head unless tie_word_embeddings. Not counted: anything architecture-specific
+    beyond that (vision towers, extra norms), so treat it as an estimate and pass
+    --weights-bytes when the real size is known.
+    """
+    hidden = _require(config, "hidden_size")
+    vocab = _require(config, "vocab_size")
+    num_layers = _require(config, "num_hidden_layers")
+    num_heads = _require(config, "num_attention_heads")
+    intermediate = _require(config, "intermediate_size")
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    head_dim = config.get("head_dim") or hidden // num_heads
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+
+    attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
+    if config.get("attention_bias"):
+        attention += q_width + 2 * kv_width + hidden
+    elif config.get("model_type") == "qwen2":
+        attention += q_width + 2 * kv_width
+    experts = config.get("num_local_experts") or 1
+    mlp = experts * 3 * hidden * intermediate
+    if config.get("mlp_bias"):
+        mlp += experts * (2 * intermediate + hidden)
+    if experts > 1:
+        mlp += hidden * experts  # router
+    per_layer = attention + mlp + 2 * hidden
+    embedding = vocab * hidden
+    lm_head = 0 if config.get("tie_word_embeddings", False) else vocab * hidden
+    return embedding + num_layers * per_layer + hidden + lm_head
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cache_service sizing",
+        description="How many KV blocks (and tokens) a model gets on a device, with every term explained.",
+    )
+    parser.add_argument("--config", required=True, help="a Hugging Face config.json, or the checkpoint directory")
+    parser.add_argument("--memory", required=True, type=parse_bytes, help="device memory in all, e.g. 80GiB")
+    parser.add_argument("--dtype", default=None,
+                        help="KV (and weight) dtype: float32, float16, bfloat16 (default: config's torch_dtype, else bfloat16)")
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens a block (default 16)")
+    parser.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
+                        help="share of the memory the services may use (default 0.9)")
+    parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+                        help="share of the budget left unallocated (default 0.05)")
+    parser.add_argument("--weights-bytes", default="auto",
+                        help="bytes of weights, e.g. 16GB, or 'auto' to estimate from the config (default)")
+    parser.add_argument("--workspace-bytes", type=parse_bytes, default=0,
+                        help="activation workspace the warmup would keep (default 0: not known offline)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default: max_position_embeddings)")
+    parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
+                        help="KV budget in bytes: the budget on cpu, a cap on cuda")
+    parser.add_argument("--max-blocks", type=int, default=None, help="cap on the number of blocks")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0 with the report printed; 2 with a message on stderr for bad input or too little memory."""
+    try:
+        args = _parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:  # argparse has printed usage and the error
+        return int(exit_.code or 0)
+    try:
+        config = load_config(args.config)
+        dtype_name = args.dtype or str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        geometry = geometry_from_config(config, dtype_name, args.device)
+        max_model_len = args.max_model_len or config.get("max_position_embeddings")
+        if not isinstance(max_model_len, int) or max_model_len <= 0:
+            raise ConfigError("config.json has no max_position_embeddings: pass --max-model-len")
+
+        if args.weights_bytes == "auto":
+            parameters = estimate_parameters(config)
+            weights_bytes = parameters * geometry.dtype_bytes
+            weights_sentence = (
+                f"weights ≈ {format_bytes(weights_bytes)}: an estimate from config.json "
+                f"({parameters:,} parameters × {geometry.dtype_bytes} bytes); pass --weights-bytes for the real size"
+            )
+        else:
+            weights_bytes = parse_bytes(args.weights_bytes)
+            weights_sentence = f"weights = {format_bytes(weights_bytes)} (--weights-bytes)"
+        memory_free = args.memory - weights_bytes - args.workspace_bytes
+        if memory_free < 0:
+            raise SizingError(
+                f"weights {format_bytes(weights_bytes)} + workspace {format_bytes(args.workspace_bytes)} "
+                f"exceed --memory {format_bytes(args.memory)}: no room for a KV cache"
+            )
+        report = size_pool(
+            geometry,
+            block_size=args.block_size,
+            memory_total=args.memory,
+            memory_free=memory_free,
+            memory_fraction=args.memory_fraction,
+            headroom=args.headroom,
+            workspace_bytes=args.workspace_bytes,
+            max_model_len=max_model_len,
+            kv_cache_bytes=args.kv_cache_bytes,
+            max_blocks=args.max_blocks,
+        )
+    except (SizingError, ValueError) as error:  # ConfigError and bad flag values too
+        print(f"sizing: error: {error}", file=sys.stderr)
+        return 2
+
+    notes = [weights_sentence, f"free memory = --memory − weights − workspace = {format_bytes(memory_free)} "
+                               f"(offline estimate; the service measures it after warmup)"]
+    report = replace(report, explanation=notes + report.explanation)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
