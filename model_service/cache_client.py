@@ -1,0 +1,139 @@
+"""The model service's side of the cache service: attach, heartbeat, batched leases.
+
+The gRPC boundary of the engine: LeaseOps from the scheduler go out as one Lease call,
+answers come back as plain LeaseOutcome values. lease() returns a future, so the engine
+can run a forward pass while the call is on the wire.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+import structlog
+
+from model_service.scheduler import LeaseOps, LeaseOutcome
+from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
+from pagedkv.kv_geometry import KvGeometry
+from pagedkv.serving import bearer_metadata, message_options
+
+log = structlog.get_logger()
+
+STATUS_PREFIX = "LEASE_STATUS_"
+
+
+class CacheClient:
+    def __init__(self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024, timeout_s: float = 10.0) -> None:
+        self.address = address
+        options = message_options(max_message_bytes)
+        if tls_ca:
+            credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+        self.metadata = bearer_metadata(auth_token)
+        self.timeout_s = timeout_s
+
+    def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
+               max_model_len: int) -> cache_pb2.AttachResponse:
+        request = cache_pb2.AttachRequest(
+            client_name=client_name, geometry=geometry.to_proto(),
+            workspace_bytes=workspace_bytes, max_model_len=max_model_len,
+        )
+        return self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
+
+    def heartbeat(self, session_id: str) -> None:
+        self.stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=session_id),
+                            timeout=self.timeout_s, metadata=self.metadata)
+
+    def detach(self, session_id: str) -> int:
+        reply = self.stub.Detach(cache_pb2.DetachRequest(session_id=session_id),
+                                 timeout=self.timeout_s, metadata=self.metadata)
+        return reply.blocks_reclaimed
+
+    def stats(self) -> cache_pb2.CacheStats:
+        return self.stub.GetStats(cache_pb2.GetStatsRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    def lease(self, session_id: str, ops: LeaseOps) -> Future:
+        """Sends ops as one Lease call; the future yields (outcomes, blocks_available)."""
+        request = cache_pb2.LeaseRequest(session_id=session_id, ops=to_proto_ops(ops))
+        call = self.stub.Lease.future(request, timeout=self.timeout_s, metadata=self.metadata)
+        result: Future = Future()
+
+        def done(call_future) -> None:
+            try:
+                reply = call_future.result()
+            except Exception as error:  # grpc.RpcError: UNAVAILABLE, NOT_FOUND, deadline
+                result.set_exception(error)
+                return
+            result.set_result(([outcome_from_proto(r) for r in reply.results], reply.blocks_available))
+
+        call.add_done_callback(done)
+        return result
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
+    proto_ops = [
+        cache_pb2.LeaseOp(release=cache_pb2.ReleaseOp(
+            sequence_id=release.lease_id, cache_prefix=True, token_ids=release.cached_token_ids))
+        for release in ops.releases
+    ]
+    proto_ops.extend(
+        cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=seq.lease_id, num_tokens=tokens))
+        for seq, tokens in ops.extends
+    )
+    proto_ops.extend(
+        cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(
+            num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids))
+        for seq in ops.allocations
+    )
+    return proto_ops
+
+
+def outcome_from_proto(result: cache_pb2.LeaseResult) -> LeaseOutcome:
+    code = cache_pb2.LeaseStatus.Name(result.status).removeprefix(STATUS_PREFIX)
+    return LeaseOutcome(
+        ok=result.status == cache_pb2.LEASE_STATUS_OK,
+        code=code,
+        message=result.message,
+        lease_id=result.sequence_id,
+        block_ids=tuple(result.block_ids),
+        cached_tokens=result.cached_tokens,
+    )
+
+
+class Heartbeat:
+    """Keeps a session alive from its own thread, so a long forward pass never lets it lapse."""
+
+    def __init__(self, client: CacheClient, session_id: str, interval_s: float, on_failure) -> None:
+        self._client = client
+        self._session_id = session_id
+        self._interval_s = interval_s
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cache-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._client.heartbeat(self._session_id)
+            except grpc.RpcError as error:
+                if self._stop.is_set():
+                    return
+                log.warning("heartbeat_failed", code=error.code().name, details=error.details())
+                self._on_failure(error)
+                return

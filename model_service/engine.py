@@ -1,0 +1,410 @@
+"""The engine: one thread that runs the continuous-batching loop.
+
+Each iteration: collect the answer to the lease call made last step, schedule, send
+the next lease call, run the forward pass while that call is on the wire, sample, and
+stream tokens out. gRPC handlers talk to it only through submit() and cancel(); it
+talks back through each request's sink. If the cache service goes away, every stream
+ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+import torch
+
+from model_service import metrics
+from model_service.cache_client import CacheClient, Heartbeat
+from model_service.detokenizer import IncrementalDetokenizer
+from model_service.models.loader import LoadedModel
+from model_service.runner import ModelRunner
+from model_service.sampling import SamplingOptions, make_generator, sample
+from model_service.scheduler import LeaseLost, LeaseOps, Scheduler, SchedulerLimits
+from model_service.sequence import Finish, Sequence
+from pagedkv import pool_memory
+from pagedkv.kv_geometry import KvGeometry
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_queued_requests: int = 256
+    client_name: str = "model_service"
+    workspace_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class Delta:
+    """What a request's stream receives: new tokens and text, and at the end the reason."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # (grpc.StatusCode, message) when the request ends with an error status.
+    error: tuple[grpc.StatusCode, str] | None = None
+
+
+Sink = Callable[[Delta], None]
+
+
+class EngineUnavailable(Exception):
+    """Not attached to the cache service (starting, or it went away); try again later."""
+
+
+class QueueFull(Exception):
+    """More requests queued than --max-queued-requests."""
+
+
+@dataclass(slots=True)
+class _Live:
+    seq: Sequence
+    sink: Sink
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    submitted_at: float
+    last_token_at: float = 0.0
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings, cache: CacheClient,
+                 device: torch.device, dtype: torch.dtype,
+                 on_serving: Callable[[bool], None] = lambda serving: None,
+                 on_fatal: Callable[[BaseException], None] = lambda error: None) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.cache = cache
+        self.device = device
+        self.geometry = KvGeometry(
+            num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim, dtype=dtype, device=str(device),
+        )
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self._on_serving = on_serving
+        self._on_fatal = on_fatal
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._arrivals = itertools.count()
+        self._live: dict[int, _Live] = {}
+        self._pending = 0  # submitted and not yet finished; read by submit() for the queue limit
+        self._pending_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Set while attached:
+        self.session_id: str | None = None
+        self.sizing = None
+        self.scheduler: Scheduler | None = None
+        self.runner: ModelRunner | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._inflight: Future | None = None
+        self._inflight_ops: LeaseOps | None = None
+        self.connected = threading.Event()
+        # Seconds of step time and of waiting on the cache service, for the bench report.
+        self.step_seconds = 0.0
+        self.lease_wait_seconds = 0.0
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Lets running requests finish for up to grace_s, ends the rest with UNAVAILABLE,
+        releases every lease and detaches. Blocking: call from a worker thread."""
+        deadline = time.monotonic() + grace_s
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stopping.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=max(grace_s, 5.0))
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.sizing.max_total_tokens if self.sizing is not None else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.sizing.block_size if self.sizing is not None else 0
+
+    # -- the gRPC side ----------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink) -> int:
+        """Queues a validated request; returns the key that cancel() takes."""
+        if not self.connected.is_set() or self._stopping.is_set():
+            raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
+        with self._pending_lock:
+            if self._pending >= self.settings.max_queued_requests:
+                raise QueueFull(
+                    f"{self._pending} requests are queued or running, the limit is "
+                    f"--max-queued-requests {self.settings.max_queued_requests}; retry later"
+                )
+            self._pending += 1
+        key = next(self._arrivals)
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
+                       prompt_len=len(prompt_token_ids), options=options, arrival=key)
+        live = _Live(
+            seq=seq, sink=sink,
+            detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, prompt_token_ids, options.stop),
+            generator=None if options.greedy else make_generator(options.seed, self.device),
+            submitted_at=time.perf_counter(),
+        )
+        self._inbox.put(("submit", live))
+        return key
+
+    def cancel(self, key: int) -> None:
+        """The client went away: free the request's blocks with the next lease call."""
+        self._inbox.put(("cancel", key))
+
+    # -- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self.connected.is_set():
+                    self._connect()
+                    continue
+                try:
+                    self._step()
+                except (grpc.RpcError, LeaseLost, CacheFailed) as error:
+                    self._lose_cache(error)
+            self._shutdown()
+        except FatalAttachError as error:
+            log.error("attach_refused", error=str(error))
+            self._on_fatal(error)
+        except Exception as error:
+            log.exception("engine_crashed")
+            self._fail_all(grpc.StatusCode.INTERNAL, "the engine stopped on an internal error; see the service log")
+            self.connected.clear()
+            self._on_serving(False)
+            self._on_fatal(error)
+
+    def _connect(self) -> None:
+        """Attaches (or re-attaches) to the cache service, retrying until it answers."""
+        delay = 0.2
+        while not self._stopping.is_set():
+            try:
+                reply = self.cache.attach(self.settings.client_name, self.geometry,
+                                          self.settings.workspace_bytes, self.settings.max_model_len)
+                break
+            except grpc.RpcError as error:
+                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise FatalAttachError(f"the cache service refused Attach: {error.code().name}: {error.details()}")
+                log.warning("cache_unreachable", address=self.cache.address, retry_in_s=delay)
+                self._stopping.wait(delay)
+                delay = min(delay * 2, 2.0)
+        else:
+            return
+        kv_pool = pool_memory.map_pool(reply.pool)
+        if kv_pool.device.type != self.device.type:
+            kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
+        self.session_id = reply.session_id
+        self.sizing = reply.sizing
+        self.runner = ModelRunner(self.loaded.model, kv_pool, reply.sizing.block_size)
+        self.scheduler = Scheduler(
+            SchedulerLimits(block_size=reply.sizing.block_size, max_num_seqs=self.settings.max_num_seqs,
+                            max_batch_tokens=self.settings.max_batch_tokens),
+            blocks_available=reply.sizing.num_blocks,
+        )
+        self._heartbeat = Heartbeat(self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
+                                    on_failure=lambda error: self._inbox.put(("cache_failed", error))).start()
+        self.connected.set()
+        metrics.CACHE_CONNECTED.set(1)
+        self._on_serving(True)
+        log.info("attached", cache=self.cache.address, session=reply.session_id[:8],
+                 num_blocks=reply.sizing.num_blocks, block_size=reply.sizing.block_size,
+                 max_total_tokens=reply.sizing.max_total_tokens)
+
+    def _step(self) -> None:
+        scheduler = self.scheduler
+        idle = not scheduler.has_work() and self._inflight is None
+        self._drain_inbox(block=idle)
+        started = time.perf_counter()
+        if self._inflight is not None:
+            outcomes, available = self._inflight.result()
+            self.lease_wait_seconds += time.perf_counter() - started
+            metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
+            ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
+            for seq, reason in scheduler.apply(ops, outcomes, available):
+                self._end(seq, Finish.ABORTED, error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+        if not scheduler.has_work():
+            return
+        step = scheduler.schedule()
+        if step.preempted:
+            metrics.PREEMPTIONS.inc(len(step.preempted))
+            log.info("preempted", requests=[s.request_id for s in step.preempted])
+        if step.lease_ops:
+            self._inflight = self.cache.lease(self.session_id, step.lease_ops)
+            self._inflight_ops = step.lease_ops
+        if step.batch:
+            due, logits = self.runner.execute(step.batch)
+            for seq, new_tokens in step.batch:
+                seq.num_computed += new_tokens
+            if due:
+                lives = [self._live[seq.arrival] for seq in due]
+                tokens = sample(logits, [seq.options for seq in due], [live.generator for live in lives])
+                self._emit(lives, tokens.tolist())
+        elif self._inflight is None:
+            # Nothing runnable and nothing asked: wait for an event instead of spinning.
+            self._drain_inbox(block=True, timeout_s=0.05)
+        self.step_seconds += time.perf_counter() - started
+        metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
+        metrics.RUNNING.set(len(scheduler.running))
+
+    def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> None:
+        try:
+            message = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "submit":
+            live: _Live = message[1]
+            self._live[live.seq.arrival] = live
+            self.scheduler.add(live.seq)
+            metrics.PROMPT_TOKENS.inc(live.seq.prompt_len)
+        elif kind == "cancel":
+            live = self._live.get(message[1])
+            if live is not None:
+                self._end(live.seq, Finish.ABORTED)
+                log.info("request_cancelled", request_id=live.seq.request_id)
+        elif kind == "cache_failed":
+            raise CacheFailed(message[1])
+
+    def _emit(self, lives: list[_Live], tokens: list[int]) -> None:
+        now = time.perf_counter()
+        max_model_len = self.settings.max_model_len
+        for live, token in zip(lives, tokens):
+            seq = live.seq
+            seq.token_ids.append(token)
+            options = seq.options
+            finish = None
+            if token in self.eos_token_ids and not options.ignore_eos:
+                finish = Finish.EOS
+            elif token in options.stop_token_ids:
+                finish = Finish.STOP
+            delta = live.detokenizer.push([token])
+            text = delta.text
+            if delta.stopped:
+                finish = Finish.STOP
+            elif finish is None and (seq.num_output >= options.max_new_tokens or len(seq.token_ids) >= max_model_len):
+                finish = Finish.LENGTH
+            if finish is not None and not delta.stopped:
+                text += live.detokenizer.flush()
+            if live.last_token_at:
+                metrics.INTER_TOKEN_SECONDS.observe(now - live.last_token_at)
+            else:
+                metrics.TIME_TO_FIRST_TOKEN_SECONDS.observe(now - live.submitted_at)
+            live.last_token_at = now
+            metrics.GENERATED_TOKENS.inc()
+            if finish is None:
+                live.sink(Delta(token_ids=[token], text=text))
+            else:
+                self._end(seq, finish, last=Delta(token_ids=[token], text=text))
+
+    def _end(self, seq: Sequence, finish: Finish, *, last: Delta | None = None,
+             error: tuple[grpc.StatusCode, str] | None = None) -> None:
+        """Finishes a request: its blocks go back with the next lease call, its stream ends."""
+        live = self._live.pop(seq.arrival, None)
+        self.scheduler.finish(seq, finish)
+        if live is None:
+            return
+        with self._pending_lock:
+            self._pending -= 1
+        delta = last or Delta()
+        delta.finish = finish
+        delta.error = error
+        delta.prompt_tokens = seq.prompt_len
+        delta.completion_tokens = seq.num_output
+        delta.cached_tokens = seq.cached_tokens
+        metrics.REQUESTS.labels(finish.value).inc()
+        live.sink(delta)
+
+    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        for live in list(self._live.values()):
+            self._live.pop(live.seq.arrival, None)
+            with self._pending_lock:
+                self._pending -= 1
+            live.sink(Delta(finish=Finish.ABORTED, error=(code, message)))
+
+    def _lose_cache(self, error: BaseException) -> None:
+        log.error("cache_service_lost", error=describe_error(error), requests_failed=len(self._live))
+        self.connected.clear()
+        metrics.CACHE_CONNECTED.set(0)
+        self._on_serving(False)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._fail_all(grpc.StatusCode.UNAVAILABLE,
+                       f"the cache service at {self.cache.address} went away mid-request ({describe_error(error)}); retry")
+        self._inflight = self._inflight_ops = None
+        self.scheduler = self.runner = None
+        self.session_id = self.sizing = None
+
+    def _shutdown(self) -> None:
+        """SIGTERM: end what is left, give every block back, detach."""
+        if not self.connected.is_set():
+            self._fail_all(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down")
+            return
+        try:
+            if self._inflight is not None:
+                outcomes, available = self._inflight.result()
+                self.scheduler.apply(self._inflight_ops, outcomes, available)
+                self._inflight = None
+            for live in list(self._live.values()):
+                self._end(live.seq, Finish.ABORTED,
+                          error=(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
+            step_ops = self.scheduler.schedule().lease_ops  # only releases remain
+            if step_ops:
+                self.cache.lease(self.session_id, step_ops).result()
+            self.cache.detach(self.session_id)
+            log.info("detached", session=self.session_id[:8])
+        except (grpc.RpcError, LeaseLost) as error:
+            log.warning("detach_failed", error=describe_error(error))
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+            self.connected.clear()
+
+
+class CacheFailed(Exception):
+    """The heartbeat thread saw the cache service fail."""
+
+
+class FatalAttachError(RuntimeError):
+    """Attach was refused for a reason retrying cannot fix (geometry, auth, too little memory)."""
+
+
+def describe_error(error: BaseException) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    if isinstance(error, CacheFailed) and error.args and isinstance(error.args[0], grpc.RpcError):
+        return describe_error(error.args[0])
+    return str(error)

@@ -1,0 +1,27 @@
+"""Prometheus metrics of the model service."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Latency buckets from 1 ms to 30 s: CPU decode steps are tens of milliseconds, a
+# queued request's first token can take seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+REQUESTS = Counter("pagedkv_model_requests", "Finished Generate requests, by finish reason", ["finish_reason"])
+REJECTED = Counter("pagedkv_model_requests_rejected", "Generate requests refused before queueing, by status", ["code"])
+PROMPT_TOKENS = Counter("pagedkv_model_prompt_tokens", "Prompt tokens of accepted requests")
+GENERATED_TOKENS = Counter("pagedkv_model_generated_tokens", "Tokens generated")
+QUEUE_LENGTH = Gauge("pagedkv_model_queue_length", "Requests waiting for blocks or a batch slot")
+RUNNING = Gauge("pagedkv_model_running_sequences", "Sequences holding blocks and being computed")
+PREEMPTIONS = Counter("pagedkv_model_preemptions", "Sequences preempted for recompute when the pool was full")
+TIME_TO_FIRST_TOKEN_SECONDS = Histogram(
+    "pagedkv_model_time_to_first_token_seconds", "From request arrival to its first token", buckets=LATENCY_BUCKETS
+)
+INTER_TOKEN_SECONDS = Histogram(
+    "pagedkv_model_inter_token_seconds", "Between consecutive tokens of one request", buckets=LATENCY_BUCKETS
+)
+LEASE_WAIT_SECONDS = Counter(
+    "pagedkv_model_lease_wait_seconds", "Engine time spent waiting on the cache service's lease replies"
+)
+CACHE_CONNECTED = Gauge("pagedkv_model_cache_connected", "1 while attached to the cache service")

@@ -1,0 +1,121 @@
+"""The model runner: the only part of the model service that touches the device.
+
+It turns a scheduled batch (sequences and how many new tokens each runs) into the
+tensors of one forward pass over the shared pool, and returns logits for the sequences
+whose next token is due. It owns no KV memory: the pool tensor is mapped from the cache
+service, and which blocks a sequence may use comes from its leased block table.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Sequence as Seq
+
+import torch
+
+from model_service.attention.metadata import AttentionMetadata
+from model_service.models.llama import LlamaForCausalLM, last_token_indices
+from model_service.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+        # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        if kv_pool.shape[3] != block_size:
+            raise ValueError(f"pool block size {kv_pool.shape[3]} != {block_size}")
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+        self.device = kv_pool.device
+
+    @torch.inference_mode()
+    def execute(self, batch: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Runs one step. Returns the sequences whose next token is due and their logits
+        [len(due), vocab] float32, in batch order. Does not change the sequences."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
+        rows = last_token_indices(meta.query_lens)
+        due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
+        if not due:
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        index = torch.tensor([rows[i] for i in due], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        return [batch[i][0] for i in due], logits
+
+    def prepare(self, batch: Seq[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        num_decode = 0
+        for seq, new_tokens in batch:
+            start = seq.num_computed
+            end = start + new_tokens
+            if end > seq.capacity(block_size):
+                raise RuntimeError(
+                    f"request {seq.request_id}: {end} tokens scheduled but its table holds {seq.capacity(block_size)}"
+                )
+            if new_tokens == 1 and num_decode == len(query_lens):
+                num_decode += 1  # decodes lead the batch
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            query_lens.append(new_tokens)
+            context_lens.append(end)
+        # Exactly as wide as the longest table: on CPU, padding is gathered and costs time.
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = torch.zeros((len(batch), width), dtype=torch.int32)
+        for row, (seq, _) in enumerate(batch):
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=tables.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_lens=tuple(query_lens),
+            context_lens_host=tuple(context_lens),
+            num_decode_seqs=num_decode,
+            block_size=block_size,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        return ids, pos, meta
+
+
+def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ...], dtype: torch.dtype,
+                      device: torch.device, block_size: int, num_tokens: int) -> int:
+    """Runs one prefill of num_tokens tokens into a scratch pool; returns the activation
+    workspace it needed, in bytes (the scratch pool itself not counted).
+
+    CUDA: the caching allocator keeps that memory reserved afterwards, so the cache
+    service's reading of free memory already leaves room for it. CPU: the growth of the
+    process's peak resident set, reported for the record.
+    """
+    num_blocks = -(-num_tokens // block_size)
+    scratch = torch.zeros((kv_shape_per_block[0], 2, num_blocks, block_size, *kv_shape_per_block[1:]),
+                          dtype=dtype, device=device)
+    sequence = Sequence(request_id="warmup", token_ids=[0] * num_tokens, prompt_len=num_tokens,
+                        options=None, arrival=-1, block_table=list(range(num_blocks)))
+    runner = ModelRunner(model, scratch, block_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        runner.execute([(sequence, num_tokens)])
+        torch.cuda.synchronize(device)
+        workspace = torch.cuda.max_memory_allocated(device) - before
+    else:
+        before = peak_rss_bytes()
+        runner.execute([(sequence, num_tokens)])
+        workspace = max(peak_rss_bytes() - before, 0)
+    del runner, scratch
+    return workspace
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,262 @@
+"""Continuous batching: who runs this step, who is admitted, who is preempted.
+
+Pure Python, no tensors and no gRPC. The engine calls, once per step:
+
+    scheduler.apply(ops, outcomes, blocks_available)  # results of the lease call made last step
+    step = scheduler.schedule()                        # this step's batch + next step's lease ops
+
+The lease ops of step t are sent while step t's forward pass runs, so they provide what
+step t+1 needs: blocks for the next token of every sequence in this batch (only when it
+crosses a block boundary), block tables for newly admitted sequences, and releases of
+what finished, was cancelled or was preempted. The cache service is the authority on
+free blocks; `blocks_available` from its last reply is only used to avoid asking for
+what cannot be had.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from model_service.sequence import Finish, Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    block_size: int
+    # Sequences running or being admitted at once.
+    max_num_seqs: int
+    # Tokens through the model in one step: one per decoding sequence plus prefill chunks.
+    max_batch_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    lease_id: int
+    # Tokens whose K/V are in the released blocks: their full blocks become prefix cache.
+    cached_token_ids: tuple[int, ...]
+    # Blocks in the released table: an estimate of what the release frees.
+    num_blocks: int = 0
+
+
+@dataclass(slots=True)
+class LeaseOps:
+    """One lease call's ops, in the order the cache service applies them."""
+
+    releases: list[Release] = field(default_factory=list)
+    extends: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to hold)
+    allocations: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.releases or self.extends or self.allocations)
+
+    def __len__(self) -> int:
+        return len(self.releases) + len(self.extends) + len(self.allocations)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOutcome:
+    """The cache service's answer to one op, stripped of protobuf."""
+
+    ok: bool
+    code: str = "OK"  # OK, NO_FREE_BLOCKS, NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT
+    message: str = ""
+    lease_id: int = 0
+    block_ids: tuple[int, ...] = ()
+    cached_tokens: int = 0
+
+
+class LeaseLost(RuntimeError):
+    """The cache service no longer knows our session or a sequence: re-attach."""
+
+
+@dataclass(slots=True)
+class Step:
+    # (sequence, new tokens this step); decodes first, then prefill chunks.
+    batch: list[tuple[Sequence, int]]
+    lease_ops: LeaseOps
+    preempted: list[Sequence]
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for _, n in self.batch if n == 1)
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, blocks_available: int) -> None:
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.allocating: int = 0
+        self.blocks_available = blocks_available
+        self._releases: list[Release] = []
+        self.preemptions = 0
+
+    # -- requests come and go -------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: Finish) -> None:
+        """Ends a sequence in any state; its blocks are released with the next lease call."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        # ALLOCATING: released when the allocation's result arrives (see apply).
+        seq.status = Status.FINISHED
+        seq.finish = reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._releases or self.allocating)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.lease_id is not None:
+            self._releases.append(
+                Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]), len(seq.block_table))
+            )
+        seq.drop_blocks()
+
+    def preempt(self, seq: Sequence) -> None:
+        """Gives a running sequence's blocks back and queues it first for recompute.
+
+        Its computed tokens are released as prefix cache, so unless they are evicted in
+        the meantime the recompute finds them and costs little.
+        """
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- lease results ---------------------------------------------------------------
+
+    def apply(self, ops: LeaseOps, outcomes: list[LeaseOutcome], blocks_available: int) -> list[tuple[Sequence, str]]:
+        """Applies a lease call's results; returns sequences that can never be served."""
+        if len(outcomes) != len(ops):
+            raise LeaseLost(f"the cache service answered {len(outcomes)} ops of {len(ops)}")
+        self.blocks_available = blocks_available
+        failed: list[tuple[Sequence, str]] = []
+        results = iter(outcomes)
+        for _release in ops.releases:
+            next(results)  # a release of a lease the service already reclaimed is harmless
+        for seq, _ in ops.extends:
+            outcome = next(results)
+            if outcome.ok:
+                seq.block_table.extend(outcome.block_ids)
+                seq.starved = False
+            elif outcome.code == "NO_FREE_BLOCKS":
+                seq.starved = True
+            else:
+                raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
+        requeue: list[Sequence] = []
+        for seq in ops.allocations:
+            outcome = next(results)
+            self.allocating -= 1
+            if outcome.ok:
+                seq.lease_id = outcome.lease_id
+                if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
+                    self._releases.append(Release(outcome.lease_id, ()))
+                    seq.lease_id = None
+                    continue
+                seq.block_table = list(outcome.block_ids)
+                seq.num_computed = outcome.cached_tokens
+                if not seq.admitted_once:
+                    seq.cached_tokens = outcome.cached_tokens
+                    seq.admitted_once = True
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            elif seq.status is Status.FINISHED:
+                continue
+            elif outcome.code == "NO_FREE_BLOCKS":
+                seq.status = Status.WAITING
+                requeue.append(seq)
+            else:
+                failed.append((seq, f"{outcome.code}: {outcome.message}"))
+        # Back to the front, in their original order: first come, first served.
+        self.waiting.extendleft(reversed(requeue))
+        return failed
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        block_size = self.limits.block_size
+        preempted = self._relieve_starvation()
+
+        budget = self.limits.max_batch_tokens
+        batch: list[tuple[Sequence, int]] = []
+        decodes = [s for s in self.running if s.num_uncomputed == 1 and not s.starved]
+        for seq in decodes[:budget]:
+            batch.append((seq, 1))
+        budget -= len(batch)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed > 1:
+                chunk = min(seq.num_uncomputed, budget)
+                batch.append((seq, chunk))
+                budget -= chunk
+
+        ops = LeaseOps(releases=self._releases)
+        self._releases = []
+        for seq, new_tokens in batch:
+            # After this step, the next one writes position num_computed + new_tokens.
+            needed = seq.num_computed + new_tokens + 1
+            if needed > seq.capacity(block_size):
+                ops.extends.append((seq, needed))
+        for seq in self.running:
+            if seq.starved:
+                ops.extends.append((seq, len(seq.token_ids)))
+        # An estimate: shared blocks free nothing; the service's count comes with its reply.
+        freed = sum(release.num_blocks for release in ops.releases)
+        available = self.blocks_available + freed - sum(
+            blocks_for(tokens, block_size) - len(seq.block_table) for seq, tokens in ops.extends
+        )
+        self._admit(ops, available)
+        return Step(batch=batch, lease_ops=ops, preempted=preempted)
+
+    def _relieve_starvation(self) -> list[Sequence]:
+        """A sequence with no block for its next token frees room by preempting the newest."""
+        preempted: list[Sequence] = []
+        for seq in [s for s in self.running if s.starved]:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted already, as someone's victim
+            victim = max(self.running, key=lambda s: s.arrival)
+            self.preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _admit(self, ops: LeaseOps, available: int) -> None:
+        block_size = self.limits.block_size
+        prompt_tokens = 0
+        while self.waiting and len(self.running) + self.allocating < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            needed = blocks_for(len(seq.token_ids), block_size)
+            busy = bool(self.running or self.allocating or ops.allocations)
+            # When nothing else runs, ask anyway: cached blocks may be evictable, and the
+            # service's reply corrects our count.
+            if needed > available and busy:
+                break
+            if prompt_tokens and prompt_tokens + len(seq.token_ids) > self.limits.max_batch_tokens:
+                break
+            self.waiting.popleft()
+            seq.status = Status.ALLOCATING
+            self.allocating += 1
+            ops.allocations.append(seq)
+            available -= needed
+            prompt_tokens += len(seq.token_ids)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)

@@ -1,0 +1,135 @@
+"""`python -m model_service`: load a model, measure its workspace, attach, serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import structlog
+import torch
+
+from model_service.cache_client import CacheClient
+from model_service.engine import Engine, EngineSettings
+from model_service.models.config import ModelLoadError
+from model_service.models.loader import load_model
+from model_service.runner import measure_workspace
+from model_service.servicer import ModelServicer
+from pagedkv.flags import add_flag, add_server_flags
+from pagedkv.logs import configure_logging
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+from pagedkv.serving import GrpcServer, ServerConfig, wait_for_stop_signal
+
+log = structlog.get_logger()
+
+SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m model_service",
+        description="pagedkv model service: serves a Llama-family model over KV blocks leased from the cache service.",
+    )
+    add_server_flags(parser, port=50051, metrics_port=9401)
+    add_flag(parser, "--model", default="tiny", help="'tiny' (built in-process) or a local Hugging Face checkpoint directory")
+    add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
+             help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
+    add_flag(parser, "--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when available")
+    add_flag(parser, "--cache-service", default="127.0.0.1:50052", help="HOST:PORT of the cache service")
+    add_flag(parser, "--cache-auth-token", default=None, help="token for the cache service (default: --auth-token)")
+    add_flag(parser, "--cache-tls-ca", default=None, help="PEM CA certificate to verify a TLS cache service")
+    add_flag(parser, "--max-model-len", default=None, type=int,
+             help="longest prompt + completion (default: the model's max_position_embeddings, at most 8192)")
+    add_flag(parser, "--max-num-seqs", default=64, type=int, help="sequences decoded together in one step")
+    add_flag(parser, "--max-batch-prefill-tokens", default=2048, type=int,
+             help="tokens through the model in one step; the warmup pass runs at this size")
+    add_flag(parser, "--max-queued-requests", default=256, type=int,
+             help="queued plus running requests beyond which Generate answers RESOURCE_EXHAUSTED")
+    add_flag(parser, "--max-prompt-tokens", default=None, type=int, help="longest prompt accepted (default: max-model-len - 1)")
+    add_flag(parser, "--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
+    add_flag(parser, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+             help="auto: Triton kernels on CUDA, PyTorch elsewhere")
+    add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
+    add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
+    return parser
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} asked for CUDA, but torch sees no GPU here")
+    return device
+
+
+async def serve(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype, device, attention_backend=args.attention_backend)
+    config = loaded.config
+    max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    warmup_tokens = min(args.max_batch_prefill_tokens, max_model_len)
+    workspace = measure_workspace(loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim),
+                                  dtype, device, block_size=16, num_tokens=warmup_tokens)
+    log.info("model_loaded", model=loaded.model_id, architecture=config.architecture, dtype=str(dtype).removeprefix("torch."),
+             device=str(device), max_model_len=max_model_len, workspace_bytes=workspace)
+
+    settings = EngineSettings(
+        max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+        max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
+        client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
+    )
+    cache = CacheClient(args.cache_service, auth_token=args.cache_auth_token or args.auth_token,
+                        tls_ca=args.cache_tls_ca)
+    loop = asyncio.get_running_loop()
+    fatal: asyncio.Future = loop.create_future()
+    server: GrpcServer | None = None
+
+    def on_serving(serving: bool) -> None:
+        loop.call_soon_threadsafe(lambda: server and asyncio.ensure_future(server.set_serving(serving)))
+
+    def on_fatal(error: BaseException) -> None:
+        loop.call_soon_threadsafe(lambda: fatal.done() or fatal.set_result(error))
+
+    engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal)
+    servicer = ModelServicer(engine, default_max_new_tokens=args.default_max_new_tokens,
+                             max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1)
+    server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
+                        lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
+    await server.start()
+    engine.start()
+    stop_signal = asyncio.ensure_future(wait_for_stop_signal())
+    done, _ = await asyncio.wait([stop_signal, fatal], return_when=asyncio.FIRST_COMPLETED)
+    if fatal in done:
+        log.error("model_service_failed", error=str(fatal.result()))
+        await server.stop(0)
+        cache.close()
+        return 1
+    log.info("stopping", signal=stop_signal.result().name, grace_s=args.grace_s)
+    await server.set_serving(False)
+    await asyncio.to_thread(engine.stop, args.grace_s)
+    await server.stop(1.0)
+    cache.close()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, json=args.log_json)
+    try:
+        ServerConfig.from_args(args)
+        return asyncio.run(serve(args))
+    except (ModelLoadError, ValueError) as error:
+        log.error("startup_failed", error=str(error))
+        print(f"model_service: {error}", flush=True, file=sys.stderr)
+        return 2
