@@ -17,9 +17,10 @@ from model_service.models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """inv_freq: [head_dim // 2] float32, with Llama-3 scaling when configured."""
+    """inv_freq: [head_dim // 2] float32 on the CPU, with Llama-3 scaling when configured."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -44,17 +45,18 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.head_dim = config.head_dim
         # cos_cache, sin_cache: [max_position_embeddings, head_dim // 2]; not saved with weights.
-        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.register_buffer("cos_cache", torch.empty(0, device="cpu"), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0, device="cpu"), persistent=False)
         self.reset_cache()
 
     def reset_cache(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        """(Re)compute the table; the loader calls this after materializing a meta-built model."""
+        """(Re)compute the table; the loader calls this after materializing a meta-built model.
+        Computed on the CPU (explicitly, so a meta-device context does not apply), then moved."""
         device = device if device is not None else self.cos_cache.device
         if torch.device(device).type == "meta":
             device = "cpu"
-        dtype = dtype or (self.cos_cache.dtype if self.cos_cache.is_floating_point() else torch.float32)
-        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        dtype = dtype or self.cos_cache.dtype
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inverse_frequencies(self.config))  # [P, D/2] float32
         self.cos_cache = freqs.cos().to(device=device, dtype=dtype)
         self.sin_cache = freqs.sin().to(device=device, dtype=dtype)

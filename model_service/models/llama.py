@@ -1,0 +1,151 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV pool, in plain PyTorch.
+
+The model holds weights only: no per-request state. Every forward pass gets the step's
+tokens flattened ([T], decode sequences first, then prefill chunks), their positions,
+the whole pool and the step's AttentionMetadata; PagedAttention writes this step's K/V
+into the pool and attends over each sequence's blocks.
+
+Projections are fused for speed (one matmul instead of three, or two): q/k/v into
+`qkv_proj` and gate/up into `gate_up_proj`; weights.py maps Hugging Face names into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_service.attention.metadata import AttentionMetadata
+from model_service.models.config import ModelConfig
+from model_service.models.rope import RotaryEmbedding, apply_rotary
+
+# (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_layer [2, NB, BS, Hkv, D], meta, scale) -> [T, Hq, D]
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The variance is taken in float32 whatever the dtype, as the reference does.
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.attention = attention
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # q: [T, Hq, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # k: [T, Hkv, D]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, Hkv, D]
+        out = self.attention(q, k, v, kv_layer, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden, cos, sin, kv_layer, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_layer, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """`attention` defaults to PagedAttention(backend=attention_backend); pass any callable
+    with the same signature to run another implementation."""
+
+    def __init__(
+        self, config: ModelConfig, *, attention: AttentionFn | None = None, attention_backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        if attention is None:
+            attention = default_attention(attention_backend)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # input_ids, positions: [T] int64; kv_pool: [L, 2, NB, BS, Hkv, D] -> hidden [T, hidden]
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions)  # [T, 1, D/2] each
+        for layer_index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_pool[layer_index], meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] (only the rows whose next token is wanted) -> [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+
+def default_attention(backend: str = "auto") -> AttentionFn:
+    # Imported here so the model module loads (and can be tested with another attention)
+    # wherever the attention package is unavailable.
+    from model_service.attention.backend import PagedAttention
+
+    return PagedAttention(backend=backend)
+
+
+def last_token_indices(query_lens: Sequence[int]) -> list[int]:
+    """Row of each sequence's last new token in the flattened step: the rows to take
+    logits from (`model.compute_logits(hidden[indices])`)."""
+    indices, end = [], 0
+    for query_len in query_lens:
+        end += query_len
+        indices.append(end - 1)
+    return indices
