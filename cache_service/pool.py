@@ -73,7 +73,7 @@ class KvPool:
         self.geometry: KvGeometry | None = None
         self.sizing: SizingReport | None = None
         self.ledger: Ledger | None = None
-        self.handle: cache_pb2.PoolHandle | None = None
+        self._shared_handle: cache_pb2.PoolHandle | None = None
         self._memory: pool_memory.SharedPool | torch.Tensor | None = None
 
     # -- sessions -------------------------------------------------------------------
@@ -90,7 +90,13 @@ class KvPool:
             self._check_fits(max_model_len)
         session = self.sessions.open(client_name)
         log.info("session_attached", session=session.session_id[:8], client=client_name)
-        return Attachment(session, self.sizing, self.handle)
+        return Attachment(session, self.sizing, self._handle_for_attach())
+
+    def _handle_for_attach(self) -> cache_pb2.PoolHandle:
+        if isinstance(self._memory, pool_memory.SharedPool):
+            return self._shared_handle
+        # Each CUDA IPC export takes its own reference-count slot: one per importer.
+        return pool_memory.cuda_handle_to_proto(self._memory)
 
     def heartbeat(self, session_id: str) -> None:
         self.sessions.touch(session_id)
@@ -140,11 +146,9 @@ class KvPool:
         if geometry.device == "cpu":
             shared = pool_memory.create_shared_pool(shape, geometry.dtype, directory=self.settings.shm_dir)
             self._memory = shared
-            self.handle = pool_memory.shared_handle_to_proto(shared.handle)
+            self._shared_handle = pool_memory.shared_handle_to_proto(shared.handle)
         else:
-            tensor = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
-            self._memory = tensor
-            self.handle = pool_memory.cuda_handle_to_proto(tensor)
+            self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
         self.sizing = sizing
         self.ledger = Ledger(sizing.num_blocks, sizing.block_size)

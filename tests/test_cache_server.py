@@ -1,0 +1,223 @@
+"""The cache service as a real process on a free port, over real channels."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+from cache_helpers import (
+    allocate, attach, cache_stub, extend, fork, lease, leased_blocks, release, stats, wait_for,
+)
+from processes import start_cache_service
+
+from pagedkv import pool_memory
+from pagedkv.cache.v1 import cache_pb2
+
+OK = cache_pb2.LEASE_STATUS_OK
+NO_FREE = cache_pb2.LEASE_STATUS_NO_FREE_BLOCKS
+# 2 layers × 2 KV heads × head_dim 16 × fp32 × 16 tokens × 2 = 8 KiB a block; 64 blocks.
+BLOCK_BYTES = 8192
+POOL_ARGS = ("--kv-cache-bytes", str(64 * BLOCK_BYTES), "--headroom", "0")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with start_cache_service(tmp_path_factory.mktemp("cache"), *POOL_ARGS, "--lease-ttl-ms", "60000") as service:
+        yield service
+
+
+@pytest.fixture()
+def stub(cache):
+    return cache_stub(cache.address)
+
+
+def test_sizing_before_attach_is_failed_precondition(tmp_path):
+    with start_cache_service(tmp_path, *POOL_ARGS) as service:
+        with pytest.raises(grpc.RpcError) as error:
+            cache_stub(service.address).GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "first model service attaches" in error.value.details()
+
+
+def test_lease_until_full_then_release_everything(stub):
+    session = attach(stub).session_id
+    sizing = stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
+    assert sizing.num_blocks == 64 and sizing.bytes_per_block == BLOCK_BYTES and sizing.limited_by == "kv_cache_bytes"
+    assert sizing.max_total_tokens == 64 * 16
+
+    # 64 sequences of one block each fill the pool, all in one batched call.
+    reply = lease(stub, session, *[allocate(16) for _ in range(64)])
+    assert [r.status for r in reply.results] == [OK] * 64
+    assert reply.blocks_available == 0
+    held = [r.sequence_id for r in reply.results]
+    assert len({b for r in reply.results for b in r.block_ids}) == 64, "a block was handed out twice"
+
+    # The next op reports no free blocks, per op, and undoes nothing else.
+    reply = lease(stub, session, release(held[0]), allocate(16), allocate(16))
+    assert [r.status for r in reply.results] == [OK, OK, NO_FREE]
+    assert "block" in reply.results[2].message
+    held = held[1:] + [reply.results[1].sequence_id]
+    assert stats(stub).blocks_leased == 64
+
+    lease(stub, session, *[release(s) for s in held])
+    after = stats(stub)
+    assert (after.blocks_free, after.blocks_leased, after.sequences) == (64, 0, 0)
+    stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
+
+
+def test_extend_fork_and_prefix_reuse(stub):
+    session = attach(stub).session_id
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+    first = lease(stub, session, allocate(40, prompt)).results[0]
+    assert first.status == OK and len(first.block_ids) == 3 and first.cached_tokens == 0
+
+    grown = lease(stub, session, extend(first.sequence_id, 49)).results[0]
+    assert grown.status == OK and len(grown.block_ids) == 1  # only the appended block
+
+    child = lease(stub, session, fork(first.sequence_id)).results[0]
+    assert child.status == OK and child.block_ids[:3] == first.block_ids
+    assert child.copy.src_block == grown.block_ids[0] and child.copy.dst_block == child.block_ids[3]
+
+    lease(stub, session, release(child.sequence_id), release(first.sequence_id, True, prompt))
+    assert stats(stub).blocks_cached >= 2
+
+    again = lease(stub, session, allocate(40, prompt)).results[0]
+    assert again.cached_tokens == 32 and again.block_ids[:2] == first.block_ids[:2]
+    lease(stub, session, release(again.sequence_id))
+    assert leased_blocks(stub) == 0
+    stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
+
+
+def test_another_sessions_sequence_is_permission_denied(stub):
+    owner, intruder = attach(stub, "owner").session_id, attach(stub, "intruder").session_id
+    sequence = lease(stub, owner, allocate(16)).results[0].sequence_id
+    for op in (release(sequence), extend(sequence, 40), fork(sequence)):
+        result = lease(stub, intruder, op).results[0]
+        assert result.status == cache_pb2.LEASE_STATUS_PERMISSION_DENIED, op
+    assert lease(stub, owner, release(sequence)).results[0].status == OK
+    # Released twice, or never issued: NOT_FOUND, per op.
+    for op in (release(sequence), extend(987654, 16)):
+        assert lease(stub, owner, op).results[0].status == cache_pb2.LEASE_STATUS_NOT_FOUND
+    assert lease(stub, owner, cache_pb2.LeaseOp()).results[0].status == cache_pb2.LEASE_STATUS_INVALID_ARGUMENT
+    assert leased_blocks(stub) == 0
+
+
+def test_geometry_mismatch_is_failed_precondition(stub):
+    attach(stub)
+    with pytest.raises(grpc.RpcError) as error:
+        attach(stub, num_layers=3)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "3 layers" in error.value.details() and "restart the cache service" in error.value.details()
+
+
+@pytest.mark.parametrize("geometry", [dict(num_layers=0), dict(dtype=cache_pb2.DTYPE_UNSPECIFIED), dict(device="tpu")])
+def test_malformed_geometry_is_invalid_argument(stub, geometry):
+    with pytest.raises(grpc.RpcError) as error:
+        attach(stub, **geometry)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_session_is_not_found(stub):
+    for call, request in [
+        (stub.Heartbeat, cache_pb2.HeartbeatRequest(session_id="nope")),
+        (stub.Detach, cache_pb2.DetachRequest(session_id="nope")),
+        (stub.Lease, cache_pb2.LeaseRequest(session_id="nope", ops=[allocate(16)])),
+    ]:
+        with pytest.raises(grpc.RpcError) as error:
+            call(request, timeout=10)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "Attach again" in error.value.details()
+
+
+def test_pool_handle_maps_in_this_process_and_is_private(stub):
+    reply = attach(stub)
+    assert reply.pool.WhichOneof("memory") == "shared_memory"
+    path = Path(reply.pool.shared_memory.path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    pool = pool_memory.map_pool(reply.pool)
+    assert list(pool.shape) == [2, 2, 64, 16, 2, 16]
+    pool[1, 1, 63].fill_(3.5)  # a second mapping of the same memory: both see it
+    assert float(pool_memory.map_pool(reply.pool)[1, 1, 63, 0, 0, 0]) == 3.5
+
+
+def test_detach_and_ttl_reclaim_leases(tmp_path):
+    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "300") as service:
+        stub = cache_stub(service.address)
+        alive = attach(stub, "alive").session_id
+        silent = attach(stub, "silent").session_id
+        lease(stub, silent, allocate(64), allocate(20))
+        lease(stub, alive, allocate(16))
+        assert leased_blocks(stub) == 7
+        # `silent` never heartbeats again; `alive` does, so only silent's 6 blocks come back.
+        def reclaimed():
+            stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=alive), timeout=10)
+            return leased_blocks(stub) == 1
+        wait_for(reclaimed, 5.0, "the silent session's leases to be reclaimed")
+        with pytest.raises(grpc.RpcError) as error:
+            lease(stub, silent, allocate(16))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert stub.Detach(cache_pb2.DetachRequest(session_id=alive), timeout=10).blocks_reclaimed == 1
+        assert leased_blocks(stub) == 0 and stats(stub).sessions == 0
+
+
+def test_budget_too_small_is_a_clear_error(tmp_path):
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "4KiB") as service:
+        with pytest.raises(grpc.RpcError) as error:
+            attach(cache_stub(service.address))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "8,192" in error.value.details() or "8.00 KiB" in error.value.details()
+
+
+def test_pool_that_cannot_hold_max_model_len_is_a_clear_error(tmp_path):
+    with start_cache_service(tmp_path, *POOL_ARGS) as service:
+        with pytest.raises(grpc.RpcError) as error:
+            attach(cache_stub(service.address), max_model_len=4096)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "4,096" in error.value.details() or "4096" in error.value.details()
+
+
+@pytest.mark.parametrize("metadata, code", [
+    ((), grpc.StatusCode.UNAUTHENTICATED),
+    ((("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED),
+    ((("authorization", "Bearer s3cret"),), None),
+])
+def test_auth_token(tmp_path, metadata, code):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with start_cache_service(tmp_path, *POOL_ARGS, "--auth-token", "s3cret") as service:
+        channel = grpc.insecure_channel(service.address)
+        # Health needs no token: orchestrators probe it.
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = cache_stub(service.address)
+        if code is None:
+            assert attach(stub, metadata=metadata).session_id
+            assert stats(stub, metadata=metadata).sessions == 1
+        else:
+            for call in (lambda: attach(stub, metadata=metadata), lambda: stats(stub, metadata=metadata)):
+                with pytest.raises(grpc.RpcError) as error:
+                    call()
+                assert error.value.code() == code
+                assert "--auth-token" in error.value.details()
+
+
+def test_sigterm_unlinks_the_pool_and_start_up_removes_stale_ones(tmp_path):
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    dead_pid = 2**22 + 12345  # above any pid_max default: never alive
+    stale = shm_dir / f"pagedkv-{dead_pid}-deadbeef.kv"
+    stale.write_bytes(b"\0" * 64)
+    live = shm_dir / f"pagedkv-{os.getpid()}-cafe.kv"
+    live.write_bytes(b"\0" * 64)
+    service = start_cache_service(tmp_path, *POOL_ARGS, "--shm-dir", str(shm_dir))
+    try:
+        assert not stale.exists(), "a dead owner's pool file survived start-up"
+        assert live.exists(), "a live process's pool file was removed"
+        pool_file = Path(attach(cache_stub(service.address)).pool.shared_memory.path)
+        assert pool_file.exists()
+    finally:
+        assert service.stop(signal.SIGTERM) == 0
+    assert not pool_file.exists(), "the pool file outlived the cache service"
