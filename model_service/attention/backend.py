@@ -1,0 +1,102 @@
+"""PagedAttention: write this step's K/V into the pool, then attend (decode, then prefill).
+
+Triton is imported lazily, on the first call that needs it, for two reasons: a CPU-only
+server never pays triton's import (about a second), and triton decides between compiled and
+interpreted kernels (TRITON_INTERPRET) when the kernels module is first imported, so
+importing this module must not fix that choice for the rest of the process.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from model_service.attention.metadata import AttentionMetadata
+from model_service.attention.torch_paged import (
+    decode_attention_torch,
+    prefill_attention_torch,
+    write_kv_torch,
+)
+
+BACKENDS = ("auto", "torch", "triton")
+
+_triton_kernels: ModuleType | None = None
+_triton_import_error: Exception | None = None
+
+
+def load_triton_kernels() -> ModuleType | None:
+    """The triton kernels module, or None when triton does not import here."""
+    global _triton_kernels, _triton_import_error
+    if _triton_kernels is None and _triton_import_error is None:
+        try:
+            from model_service.attention import triton_kernels
+        except Exception as error:  # ImportError, or triton failing to find a backend
+            _triton_import_error = error
+        else:
+            _triton_kernels = triton_kernels
+    return _triton_kernels
+
+
+class PagedAttention:
+    """One callable shared by every layer; the metadata says where each sequence's K/V live."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+        if backend == "triton" and load_triton_kernels() is None:
+            raise RuntimeError(f"attention backend 'triton' requested but triton does not import: {_triton_import_error}")
+        self.backend = backend
+
+    def uses_triton(self, kv_layer: torch.Tensor) -> bool:
+        if self.backend == "auto":
+            return kv_layer.is_cuda and load_triton_kernels() is not None
+        return self.backend == "triton"
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, q_heads, head_dim], decode tokens first
+        k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim], a view into the pool
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
+        num_tokens, q_heads, _ = q.shape
+        kv_heads = kv_layer.shape[3]
+        if q_heads % kv_heads != 0:
+            raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} kv heads")
+        if kv_layer.shape[2] != meta.block_size:
+            raise ValueError(f"pool block_size {kv_layer.shape[2]} != metadata block_size {meta.block_size}")
+
+        triton_kernels = load_triton_kernels() if self.uses_triton(kv_layer) else None
+        if triton_kernels is not None:
+            triton_kernels.write_kv_triton(k, v, kv_layer, meta.slot_mapping)
+        else:
+            write_kv_torch(k, v, kv_layer, meta.slot_mapping)
+
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_seqs
+        if num_decode > 0:
+            tables = meta.block_tables[:num_decode]
+            lens = meta.context_lens[:num_decode]
+            if triton_kernels is not None:
+                # Context lengths stay runtime values: no recompiles as sequences grow.
+                out[:num_decode] = triton_kernels.decode_attention_triton(q[:num_decode], kv_layer, tables, lens, scale)
+            else:
+                out[:num_decode] = decode_attention_torch(
+                    q[:num_decode], kv_layer, tables, lens, scale,
+                    max_context_len=max(meta.context_lens_host[:num_decode]),
+                )
+        if num_tokens > num_decode:
+            # Prefill uses the torch path on every device, CUDA included: SDPA's fused kernels
+            # handle the long causal chunks well, and prefill runs once per prompt.
+            out[num_decode:] = prefill_attention_torch(
+                q[num_decode:],
+                kv_layer,
+                meta.block_tables[num_decode:],
+                meta.query_lens[num_decode:],
+                meta.context_lens_host[num_decode:],
+                scale,
+            )
+        return out

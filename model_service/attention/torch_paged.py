@@ -1,0 +1,123 @@
+"""Paged attention in plain PyTorch: runs on any device; the CPU hot path.
+
+Layout (DESIGN.md "Pool layout"): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim],
+K at index 0 and V at index 1; slot s of block b is flat slot b * block_size + s.
+
+Decode gathers a sequence's blocks and runs one SDPA call with the group's q heads laid out
+as query rows of their shared kv head ([B, kv_heads, group, D]). Measured at the PERF.md decode
+shape (batch 48, context ~336, 4 KV heads, group 2, head_dim 32, fp32, 2 threads), per layer:
+  repeat_interleave K/V + SDPA       ~9.5 ms
+  grouped einsum                     ~5.1 ms
+  grouped matmul (bmm)               ~4.3 ms
+  SDPA enable_gqa=True               ~2.3 ms
+  SDPA, q heads as group rows        ~1.7 ms   <- kept
+and gathering with index_select on the block dimension costs ~0.8 ms against ~2-2.7 ms for
+advanced indexing (kv[0][block_tables]), so the gather uses index_select.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_torch(
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]
+) -> None:
+    """Store this step's K/V into their slots, in place in the shared pool."""
+    _, _, _, kv_heads, head_dim = kv_layer.shape
+    # view (never reshape): a copy would take the write and silently drop it.
+    k_slots = kv_layer[0].view(-1, kv_heads, head_dim)
+    v_slots = kv_layer[1].view(-1, kv_heads, head_dim)
+    slots = slot_mapping.to(device=kv_layer.device, dtype=torch.long)
+    k_slots.index_copy_(0, slots, k.to(kv_layer.dtype))
+    v_slots.index_copy_(0, slots, v.to(kv_layer.dtype))
+
+
+def decode_attention_torch(
+    q: torch.Tensor,  # [num_seqs, q_heads, head_dim], one query per sequence
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    context_lens: torch.Tensor,  # int32 [num_seqs]
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Attend each sequence's single query over its whole context; returns [num_seqs, q_heads, head_dim].
+
+    max_context_len (host int), when given, trims the padded block table to the blocks that
+    any sequence uses: tables are padded to the longest allowed sequence, and gathering the
+    padding would dominate the cost. Leave it None where shapes must stay fixed.
+    """
+    num_seqs, q_heads, head_dim = q.shape
+    _, _, block_size, kv_heads, _ = kv_layer.shape
+    group = q_heads // kv_heads
+    if max_context_len is not None:
+        used_blocks = max(1, -(-max_context_len // block_size))
+        block_tables = block_tables[:, :used_blocks]
+    max_blocks = block_tables.shape[1]
+    span = max_blocks * block_size
+
+    block_ids = block_tables.reshape(-1).to(kv_layer.device)
+    # [num_seqs * max_blocks, block_size, kv_heads, D] -> [B, span, kv_heads, D] -> [B, kv_heads, span, D]
+    k = kv_layer[0].index_select(0, block_ids).view(num_seqs, span, kv_heads, head_dim).transpose(1, 2)
+    v = kv_layer[1].index_select(0, block_ids).view(num_seqs, span, kv_heads, head_dim).transpose(1, 2)
+
+    # clamp(min=1): a padded batch entry with no context still attends to one (ignored) slot,
+    # so its row stays finite instead of 0/0.
+    lens = context_lens.to(device=q.device, dtype=torch.long).clamp(min=1)
+    visible = torch.arange(span, device=q.device)[None, :] < lens[:, None]  # [B, span]
+
+    # The group's q heads become `group` query rows of their kv head: one SDPA call, no
+    # repeated K/V. SDPA's CPU and CUDA kernels accumulate fp16/bf16 softmax in float32.
+    q_grouped = q.reshape(num_seqs, kv_heads, group, head_dim).to(kv_layer.dtype)
+    out = F.scaled_dot_product_attention(
+        q_grouped, k, v, attn_mask=visible[:, None, None, :], scale=scale
+    )  # [B, kv_heads, group, D]
+    return out.reshape(num_seqs, q_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention_torch(
+    q: torch.Tensor,  # [num_prefill_tokens, q_heads, head_dim], sequences back to back
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_prefill_seqs, max_blocks]
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],  # host ints; include the tokens just written
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for prefill chunks over pool K/V (cached prefix included).
+
+    Sequence i's query_lens[i] new tokens are the last ones of its context_lens[i] tokens, so
+    new token j sits at position prefix + j and sees positions 0..prefix + j.
+    Returns [num_prefill_tokens, q_heads, head_dim].
+    """
+    _, q_heads, head_dim = q.shape
+    _, _, block_size, kv_heads, _ = kv_layer.shape
+    out = torch.empty_like(q)
+    start = 0
+    for seq, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
+        if query_len == 0:
+            continue
+        prefix_len = context_len - query_len
+        if prefix_len < 0:
+            raise ValueError(f"sequence {seq}: query_len {query_len} > context_len {context_len}")
+        used_blocks = -(-context_len // block_size)
+        block_ids = block_tables[seq, :used_blocks].to(kv_layer.device)
+        # [context_len, kv_heads, D] -> [kv_heads, context_len, D]
+        k = kv_layer[0].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
+        v = kv_layer[1].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
+        q_seq = q[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)  # [q_heads, query_len, D]
+        if prefix_len == 0:
+            mask, causal = None, True  # plain causal: lets SDPA pick its fastest kernel
+        else:
+            # SDPA's is_causal aligns the diagonal top-left; ours is offset by the prefix.
+            mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(prefix_len)
+            causal = False
+        attended = F.scaled_dot_product_attention(
+            q_seq, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q_heads != kv_heads
+        )  # [q_heads, query_len, D]
+        out[start : start + query_len] = attended.transpose(0, 1)
+        start += query_len
+    return out

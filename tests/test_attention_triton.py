@@ -1,0 +1,157 @@
+"""The Triton kernels, run on CPU by Triton's interpreter, against the PyTorch path.
+
+Why a subprocess. Triton picks interpreted or compiled kernels when @triton.jit runs, reading
+TRITON_INTERPRET at that moment. Setting it inside a shared pytest process is fragile both ways:
+if any module collected earlier already imported the kernels, they stay compiled and fail on CPU
+tensors; and the variable would stay set for every later test, so on a GPU host the model's own
+kernels would silently run in the interpreter. So in an ordinary run this module holds one test,
+which runs this same file in a fresh `python -m pytest` with TRITON_INTERPRET=1 set in its
+environment, before anything imports triton. In that child (or in any run started with
+TRITON_INTERPRET=1) the kernel tests below are defined and run in-process.
+
+Shapes stay small: the interpreter runs one program at a time (~0.4 s for a 4-sequence decode).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+if not IN_INTERPRETER:
+
+    def test_triton_kernels_under_interpreter():
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+            cwd=REPO_ROOT,
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
+        summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
+        print(f"interpreter run: {summary[0]}")
+        assert result.returncode == 0, f"{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+        assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
+
+else:
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from model_service.attention import AttentionMetadata, PagedAttention
+    from model_service.attention import triton_kernels
+    from model_service.attention.torch_paged import decode_attention_torch, write_kv_torch
+    from model_service.attention.triton_kernels import decode_attention_triton, write_kv_triton
+
+    # Fail loudly (not with odd pointer errors) if the kernels were built before the env var.
+    assert isinstance(triton_kernels._decode_kernel, InterpretedFunction), "kernels imported before TRITON_INTERPRET=1"
+
+    DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+    # Both sides round their output to the dtype: allow a couple of its units.
+    TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+    KV_HEADS, HEAD_DIM = 2, 16
+
+    def random_pool(num_blocks, block_size, dtype, seed, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype), generator
+
+    def shuffled_tables(context_lens, block_size, num_blocks, generator, extra_columns=1):
+        """Non-contiguous, shuffled block ids; rows padded with 0 like the engine's."""
+        needed = [-(-n // block_size) for n in context_lens]
+        ids = torch.randperm(num_blocks, generator=generator).tolist()
+        tables = torch.zeros(len(context_lens), max(needed) + extra_columns, dtype=torch.int32)
+        for row, count in enumerate(needed):
+            tables[row, :count] = torch.tensor([ids.pop() for _ in range(count)], dtype=torch.int32)
+        return tables
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_write_kv_matches_torch_and_skips_padding(dtype):
+        kv_triton, generator = random_pool(10, 8, dtype, seed=1)
+        kv_torch = kv_triton.clone()
+        k = torch.randn(5, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        v = torch.randn(5, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        slots = torch.tensor([3, 17, 40, 79, 8])
+        write_kv_triton(k, v, kv_triton, slots)
+        write_kv_torch(k, v, kv_torch, slots)
+        assert torch.equal(kv_triton, kv_torch)
+        # A padding token (slot -1) writes nothing.
+        before = kv_triton.clone()
+        write_kv_triton(k[:1] * 0 + 7, v[:1], kv_triton, torch.tensor([-1]))
+        assert torch.equal(kv_triton, before)
+
+    def test_write_kv_into_layer_view_with_odd_head_count():
+        # kv_pool[layer] is a strided view; 3 heads and head_dim 12 exercise the padded tiles.
+        pool = torch.zeros(2, 2, 4, 8, 3, 12)
+        k, v = torch.randn(3, 3, 12), torch.randn(3, 3, 12)
+        write_kv_triton(k, v, pool[1], torch.tensor([0, 9, 31]))
+        expected = torch.zeros(2, 2, 4, 8, 3, 12)
+        write_kv_torch(k, v, expected[1], torch.tensor([0, 9, 31]))
+        assert torch.equal(pool, expected)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("group", [1, 2, 4])
+    @pytest.mark.parametrize("block_size", [16, 8])
+    def test_decode_matches_torch(block_size, group, dtype):
+        context_lens = [1, block_size, block_size + 1, 3 * block_size - 2]
+        kv_layer, generator = random_pool(16, block_size, dtype, seed=group * 100 + block_size)
+        tables = shuffled_tables(context_lens, block_size, 16, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        q = torch.randn(len(context_lens), KV_HEADS * group, HEAD_DIM, generator=generator).to(dtype)
+
+        out = decode_attention_triton(q, kv_layer, tables, lens, HEAD_DIM**-0.5)
+
+        expected = decode_attention_torch(q, kv_layer, tables, lens, HEAD_DIM**-0.5)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    def test_decode_strided_q_odd_head_dim_and_empty_context():
+        # q sliced from a fused qkv projection (row stride != heads * dim); head_dim 24 pads to 32;
+        # a context_len 0 entry (bucket padding) must come out as zeros, not NaN.
+        kv_layer, generator = random_pool(8, 8, torch.float32, seed=7, kv_heads=2, head_dim=24)
+        qkv = torch.randn(3, 8 + 2 + 2, 24, generator=generator)
+        q = qkv[:, :8]
+        context_lens = [0, 13, 20]
+        tables = shuffled_tables([1, 13, 20], 8, 8, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        out = decode_attention_triton(q, kv_layer, tables, lens, 0.2)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        expected = decode_attention_torch(q[1:], kv_layer, tables[1:], lens[1:], 0.2)
+        torch.testing.assert_close(out[1:], expected, atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_paged_attention_triton_backend_matches_torch_backend(dtype):
+        # Mixed step: 2 decode sequences, then a fresh prefill and one after a cached prefix.
+        block_size, group = 8, 2
+        seqs = [(11, 1), (17, 1), (6, 6), (20, 5)]  # (context_len, query_len)
+        kv_layer, generator = random_pool(16, block_size, dtype, seed=3)
+        tables = shuffled_tables([c for c, _ in seqs], block_size, 16, generator)
+        slots = []
+        for row, (context_len, query_len) in enumerate(seqs):
+            for pos in range(context_len - query_len, context_len):
+                slots.append(int(tables[row, pos // block_size]) * block_size + pos % block_size)
+        num_tokens = sum(n for _, n in seqs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=tables,
+            context_lens=torch.tensor([c for c, _ in seqs], dtype=torch.int32),
+            query_lens=tuple(n for _, n in seqs),
+            context_lens_host=tuple(c for c, _ in seqs),
+            num_decode_seqs=2,
+            block_size=block_size,
+        )
+        q = torch.randn(num_tokens, KV_HEADS * group, HEAD_DIM, generator=generator).to(dtype)
+        k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        pool_torch = kv_layer.clone()
+
+        out = PagedAttention("triton")(q, k, v, kv_layer, meta, 0.25)
+
+        expected = PagedAttention("torch")(q, k, v, pool_torch, meta, 0.25)
+        assert torch.equal(kv_layer, pool_torch)
+        torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
