@@ -72,19 +72,29 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._token_ids[start:end])
 
     def _decode_new(self, *, final: bool) -> str:
-        if len(self._token_ids) == self._read_offset:
+        end = len(self._token_ids)
+        if end == self._read_offset:
             return ""
-        window_text = self._decode(self._prefix_offset, len(self._token_ids))
-        pending = len(self._token_ids) - self._read_offset
-        if window_text.endswith(REPLACEMENT_CHAR) and not final and pending < MAX_PENDING_TOKENS:
-            return ""  # a character is still in progress
-        # The window may decode shorter than its prefix (a tokenizer that merges or
+        window_text = self._decode(self._prefix_offset, end)
+        if window_text.endswith(REPLACEMENT_CHAR) and not final:
+            # A character may be in progress in the last tokens (its bytes so far fill at
+            # most 3 tokens): emit what precedes them, so pushing several tokens at a time
+            # does not hold back whole characters that are already complete.
+            for cut in range(end - 1, max(self._read_offset, end - 4), -1):
+                text = self._decode(self._prefix_offset, cut)
+                if not text.endswith(REPLACEMENT_CHAR):
+                    window_text, end = text, cut
+                    break
+            else:
+                if end - self._read_offset < MAX_PENDING_TOKENS:
+                    return ""
+        # The window may decode no longer than its prefix (a tokenizer that merges or
         # cleans up across the boundary): then there is nothing new to emit yet.
         new_text = window_text[len(self._prefix_text):]
         if not new_text and not final:
             return ""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        self._read_offset = end
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         return new_text
 

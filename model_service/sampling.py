@@ -157,42 +157,103 @@ def sample(
             f"logits has {batch} rows but got {len(options)} options and "
             f"{len(generators)} generators"
         )
-    # One argmax answers every greedy row; sampled rows overwrite their entries below.
-    token_ids = logits.argmax(dim=-1)  # [B]
     sampled_rows = [row for row, opts in enumerate(options) if not opts.greedy]
-    if not sampled_rows:
-        return token_ids
+    # One argmax answers every greedy row; sampled rows overwrite their entries below.
+    if len(sampled_rows) < batch:
+        token_ids = logits.argmax(dim=-1)  # [B]
+        if not sampled_rows:
+            return token_ids
+    else:
+        token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
 
     device = logits.device
+    every_row = len(sampled_rows) == batch
     rows = torch.tensor(sampled_rows, device=device)
     sampled = [options[row] for row in sampled_rows]
-    temperature = torch.tensor(
-        [opts.temperature for opts in sampled], dtype=torch.float32, device=device
-    )
-    scaled = logits.index_select(0, rows).float() / temperature.unsqueeze(1)  # [S, V]
+    temperature = torch.tensor([o.temperature for o in sampled], dtype=torch.float32, device=device)
+    chosen = logits if every_row else logits.index_select(0, rows)
+    scaled = chosen.float() / temperature.unsqueeze(1)  # [S, V], a new tensor: edited in place
 
-    top_ks = [opts.top_k if 0 < opts.top_k < vocab else vocab for opts in sampled]
-    max_k = max(top_ks)
-    # Only the max_k best candidates of any row can survive; topk is sorted descending.
-    if max_k < vocab:
-        sorted_logits, sorted_ids = torch.topk(scaled, max_k, dim=-1)  # [S, K]
-    else:
-        sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True)  # [S, V]
-    rank = torch.arange(sorted_logits.shape[1], device=device)  # [K]
-    k = torch.tensor(top_ks, device=device).unsqueeze(1)  # [S, 1]
-    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    # Every step below works row by row (elementwise, or a reduction along V) and keeps
+    # vocabulary order, so a row's result does not depend on the rows beside it. Top-k
+    # and top-p become thresholds (ties at a threshold are all kept).
+    top_ks = [o.top_k if 0 < o.top_k < vocab else 0 for o in sampled]  # 0: no top-k
+    if any(top_ks):
+        best = torch.topk(scaled, max(top_ks), dim=-1).values  # [S, K], descending
+        kth_index = torch.tensor([max(k - 1, 0) for k in top_ks], device=device).unsqueeze(1)
+        has_top_k = torch.tensor([k > 0 for k in top_ks], device=device).unsqueeze(1)
+        # The k-th best logit, or -inf (nothing below it) for rows without top-k: [S, 1]
+        threshold = best.gather(1, kth_index).masked_fill_(~has_top_k, float("-inf"))
+        scaled.masked_fill_(scaled < threshold, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [S, V]
+    del scaled
 
-    probs = torch.softmax(sorted_logits, dim=-1)  # [S, K]
-    top_p = torch.tensor([opts.top_p for opts in sampled], dtype=torch.float32, device=device)
-    # Drop a candidate when the ones ranked above it already hold top_p of the mass; the
-    # best candidate has nothing above it, so at least one token always survives.
-    mass_above = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_above >= top_p.unsqueeze(1), 0.0)
+    top_p_rows = [index for index, o in enumerate(sampled) if o.top_p < 1.0]
+    if top_p_rows:
+        all_top_p = len(top_p_rows) == len(sampled)
+        top_p_index = torch.tensor(top_p_rows, device=device)
+        top_p = torch.tensor([sampled[i].top_p for i in top_p_rows], device=device).unsqueeze(1)
+        # After top-k, at most max(k) tokens per row have a probability above 0.
+        row_ks = [top_ks[i] for i in top_p_rows]
+        support = max(row_ks) if all(row_ks) else vocab
+        nucleus = _nucleus_threshold(
+            probs if all_top_p else probs.index_select(0, top_p_index), top_p, support
+        )  # [P, 1]
+        if all_top_p:
+            threshold = nucleus
+        else:  # 0 for rows without top-p: nothing is below it
+            threshold = torch.zeros(len(sampled), 1, device=device).index_copy_(0, top_p_index, nucleus)
+        probs.masked_fill_(probs < threshold, 0.0)
 
-    # Generators cannot be batched: each row draws with its own (multinomial normalises).
-    choices = []
-    for index, row in enumerate(sampled_rows):
-        choices.append(torch.multinomial(probs[index], 1, generator=generators[row]))
-    choice = torch.cat(choices)  # [S]
-    token_ids[rows] = sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    # Inverse-CDF draw: one uniform from each row's own generator. (torch.multinomial
+    # a row at a time cost ~20 times a whole-batch pass over the logits on CPU.)
+    uniform = torch.stack([
+        torch.rand((), device=device, generator=generators[row]) for row in sampled_rows
+    ])  # [S]
+    cdf = probs.cumsum_(dim=-1)  # [S, V]
+    total = cdf[:, -1]
+    # Strictly below the total, so the first cdf entry above it exists; that entry is
+    # where the cdf rose, so its token has a probability > 0.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    drawn.clamp_(max=vocab - 1)  # only NaN logits could reach vocab
+    if every_row:
+        return drawn
+    token_ids[rows] = drawn
     return token_ids
+
+
+# The nucleus almost always lies within the best few hundred tokens; looking there first
+# avoids sorting the whole vocabulary (a sort costs ~6 passes over it, topk(1024) ~2).
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, support: int) -> torch.Tensor:
+    """probs [P, V], top_p [P, 1] → [P, 1]: the smallest probability in each nucleus.
+
+    `support` bounds how many tokens of a row may have a probability above 0 (the top-k).
+
+    The nucleus is the best tokens, in order, up to and including the first at which
+    the mass of those ranked above it reaches top_p; the best token is always in it.
+    """
+    candidates = min(NUCLEUS_CANDIDATES, support, probs.shape[1])
+    best = torch.topk(probs, candidates, dim=-1).values  # [P, C], descending
+    threshold, kept = _threshold_in_sorted(best, top_p)
+    if candidates < probs.shape[1]:
+        # A nucleus that takes every candidate may reach past them (a flat distribution):
+        # those rows sort in full.
+        for index in (kept.squeeze(1) == candidates).nonzero().squeeze(1).tolist():
+            if int((probs[index] > 0).sum()) <= candidates:
+                continue  # the nucleus is every token left (top-k, or ties at its edge)
+            row = torch.sort(probs[index], descending=True).values.unsqueeze(0)
+            threshold[index] = _threshold_in_sorted(row, top_p[index : index + 1])[0][0]
+    return threshold
+
+
+def _threshold_in_sorted(
+    sorted_probs: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sorted_probs [P, C] descending, top_p [P, 1] → (threshold [P, 1], nucleus size [P, 1])."""
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    kept = (mass_above < top_p).sum(dim=-1, keepdim=True)  # >= 1: the best has 0 above
+    return sorted_probs.gather(1, kept - 1), kept

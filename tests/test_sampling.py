@@ -1,0 +1,223 @@
+import math
+
+import pytest
+import torch
+
+from model_service.sampling import (
+    InvalidRequest,
+    SamplingOptions,
+    make_generator,
+    sample,
+)
+from pagedkv.model.v1 import model_pb2
+
+VOCAB = 64
+
+
+def random_logits(batch: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def from_proto(prompt_tokens=10, max_model_len=128, vocab_size=VOCAB, default=32, **fields):
+    return SamplingOptions.from_proto(
+        model_pb2.SamplingParams(**fields),
+        prompt_tokens=prompt_tokens,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        default_max_new_tokens=default,
+    )
+
+
+# --- sample ----------------------------------------------------------------------------
+
+
+def test_greedy_batch_equals_argmax():
+    logits = random_logits(8)
+    options = [SamplingOptions(max_new_tokens=4)] * 8
+    token_ids = sample(logits, options, [None] * 8)
+    assert token_ids.dtype == torch.int64
+    assert torch.equal(token_ids, logits.argmax(dim=-1))
+
+
+def test_top_k_one_equals_greedy():
+    logits = random_logits(6)
+    options = [SamplingOptions(max_new_tokens=4, temperature=1.5, top_k=1)] * 6
+    generators = [make_generator(row, "cpu") for row in range(6)]
+    assert torch.equal(sample(logits, options, generators), logits.argmax(dim=-1))
+
+
+def test_tiny_top_p_equals_greedy():
+    logits = random_logits(6)
+    options = [SamplingOptions(max_new_tokens=4, temperature=2.0, top_p=1e-6)] * 6
+    generators = [make_generator(row, "cpu") for row in range(6)]
+    assert torch.equal(sample(logits, options, generators), logits.argmax(dim=-1))
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy():
+    logits = random_logits(4)
+    greedy = SamplingOptions(max_new_tokens=4)
+    hot = SamplingOptions(max_new_tokens=4, temperature=5.0)
+    options = [greedy, hot, greedy, hot]
+    generators = [None, make_generator(1, "cpu"), None, make_generator(2, "cpu")]
+    token_ids = sample(logits, options, generators)
+    assert token_ids[0] == logits[0].argmax() and token_ids[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (0, 0.9), (0, 1.0), (5, 1.0)])
+def test_same_seed_same_tokens_whatever_shares_the_batch(top_k, top_p):
+    target_logits = random_logits(1, seed=42)[0]
+    target = SamplingOptions(max_new_tokens=16, temperature=1.0, top_k=top_k, top_p=top_p, seed=7)
+
+    def run(batch_size: int, row: int, others_seed: int) -> list[int]:
+        generators = [make_generator(others_seed + i, "cpu") for i in range(batch_size)]
+        generators[row] = make_generator(target.seed, "cpu")
+        others = [
+            SamplingOptions(max_new_tokens=16, temperature=0.5 + i, top_k=i, seed=i)
+            for i in range(batch_size)
+        ]
+        options = list(others)
+        options[row] = target
+        tokens = []
+        for step in range(16):
+            logits = random_logits(batch_size, seed=1000 * others_seed + step)
+            logits[row] = target_logits
+            tokens.append(int(sample(logits, options, generators)[row]))
+        return tokens
+
+    alone = run(1, 0, 0)
+    assert run(5, 3, 11) == alone
+    assert run(8, 0, 99) == alone
+    assert len(set(alone)) > 1  # really sampled, not greedy
+
+
+def test_distribution_matches_softmax_with_fixed_seed():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    options = [SamplingOptions(max_new_tokens=1, temperature=1.0)]
+    generator = make_generator(1234, "cpu")
+    draws = 4000
+    counts = torch.zeros(4)
+    for _ in range(draws):
+        counts[sample(logits, options, [generator])[0]] += 1
+    expected = torch.softmax(logits[0], dim=-1) * draws
+    # Every cell within 5 standard deviations of its binomial expectation.
+    sigma = (expected * (1 - expected / draws)).sqrt()
+    assert torch.all((counts - expected).abs() < 5 * sigma), (counts, expected)
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    generator = make_generator(5, "cpu")
+    top_k = [SamplingOptions(max_new_tokens=1, temperature=10.0, top_k=2)]
+    seen = {int(sample(logits, top_k, [generator])[0]) for _ in range(300)}
+    assert seen == {0, 1}
+    # softmax([4, 3, 2, ...]) ≈ [0.64, 0.23, 0.09, ...]: top_p 0.8 keeps the first two.
+    top_p = [SamplingOptions(max_new_tokens=1, temperature=1.0, top_p=0.8)]
+    seen = {int(sample(logits, top_p, [generator])[0]) for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = random_logits(2) * 1e30
+    options = [SamplingOptions(max_new_tokens=1, temperature=1e-30)] * 2
+    assert torch.equal(sample(logits, options, [None, None]), logits.argmax(dim=-1))
+
+
+def test_unseeded_generators_differ():
+    logits = torch.zeros(1, 1000)
+    options = [SamplingOptions(max_new_tokens=1, temperature=1.0)]
+    draws = {int(sample(logits, options, [make_generator(None, "cpu")])[0]) for _ in range(8)}
+    assert len(draws) > 1
+
+
+def test_mismatched_lengths_rejected():
+    with pytest.raises(ValueError, match="2 rows"):
+        sample(random_logits(2), [SamplingOptions(max_new_tokens=1)], [None])
+
+
+# --- from_proto ------------------------------------------------------------------------
+
+
+def test_from_proto_defaults():
+    options = from_proto()
+    assert options == SamplingOptions(max_new_tokens=32)
+    assert options.top_p == 1.0 and options.seed is None and options.greedy
+
+
+def test_from_proto_copies_fields():
+    options = from_proto(
+        max_new_tokens=5, temperature=0.5, top_k=3, top_p=0.25, seed=2**64 - 1,
+        stop=["\n\n", "END"], stop_token_ids=[1, 2], ignore_eos=True,
+    )
+    assert options == SamplingOptions(
+        max_new_tokens=5, temperature=0.5, top_k=3, top_p=0.25, seed=2**64 - 1,
+        stop=("\n\n", "END"), stop_token_ids=frozenset({1, 2}), ignore_eos=True,
+    )
+    make_generator(options.seed, "cpu")  # the full uint64 range seeds a generator
+
+
+def test_unset_max_new_tokens_is_capped_by_room_left():
+    assert from_proto(prompt_tokens=120, max_model_len=128, default=32).max_new_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("fields", "kwargs", "message"),
+    [
+        ({"temperature": -0.1}, {}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.nan}, {}, "temperature"),
+        ({"temperature": math.inf}, {}, "temperature"),
+        ({"top_p": 0.0}, {}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, {}, "top_p"),
+        ({"top_p": -0.5}, {}, "top_p"),
+        ({"top_p": math.nan}, {}, "top_p"),
+        ({"top_k": -1}, {}, "top_k must be >= 0"),
+        ({"top_k": VOCAB + 1}, {}, f"top_k must be <= vocab_size \\({VOCAB}\\)"),
+        ({"max_new_tokens": 0}, {}, "max_new_tokens must be > 0"),
+        ({"max_new_tokens": -3}, {}, "max_new_tokens must be > 0"),
+        ({"max_new_tokens": 100}, {"prompt_tokens": 40, "max_model_len": 128},
+         r"prompt_tokens \(40\) \+ max_new_tokens \(100\) = 140 exceeds max_model_len=128"),
+        ({}, {"prompt_tokens": 128, "max_model_len": 128}, "leaves no room"),
+        ({"stop": ["x"] * 17}, {}, "at most 16 stop strings"),
+        ({"stop": ["ok", "y" * 257]}, {}, r"stop\[1\] is 257 characters long; the limit is 256"),
+        ({"stop": ["ok", ""]}, {}, r"stop\[1\] is empty"),
+        ({"stop_token_ids": [3, VOCAB]}, {}, f"stop_token_ids must be < vocab_size \\({VOCAB}\\)"),
+    ],
+)
+def test_from_proto_rejects(fields, kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        from_proto(**fields, **kwargs)
+
+
+def test_limits_are_inclusive():
+    assert from_proto(top_k=VOCAB, top_p=1.0, stop=["y" * 256] * 16,
+                      stop_token_ids=[VOCAB - 1]).top_k == VOCAB
+    assert from_proto(max_new_tokens=118, prompt_tokens=10, max_model_len=128).max_new_tokens == 118
+
+
+def test_invalid_request_is_a_value_error():
+    assert issubclass(InvalidRequest, ValueError)
+
+
+def test_top_p_over_a_flat_distribution_beyond_the_candidate_window():
+    # Nearly flat over 4096 tokens: the nucleus for top_p=0.5 holds about 2000 of them,
+    # more than the 1024 candidates looked at first, so the full-sort path decides.
+    vocab = 4096
+    logits = (-torch.arange(vocab, dtype=torch.float32) * 1e-4).unsqueeze(0)
+    probs = torch.softmax(logits[0].double(), dim=-1)
+    nucleus = int(((probs.cumsum(0) - probs) < 0.5).sum())
+    assert 1024 < nucleus < vocab
+    options = [SamplingOptions(max_new_tokens=1, temperature=1.0, top_p=0.5)]
+    generator = make_generator(3, "cpu")
+    draws = torch.stack([sample(logits, options, [generator])[0] for _ in range(2000)])
+    assert int(draws.max()) < nucleus + 2  # float32 rounding may move the edge by one
+    assert int(draws.max()) > 1024  # tokens past the candidate window are drawn too
+
+
+def test_rows_with_and_without_filters_in_one_batch():
+    logits = random_logits(4)
+    tiny_p = SamplingOptions(max_new_tokens=1, temperature=3.0, top_p=1e-6)
+    hot = SamplingOptions(max_new_tokens=1, temperature=3.0)
+    top_1 = SamplingOptions(max_new_tokens=1, temperature=3.0, top_k=1)
+    generators = [make_generator(row, "cpu") for row in range(4)]
+    for _ in range(20):
+        token_ids = sample(logits, [tiny_p, hot, top_1, hot], generators)
+        assert token_ids[0] == logits[0].argmax() and token_ids[2] == logits[2].argmax()
