@@ -268,7 +268,9 @@ class Engine:
         elif self._inflight is None:
             # Nothing runnable and nothing asked: wait for an event instead of spinning.
             self._drain_inbox(block=True, timeout_s=0.05)
-        self.step_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.step_seconds += elapsed
+        metrics.ENGINE_STEP_SECONDS.inc(elapsed)
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
 

@@ -24,4 +24,7 @@ INTER_TOKEN_SECONDS = Histogram(
 LEASE_WAIT_SECONDS = Counter(
     "pagedkv_model_lease_wait_seconds", "Engine time spent waiting on the cache service's lease replies"
 )
+ENGINE_STEP_SECONDS = Counter(
+    "pagedkv_model_engine_step_seconds", "Engine time spent in steps (forward passes, sampling and lease waits)"
+)
 CACHE_CONNECTED = Gauge("pagedkv_model_cache_connected", "1 while attached to the cache service")
