@@ -23,6 +23,7 @@ import torch
 
 from model_service import metrics
 from model_service.cache_client import CacheClient, Heartbeat
+from model_service.decode_graphs import DecodeGraphs, cuda_graph_capture
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.models.loader import LoadedModel
 from model_service.runner import ModelRunner
@@ -43,6 +44,8 @@ class EngineSettings:
     max_queued_requests: int = 256
     client_name: str = "model_service"
     workspace_bytes: int = 0
+    # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
@@ -221,7 +224,12 @@ class Engine:
             kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
         self.session_id = reply.session_id
         self.sizing = reply.sizing
-        self.runner = ModelRunner(self.loaded.model, kv_pool, reply.sizing.block_size)
+        graphs = None
+        if self.settings.cuda_graphs:
+            graphs = DecodeGraphs(self.loaded.model, kv_pool, reply.sizing.block_size, self.settings.max_num_seqs,
+                                  self.settings.max_model_len, capture=cuda_graph_capture())
+            log.info("decode_graphs_captured", buckets=graphs.buckets, captures=graphs.captures)
+        self.runner = ModelRunner(self.loaded.model, kv_pool, reply.sizing.block_size, graphs)
         self.scheduler = Scheduler(
             SchedulerLimits(block_size=reply.sizing.block_size, max_num_seqs=self.settings.max_num_seqs,
                             max_batch_tokens=self.settings.max_batch_tokens),

@@ -15,12 +15,14 @@ from collections.abc import Sequence as Seq
 import torch
 
 from model_service.attention.metadata import AttentionMetadata
+from model_service.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
 from model_service.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         if kv_pool.shape[3] != block_size:
             raise ValueError(f"pool block size {kv_pool.shape[3]} != {block_size}")
@@ -28,6 +30,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = kv_pool.device
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, batch: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:

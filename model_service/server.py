@@ -47,10 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
              help="tokens through the model in one step; the warmup pass runs at this size")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
              help="queued plus running requests beyond which Generate answers RESOURCE_EXHAUSTED")
+    add_flag(parser, "--max-concurrent-streams", default=1024, type=int,
+             help="open Generate streams (validating, queued, running or draining) beyond which Generate "
+                  "answers RESOURCE_EXHAUSTED; 0 disables the limit")
     add_flag(parser, "--max-prompt-tokens", default=None, type=int, help="longest prompt accepted (default: max-model-len - 1)")
     add_flag(parser, "--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
     add_flag(parser, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
              help="auto: Triton kernels on CUDA, PyTorch elsewhere")
+    add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+             help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
     return parser
@@ -65,7 +70,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def use_cuda_graphs(choice: str, device: torch.device, attention_backend: str) -> bool:
+    # Graphs need the Triton decode kernel: it reads context lengths from device memory,
+    # while the PyTorch path trims by host-side lengths that a graph would freeze.
+    possible = device.type == "cuda" and attention_backend in ("auto", "triton")
+    if choice == "on" and not possible:
+        raise ValueError("--cuda-graphs on needs --device cuda and the Triton attention backend")
+    return possible and choice != "off"
+
+
 async def serve(args: argparse.Namespace) -> int:
+    if args.max_concurrent_streams < 0:
+        raise ValueError(f"--max-concurrent-streams must be 0 (no limit) or more, got {args.max_concurrent_streams}")
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
@@ -86,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
+        cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend),
     )
     cache = CacheClient(args.cache_service, auth_token=args.cache_auth_token or args.auth_token,
                         tls_ca=args.cache_tls_ca)
@@ -101,7 +118,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal)
     servicer = ModelServicer(engine, default_max_new_tokens=args.default_max_new_tokens,
-                             max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1)
+                             max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
+                             max_concurrent_streams=args.max_concurrent_streams)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
     await server.start()

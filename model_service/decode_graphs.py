@@ -1,0 +1,114 @@
+"""Decode steps replayed from captured graphs (CUDA graphs on GPU).
+
+A decode step's shapes depend on only two things once block tables are padded to the
+longest sequence the model serves: the batch size, bucketed here, and nothing else. So
+a graph is captured once per bucket at start-up, and new prompt lengths or batch sizes
+never capture again (`captures` stays where start-up left it).
+
+Padding rows write to slot -1, which the K/V write kernel skips, and attend over a
+context of 0 tokens; their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+
+import torch
+
+from model_service.attention.metadata import AttentionMetadata
+from model_service.models.llama import LlamaForCausalLM
+from model_service.sequence import Sequence
+
+# Captures a zero-argument step function and returns what replays it.
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs: padding wastes < 8 rows."""
+    buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
+    buckets += list(range(8, max_num_seqs, 8))
+    return sorted(set(buckets + [max_num_seqs]))
+
+
+def cuda_graph_capture(pool=None) -> Capture:
+    def capture(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up: lazy init and autotuning stay out of the graph
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = step()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+    return capture
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int, max_num_seqs: int,
+                 max_model_len: int, capture: Capture) -> None:
+        self.block_size = block_size
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_blocks = -(-max_model_len // block_size)
+        device = kv_pool.device
+        largest = self.buckets[-1]
+        # Static inputs: every replay reads these; run() fills them in place.
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((largest, self.max_blocks), dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.captures = 0
+        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        for size in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+                context_lens=self.context_lens[:size], query_lens=(1,) * size,
+                # Host-side lengths are only read by the torch path's trimming; the graph
+                # path (Triton) reads the device tensor, so the maximum is safe here.
+                context_lens_host=(self.max_blocks * block_size,) * size,
+                num_decode_seqs=size, block_size=block_size,
+            )
+
+            def step(size=size, meta=meta) -> torch.Tensor:
+                return model(self.input_ids[:size], self.positions[:size], kv_pool, meta)
+
+            self._replays[size] = capture(step)
+            self.captures += 1
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    def can_run(self, batch: Seq[tuple[Sequence, int]]) -> bool:
+        return (all(new_tokens == 1 for _, new_tokens in batch)
+                and self.bucket_for(len(batch)) is not None
+                and all(len(seq.block_table) <= self.max_blocks for seq, _ in batch))
+
+    @torch.inference_mode()
+    def run(self, batch: Seq[tuple[Sequence, int]]) -> torch.Tensor:
+        """Hidden states [len(batch), hidden] of one decode step."""
+        size = self.bucket_for(len(batch))
+        block_size = self.block_size
+        ids, positions, slots, lens = [], [], [], []
+        tables = torch.zeros((size, self.max_blocks), dtype=torch.int32)
+        for row, (seq, _) in enumerate(batch):
+            position = seq.num_computed
+            ids.append(seq.token_ids[position])
+            positions.append(position)
+            slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
+            lens.append(position + 1)
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        padding = size - len(batch)
+        self.input_ids[:size].copy_(torch.tensor(ids + [0] * padding), non_blocking=True)
+        self.positions[:size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
+        self.context_lens[:size].copy_(torch.tensor(lens + [0] * padding, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:size].copy_(tables, non_blocking=True)
+        return self._replays[size]()[: len(batch)]

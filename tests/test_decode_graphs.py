@@ -1,0 +1,124 @@
+"""Decode-step graphs: bucketed batch sizes, padded tables, no capture after start-up.
+
+On CPU the capture is eager (the step function itself is replayed), which checks what
+the graph path owns: bucketing, padding, static buffers refilled in place, and that new
+batch sizes and prompt lengths never capture again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from model_service.attention.backend import PagedAttention
+from model_service.decode_graphs import DecodeGraphs, batch_buckets
+from model_service.models.tiny import build_tiny_model
+from model_service.runner import ModelRunner
+from model_service.sequence import Sequence
+
+BLOCK_SIZE = 16
+
+
+class SkipPaddingAttention:
+    """The PyTorch path, minus padding rows (slot -1), which the Triton write kernel skips
+    and index_copy would reject."""
+
+    def __init__(self) -> None:
+        self.inner = PagedAttention("torch")
+
+    def __call__(self, q, k, v, kv_layer, meta, scale):
+        real = int((meta.slot_mapping >= 0).sum())
+        if real == len(meta.query_lens):
+            return self.inner(q, k, v, kv_layer, meta, scale)
+        trimmed = dataclasses.replace(
+            meta, slot_mapping=meta.slot_mapping[:real], block_tables=meta.block_tables[:real],
+            context_lens=meta.context_lens[:real], query_lens=meta.query_lens[:real],
+            context_lens_host=tuple(int(n) for n in meta.context_lens[:real]), num_decode_seqs=real,
+        )
+        out = torch.zeros_like(q)
+        out[:real] = self.inner(q[:real], k[:real], v[:real], kv_layer, trimmed, scale)
+        return out
+
+
+def eager_capture(counter: list[int]):
+    def capture(step):
+        counter.append(1)
+        return step
+    return capture
+
+
+def decode_batch(lengths: list[int], first_block: int = 0) -> list[tuple[Sequence, int]]:
+    batch, next_block = [], first_block
+    generator = torch.Generator().manual_seed(sum(lengths))
+    for index, length in enumerate(lengths):
+        blocks = -(-length // BLOCK_SIZE)
+        tokens = torch.randint(0, 256, (length,), generator=generator).tolist()
+        # Scattered, non-contiguous blocks: every other block id.
+        table = [next_block + 2 * i for i in range(blocks)]
+        next_block += 2 * blocks
+        seq = Sequence(request_id=str(index), token_ids=tokens, prompt_len=length - 1, options=None,
+                       arrival=index, block_table=table, num_computed=length - 1)
+        batch.append((seq, 1))
+    return batch
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(1) == [1]
+
+
+def test_graph_decode_matches_eager_and_never_recaptures():
+    torch.manual_seed(0)
+    model = build_tiny_model(attention=SkipPaddingAttention())
+    config = model.config
+    pool = torch.randn(config.num_layers, 2, 256, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    captures: list[int] = []
+    graphs = DecodeGraphs(model, pool, BLOCK_SIZE, max_num_seqs=16, max_model_len=256,
+                          capture=eager_capture(captures))
+    assert graphs.captures == len(captures) == len(batch_buckets(16))
+    eager = ModelRunner(model, pool, BLOCK_SIZE)
+
+    # Batch sizes off the buckets (padding) and on them, prompt lengths never seen before.
+    for lengths in ([5], [17, 40, 3], [33] * 8, [100, 7, 64, 12, 90]):
+        batch = decode_batch(lengths)
+        assert graphs.can_run(batch)
+        with torch.inference_mode():
+            hidden = graphs.run(batch)
+            input_ids, positions, meta = eager.prepare(batch)
+            expected = model(input_ids, positions, pool, meta)
+        torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+    assert len(captures) == graphs.captures == len(batch_buckets(16)), "a new shape captured a new graph"
+
+
+def test_prefill_and_oversized_batches_take_the_eager_path():
+    model = build_tiny_model(attention=SkipPaddingAttention())
+    config = model.config
+    pool = torch.zeros(config.num_layers, 2, 64, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    graphs = DecodeGraphs(model, pool, BLOCK_SIZE, max_num_seqs=4, max_model_len=64, capture=eager_capture([]))
+    prefill = decode_batch([20])
+    prefill[0] = (prefill[0][0], 3)
+    assert not graphs.can_run(prefill)
+    assert not graphs.can_run(decode_batch([5] * 5))
+    too_long = decode_batch([5])
+    too_long[0][0].block_table.extend(range(10))
+    assert not graphs.can_run(too_long)
+
+
+@pytest.mark.parametrize("choice, device, backend, expected", [
+    ("auto", "cpu", "auto", False), ("auto", "cuda", "auto", True), ("off", "cuda", "auto", False),
+    ("auto", "cuda", "torch", False),
+])
+def test_cuda_graphs_flag(choice, device, backend, expected):
+    from model_service.server import use_cuda_graphs
+
+    assert use_cuda_graphs(choice, torch.device(device), backend) is expected
+
+
+def test_cuda_graphs_on_without_cuda_is_an_error():
+    from model_service.server import use_cuda_graphs
+
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        use_cuda_graphs("on", torch.device("cpu"), "auto")
