@@ -71,9 +71,8 @@ class ModelRunner:
             context_lens.append(end)
         # Exactly as wide as the longest table: on CPU, padding is gathered and costs time.
         width = max(len(seq.block_table) for seq, _ in batch)
-        tables = torch.zeros((len(batch), width), dtype=torch.int32)
-        for row, (seq, _) in enumerate(batch):
-            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+        tables = torch.tensor(rows, dtype=torch.int32)
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
