@@ -1,0 +1,339 @@
+"""Random sequences of ledger operations against a simple reference model.
+
+The model keeps, per live sequence, its owner, its token ids and its block table, and
+simulates the KV pool itself: ``self.kv[block_id][slot]`` is what the K/V the model
+service would have written there depends on: the whole prefix up to and including that
+position (attention makes a token's K/V a function of everything before it). Fresh blocks are written as the model service
+would write them; reused (prefix-hit) and shared (forked) blocks are only read. So:
+- a prefix hit must return blocks whose simulated K/V already holds the prompt's tokens;
+- a block handed out while another sequence still uses it, or a shared block written to,
+  shows up as a live sequence whose blocks no longer hold its tokens.
+
+Two machines run: one with Python's hash, one with a 2-bit hash, so that collisions in
+the prefix cache happen all the time and must never yield wrong blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from cache_service.ledger import InvalidLease, Ledger, NoFreeBlocks, NotOwner, UnknownSequence
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16  # small, so that allocations run out of blocks and evict cached ones
+OWNERS = ("a", "b", "c")
+
+# Prompts are mostly whole blocks drawn from three block contents, so the same prefixes
+# recur (prefix hits) and the same block contents recur after different prefixes (a hit
+# must match the prefix, not just the block's own tokens).
+CHUNKS = [[1, 1, 1, 1], [1, 2, 1, 2], [2, 2, 1, 1]]
+token_lists = st.lists(st.integers(1, 2), max_size=3)
+prompts = st.builds(
+    lambda chunks, tail: [token for chunk in chunks for token in chunk] + tail,
+    st.lists(st.sampled_from(CHUNKS), max_size=4),
+    token_lists,
+)
+extras = st.lists(st.integers(1, 2), max_size=6)
+owners = st.sampled_from(OWNERS)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    hash_fn = staticmethod(hash)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = Ledger(NUM_BLOCKS, BLOCK_SIZE, hash_fn=self.hash_fn)
+        self.owner: dict[int, str] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.table: dict[int, list[int]] = {}
+        self.kv: list[list[int | None]] = [[None] * BLOCK_SIZE for _ in range(NUM_BLOCKS)]
+        self.released: set[int] = set()
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.hit_allocations = 0
+        self.history: list[tuple[int, ...]] = []  # token ids released with cache_prefix
+
+    sequences = Bundle("sequences")
+
+    # ------------------------------------------------------------ helpers
+
+    def write(self, sequence_id: int, start: int) -> None:
+        """The model service writes K/V for positions start.. of the sequence."""
+        table, tokens = self.table[sequence_id], self.tokens[sequence_id]
+        for position in range(start, len(tokens)):
+            self.kv[table[position // BLOCK_SIZE]][position % BLOCK_SIZE] = tuple(tokens[: position + 1])
+
+    def forget(self, sequence_id: int) -> None:
+        del self.owner[sequence_id], self.tokens[sequence_id], self.table[sequence_id]
+        self.released.add(sequence_id)
+
+    # ------------------------------------------------------------ rules
+
+    @rule(target=sequences, owner=owners, prompt=prompts, extra=extras, use_prompt=st.booleans())
+    def allocate(self, owner, prompt, extra, use_prompt):
+        tokens = prompt + extra
+        prompt_ids = prompt if use_prompt else []
+        needed = -(-len(tokens) // BLOCK_SIZE)
+        available = self.ledger.blocks_available()
+        before = self.ledger.stats()
+        if not tokens:
+            with pytest.raises(InvalidLease):
+                self.ledger.allocate(owner, 0, prompt_ids)
+            assert self.ledger.stats() == before
+            return consumes_nothing()
+        try:
+            allocation = self.ledger.allocate(owner, len(tokens), prompt_ids)
+        except NoFreeBlocks as error:
+            assert needed > available, f"refused {needed} blocks with {available} available: {error}"
+            assert self.ledger.stats() == before
+            return consumes_nothing()
+        cached = allocation.cached_tokens
+        assert cached % BLOCK_SIZE == 0
+        if prompt_ids:
+            assert cached <= (len(prompt_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+            assert cached < len(prompt_ids)
+        else:
+            assert cached == 0
+        assert len(allocation.block_ids) == needed
+        assert len(set(allocation.block_ids)) == needed
+        # Reused blocks must already hold the prompt's tokens.
+        for position in range(cached):
+            block = allocation.block_ids[position // BLOCK_SIZE]
+            held = self.kv[block][position % BLOCK_SIZE]
+            assert held == tuple(prompt_ids[: position + 1]), (
+                f"prefix hit block {block} slot {position % BLOCK_SIZE} holds K/V of {held}, "
+                f"expected the prompt's first {position + 1} tokens"
+            )
+        # Fresh blocks belong to no live sequence.
+        live_blocks = {b for table in self.table.values() for b in table}
+        for block in allocation.block_ids[cached // BLOCK_SIZE :]:
+            assert block not in live_blocks, f"fresh block {block} is still in a live table"
+            self.kv[block] = [None] * BLOCK_SIZE
+        self.prefix_queries += len(prompt_ids)
+        self.prefix_hits += cached
+        self.hit_allocations += cached > 0
+        sequence_id = allocation.sequence_id
+        assert sequence_id not in self.owner and sequence_id not in self.released
+        self.owner[sequence_id] = owner
+        self.tokens[sequence_id] = list(tokens)
+        self.table[sequence_id] = list(allocation.block_ids)
+        self.write(sequence_id, cached)
+        return sequence_id
+
+    @precondition(lambda self: self.history)
+    @rule(target=sequences, data=st.data(), owner=owners, extra=extras)
+    def allocate_a_released_prefix(self, data, owner, extra):
+        """Ask again for what an earlier sequence cached, cut at or near a block boundary."""
+        tokens = data.draw(st.sampled_from(self.history))
+        cut = data.draw(st.integers(0, len(tokens) // BLOCK_SIZE)) * BLOCK_SIZE + data.draw(st.sampled_from([0, 0, 1, 3]))
+        return self.allocate(owner, list(tokens[:cut]), extra, True)
+
+    @rule(target=sequences, owner=owners, slack=st.integers(0, 2))
+    def fill_the_plain_free_blocks(self, owner, slack):
+        """Lease nearly every plain-free block, so that the next allocations must revive or
+        evict cached blocks and the availability check is exercised at its edge."""
+        count = self.ledger.stats().blocks_free - slack
+        if count < 1:
+            return consumes_nothing()
+        return self.allocate(owner, [], [2] * (count * BLOCK_SIZE), False)
+
+    @precondition(lambda self: self.owner)
+    @rule(data=st.data(), extra=extras)
+    def extend(self, data, extra):
+        sequence_id = data.draw(st.sampled_from(sorted(self.owner)))
+        owner = self.owner[sequence_id]
+        old_len = len(self.tokens[sequence_id])
+        new_len = old_len + len(extra)
+        more = -(-new_len // BLOCK_SIZE) - len(self.table[sequence_id])
+        available = self.ledger.blocks_available()
+        try:
+            new_blocks = self.ledger.extend(owner, sequence_id, new_len)
+        except NoFreeBlocks:
+            assert more > available
+            return
+        assert len(new_blocks) == more
+        live_blocks = {b for table in self.table.values() for b in table}
+        assert not live_blocks & set(new_blocks)
+        for block in new_blocks:
+            self.kv[block] = [None] * BLOCK_SIZE
+        self.table[sequence_id] += new_blocks
+        self.tokens[sequence_id] += extra
+        self.write(sequence_id, old_len)
+
+    @precondition(lambda self: self.owner)
+    @rule(data=st.data())
+    def extend_shrinking_is_refused(self, data):
+        sequence_id = data.draw(st.sampled_from(sorted(self.owner)))
+        before = self.ledger.stats()
+        with pytest.raises(InvalidLease):
+            self.ledger.extend(self.owner[sequence_id], sequence_id, len(self.tokens[sequence_id]) - 1)
+        assert self.ledger.stats() == before
+
+    @precondition(lambda self: self.owner)
+    @rule(target=sequences, data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.owner)))
+        owner = self.owner[parent]
+        partial = len(self.tokens[parent]) % BLOCK_SIZE != 0
+        available = self.ledger.blocks_available()
+        try:
+            child = self.ledger.fork(owner, parent)
+        except NoFreeBlocks:
+            assert partial and available == 0
+            return consumes_nothing()
+        parent_table = self.table[parent]
+        if partial:
+            assert child.block_ids[:-1] == parent_table[:-1]
+            assert child.copy == (parent_table[-1], child.block_ids[-1])
+            live_blocks = {b for table in self.table.values() for b in table}
+            assert child.block_ids[-1] not in live_blocks
+            self.kv[child.block_ids[-1]] = list(self.kv[parent_table[-1]])  # the model service's copy
+        else:
+            assert child.block_ids == parent_table
+            assert child.copy is None
+        self.owner[child.sequence_id] = owner
+        self.tokens[child.sequence_id] = list(self.tokens[parent])
+        self.table[child.sequence_id] = list(child.block_ids)
+        return child.sequence_id
+
+    @rule(sequence_id=consumes(sequences), cache_prefix=st.booleans(), keep=st.integers(0, 30), fill=st.booleans())
+    def release(self, sequence_id, cache_prefix, keep, fill=False):
+        if sequence_id not in self.owner:
+            with pytest.raises(UnknownSequence):
+                self.ledger.release(OWNERS[0], sequence_id)
+            return
+        tokens = self.tokens[sequence_id]
+        if fill:
+            # The holder may have written the rest of its last block before extending
+            # (it extends only at block boundaries): caching accepts tokens up to capacity.
+            old_len = len(tokens)
+            tokens += [2] * (len(self.table[sequence_id]) * BLOCK_SIZE - old_len)
+            self.write(sequence_id, old_len)
+        token_ids = tokens[: min(keep, len(tokens))] if keep < 25 else tokens
+        released = self.ledger.release(self.owner[sequence_id], sequence_id, cache_prefix, token_ids)
+        if cache_prefix and len(token_ids) >= BLOCK_SIZE and tuple(token_ids) not in self.history:
+            self.history.append(tuple(token_ids))
+        assert released == len(self.table[sequence_id])
+        self.forget(sequence_id)
+
+    @precondition(lambda self: self.owner)
+    @rule(data=st.data(), other=owners)
+    def wrong_owner_is_refused(self, data, other):
+        sequence_id = data.draw(st.sampled_from(sorted(self.owner)))
+        if other == self.owner[sequence_id]:
+            return
+        before = self.ledger.stats()
+        with pytest.raises(NotOwner, match=repr(self.owner[sequence_id])):
+            self.ledger.release(other, sequence_id)
+        with pytest.raises(NotOwner):
+            self.ledger.extend(other, sequence_id, len(self.tokens[sequence_id]) + 1)
+        assert self.ledger.stats() == before
+
+    @precondition(lambda self: self.released)
+    @rule(data=st.data(), owner=owners)
+    def released_sequence_is_unknown(self, data, owner):
+        sequence_id = data.draw(st.sampled_from(sorted(self.released)))
+        with pytest.raises(UnknownSequence):
+            self.ledger.release(owner, sequence_id)
+        with pytest.raises(UnknownSequence):
+            self.ledger.fork(owner, sequence_id)
+
+    @rule(owner=owners)
+    def release_owner(self, owner):
+        mine = [s for s, o in self.owner.items() if o == owner]
+        expected = sum(len(self.table[s]) for s in mine)
+        assert self.ledger.release_owner(owner) == expected
+        for sequence_id in mine:
+            self.forget(sequence_id)
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def ledger_invariants_hold(self):
+        self.ledger.check_invariants()
+
+    @invariant()
+    def ref_counts_equal_table_occurrences(self):
+        counts = [0] * NUM_BLOCKS
+        for sequence_id, table in self.table.items():
+            assert self.ledger.sequence_blocks(sequence_id) == table
+            assert len(table) == -(-len(self.tokens[sequence_id]) // BLOCK_SIZE)
+            for block in table:
+                counts[block] += 1
+        assert [block.ref_count for block in self.ledger.pool.blocks] == counts
+
+    @invariant()
+    def stats_add_up(self):
+        stats = self.ledger.stats()
+        leased = len({b for table in self.table.values() for b in table})
+        assert stats.blocks_leased == leased
+        assert stats.sequences == len(self.owner)
+        assert stats.blocks_free + stats.blocks_leased + stats.blocks_cached == stats.blocks_total == NUM_BLOCKS
+        assert self.ledger.blocks_available() == stats.blocks_free + stats.blocks_cached
+        assert (stats.prefix_queries, stats.prefix_hits) == (self.prefix_queries, self.prefix_hits)
+
+    @invariant()
+    def every_live_sequence_reads_its_own_tokens(self):
+        for sequence_id, tokens in self.tokens.items():
+            table = self.table[sequence_id]
+            for position in range(len(tokens)):
+                held = self.kv[table[position // BLOCK_SIZE]][position % BLOCK_SIZE]
+                assert held == tuple(tokens[: position + 1]), (
+                    f"sequence {sequence_id} position {position}: block {table[position // BLOCK_SIZE]} "
+                    f"holds K/V of {held}, expected {tokens[: position + 1]} "
+                    "(a block was overwritten while in use, or reused at the wrong place)"
+                )
+
+    @invariant()
+    def cached_blocks_hold_their_registered_tokens(self):
+        for block in self.ledger.pool.cached.values():
+            assert tuple(prefix[-1] for prefix in self.kv[block.block_id]) == block.token_ids
+
+
+def consumes_nothing():
+    """A refused allocation or fork adds no sequence to the bundle."""
+    from hypothesis.stateful import multiple
+
+    return multiple()
+
+
+class CollidingLedgerMachine(LedgerMachine):
+    """Four hash values in all: unrelated prefixes collide all the time."""
+
+    hash_fn = staticmethod(lambda key: hash(key) & 3)
+
+
+class PositionBlindLedgerMachine(LedgerMachine):
+    """The hash ignores the parent: equal block contents at different places collide."""
+
+    hash_fn = staticmethod(lambda key: hash(key[1]))
+
+
+SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLedgerStateful = LedgerMachine.TestCase
+TestLedgerStateful.settings = SETTINGS
+TestCollidingLedgerStateful = CollidingLedgerMachine.TestCase
+TestCollidingLedgerStateful.settings = SETTINGS
+TestPositionBlindLedgerStateful = PositionBlindLedgerMachine.TestCase
+TestPositionBlindLedgerStateful.settings = SETTINGS
+
+
+def test_the_model_sees_prefix_hits():
+    """Guard against a vacuous run: the random prompts do produce prefix hits."""
+    machine = LedgerMachine()
+    prompt = CHUNKS[0] + CHUNKS[1] + [2]
+    first = machine.allocate("a", prompt, [], True)
+    machine.release(first, True, 30)
+    second = machine.allocate("b", prompt, [2], True)
+    assert machine.hit_allocations == 1
+    assert machine.ledger.stats().prefix_hits == 2 * BLOCK_SIZE
+    machine.every_live_sequence_reads_its_own_tokens()
+    machine.ledger.release("b", second)
