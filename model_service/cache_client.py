@@ -23,12 +23,23 @@ log = structlog.get_logger()
 
 STATUS_PREFIX = "LEASE_STATUS_"
 
+# gRPC's default reconnect backoff starts at 1 s and grows to 120 s, and while a channel
+# waits out its backoff every call fails at once without trying to connect. After a
+# cache service restart the engine's Attach retries would then keep failing for many
+# seconds against a server that is already listening. Capping the backoff at 1 s makes
+# re-attach follow the cache service's return within about a second.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 class CacheClient:
     def __init__(self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
                  max_message_bytes: int = 64 * 1024 * 1024, timeout_s: float = 10.0) -> None:
         self.address = address
-        options = message_options(max_message_bytes)
+        options = message_options(max_message_bytes) + RECONNECT_OPTIONS
         if tls_ca:
             credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
             self.channel = grpc.secure_channel(address, credentials, options=options)
@@ -135,5 +146,7 @@ class Heartbeat:
                 if self._stop.is_set():
                     return
                 log.warning("heartbeat_failed", code=error.code().name, details=error.details())
-                self._on_failure(error)
+                # The session id goes with the failure: by the time the engine reads it,
+                # it may have re-attached, and this failure must not end the new session.
+                self._on_failure(self._session_id, error)
                 return

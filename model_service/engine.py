@@ -216,7 +216,9 @@ class Engine:
                     raise FatalAttachError(f"the cache service refused Attach: {error.code().name}: {error.details()}")
                 log.warning("cache_unreachable", address=self.cache.address, retry_in_s=delay)
                 self._stopping.wait(delay)
-                delay = min(delay * 2, 2.0)
+                # At most 1 s between tries: a restarted cache service is re-attached to
+                # within about a second (the channel's reconnect backoff is capped alike).
+                delay = min(delay * 2, 1.0)
         else:
             return
         kv_pool = pool_memory.map_pool(reply.pool)
@@ -235,8 +237,10 @@ class Engine:
                             max_batch_tokens=self.settings.max_batch_tokens),
             blocks_available=reply.sizing.num_blocks,
         )
-        self._heartbeat = Heartbeat(self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
-                                    on_failure=lambda error: self._inbox.put(("cache_failed", error))).start()
+        self._heartbeat = Heartbeat(
+            self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
+            on_failure=lambda session_id, error: self._inbox.put(("cache_failed", session_id, error)),
+        ).start()
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
         self._on_serving(True)
@@ -307,7 +311,11 @@ class Engine:
                 self._end(live.seq, Finish.ABORTED)
                 log.info("request_cancelled", request_id=live.seq.request_id)
         elif kind == "cache_failed":
-            raise CacheFailed(message[1])
+            # Both the heartbeat and the lease call see a dying cache service; when the
+            # lease call got there first the engine has re-attached since, and a failure
+            # of the old session says nothing about the new one.
+            if message[1] == self.session_id:
+                raise CacheFailed(message[2])
 
     def _emit(self, lives: list[_Live], tokens: list[int]) -> None:
         now = time.perf_counter()
@@ -365,6 +373,21 @@ class Engine:
                 self._pending -= 1
             live.sink(Delta(finish=Finish.ABORTED, error=(code, message)))
 
+    def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
+        """Fails requests still in the inbox. Without this a request submitted just before
+        the cache service went away would wait, stream open, for a re-attach that may
+        never come (or until SIGTERM), instead of ending with a status."""
+        while True:
+            try:
+                queued = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if queued[0] == "submit":
+                with self._pending_lock:
+                    self._pending -= 1
+                queued[1].sink(Delta(finish=Finish.ABORTED, error=(code, message)))
+            # Cancels have nothing left to cancel; stale cache failures nothing left to fail.
+
     def _lose_cache(self, error: BaseException) -> None:
         log.error("cache_service_lost", error=describe_error(error), requests_failed=len(self._live))
         self.connected.clear()
@@ -374,12 +397,15 @@ class Engine:
             self._heartbeat.stop()
         self._fail_all(grpc.StatusCode.UNAVAILABLE,
                        f"the cache service at {self.cache.address} went away mid-request ({describe_error(error)}); retry")
+        self._fail_queued(grpc.StatusCode.UNAVAILABLE,
+                          f"the cache service at {self.cache.address} went away; retry")
         self._inflight = self._inflight_ops = None
         self.scheduler = self.runner = None
         self.session_id = self.sizing = None
 
     def _shutdown(self) -> None:
         """SIGTERM: end what is left, give every block back, detach."""
+        self._fail_queued(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere")
         if not self.connected.is_set():
             self._fail_all(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down")
             return
