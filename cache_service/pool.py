@@ -98,12 +98,12 @@ class KvPool:
         # Each CUDA IPC export takes its own reference-count slot: one per importer.
         return pool_memory.cuda_handle_to_proto(self._memory)
 
-    def heartbeat(self, session_id: str) -> None:
-        self.sessions.touch(session_id)
+    def heartbeat(self, session_id: str) -> Session:
+        return self.sessions.touch(session_id)
 
     def detach(self, session_id: str) -> int:
         session = self.sessions.close(session_id)
-        released = self.ledger.release_owner(session.session_id)
+        released = self.ledger.release_owner(session.owner)
         log.info("session_detached", session=session_id[:8], blocks_reclaimed=released)
         return released
 
@@ -111,7 +111,7 @@ class KvPool:
         """Reclaims the leases of every session that missed its TTL; returns blocks freed."""
         released = 0
         for session in self.sessions.expire():
-            blocks = self.ledger.release_owner(session.session_id)
+            blocks = self.ledger.release_owner(session.owner)
             released += blocks
             log.warning("session_expired", session=session.session_id[:8], client=session.client_name,
                         blocks_reclaimed=blocks, ttl_ms=self.settings.lease_ttl_ms)

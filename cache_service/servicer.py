@@ -80,13 +80,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         started = time.perf_counter()
         try:
             # A lease call is proof of life too.
-            self.pool.heartbeat(request.session_id)
+            session = self.pool.heartbeat(request.session_id)
             ledger, _ = self.pool.require_pool()
             if len(request.ops) > MAX_OPS_PER_CALL:
                 raise ValueError(f"{len(request.ops)} ops in one Lease call; at most {MAX_OPS_PER_CALL}")
         except (UnknownSession, NoPool, ValueError) as error:
             await abort_for(context, error)
-        results = [apply_op(ledger, request.session_id, op) for op in request.ops]
+        results = [apply_op(ledger, session.owner, op) for op in request.ops]
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
         return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
 

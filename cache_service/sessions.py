@@ -7,6 +7,7 @@ leases go back to the pool, so a model service killed with -9 leaks nothing.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections.abc import Callable
@@ -22,6 +23,9 @@ class Session:
     session_id: str
     client_name: str
     last_seen: float
+    # Who holds a sequence, as the ledger sees it: error messages name it, so it must not
+    # be the session id (a secret: whoever knows it can touch the session's blocks).
+    owner: str = ""
 
 
 class Sessions:
@@ -31,13 +35,14 @@ class Sessions:
         self.ttl_s = ttl_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._opened = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def open(self, client_name: str) -> Session:
         # Unguessable: a session id is the capability to touch that session's blocks.
-        session = Session(secrets.token_hex(16), client_name, self._clock())
+        session = Session(secrets.token_hex(16), client_name, self._clock(), f"{client_name}#{next(self._opened)}")
         self._sessions[session.session_id] = session
         return session
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 
 import grpc
 import structlog
 
 from model_service import metrics
 from model_service.engine import Delta, Engine, EngineUnavailable, QueueFull
-from model_service.sampling import InvalidRequest, SamplingOptions
+from model_service.sampling import InvalidRequest
 from model_service.sequence import Finish
+from model_service.validation import GenerateLimits, PoolTooSmall, validate_generate_request
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 log = structlog.get_logger()
@@ -25,14 +27,21 @@ FINISH_REASON = {
     Finish.STOP: model_pb2.FINISH_REASON_STOP,
     Finish.EOS: model_pb2.FINISH_REASON_EOS,
 }
-MAX_REQUEST_ID_CHARS = 128
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, engine: Engine, *, default_max_new_tokens: int, max_prompt_tokens: int) -> None:
+    def __init__(self, engine: Engine, *, default_max_new_tokens: int, max_prompt_tokens: int,
+                 max_concurrent_streams: int = 0) -> None:
         self.engine = engine
-        self.default_max_new_tokens = default_max_new_tokens
-        self.max_prompt_tokens = max_prompt_tokens
+        self.limits = GenerateLimits(
+            vocab_size=engine.loaded.config.vocab_size,
+            max_model_len=engine.settings.max_model_len,
+            max_prompt_tokens=max_prompt_tokens,
+            default_max_new_tokens=default_max_new_tokens,
+        )
+        self.max_concurrent_streams = max_concurrent_streams  # 0: no limit
+        # Generate calls in progress; read and written on the event loop only.
+        self.open_streams = 0
 
     async def GetModelInfo(self, request, context):
         loaded = self.engine.loaded
@@ -49,10 +58,27 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         )
 
     async def Generate(self, request, context):
+        if self.max_concurrent_streams and self.open_streams >= self.max_concurrent_streams:
+            metrics.REJECTED.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.open_streams} Generate streams are open, the limit is "
+                f"--max-concurrent-streams {self.max_concurrent_streams}; retry later",
+            )
+        self.open_streams += 1
+        responses = self._generate(request, context)
+        try:
+            async for response in responses:
+                yield response
+        finally:
+            self.open_streams -= 1
+            await responses.aclose()  # its own finally cancels the request, if it still runs
+
+    async def _generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            prompt_token_ids, options = self._validate(request)
+            prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
         except InvalidRequest as error:
             metrics.REJECTED.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -97,49 +123,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 self.engine.cancel(key)
             structlog.contextvars.unbind_contextvars("request_id")
 
-    def _validate(self, request) -> tuple[list[int], SamplingOptions]:
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequest(f"request_id is {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
-        config = self.engine.loaded.config
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidRequest("set exactly one of prompt and prompt_token_ids, not both")
-        if request.prompt:
-            prompt_token_ids = self.engine.loaded.tokenizer.encode(request.prompt)
-        else:
-            prompt_token_ids = list(request.prompt_token_ids)
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty: set prompt (text) or prompt_token_ids")
-        out_of_range = [t for t in prompt_token_ids if t >= config.vocab_size]
-        if out_of_range:
-            raise InvalidRequest(
-                f"{len(out_of_range)} prompt token ids are >= vocab_size {config.vocab_size} "
-                f"(first: {out_of_range[0]})"
-            )
-        if len(prompt_token_ids) > self.max_prompt_tokens:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_token_ids)} tokens; this service accepts at most "
-                f"{self.max_prompt_tokens} (--max-prompt-tokens)"
-            )
-        options = SamplingOptions.from_proto(
-            request.sampling,
-            prompt_tokens=len(prompt_token_ids),
-            max_model_len=self.engine.settings.max_model_len,
-            vocab_size=config.vocab_size,
-            default_max_new_tokens=self.default_max_new_tokens,
-        )
-        total = len(prompt_token_ids) + options.max_new_tokens
-        pool_tokens = self.engine.max_total_tokens
-        if pool_tokens and total > pool_tokens:
-            raise PoolTooSmall(
-                f"prompt ({len(prompt_token_ids)}) + max_new_tokens ({options.max_new_tokens}) = {total} tokens "
-                f"can never fit: the whole KV pool holds max_total_tokens={pool_tokens}; "
-                "ask for fewer tokens or give the cache service more memory"
-            )
-        return prompt_token_ids, options
-
-
-class PoolTooSmall(Exception):
-    """A request larger than the whole pool: it could never run."""
+    def _limits(self) -> GenerateLimits:
+        # max_total_tokens is known once attached, and may change on a re-attach.
+        return replace(self.limits, max_total_tokens=self.engine.max_total_tokens)
 
 
 def merge(first: Delta, deltas: asyncio.Queue) -> Delta:

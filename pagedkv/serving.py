@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -104,6 +105,74 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     return grpc.stream_stream_rpc_method_handler(abort_stream, **kwargs)
 
 
+class _Malformed:
+    """What a request that failed to parse becomes, so its handler can say INVALID_ARGUMENT."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT to a request that does not parse (bad UTF-8 in a string
+    field, a truncated message), where gRPC would answer UNKNOWN and log a traceback."""
+
+    def __init__(self) -> None:
+        # method -> (its handler, the wrapped one): wrapped once, not on every call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, _parse_safely(handler, method))
+        return cached[1]
+
+
+def _parse_safely(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler`, but a request that does not parse gets INVALID_ARGUMENT."""
+    # Only unary requests of async handlers: everything our services and health serve.
+    if handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as error:  # protobuf's DecodeError, whatever the runtime
+            return _Malformed(f"malformed request to {method}: {error}")
+
+    kwargs = dict(request_deserializer=deserialize, response_serializer=handler.response_serializer)
+    if handler.unary_unary and inspect.iscoroutinefunction(handler.unary_unary):
+        behavior = handler.unary_unary
+
+        async def unary(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+        behavior = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            responses = behavior(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()
+
+        return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+    return handler
+
+
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -122,7 +191,9 @@ class GrpcServer:
     ) -> None:
         self.config = config
         self.service_names = list(service_names)
+        # Auth first: a caller without the token learns nothing, not even that a request parses.
         interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+        interceptors.append(MalformedRequestInterceptor())
         self.server = grpc.aio.server(interceptors=interceptors, options=message_options(config.max_message_bytes))
         register(self.server)
         self.health = health_aio.HealthServicer()

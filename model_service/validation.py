@@ -1,0 +1,80 @@
+"""Validation of a GenerateRequest: plain code, no gRPC, no engine.
+
+`validate_generate_request` turns a request into prompt token ids and SamplingOptions, or
+raises InvalidRequest (the servicer answers INVALID_ARGUMENT) or PoolTooSmall
+(RESOURCE_EXHAUSTED). Nothing else escapes it, whatever the client sent: a request it
+rejects never reaches the engine, so it never holds a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from model_service.sampling import InvalidRequest, SamplingOptions
+from pagedkv.model.v1 import model_pb2
+
+if TYPE_CHECKING:  # model_service.tokenizer and model_service.models import each other
+    from model_service.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+class PoolTooSmall(Exception):
+    """A request larger than the whole pool: it could never run."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateLimits:
+    vocab_size: int
+    max_model_len: int
+    max_prompt_tokens: int
+    default_max_new_tokens: int
+    # The whole pool's tokens; 0 while not attached (the engine then answers UNAVAILABLE).
+    max_total_tokens: int = 0
+
+
+def validate_generate_request(
+    request: model_pb2.GenerateRequest, limits: GenerateLimits, tokenizer: Tokenizer
+) -> tuple[list[int], SamplingOptions]:
+    request_id = request.request_id
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    # It goes into every log line of the request: no newlines or escape sequences.
+    if not request_id.isprintable():
+        raise InvalidRequest("request_id has control characters; use printable text (letters, digits, -_.:)")
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidRequest("set exactly one of prompt and prompt_token_ids, not both")
+    if request.prompt:
+        prompt_token_ids = tokenizer.encode(request.prompt)
+    else:
+        prompt_token_ids = list(request.prompt_token_ids)
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty: set prompt (text) or prompt_token_ids")
+    vocab_size = limits.vocab_size
+    out_of_range = [t for t in prompt_token_ids if t >= vocab_size]
+    if out_of_range:
+        raise InvalidRequest(
+            f"{len(out_of_range)} prompt token ids are >= vocab_size {vocab_size} (first: {out_of_range[0]})"
+        )
+    if len(prompt_token_ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_token_ids)} tokens; this service accepts at most "
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens)"
+        )
+    options = SamplingOptions.from_proto(
+        request.sampling,
+        prompt_tokens=len(prompt_token_ids),
+        max_model_len=limits.max_model_len,
+        vocab_size=vocab_size,
+        default_max_new_tokens=limits.default_max_new_tokens,
+    )
+    total = len(prompt_token_ids) + options.max_new_tokens
+    pool_tokens = limits.max_total_tokens
+    if pool_tokens and total > pool_tokens:
+        raise PoolTooSmall(
+            f"prompt ({len(prompt_token_ids)}) + max_new_tokens ({options.max_new_tokens}) = {total} tokens "
+            f"can never fit: the whole KV pool holds max_total_tokens={pool_tokens}; "
+            "ask for fewer tokens or give the cache service more memory"
+        )
+    return prompt_token_ids, options
