@@ -400,8 +400,22 @@ class Engine:
         self._fail_queued(grpc.StatusCode.UNAVAILABLE,
                           f"the cache service at {self.cache.address} went away; retry")
         self._inflight = self._inflight_ops = None
+        self._detach_if_reachable(error)
         self.scheduler = self.runner = None
         self.session_id = self.sizing = None
+
+    def _detach_if_reachable(self, error: BaseException) -> None:
+        """After a failure that was not the cache service going away (a rejected op, an
+        internal error), give the old session's leases back now rather than at its TTL."""
+        cause = error.args[0] if isinstance(error, CacheFailed) and error.args else error
+        if isinstance(cause, grpc.RpcError) and cause.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                                 grpc.StatusCode.DEADLINE_EXCEEDED):
+            return
+        try:
+            reclaimed = self.cache.detach(self.session_id)
+            log.info("detached_after_failure", session=self.session_id[:8], blocks_reclaimed=reclaimed)
+        except grpc.RpcError as detach_error:  # NOT_FOUND: the service already dropped it
+            log.info("detach_after_failure_failed", code=detach_error.code().name)
 
     def _shutdown(self) -> None:
         """SIGTERM: end what is left, give every block back, detach."""
