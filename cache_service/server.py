@@ -13,8 +13,7 @@ from cache_service.servicer import CacheServicer
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.flags import add_flag, add_server_flags
-from pagedkv.logs import configure_logging
-from pagedkv.serving import GrpcServer, ServerConfig, serve_until_signal
+from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, serve_until_signal
 from pagedkv.units import parse_bytes
 
 log = structlog.get_logger()
@@ -80,24 +79,12 @@ async def serve(args: argparse.Namespace) -> None:
         await server.start()
         reaper = asyncio.create_task(reap_forever(pool))
         await server.set_serving(True)
-        await serve_until_signal(server, on_stop=_nothing, grace_s=args.grace_s)
+        await serve_until_signal(server, grace_s=args.grace_s)
     finally:
         if reaper is not None:
             reaper.cancel()
         pool.close()
 
 
-async def _nothing() -> None:
-    return None
-
-
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, json=args.log_json)
-    try:
-        ServerConfig.from_args(args)
-        asyncio.run(serve(args))
-    except ValueError as error:
-        parser.error(str(error))
-    return 0
+    return run_server_main(build_parser(), argv, serve)

@@ -68,6 +68,14 @@ class Delta:
 
 
 Sink = Callable[[Delta], None]
+# Hands a step's deltas to their sinks. The default calls each sink from the engine
+# thread; a server passes one that hops to its event loop once per step, not once per token.
+Deliver = Callable[[list[tuple[Sink, Delta]]], None]
+
+
+def deliver_here(deliveries: list[tuple[Sink, Delta]]) -> None:
+    for sink, delta in deliveries:
+        sink(delta)
 
 
 class EngineUnavailable(Exception):
@@ -92,7 +100,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, settings: EngineSettings, cache: CacheClient,
                  device: torch.device, dtype: torch.dtype,
                  on_serving: Callable[[bool], None] = lambda serving: None,
-                 on_fatal: Callable[[BaseException], None] = lambda error: None) -> None:
+                 on_fatal: Callable[[BaseException], None] = lambda error: None,
+                 deliver: Deliver = deliver_here) -> None:
         self.loaded = loaded
         self.settings = settings
         self.cache = cache
@@ -104,6 +113,8 @@ class Engine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._on_serving = on_serving
         self._on_fatal = on_fatal
+        self._deliver = deliver
+        self._outbox: list[tuple[Sink, Delta]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._arrivals = itertools.count()
         self._live: dict[int, _Live] = {}
@@ -192,13 +203,17 @@ class Engine:
                     self._step()
                 except (grpc.RpcError, LeaseLost, CacheFailed) as error:
                     self._lose_cache(error)
+                finally:
+                    self._flush()
             self._shutdown()
+            self._flush()
         except FatalAttachError as error:
             log.error("attach_refused", error=str(error))
             self._on_fatal(error)
         except Exception as error:
             log.exception("engine_crashed")
             self._fail_all(grpc.StatusCode.INTERNAL, "the engine stopped on an internal error; see the service log")
+            self._flush()
             self.connected.clear()
             self._on_serving(False)
             self._on_fatal(error)
@@ -344,7 +359,7 @@ class Engine:
             live.last_token_at = now
             metrics.GENERATED_TOKENS.inc()
             if finish is None:
-                live.sink(Delta(token_ids=[token], text=text))
+                self._outbox.append((live.sink, Delta(token_ids=[token], text=text)))
             else:
                 self._end(seq, finish, last=Delta(token_ids=[token], text=text))
 
@@ -364,14 +379,19 @@ class Engine:
         delta.completion_tokens = seq.num_output
         delta.cached_tokens = seq.cached_tokens
         metrics.REQUESTS.labels(finish.value).inc()
-        live.sink(delta)
+        self._outbox.append((live.sink, delta))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            deliveries, self._outbox = self._outbox, []
+            self._deliver(deliveries)
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         for live in list(self._live.values()):
             self._live.pop(live.seq.arrival, None)
             with self._pending_lock:
                 self._pending -= 1
-            live.sink(Delta(finish=Finish.ABORTED, error=(code, message)))
+            self._outbox.append((live.sink, Delta(finish=Finish.ABORTED, error=(code, message))))
 
     def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
         """Fails requests still in the inbox. Without this a request submitted just before
@@ -385,7 +405,7 @@ class Engine:
             if queued[0] == "submit":
                 with self._pending_lock:
                     self._pending -= 1
-                queued[1].sink(Delta(finish=Finish.ABORTED, error=(code, message)))
+                self._outbox.append((queued[1].sink, Delta(finish=Finish.ABORTED, error=(code, message))))
             # Cancels have nothing left to cancel; stale cache failures nothing left to fail.
 
     def _lose_cache(self, error: BaseException) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 
 import structlog
 import torch
@@ -15,11 +14,10 @@ from model_service.engine import Engine, EngineSettings
 from model_service.models.config import ModelLoadError
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
-from model_service.servicer import ModelServicer
+from model_service.servicer import ModelServicer, deliver_on_loop
 from pagedkv.flags import add_flag, add_server_flags
-from pagedkv.logs import configure_logging
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
-from pagedkv.serving import GrpcServer, ServerConfig, wait_for_stop_signal
+from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
 
 log = structlog.get_logger()
 
@@ -116,7 +114,8 @@ async def serve(args: argparse.Namespace) -> int:
     def on_fatal(error: BaseException) -> None:
         loop.call_soon_threadsafe(lambda: fatal.done() or fatal.set_result(error))
 
-    engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal)
+    engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal,
+                    deliver=deliver_on_loop(loop))
     servicer = ModelServicer(engine, default_max_new_tokens=args.default_max_new_tokens,
                              max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
                              max_concurrent_streams=args.max_concurrent_streams)
@@ -141,13 +140,4 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, json=args.log_json)
-    try:
-        ServerConfig.from_args(args)
-        return asyncio.run(serve(args))
-    except (ModelLoadError, ValueError) as error:
-        log.error("startup_failed", error=str(error))
-        print(f"model_service: {error}", flush=True, file=sys.stderr)
-        return 2
+    return run_server_main(build_parser(), argv, serve, startup_errors=(ModelLoadError, ValueError))

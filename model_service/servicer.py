@@ -59,12 +59,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Generate(self, request, context):
         if self.max_concurrent_streams and self.open_streams >= self.max_concurrent_streams:
-            metrics.REJECTED.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.open_streams} Generate streams are open, the limit is "
-                f"--max-concurrent-streams {self.max_concurrent_streams}; retry later",
-            )
+            await reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{self.open_streams} Generate streams are open, the limit is "
+                         f"--max-concurrent-streams {self.max_concurrent_streams}; retry later")
         self.open_streams += 1
         responses = self._generate(request, context)
         try:
@@ -80,26 +77,18 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         try:
             prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
         except InvalidRequest as error:
-            metrics.REJECTED.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await reject(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         except PoolTooSmall as error:
-            metrics.REJECTED.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            await reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error)
 
-        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
-
-        def sink(delta: Delta) -> None:  # called from the engine thread
-            loop.call_soon_threadsafe(deltas.put_nowait, delta)
-
         try:
-            key = self.engine.submit(request_id, prompt_token_ids, options, sink)
+            # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
+            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait)
         except QueueFull as error:
-            metrics.REJECTED.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            await reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error)
         except EngineUnavailable as error:
-            metrics.REJECTED.labels("UNAVAILABLE").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await reject(context, grpc.StatusCode.UNAVAILABLE, error)
 
         finished = False
         try:
@@ -126,6 +115,26 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
     def _limits(self) -> GenerateLimits:
         # max_total_tokens is known once attached, and may change on a re-attach.
         return replace(self.limits, max_total_tokens=self.engine.max_total_tokens)
+
+
+def deliver_on_loop(loop: asyncio.AbstractEventLoop):
+    """The engine's Deliver for a server: one hop to the event loop per engine step,
+    carrying every stream's deltas, instead of a wake-up per token."""
+
+    def deliver_all(deliveries) -> None:
+        for sink, delta in deliveries:
+            sink(delta)
+
+    def deliver(deliveries) -> None:
+        loop.call_soon_threadsafe(deliver_all, deliveries)
+
+    return deliver
+
+
+async def reject(context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: object) -> None:
+    """Ends a call before it reached the engine, counted by status."""
+    metrics.REJECTED.labels(code.name).inc()
+    await context.abort(code, str(reason))
 
 
 def merge(first: Delta, deltas: asyncio.Queue) -> Delta:

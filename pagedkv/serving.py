@@ -12,6 +12,7 @@ import hmac
 import inspect
 import json
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
+from pagedkv.logs import configure_logging
 
 log = structlog.get_logger()
 
@@ -248,11 +251,26 @@ async def wait_for_stop_signal() -> signal.Signals:
     return await stopped
 
 
-async def serve_until_signal(server: GrpcServer, on_stop: Callable[[], Awaitable[None]], grace_s: float) -> None:
-    """Runs until SIGTERM/SIGINT, then health goes NOT_SERVING, on_stop runs, the server stops."""
+def run_server_main(parser, argv: list[str], serve: Callable[[object], Awaitable[int | None]],
+                    startup_errors: tuple[type[BaseException], ...] = (ValueError,)) -> int:
+    """The `main` of a service: parse flags, configure logs, serve; a start-up error a
+    person can fix (bad flag values, a model that does not load) exits 2 with its message."""
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, json=args.log_json)
+    try:
+        ServerConfig.from_args(args)
+        return asyncio.run(serve(args)) or 0
+    except startup_errors as error:
+        log.error("startup_failed", error=str(error))
+        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+
+
+async def serve_until_signal(server: GrpcServer, grace_s: float) -> None:
+    """Runs until SIGTERM/SIGINT; then health goes NOT_SERVING and in-flight calls get
+    grace_s seconds to finish before the server stops."""
     sig = await wait_for_stop_signal()
     log.info("stopping", signal=sig.name, grace_s=grace_s)
     await server.set_serving(False)
-    await on_stop()
     await server.stop(grace_s)
     log.info("stopped")

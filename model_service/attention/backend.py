@@ -98,5 +98,7 @@ class PagedAttention:
                 meta.query_lens[num_decode:],
                 meta.context_lens_host[num_decode:],
                 scale,
+                k_new=k[num_decode:],
+                v_new=v[num_decode:],
             )
         return out

@@ -86,12 +86,17 @@ def prefill_attention_torch(
     query_lens: tuple[int, ...],
     context_lens: tuple[int, ...],  # host ints; include the tokens just written
     scale: float,
+    k_new: torch.Tensor | None = None,  # [num_prefill_tokens, kv_heads, head_dim], this step's K
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for prefill chunks over pool K/V (cached prefix included).
 
     Sequence i's query_lens[i] new tokens are the last ones of its context_lens[i] tokens, so
     new token j sits at position prefix + j and sees positions 0..prefix + j.
     Returns [num_prefill_tokens, q_heads, head_dim].
+
+    With k_new/v_new (this step's K/V, already written to the pool), a sequence with no
+    cached prefix attends over them directly instead of gathering them back from its blocks.
     """
     _, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_layer.shape
@@ -103,11 +108,15 @@ def prefill_attention_torch(
         prefix_len = context_len - query_len
         if prefix_len < 0:
             raise ValueError(f"sequence {seq}: query_len {query_len} > context_len {context_len}")
-        used_blocks = -(-context_len // block_size)
-        block_ids = block_tables[seq, :used_blocks].to(kv_layer.device)
-        # [context_len, kv_heads, D] -> [kv_heads, context_len, D]
-        k = kv_layer[0].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
-        v = kv_layer[1].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
+        if prefix_len == 0 and k_new is not None:
+            k = k_new[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)
+            v = v_new[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)
+        else:
+            used_blocks = -(-context_len // block_size)
+            block_ids = block_tables[seq, :used_blocks].to(kv_layer.device)
+            # [context_len, kv_heads, D] -> [kv_heads, context_len, D]
+            k = kv_layer[0].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
+            v = kv_layer[1].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
         q_seq = q[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)  # [q_heads, query_len, D]
         if prefix_len == 0:
             mask, causal = None, True  # plain causal: lets SDPA pick its fastest kernel
