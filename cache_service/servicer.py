@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import grpc
 
@@ -87,6 +88,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         except (UnknownSession, NoPool, ValueError) as error:
             await abort_for(context, error)
         results = [apply_op(ledger, session.owner, op) for op in request.ops]
+        count_ops(request.ops, results)
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
         return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
 
@@ -139,8 +141,15 @@ def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp) -> cache_pb2.Lea
         result = cache_pb2.LeaseResult(status=LEASE_STATUS[error.code], message=str(error))
         if kind in ("extend", "fork", "release"):
             result.sequence_id = getattr(op, kind).sequence_id
-    metrics.LEASE_OPS.labels(kind or "empty", cache_pb2.LeaseStatus.Name(result.status)).inc()
     return result
+
+
+def count_ops(ops, results) -> None:
+    # One metric update per kind of op and result, not per op: label lookups cost more
+    # than the ledger's work on a block.
+    tally = Counter((op.WhichOneof("op") or "empty", result.status) for op, result in zip(ops, results))
+    for (kind, status), count in tally.items():
+        metrics.LEASE_OPS.labels(kind, cache_pb2.LeaseStatus.Name(status)).inc(count)
 
 
 def stats_proto(pool: KvPool) -> cache_pb2.CacheStats:
