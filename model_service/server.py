@@ -90,6 +90,8 @@ async def serve(args: argparse.Namespace) -> int:
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
+    # The warmup runs before Attach, so before the pool's block size is known: any block
+    # size gives the same activations, only the scratch pool's shape differs.
     warmup_tokens = min(args.max_batch_prefill_tokens, max_model_len)
     workspace = measure_workspace(loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim),
                                   dtype, device, block_size=16, num_tokens=warmup_tokens)

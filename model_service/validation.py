@@ -9,13 +9,10 @@ rejects never reaches the engine, so it never holds a block.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from model_service.sampling import InvalidRequest, SamplingOptions
+from model_service.tokenizer import Tokenizer
 from pagedkv.model.v1 import model_pb2
-
-if TYPE_CHECKING:  # model_service.tokenizer and model_service.models import each other
-    from model_service.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_CHARS = 128
 

@@ -14,7 +14,9 @@ import torch
 from hf_checkpoints import CHECKPOINT_KINDS, write_checkpoint
 
 from model_service.attention.metadata import AttentionMetadata
-from model_service.models import LlamaForCausalLM, ModelConfig, last_token_indices, load_model
+from model_service.models.config import ModelConfig
+from model_service.models.llama import LlamaForCausalLM, last_token_indices
+from model_service.models.loader import load_model
 
 BLOCK_SIZE = 4  # small, so short sequences still span several blocks
 NUM_BLOCKS = 48

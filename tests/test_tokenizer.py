@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 
-from model_service.models import ModelLoadError
+from model_service.models.config import ModelLoadError
 from model_service.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TEXTS = ["hello world", "Grüße, naïve café", "日本語のテキスト", "emoji 🙂 and 👩‍👩‍👧", ""]

@@ -1,7 +1,6 @@
-"""Llama-family models over the paged KV pool: config, weights, the tiny model, loading."""
+"""Llama-family models over the paged KV pool: config, weights, the tiny model, loading.
 
-from model_service.models.config import ModelConfig, ModelLoadError
-from model_service.models.llama import LlamaForCausalLM, last_token_indices
-from model_service.models.loader import LoadedModel, load_model
-
-__all__ = ["LlamaForCausalLM", "LoadedModel", "ModelConfig", "ModelLoadError", "last_token_indices", "load_model"]
+Import from the modules themselves (models.config, models.llama, models.loader): this
+package imports nothing, so model_service.tokenizer (which needs models.config) and
+models.tiny (which needs the tokenizer) can each be imported first.
+"""
