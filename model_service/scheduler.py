@@ -81,11 +81,6 @@ class Step:
     batch: list[tuple[Sequence, int]]
     lease_ops: LeaseOps
     preempted: list[Sequence]
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for _, n in self.batch if n == 1)
 
 
 class Scheduler:
