@@ -9,6 +9,7 @@ import os
 import structlog
 import torch
 
+from model_service.attention.backend import load_triton_kernels
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineSettings
 from model_service.models.config import ModelLoadError
@@ -68,10 +69,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def use_cuda_graphs(choice: str, device: torch.device, attention_backend: str) -> bool:
+def use_cuda_graphs(choice: str, device: torch.device, attention_backend: str,
+                    triton_available: bool = True) -> bool:
     # Graphs need the Triton decode kernel: it reads context lengths from device memory,
-    # while the PyTorch path trims by host-side lengths that a graph would freeze.
-    possible = device.type == "cuda" and attention_backend in ("auto", "triton")
+    # while the PyTorch path (what "auto" falls back to without triton) trims by
+    # host-side lengths that a graph would freeze.
+    possible = device.type == "cuda" and attention_backend in ("auto", "triton") and triton_available
     if choice == "on" and not possible:
         raise ValueError("--cuda-graphs on needs --device cuda and the Triton attention backend")
     return possible and choice != "off"
@@ -102,7 +105,8 @@ async def serve(args: argparse.Namespace) -> int:
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
-        cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend),
+        cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
+                                    device.type == "cuda" and load_triton_kernels() is not None),
     )
     cache = CacheClient(args.cache_service, auth_token=args.cache_auth_token or args.auth_token,
                         tls_ca=args.cache_tls_ca)

@@ -107,14 +107,14 @@ def test_prefill_and_oversized_batches_take_the_eager_path():
     assert not graphs.can_run(too_long)
 
 
-@pytest.mark.parametrize("choice, device, backend, expected", [
-    ("auto", "cpu", "auto", False), ("auto", "cuda", "auto", True), ("off", "cuda", "auto", False),
-    ("auto", "cuda", "torch", False),
+@pytest.mark.parametrize("choice, device, backend, triton, expected", [
+    ("auto", "cpu", "auto", True, False), ("auto", "cuda", "auto", True, True), ("off", "cuda", "auto", True, False),
+    ("auto", "cuda", "torch", True, False), ("auto", "cuda", "auto", False, False),
 ])
-def test_cuda_graphs_flag(choice, device, backend, expected):
+def test_cuda_graphs_flag(choice, device, backend, triton, expected):
     from model_service.server import use_cuda_graphs
 
-    assert use_cuda_graphs(choice, torch.device(device), backend) is expected
+    assert use_cuda_graphs(choice, torch.device(device), backend, triton) is expected
 
 
 def test_cuda_graphs_on_without_cuda_is_an_error():
