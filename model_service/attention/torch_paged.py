@@ -124,9 +124,12 @@ def prefill_attention_torch(
             # SDPA's is_causal aligns the diagonal top-left; ours is offset by the prefix.
             mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(prefix_len)
             causal = False
+        # 4-D (a batch of one): SDPA's fused CPU kernel takes only 4-D inputs; 3-D ones went
+        # down its unfused math path (a quarter of a 2,048-token prefill step).
         attended = F.scaled_dot_product_attention(
-            q_seq, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q_heads != kv_heads
-        )  # [q_heads, query_len, D]
+            q_seq[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=q_heads != kv_heads,
+        )[0]  # [q_heads, query_len, D]
         out[start : start + query_len] = attended.transpose(0, 1)
         start += query_len
     return out
