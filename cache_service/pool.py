@@ -89,7 +89,7 @@ class KvPool:
         else:
             self._check_fits(max_model_len)
         session = self.sessions.open(client_name)
-        log.info("session_attached", session=session.session_id[:8], client=client_name)
+        log.info("session_attached", session=session.owner, client=client_name)
         return Attachment(session, self.sizing, self._handle_for_attach())
 
     def _handle_for_attach(self) -> cache_pb2.PoolHandle:
@@ -104,7 +104,7 @@ class KvPool:
     def detach(self, session_id: str) -> int:
         session = self.sessions.close(session_id)
         released = self.ledger.release_owner(session.owner)
-        log.info("session_detached", session=session_id[:8], blocks_reclaimed=released)
+        log.info("session_detached", session=session.owner, blocks_reclaimed=released)
         return released
 
     def reap_expired(self) -> int:
@@ -113,7 +113,7 @@ class KvPool:
         for session in self.sessions.expire():
             blocks = self.ledger.release_owner(session.owner)
             released += blocks
-            log.warning("session_expired", session=session.session_id[:8], client=session.client_name,
+            log.warning("session_expired", session=session.owner, client=session.client_name,
                         blocks_reclaimed=blocks, ttl_ms=self.settings.lease_ttl_ms)
         return released
 
