@@ -160,7 +160,7 @@ def sample(
     sampled_rows = [row for row, opts in enumerate(options) if not opts.greedy]
     # One argmax answers every greedy row; sampled rows overwrite their entries below.
     if len(sampled_rows) < batch:
-        token_ids = logits.argmax(dim=-1)  # [B]
+        token_ids = argmax_rows(logits)  # [B]
         if not sampled_rows:
             return token_ids
     else:
@@ -221,6 +221,15 @@ def sample(
         return drawn
     token_ids[rows] = drawn
     return token_ids
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first one on ties, as torch.argmax), int64."""
+    if logits.device.type == "cpu":
+        # torch's CPU argmax over a [48, 32000] batch takes ~1.7 ms, numpy's ~0.2 ms on this
+        # 2-core machine: the difference was 7 % of a decode step at batch 48.
+        return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1).astype("int64", copy=False))
+    return logits.argmax(dim=-1)
 
 
 # The nucleus almost always lies within the best few hundred tokens; looking there first

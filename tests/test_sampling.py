@@ -6,6 +6,7 @@ import torch
 from model_service.sampling import (
     InvalidRequest,
     SamplingOptions,
+    argmax_rows,
     make_generator,
     sample,
 )
@@ -37,6 +38,19 @@ def test_greedy_batch_equals_argmax():
     token_ids = sample(logits, options, [None] * 8)
     assert token_ids.dtype == torch.int64
     assert torch.equal(token_ids, logits.argmax(dim=-1))
+
+
+def test_argmax_rows_agrees_with_torch_on_ties_nan_and_strided_input():
+    logits = random_logits(6, vocab=10)
+    logits[0] = 1.0  # all tied: the first index
+    logits[1, 3] = logits[1, 7] = 50.0  # tied maxima: the first one
+    logits[2, 5] = float("nan")  # NaN counts as the largest, as in torch.argmax
+    logits[3, 2] = float("inf")
+    strided = torch.randn(10, 6).t()  # a transposed view, not contiguous
+    for rows in (logits, strided, logits[:, ::2]):
+        got = argmax_rows(rows)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, rows.argmax(dim=-1))
 
 
 def test_top_k_one_equals_greedy():
