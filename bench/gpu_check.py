@@ -126,6 +126,7 @@ def ipc_pool_sharing() -> None:
 def decode_graphs_do_not_recapture() -> None:
     from model_service.decode_graphs import DecodeGraphs, cuda_graph_capture
     from model_service.models.tiny import build_tiny_model
+    from model_service.runner import ModelRunner
     from model_service.sequence import Sequence
 
     model = build_tiny_model(torch.bfloat16, "cuda", attention_backend="triton")
@@ -144,10 +145,17 @@ def decode_graphs_do_not_recapture() -> None:
             block += blocks
         return out
 
-    graphs.run(batch([300] * 24))
-    graphs.run(batch([40] * 7))  # shorter prompts, another batch size
-    graphs.run(batch([9, 17, 33]))
+    runner = ModelRunner(model, pool, 16, graphs)
+    eager = ModelRunner(model, pool, 16)
+    first = batch([300] * 24)
+    _, logits = runner.execute(first)
+    _, expected = eager.execute(first)
+    error = (logits.float() - expected.float()).abs().max().item()
+    check("graph replay matches the eager step", error < 5e-2, f"max |diff| {error:.2e} (bf16 logits)")
+    runner.execute(batch([40] * 7))  # shorter prompts, another batch size
+    runner.execute(batch([9, 17, 33]))
     torch.cuda.synchronize()
+    check("the runner replays graphs for decode steps", graphs.replays == 3, f"replays {graphs.replays}")
     check("no new graph for shorter prompts or other batch sizes", graphs.captures == captured,
           f"captured at start-up {captured}, after {graphs.captures}")
 

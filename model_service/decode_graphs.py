@@ -66,6 +66,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((largest, self.max_blocks), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.captures = 0
+        self.replays = 0
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         for size in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
             meta = AttentionMetadata(
@@ -111,4 +112,6 @@ class DecodeGraphs:
         self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
         self.context_lens[:size].copy_(torch.tensor(lens + [0] * padding, dtype=torch.int32), non_blocking=True)
         self.block_tables[:size].copy_(tables, non_blocking=True)
+        self.replays += 1
+        # The graph's output buffer: the next replay overwrites it, so use it before then.
         return self._replays[size]()[: len(batch)]

@@ -36,9 +36,14 @@ class ModelRunner:
     def execute(self, batch: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Runs one step. Returns the sequences whose next token is due and their logits
         [len(due), vocab] float32, in batch order. Does not change the sequences."""
-        input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
-        rows = last_token_indices(meta.query_lens)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            # One token a sequence: a captured graph of this batch's bucket replays the step.
+            hidden = self.decode_graphs.run(batch)  # [len(batch), hidden]
+            rows = list(range(len(batch)))
+        else:
+            input_ids, positions, meta = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
+            rows = last_token_indices(meta.query_lens)
         due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

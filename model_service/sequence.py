@@ -50,17 +50,9 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
-
-    @property
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model: a prompt (chunk) or the last sampled token."""
         return len(self.token_ids) - self.num_computed
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_uncomputed > 1
 
     def capacity(self, block_size: int) -> int:
         return len(self.block_table) * block_size

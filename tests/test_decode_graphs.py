@@ -30,7 +30,7 @@ class SkipPaddingAttention:
 
     def __call__(self, q, k, v, kv_layer, meta, scale):
         real = int((meta.slot_mapping >= 0).sum())
-        if real == len(meta.query_lens):
+        if real == len(meta.slot_mapping):  # no padding rows
             return self.inner(q, k, v, kv_layer, meta, scale)
         trimmed = dataclasses.replace(
             meta, slot_mapping=meta.slot_mapping[:real], block_tables=meta.block_tables[:real],
@@ -91,6 +91,30 @@ def test_graph_decode_matches_eager_and_never_recaptures():
             expected = model(input_ids, positions, pool, meta)
         torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
     assert len(captures) == graphs.captures == len(batch_buckets(16)), "a new shape captured a new graph"
+
+
+def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly():
+    torch.manual_seed(0)
+    model = build_tiny_model(attention=SkipPaddingAttention())
+    config = model.config
+    pool = torch.randn(config.num_layers, 2, 256, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    graphs = DecodeGraphs(model, pool, BLOCK_SIZE, max_num_seqs=8, max_model_len=256, capture=eager_capture([]))
+    with_graphs = ModelRunner(model, pool, BLOCK_SIZE, graphs)
+    eager = ModelRunner(model, pool, BLOCK_SIZE)
+
+    decode = decode_batch([9, 30, 2])
+    due, logits = with_graphs.execute(decode)
+    assert graphs.replays == 1
+    expected_due, expected = eager.execute(decode)
+    assert due == expected_due == [seq for seq, _ in decode]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+    prefill = decode_batch([20], first_block=100)
+    prefill[0][0].num_computed = 0
+    prefill[0] = (prefill[0][0], 20)
+    due, logits = with_graphs.execute(prefill)
+    assert graphs.replays == 1, "a prefill step went through a decode graph"
+    torch.testing.assert_close(logits, eager.execute(prefill)[1], atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_and_oversized_batches_take_the_eager_path():

@@ -41,9 +41,5 @@ class AttentionMetadata:
         return len(self.query_lens)
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
-
-    @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
