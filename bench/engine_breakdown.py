@@ -1,0 +1,133 @@
+"""W48 through the engine alone: where a run's time goes, without gRPC streaming or a client.
+
+The same checkpoint and workload as bench_generate.py; a real cache service process
+leases the blocks, but the engine runs in this process and its tokens go to plain
+callbacks. Reports the wall time, engine steps by kind (prefill, decode by batch size),
+and the time inside the layer linears, the lm_head and paged attention (K/V write,
+gather and SDPA), measured by timing those calls (CPU work is synchronous).
+
+    .venv/bin/python bench/engine_breakdown.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+
+from bench_generate import workload, write_w48_checkpoint  # noqa: E402
+from processes import start_cache_service  # noqa: E402
+
+from model_service.attention.backend import PagedAttention  # noqa: E402
+from model_service.cache_client import CacheClient  # noqa: E402
+from model_service.engine import Engine, EngineSettings  # noqa: E402
+from model_service.models.loader import load_model  # noqa: E402
+from model_service.runner import ModelRunner  # noqa: E402
+from model_service.sampling import SamplingOptions  # noqa: E402
+
+# seconds spent inside each kind of call, and one (batch size, tokens, seconds) per step
+time_in: collections.Counter[str] = collections.Counter()
+steps: list[tuple[int, int, float]] = []
+
+
+def timed(owner, name: str, label) -> None:
+    """Replace owner.name with a wrapper that adds its wall time to time_in[label(args)]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            time_in[label(args)] += time.perf_counter() - started
+
+    setattr(owner, name, wrapper)
+
+
+def instrument(vocab_size: int) -> None:
+    timed(nn.Linear, "forward", lambda args: "lm_head" if args[0].out_features == vocab_size else "layer linears")
+    timed(PagedAttention, "__call__", lambda args: "paged attention, decode steps"
+          if args[5].num_decode_seqs == args[5].num_seqs else "paged attention, prefill steps")
+    execute = ModelRunner.execute
+
+    def execute_and_log(runner, batch):
+        started = time.perf_counter()
+        result = execute(runner, batch)
+        steps.append((len(batch), sum(n for _, n in batch), time.perf_counter() - started))
+        return result
+
+    ModelRunner.execute = execute_and_log
+
+
+def step_kind(batch_size: int, tokens: int) -> str:
+    if tokens > batch_size:
+        return "prefill (or mixed)"
+    return "decode, batch 1-8" if batch_size <= 8 else "decode, batch 9-24" if batch_size <= 24 else "decode, batch 25+"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    requests = workload()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        loaded = load_model(str(write_w48_checkpoint(tmp / "w48")), torch.float32, "cpu")
+        instrument(loaded.config.vocab_size)
+        with start_cache_service(tmp, "--kv-cache-bytes", "512MiB") as cache:
+            settings = EngineSettings(max_model_len=1024, max_batch_tokens=2048, max_num_seqs=64)
+            engine = Engine(loaded, settings, CacheClient(cache.address), torch.device("cpu"), torch.float32)
+            engine.start()
+            if not engine.connected.wait(30):
+                raise SystemExit("the engine did not attach to the cache service")
+            finished = threading.Semaphore(0)
+
+            def sink(delta) -> None:
+                if delta.finish is not None or delta.error is not None:
+                    finished.release()
+
+            def run(items) -> float:
+                started = time.perf_counter()
+                for prompt, max_new in items:
+                    engine.submit("bench", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
+                for _ in items:
+                    finished.acquire()
+                return time.perf_counter() - started
+
+            run([(requests[0][0][::-1], 2)])  # warm up, with a prompt the workload does not use
+            time_in.clear()
+            steps.clear()
+            wall = run(requests)
+            engine.stop(5)
+
+    new_tokens = sum(n for _, n in requests)
+    forward = sum(seconds for _, _, seconds in steps)
+    print(f"W48, engine only, {args.threads} threads: {new_tokens} new tokens in {wall:.2f} s "
+          f"({new_tokens / wall:.0f} tokens/s); {len(steps)} steps, {forward:.2f} s in forward passes\n")
+    print("| steps | count | seconds | ms a step |")
+    print("| --- | --- | --- | --- |")
+    kinds: dict[str, list[float]] = collections.defaultdict(list)
+    for batch_size, tokens, seconds in steps:
+        kinds[step_kind(batch_size, tokens)].append(seconds)
+    for kind, times in sorted(kinds.items()):
+        print(f"| {kind} | {len(times)} | {sum(times):.2f} | {1e3 * sum(times) / len(times):.1f} |")
+    print("\n| inside the forward passes | seconds | share of wall |")
+    print("| --- | --- | --- |")
+    for label, seconds in time_in.most_common():
+        print(f"| {label} | {seconds:.2f} | {100 * seconds / wall:.0f} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
