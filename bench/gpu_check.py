@@ -2,6 +2,10 @@
 
     python bench/gpu_check.py            # prints a report; exit 1 if a check fails
 
+Needs torch with CUDA, triton, protobuf and structlog (imported by the model config
+loader); nothing else of the services. On an image that has the first three, a
+structlog wheel is all that must be brought along.
+
 1. Triton kernels (K/V write, decode attention) against the PyTorch path on CUDA, in
    float32, float16 and bfloat16.
 2. Decode kernel bandwidth (bytes of K/V and q read per second) against a
