@@ -47,7 +47,7 @@ def test_argmax_rows_agrees_with_torch_on_ties_nan_and_strided_input():
     logits[2, 5] = float("nan")  # NaN counts as the largest, as in torch.argmax
     logits[3, 2] = float("inf")
     strided = torch.randn(10, 6).t()  # a transposed view, not contiguous
-    for rows in (logits, strided, logits[:, ::2]):
+    for rows in (logits, strided, logits[:, ::2], logits.to(torch.bfloat16)):
         got = argmax_rows(rows)
         assert got.dtype == torch.int64
         assert torch.equal(got, rows.argmax(dim=-1))
