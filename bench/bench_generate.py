@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import statistics
 import random
+import statistics
 import sys
 import tempfile
 import time
