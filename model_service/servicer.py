@@ -7,6 +7,7 @@ so a rejected request never holds a block.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import replace
 
@@ -14,7 +15,8 @@ import grpc
 import structlog
 
 from model_service import metrics
-from model_service.engine import Delta, Engine, EngineUnavailable, QueueFull
+from model_service.engine import Delta, DuplicateRequest, Engine, EngineUnavailable, QueueFull
+from model_service.output import TokenLogprob
 from model_service.sampling import InvalidRequest
 from model_service.sequence import Finish
 from model_service.validation import GenerateLimits, PoolTooSmall, validate_generate_request
@@ -26,6 +28,7 @@ FINISH_REASON = {
     Finish.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     Finish.STOP: model_pb2.FINISH_REASON_STOP,
     Finish.EOS: model_pb2.FINISH_REASON_EOS,
+    Finish.ABORTED: model_pb2.FINISH_REASON_ABORT,
 }
 
 
@@ -38,6 +41,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             max_model_len=engine.settings.max_model_len,
             max_prompt_tokens=max_prompt_tokens,
             default_max_new_tokens=default_max_new_tokens,
+            max_completions=engine.settings.max_num_seqs,
         )
         self.max_concurrent_streams = max_concurrent_streams  # 0: no limit
         # Generate calls in progress; read and written on the event loop only.
@@ -82,35 +86,40 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error)
 
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        remaining_s = context.time_remaining()
+        deadline = time.monotonic() + remaining_s if remaining_s is not None else None
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
-            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait)
+            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
+                                     deadline=deadline, priority=request.priority)
         except QueueFull as error:
             await reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error)
         except EngineUnavailable as error:
             await reject(context, grpc.StatusCode.UNAVAILABLE, error)
+        except DuplicateRequest as error:
+            await reject(context, grpc.StatusCode.ALREADY_EXISTS, error)
 
+        unfinished = options.n
         finished = False
+        held: Delta | None = None  # a delta of another completion that ended a merge
         try:
             while not finished:
-                delta = merge(await deltas.get(), deltas)
+                delta, held = merge(held or await deltas.get(), deltas)
                 if delta.error is not None:
                     finished = True
                     await context.abort(*delta.error)
-                response = model_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text,
-                                                      request_id=request_id)
                 if delta.finish is not None:
-                    finished = True
-                    response.finish_reason = FINISH_REASON[delta.finish]
-                    response.usage.prompt_tokens = delta.prompt_tokens
-                    response.usage.completion_tokens = delta.completion_tokens
-                    response.usage.cached_tokens = delta.cached_tokens
-                yield response
+                    unfinished -= 1
+                    finished = unfinished == 0
+                yield to_response(delta, request_id)
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free the blocks now.
                 self.engine.cancel(key)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def Abort(self, request, context):
+        return model_pb2.AbortResponse(aborted=self.engine.abort(list(request.request_ids)))
 
     def _limits(self) -> GenerateLimits:
         # max_total_tokens is known once attached, and may change on a re-attach.
@@ -137,14 +146,42 @@ async def reject(context: grpc.aio.ServicerContext, code: grpc.StatusCode, reaso
     await context.abort(code, str(reason))
 
 
-def merge(first: Delta, deltas: asyncio.Queue) -> Delta:
-    """Folds every delta already queued into one message: a stream that fell behind
-    catches up with several tokens a message instead of one message a token."""
+def to_response(delta: Delta, request_id: str) -> model_pb2.GenerateResponse:
+    response = model_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text, request_id=request_id,
+                                          index=delta.index, logprobs=[logprob_proto(lp) for lp in delta.logprobs])
+    if delta.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(logprob_proto(lp) for lp in delta.prompt_logprobs)
+    if delta.finish is not None:
+        response.finish_reason = FINISH_REASON[delta.finish]
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+        response.usage.cached_tokens = delta.cached_tokens
+        if isinstance(delta.matched_stop, str):
+            response.matched_stop_str = delta.matched_stop
+        elif delta.matched_stop is not None:
+            response.matched_stop_token_id = delta.matched_stop
+    return response
+
+
+def logprob_proto(logprob: TokenLogprob) -> model_pb2.TokenLogprob:
+    return model_pb2.TokenLogprob(
+        token_id=logprob.token_id, logprob=logprob.logprob,
+        top=[model_pb2.TopLogprob(token_id=token_id, logprob=value) for token_id, value in logprob.top],
+    )
+
+
+def merge(first: Delta, deltas: asyncio.Queue) -> tuple[Delta, Delta | None]:
+    """Folds the deltas already queued for the same completion into one message: a
+    stream that fell behind catches up with several tokens a message instead of one
+    message a token. Returns the message and the delta of another completion that ended
+    the fold, if one did (it goes out next)."""
     merged = first
     while merged.finish is None and merged.error is None and not deltas.empty():
         following = deltas.get_nowait()
         if following.error is not None:
-            return following
+            return following, None
+        if following.index != merged.index:
+            return merged, following
         merged = Delta(
             token_ids=merged.token_ids + following.token_ids,
             text=merged.text + following.text,
@@ -152,5 +189,9 @@ def merge(first: Delta, deltas: asyncio.Queue) -> Delta:
             prompt_tokens=following.prompt_tokens,
             completion_tokens=following.completion_tokens,
             cached_tokens=following.cached_tokens,
+            index=merged.index,
+            logprobs=merged.logprobs + following.logprobs,
+            prompt_logprobs=merged.prompt_logprobs,
+            matched_stop=following.matched_stop,
         )
-    return merged
+    return merged, None
