@@ -239,7 +239,14 @@ class Engine:
                 delay = min(delay * 2, 1.0)
         else:
             return
-        kv_pool = pool_memory.map_pool(reply.pool)
+        try:
+            kv_pool = pool_memory.map_pool(reply.pool)
+        except (pool_memory.PoolMappingError, ValueError) as error:
+            # Most often a new cache service whose pool lives where this process cannot see
+            # it (a restarted cache container has a new /dev/shm). Give the session back now,
+            # not at its TTL, then exit: a restart (compose's restart policy) sees the new pool.
+            self._detach_unmapped(reply.session_id, error)
+            raise FatalAttachError(f"cannot map the cache service's KV pool: {error}") from error
         if kv_pool.device.type != self.device.type:
             kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
         self.session_id = reply.session_id
@@ -265,6 +272,14 @@ class Engine:
         log.info("attached", cache=self.cache.address, session=reply.session_id[:8],
                  num_blocks=reply.sizing.num_blocks, block_size=reply.sizing.block_size,
                  max_total_tokens=reply.sizing.max_total_tokens)
+
+    def _detach_unmapped(self, session_id: str, error: Exception) -> None:
+        try:
+            self.cache.detach(session_id)
+            log.error("pool_unmappable_detached", session=session_id[:8], error=str(error))
+        except grpc.RpcError as detach_error:  # the session then expires at its TTL
+            log.error("pool_unmappable_detach_failed", session=session_id[:8], error=str(error),
+                      code=detach_error.code().name)
 
     def _step(self) -> None:
         scheduler = self.scheduler

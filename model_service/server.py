@@ -15,7 +15,8 @@ from model_service.engine import Engine, EngineSettings
 from model_service.models.config import ModelLoadError
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
-from model_service.servicer import ModelServicer, deliver_on_loop
+from model_service.generation import GenerationService, deliver_on_loop
+from model_service.servicer import ModelServicer
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
@@ -126,9 +127,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal,
                     deliver=deliver_on_loop(loop))
-    servicer = ModelServicer(engine, default_max_new_tokens=args.default_max_new_tokens,
-                             max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
-                             max_concurrent_streams=args.max_concurrent_streams)
+    generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
+                                   max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
+                                   max_concurrent_streams=args.max_concurrent_streams)
+    servicer = ModelServicer(generation)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
     await server.start()
