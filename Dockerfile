@@ -39,7 +39,7 @@ RUN pip install . && rm -rf build /tmp/requirements.txt
 RUN useradd --create-home --uid 10001 --user-group pagedkv
 USER pagedkv
 
-EXPOSE 50051 50052 9401 9402
+EXPOSE 50051 50052 9401 9402 8000
 # The gRPC health of whichever service runs here (PAGEDKV_PORT is set per service; the
 # cache service's port is the default). Compose files set their own, same probe.
 HEALTHCHECK --interval=10s --timeout=10s --start-period=120s --retries=3 \
