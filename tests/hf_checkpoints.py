@@ -8,6 +8,8 @@ Kinds (CHECKPOINT_KINDS):
 - "llama": GQA (4 heads, 2 KV heads), llama3 rope scaling whose original context (64) is
   short enough that the scaling changes the frequencies; generation_config eos is a list.
 - "llama-sharded": the same model saved in several safetensors shards with an index.
+- "llama-mha-bias": full multi-head attention (4 KV heads for 4 heads) and attention_bias,
+  which in transformers' Llama puts a bias on q/k/v and on o_proj; plain RoPE.
 - "mistral": head_dim (32) != hidden / heads (16), sliding_window 7 on every layer: shorter
   than the test sequences and not a multiple of any block size the tests use.
 - "qwen2": tied embeddings, q/k/v bias, one KV head (MQA); generation_config eos is an int.
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-CHECKPOINT_KINDS = ("llama", "llama-sharded", "mistral", "qwen2", "qwen2-window")
+CHECKPOINT_KINDS = ("llama", "llama-sharded", "llama-mha-bias", "mistral", "qwen2", "qwen2-window")
 MISTRAL_WINDOW, QWEN2_WINDOW = 7, 6
 VOCAB_SIZE = 384  # the tokenizer uses fewer ids; checkpoints often pad their vocab
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|extra|>"]
@@ -98,6 +100,8 @@ def _hf_config(kind: str):
             },
             **common,
         )
+    if kind == "llama-mha-bias":
+        return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, attention_bias=True, **common)
     if kind == "mistral":
         return MistralConfig(
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=MISTRAL_WINDOW, **common
