@@ -21,7 +21,8 @@ import grpc
 import structlog
 
 from model_service import metrics
-from model_service.engine import Delta, Engine, EngineUnavailable, QueueFull
+from model_service.engine import Delta, DuplicateRequest, Engine, EngineUnavailable, QueueFull
+from model_service.output import TokenLogprob
 from model_service.sampling import InvalidRequest
 from model_service.sequence import Finish
 from model_service.validation import GenerateLimits, PoolTooSmall, validate_generate_request
@@ -31,6 +32,7 @@ FINISH_REASON = {
     Finish.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     Finish.STOP: model_pb2.FINISH_REASON_STOP,
     Finish.EOS: model_pb2.FINISH_REASON_EOS,
+    Finish.ABORTED: model_pb2.FINISH_REASON_ABORT,
 }
 
 
@@ -60,6 +62,7 @@ class GenerationService:
             max_model_len=engine.settings.max_model_len,
             max_prompt_tokens=max_prompt_tokens,
             default_max_new_tokens=default_max_new_tokens,
+            max_completions=engine.settings.max_num_seqs,
         )
         self.max_concurrent_streams = max_concurrent_streams  # 0: no limit
         # Generate streams in progress, whichever door they came in by; event loop only.
@@ -79,18 +82,24 @@ class GenerationService:
             device=str(self.engine.device),
         )
 
-    async def generate(self, request: model_pb2.GenerateRequest) -> AsyncIterator[model_pb2.GenerateResponse]:
+    async def generate(self, request: model_pb2.GenerateRequest,
+                       deadline: float | None = None) -> AsyncIterator[model_pb2.GenerateResponse]:
         """The responses of one Generate call, or GenerateError (before the first response
         when the request is refused, later when the engine fails it). Closing the
-        generator early cancels the request."""
-        stream = self.start(request)
+        generator early cancels the request. `deadline`: a time.monotonic() by which the
+        engine ends the request with DEADLINE_EXCEEDED."""
+        stream = self.start(request, deadline)
         try:
             async for response in stream:
                 yield response
         finally:
             stream.close()
 
-    def start(self, request: model_pb2.GenerateRequest) -> ResponseStream:
+    def abort(self, request_ids: list[str]) -> int:
+        """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
+        return self.engine.abort(request_ids)
+
+    def start(self, request: model_pb2.GenerateRequest, deadline: float | None = None) -> ResponseStream:
         """Validates and submits `request`, or raises GenerateError without having touched
         the engine. The caller must close() the stream it gets, whatever happens next."""
         if self.max_concurrent_streams and self.open_streams >= self.max_concurrent_streams:
@@ -101,12 +110,13 @@ class GenerationService:
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
         try:
-            return ResponseStream(self, request_id, self._submit(request_id, request))
+            return ResponseStream(self, request_id, self._submit(request_id, request, deadline))
         except GenerateError:
             structlog.contextvars.unbind_contextvars("request_id")
             raise
 
-    def _submit(self, request_id: str, request: model_pb2.GenerateRequest) -> tuple[int, asyncio.Queue[Delta]]:
+    def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
+                deadline: float | None) -> tuple[int, int, asyncio.Queue[Delta]]:
         try:
             prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
         except InvalidRequest as error:
@@ -116,12 +126,15 @@ class GenerationService:
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
-            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait)
+            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
+                                     deadline=deadline, priority=request.priority)
         except QueueFull as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
         except EngineUnavailable as error:
             raise rejected(grpc.StatusCode.UNAVAILABLE, error, retry_later=True) from None
-        return key, deltas
+        except DuplicateRequest as error:
+            raise rejected(grpc.StatusCode.ALREADY_EXISTS, error) from None
+        return key, options.n, deltas
 
     def _limits(self) -> GenerateLimits:
         # max_total_tokens is known once attached, and may change on a re-attach.
@@ -130,13 +143,17 @@ class GenerationService:
 
 class ResponseStream:
     """The responses of one submitted request, in order (async iteration); an engine
-    failure surfaces as GenerateError. close() frees the request's blocks at once if it
-    has not finished, and must be called exactly when its consumer is done or gone."""
+    failure surfaces as GenerateError. With n completions, their messages interleave
+    (GenerateResponse.index) and the stream ends after the last one's last message.
+    close() frees the request's blocks at once if it has not finished, and must be
+    called exactly when its consumer is done or gone."""
 
-    def __init__(self, service: GenerationService, request_id: str, submitted: tuple[int, asyncio.Queue[Delta]]) -> None:
+    def __init__(self, service: GenerationService, request_id: str,
+                 submitted: tuple[int, int, asyncio.Queue[Delta]]) -> None:
         self.request_id = request_id
         self._service = service
-        self._key, self._deltas = submitted
+        self._key, self._unfinished, self._deltas = submitted
+        self._held: Delta | None = None  # a delta of another completion that ended a merge
         self._finished = False
         self._closed = False
         service.open_streams += 1
@@ -147,18 +164,14 @@ class ResponseStream:
     async def __anext__(self) -> model_pb2.GenerateResponse:
         if self._finished:
             raise StopAsyncIteration
-        delta = merge(await self._deltas.get(), self._deltas)
+        delta, self._held = merge(self._held or await self._deltas.get(), self._deltas)
         if delta.error is not None:
             self._finished = True
             raise GenerateError(*delta.error)
-        response = model_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text, request_id=self.request_id)
         if delta.finish is not None:
-            self._finished = True
-            response.finish_reason = FINISH_REASON[delta.finish]
-            response.usage.prompt_tokens = delta.prompt_tokens
-            response.usage.completion_tokens = delta.completion_tokens
-            response.usage.cached_tokens = delta.cached_tokens
-        return response
+            self._unfinished -= 1
+            self._finished = self._unfinished == 0
+        return to_response(delta, self.request_id)
 
     def close(self) -> None:
         if self._closed:
@@ -191,14 +204,42 @@ def deliver_on_loop(loop: asyncio.AbstractEventLoop):
     return deliver
 
 
-def merge(first: Delta, deltas: asyncio.Queue) -> Delta:
-    """Folds every delta already queued into one message: a stream that fell behind
-    catches up with several tokens a message instead of one message a token."""
+def to_response(delta: Delta, request_id: str) -> model_pb2.GenerateResponse:
+    response = model_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text, request_id=request_id,
+                                          index=delta.index, logprobs=[logprob_proto(lp) for lp in delta.logprobs])
+    if delta.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(logprob_proto(lp) for lp in delta.prompt_logprobs)
+    if delta.finish is not None:
+        response.finish_reason = FINISH_REASON[delta.finish]
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+        response.usage.cached_tokens = delta.cached_tokens
+        if isinstance(delta.matched_stop, str):
+            response.matched_stop_str = delta.matched_stop
+        elif delta.matched_stop is not None:
+            response.matched_stop_token_id = delta.matched_stop
+    return response
+
+
+def logprob_proto(logprob: TokenLogprob) -> model_pb2.TokenLogprob:
+    return model_pb2.TokenLogprob(
+        token_id=logprob.token_id, logprob=logprob.logprob,
+        top=[model_pb2.TopLogprob(token_id=token_id, logprob=value) for token_id, value in logprob.top],
+    )
+
+
+def merge(first: Delta, deltas: asyncio.Queue) -> tuple[Delta, Delta | None]:
+    """Folds the deltas already queued for the same completion into one message: a
+    stream that fell behind catches up with several tokens a message instead of one
+    message a token. Returns the message and the delta of another completion that ended
+    the fold, if one did (it goes out next)."""
     merged = first
     while merged.finish is None and merged.error is None and not deltas.empty():
         following = deltas.get_nowait()
         if following.error is not None:
-            return following
+            return following, None
+        if following.index != merged.index:
+            return merged, following
         merged = Delta(
             token_ids=merged.token_ids + following.token_ids,
             text=merged.text + following.text,
@@ -206,5 +247,9 @@ def merge(first: Delta, deltas: asyncio.Queue) -> Delta:
             prompt_tokens=following.prompt_tokens,
             completion_tokens=following.completion_tokens,
             cached_tokens=following.cached_tokens,
+            index=merged.index,
+            logprobs=merged.logprobs + following.logprobs,
+            prompt_logprobs=merged.prompt_logprobs,
+            matched_stop=following.matched_stop,
         )
-    return merged
+    return merged, None

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-model-len", default=None, type=int,
              help="longest prompt + completion (default: the model's max_position_embeddings, at most 8192)")
     add_flag(parser, "--max-num-seqs", default=64, type=int, help="sequences decoded together in one step")
+    add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+             help="fcfs: by arrival; priority: by GenerateRequest.priority (lower first), then arrival; "
+                  "preemption takes the lowest priority, newest first")
     add_flag(parser, "--max-batch-prefill-tokens", default=2048, type=int,
              help="tokens through the model in one step; the warmup pass runs at this size")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
@@ -114,6 +117,7 @@ async def serve(args: argparse.Namespace) -> int:
     settings = EngineSettings(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
+        scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),

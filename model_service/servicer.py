@@ -6,8 +6,10 @@ status. Validation and the engine live behind GenerationService, shared with the
 
 from __future__ import annotations
 
+import time
+
 from model_service.generation import GenerateError, GenerationService
-from pagedkv.model.v1 import model_pb2_grpc
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
@@ -18,7 +20,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         return self.generation.model_info()
 
     async def Generate(self, request, context):
-        responses = self.generation.generate(request)
+        # The call's deadline holds inside the engine too (DEADLINE_EXCEEDED, blocks freed).
+        remaining_s = context.time_remaining()
+        deadline = time.monotonic() + remaining_s if remaining_s is not None else None
+        responses = self.generation.generate(request, deadline=deadline)
         try:
             async for response in responses:
                 yield response
@@ -26,3 +31,6 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await context.abort(error.code, error.message)
         finally:
             await responses.aclose()  # its own finally cancels the request, if it still runs
+
+    async def Abort(self, request, context):
+        return model_pb2.AbortResponse(aborted=self.generation.abort(list(request.request_ids)))

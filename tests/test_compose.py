@@ -200,6 +200,8 @@ def test_both_services_run_the_one_image_as_modules():
         service = CPU["services"][name]
         assert service["build"]["context"] == "."
         assert service["command"] == [module]
+        # The CPU image takes PyTorch's CPU build of pyproject's torch pin, not PyPI's CUDA one.
+        assert service["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
 def test_gpu_override_shares_one_gpu_and_the_pid_namespace():
