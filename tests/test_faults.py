@@ -25,6 +25,7 @@ from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 POOL_ARGS = ("--kv-cache-bytes", "16MiB")  # ~1900 blocks of the tiny model: nothing is preempted here
 LEASE_TTL_MS = 1000
+RECLAIM_GRACE_MS = 500
 # Long enough that no stream finishes before the fault: the tiny model's max_model_len is 2048.
 LONG = 1900
 
@@ -133,7 +134,8 @@ def pool_files(directory) -> list[str]:
 def test_kill9_model_service_reclaims_leases_and_a_restart_keeps_the_prefix_cache(tmp_path):
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    cache, model = start_both(tmp_path, (*POOL_ARGS, "--lease-ttl-ms", LEASE_TTL_MS, "--shm-dir", shm_dir))
+    cache, model = start_both(tmp_path, (*POOL_ARGS, "--lease-ttl-ms", LEASE_TTL_MS,
+                                         "--reclaim-grace-ms", RECLAIM_GRACE_MS, "--shm-dir", shm_dir))
     with cache:
         cache_rpc = cache_stub(cache.address)
         stub = model_stub(model.address)
@@ -149,11 +151,13 @@ def test_kill9_model_service_reclaims_leases_and_a_restart_keeps_the_prefix_cach
         killed_at = time.monotonic()
 
         # The cache service learns of the death only from the missing heartbeats: within a
-        # TTL plus one reaper interval (TTL / 4), every lease of the dead session is back.
+        # TTL plus one reaper interval (TTL / 4) plus the reclaim grace, every lease of the
+        # dead session is back.
         wait_for(lambda: (lambda s: s.blocks_leased == 0 and s.sessions == 0)(stats(cache_rpc)),
                  timeout_s=10, what="the dead model service's leases to be reclaimed", poll_s=0.02)
         reclaimed_after = time.monotonic() - killed_at
-        assert reclaimed_after < (LEASE_TTL_MS * 1.25 + 750) / 1000, f"leases came back after {reclaimed_after:.2f} s"
+        assert reclaimed_after < (LEASE_TTL_MS * 1.5 + RECLAIM_GRACE_MS + 750) / 1000, \
+            f"leases came back after {reclaimed_after:.2f} s"
         wait_ended(streams, 10)
         assert {s.code for s in streams} == {grpc.StatusCode.UNAVAILABLE}, {(s.code, s.details) for s in streams}
         assert stats(cache_rpc).blocks_cached >= 2
