@@ -76,7 +76,7 @@ class Attachment:
 
 
 # Block references released between two yields to the event loop when a session goes:
-# about 2 ms of ledger work (BENCHMARKS.md), so no RPC waits long behind a huge session.
+# about 1 ms of ledger work (BENCHMARKS.md), so no RPC waits long behind a huge session.
 RELEASE_CHUNK_BLOCKS = 8192
 
 

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from model_service import metrics
-from model_service.cache_client import CacheClient, Heartbeat
+from model_service.cache_client import CacheClient, Heartbeat, LeaseDeadline
 from model_service.decode_graphs import DecodeGraphs, cuda_graph_capture
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.models.loader import LoadedModel
@@ -46,6 +46,8 @@ class EngineSettings:
     workspace_bytes: int = 0
     # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
     cuda_graphs: bool = False
+    # The checkpoint's content hash (models/fingerprint.py): its prefix cache is its own.
+    model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
@@ -121,6 +123,7 @@ class Engine:
         self._pending = 0  # submitted and not yet finished; read by submit() for the queue limit
         self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._accepting = True  # False from the moment stop() begins
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # Set while attached:
         self.session_id: str | None = None
@@ -130,6 +133,8 @@ class Engine:
         self._heartbeat: Heartbeat | None = None
         self._inflight: Future | None = None
         self._inflight_ops: LeaseOps | None = None
+        self._inflight_sent_at = 0.0
+        self._lease_deadline: LeaseDeadline | None = None
         self.connected = threading.Event()
 
     # -- life cycle -------------------------------------------------------------------
@@ -140,6 +145,7 @@ class Engine:
     def stop(self, grace_s: float) -> None:
         """Lets running requests finish for up to grace_s, ends the rest with UNAVAILABLE,
         releases every lease and detaches. Blocking: call from a worker thread."""
+        self._accepting = False  # the grace is for requests already in, not for new ones
         deadline = time.monotonic() + grace_s
         while self.pending and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -161,9 +167,12 @@ class Engine:
 
     # -- the gRPC side ----------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink) -> int:
+    def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink,
+               cache_salt: str = "") -> int:
         """Queues a validated request; returns the key that cancel() takes."""
-        if not self.connected.is_set() or self._stopping.is_set():
+        if not self._accepting or self._stopping.is_set():
+            raise EngineUnavailable("the model service is shutting down; retry elsewhere")
+        if not self.connected.is_set():
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
         with self._pending_lock:
             if self._pending >= self.settings.max_queued_requests:
@@ -174,7 +183,7 @@ class Engine:
             self._pending += 1
         key = next(self._arrivals)
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
-                       prompt_len=len(prompt_token_ids), options=options, arrival=key)
+                       prompt_len=len(prompt_token_ids), options=options, arrival=key, cache_salt=cache_salt)
         live = _Live(
             seq=seq, sink=sink,
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, prompt_token_ids, options.stop),
@@ -198,7 +207,7 @@ class Engine:
                     continue
                 try:
                     self._step()
-                except (grpc.RpcError, LeaseLost, CacheFailed) as error:
+                except (grpc.RpcError, LeaseLost, CacheFailed, LeaseExpired) as error:
                     self._lose_cache(error)
                 finally:
                     self._flush()
@@ -219,14 +228,21 @@ class Engine:
         """Attaches (or re-attaches) to the cache service, retrying until it answers."""
         delay = 0.2
         while not self._stopping.is_set():
+            sent_at = time.monotonic()
             try:
                 reply = self.cache.attach(self.settings.client_name, self.geometry,
-                                          self.settings.workspace_bytes, self.settings.max_model_len)
+                                          self.settings.workspace_bytes, self.settings.max_model_len,
+                                          model_fingerprint=self.settings.model_fingerprint)
                 break
             except grpc.RpcError as error:
                 if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise FatalAttachError(f"the cache service refused Attach: {error.code().name}: {error.details()}")
                 log.warning("cache_unreachable", address=self.cache.address, retry_in_s=delay)
+                # A request can slip in as the connection drops (it passed submit's check
+                # just before): end it now rather than keep it until a re-attach.
+                self._fail_queued(grpc.StatusCode.UNAVAILABLE,
+                                  f"the cache service at {self.cache.address} is unreachable; retry")
+                self._flush()
                 self._stopping.wait(delay)
                 # At most 1 s between tries: a restarted cache service is re-attached to
                 # within about a second (the channel's reconnect backoff is capped alike).
@@ -249,9 +265,11 @@ class Engine:
                             max_batch_tokens=self.settings.max_batch_tokens),
             blocks_available=reply.sizing.num_blocks,
         )
+        self._lease_deadline = LeaseDeadline(reply.lease_ttl_ms / 1000, acked_at=sent_at)
         self._heartbeat = Heartbeat(
             self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
             on_failure=lambda session_id, error: self._inbox.put(("cache_failed", session_id, error)),
+            deadline=self._lease_deadline,
         ).start()
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
@@ -267,6 +285,7 @@ class Engine:
         started = time.perf_counter()
         if self._inflight is not None:
             outcomes, available = self._inflight.result()
+            self._lease_deadline.acked(self._inflight_sent_at)
             metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
             ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
             for seq, reason in scheduler.apply(ops, outcomes, available):
@@ -278,9 +297,11 @@ class Engine:
             metrics.PREEMPTIONS.inc(len(step.preempted))
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         if step.lease_ops:
+            self._inflight_sent_at = time.monotonic()
             self._inflight = self.cache.lease(self.session_id, step.lease_ops)
             self._inflight_ops = step.lease_ops
         if step.batch:
+            self._check_lease_deadline()
             due, logits = self.runner.execute(step.batch)
             for seq, new_tokens in step.batch:
                 seq.num_computed += new_tokens
@@ -294,6 +315,17 @@ class Engine:
         metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
+
+    def _check_lease_deadline(self) -> None:
+        """Fenced writes: no forward pass (which writes K/V into leased blocks) once the
+        session may have expired at the cache service, whose blocks may then be someone else's."""
+        if self._lease_deadline.expired():
+            log.error("lease_deadline_passed", session=self.session_id[:8], ttl_s=self._lease_deadline.ttl_s)
+            raise LeaseExpired(
+                f"no heartbeat or lease call answered for {self._lease_deadline.ttl_s - self._lease_deadline.margin_s:.2f} s "
+                f"(lease TTL {self._lease_deadline.ttl_s:g} s less a margin): the session may have expired, so "
+                "this engine stopped writing into its blocks"
+            )
 
     def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> None:
         try:
@@ -460,6 +492,10 @@ class Engine:
 
 class CacheFailed(Exception):
     """The heartbeat thread saw the cache service fail."""
+
+
+class LeaseExpired(Exception):
+    """The local lease deadline passed: the session may be gone at the cache service."""
 
 
 class FatalAttachError(RuntimeError):

@@ -44,6 +44,8 @@ class Sequence:
     starved: bool = False
     preemptions: int = 0
     finish: Finish | None = None
+    # GenerateRequest.cache_salt: only sequences of the same salt share cached blocks.
+    cache_salt: str = ""
 
     @property
     def num_output(self) -> int:

@@ -7,6 +7,7 @@ so a rejected request never holds a block.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import replace
 
@@ -55,6 +56,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             max_model_len=self.engine.settings.max_model_len,
             dtype=str(self.engine.geometry.dtype).removeprefix("torch."),
             device=str(self.engine.device),
+            model_fingerprint=self.engine.settings.model_fingerprint,
         )
 
     async def Generate(self, request, context):
@@ -75,7 +77,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
+            # Text is tokenized on a worker thread (after validate_generate_request's
+            # length check in bytes): a long prompt must not freeze every other stream.
+            validate = functools.partial(validate_generate_request, request, self._limits(), self.engine.loaded.tokenizer)
+            prompt_token_ids, options = await asyncio.to_thread(validate) if request.prompt else validate()
         except InvalidRequest as error:
             await reject(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         except PoolTooSmall as error:
@@ -84,7 +89,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
-            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait)
+            key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
+                                     cache_salt=request.cache_salt)
         except QueueFull as error:
             await reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error)
         except EngineUnavailable as error:

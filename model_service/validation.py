@@ -15,6 +15,12 @@ from model_service.tokenizer import Tokenizer
 from pagedkv.model.v1 import model_pb2
 
 MAX_REQUEST_ID_CHARS = 128
+# A salt is a tenant's key, not data: short. (The cache service refuses longer ones too.)
+MAX_CACHE_SALT_CHARS = 256
+# A prompt longer than this many bytes per accepted token cannot fit (real text runs
+# about 4 bytes a token): it is refused before tokenizing, which costs time on the
+# event loop's behalf and memory in proportion to the text.
+MAX_PROMPT_BYTES_PER_TOKEN = 32
 
 
 class PoolTooSmall(Exception):
@@ -40,9 +46,21 @@ def validate_generate_request(
     # It goes into every log line of the request: no newlines or escape sequences.
     if not request_id.isprintable():
         raise InvalidRequest("request_id has control characters; use printable text (letters, digits, -_.:)")
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt is {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
     if request.prompt and request.prompt_token_ids:
         raise InvalidRequest("set exactly one of prompt and prompt_token_ids, not both")
     if request.prompt:
+        max_bytes = limits.max_prompt_tokens * MAX_PROMPT_BYTES_PER_TOKEN
+        # Characters first (each is at least one byte): a prompt far over the limit is
+        # refused without even encoding it.
+        prompt_bytes = len(request.prompt) if len(request.prompt) > max_bytes else len(request.prompt.encode())
+        if prompt_bytes > max_bytes:
+            raise InvalidRequest(
+                f"the prompt is at least {prompt_bytes:,} bytes; this service accepts at most {max_bytes:,} "
+                f"({MAX_PROMPT_BYTES_PER_TOKEN} bytes for each of --max-prompt-tokens {limits.max_prompt_tokens}), "
+                "more than could ever fit: send a shorter prompt"
+            )
         prompt_token_ids = tokenizer.encode(request.prompt)
     else:
         prompt_token_ids = list(request.prompt_token_ids)
