@@ -17,7 +17,10 @@ from model_service.models.config import ModelLoadError
 from model_service.models.fingerprint import checkpoint_fingerprint
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
-from model_service.servicer import ModelServicer, deliver_on_loop
+from model_service.generation import GenerationService, deliver_on_loop
+from model_service.openai_http.app import create_app
+from model_service.openai_http.server import HttpServer
+from model_service.servicer import ModelServicer
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
@@ -46,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-model-len", default=None, type=int,
              help="longest prompt + completion (default: the model's max_position_embeddings, at most 8192)")
     add_flag(parser, "--max-num-seqs", default=64, type=int, help="sequences decoded together in one step")
+    add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+             help="fcfs: by arrival; priority: by GenerateRequest.priority (lower first), then arrival; "
+                  "preemption takes the lowest priority, newest first")
     add_flag(parser, "--max-batch-prefill-tokens", default=2048, type=int,
              help="tokens through the model in one step; the warmup pass runs at this size")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
@@ -60,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
+    add_flag(parser, "--http-port", default=8000, type=int,
+             help="OpenAI-compatible HTTP API port on --host (0 picks a free one, -1 disables); TLS and "
+                  "--auth-token apply as on gRPC")
+    add_flag(parser, "--served-model-name", default=None,
+             help="the model id the HTTP API lists and accepts (default: GetModelInfo's model_id)")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
     return parser
 
@@ -85,6 +96,8 @@ def use_cuda_graphs(choice: str, device: torch.device, attention_backend: str,
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.http_port < -1:
+        raise ValueError(f"--http-port must be a port, 0 (pick a free one) or -1 (no HTTP), got {args.http_port}")
     if args.max_concurrent_streams < 0:
         raise ValueError(f"--max-concurrent-streams must be 0 (no limit) or more, got {args.max_concurrent_streams}")
     device = resolve_device(args.device)
@@ -112,6 +125,7 @@ async def serve(args: argparse.Namespace) -> int:
     settings = EngineSettings(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
+        scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
         model_fingerprint=fingerprint,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
@@ -132,23 +146,33 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal,
                     deliver=deliver_on_loop(loop))
-    servicer = ModelServicer(engine, default_max_new_tokens=args.default_max_new_tokens,
-                             max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
-                             max_concurrent_streams=args.max_concurrent_streams)
+    generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
+                                   max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
+                                   max_concurrent_streams=args.max_concurrent_streams)
+    servicer = ModelServicer(generation)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
-    await server.start()
+    http = None
+    if args.http_port >= 0:
+        http = HttpServer(create_app(generation, served_model_name=args.served_model_name, auth_token=args.auth_token),
+                          args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        await http.start()
+    await server.start(extra_ports={"http_port": http.port if http else -1})
     engine.start()
     stop_signal = asyncio.ensure_future(wait_for_stop_signal())
     done, _ = await asyncio.wait([stop_signal, fatal], return_when=asyncio.FIRST_COMPLETED)
     if fatal in done:
         log.error("model_service_failed", error=str(fatal.result()))
+        if http:
+            await http.stop()
         await server.stop(0)
         cache.close()
         return 1
     log.info("stopping", signal=stop_signal.result().name, grace_s=args.grace_s)
     await server.set_serving(False)
     await asyncio.to_thread(engine.stop, args.grace_s)
+    if http:
+        await http.stop()
     await server.stop(1.0)
     cache.close()
     log.info("stopped")
@@ -156,4 +180,4 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run_server_main(build_parser(), argv, serve, startup_errors=(ModelLoadError, ValueError))
+    return run_server_main(build_parser(), argv, serve, startup_errors=(ModelLoadError, ValueError, OSError))

@@ -160,7 +160,8 @@ class HealthyCache(FakeCache):
             raise DeadlineExceeded()
 
     def lease(self, session_id, ops):
-        outcomes = [LeaseOutcome(ok=True) for _ in ops.releases]
+        outcomes = [LeaseOutcome(ok=False, code="NO_FREE_BLOCKS") for _ in ops.forks]  # no n > 1 here
+        outcomes += [LeaseOutcome(ok=True) for _ in ops.releases]
         outcomes += [LeaseOutcome(ok=True) for _ in ops.extends]
         outcomes += [LeaseOutcome(ok=True, lease_id=1, block_ids=(0,)) for _ in ops.allocations]
         result: Future = Future()
@@ -261,3 +262,31 @@ def test_stop_lets_running_requests_finish_but_accepts_no_new_ones(tmp_path):
     finally:
         engine.stop(0)
         shared.close()
+
+
+def test_a_pool_it_cannot_map_is_detached_before_the_engine_gives_up(pool_handle, tmp_path):
+    # The cache service answers Attach with a pool file this process cannot see (a new
+    # cache container's /dev/shm): the session goes back at once and the engine stops.
+    loaded, handle = pool_handle
+    unseen = cache_pb2.PoolHandle()
+    unseen.CopyFrom(handle)
+    unseen.shared_memory.path = str(tmp_path / "elsewhere" / "pagedkv-pool")
+    cache = FakeCache(unseen, Unavailable())
+    fatal: list[BaseException] = []
+    gave_up = threading.Event()
+    served: list[bool] = []
+
+    def on_fatal(error):
+        fatal.append(error)
+        gave_up.set()
+
+    engine = Engine(loaded, EngineSettings(max_model_len=64), cache, torch.device("cpu"), torch.float32,
+                    on_serving=served.append, on_fatal=on_fatal)
+    engine.start()
+    try:
+        assert gave_up.wait(10), "the engine neither mapped the pool nor gave up"
+        assert cache.attached == ["session-0"] and cache.detached == ["session-0"]
+        assert "does not exist here" in str(fatal[0]), fatal
+        assert True not in served and not engine.connected.is_set()
+    finally:
+        engine.stop(0)

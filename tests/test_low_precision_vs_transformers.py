@@ -1,0 +1,96 @@
+"""bfloat16 and float16 against transformers in the same dtype, on the same weights.
+
+The tolerance and the greedy rule are low_precision.py's: logits within a few units of the
+dtype's rounding at their scale (here transformers' own 16-bit logits are 5-8 times closer
+than that to its float32 ones; a wrong mask, a dropped bias or a wrong block moves logits by
+whole units), and greedy tokens equal until transformers' own top-2 are a near tie.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import pytest
+import torch
+from cache_helpers import cache_stub, stats, wait_for
+from hf_checkpoints import write_checkpoint
+from low_precision import agreeing_prefix, assert_close_in_dtype, reference_greedy
+from paged_runner import PagedRunner
+from processes import start_cache_service, start_model_service
+
+from model_service.models.loader import load_model
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+
+KINDS = ["llama", "mistral", "qwen2"]  # mistral: sliding window 7, shorter than the sequences
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+@pytest.fixture(scope="module", params=KINDS)
+def checkpoint(request, tmp_path_factory):
+    return request.param, write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def load_reference(path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([token_ids])).logits[0].float()  # [len, vocab]
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_paged_logits_within_dtype_tolerance(checkpoint, dtype_name):
+    kind, path = checkpoint
+    dtype = DTYPES[dtype_name]
+    loaded = load_model(str(path), dtype, "cpu")
+    reference = load_reference(path, dtype)
+    prompt = loaded.tokenizer.encode("Paged attention keeps the KV cache in blocks; 日本語 🙂 too.")
+    runner = PagedRunner(loaded.model, loaded.config)
+    assert runner.pool.dtype == dtype
+
+    prefix_len = 9
+    (logits,) = runner.step([("a", prompt[:prefix_len])], num_decode_seqs=0)
+    expected = reference_logits(reference, prompt)
+    assert_close_in_dtype(logits, expected[:prefix_len], dtype, f"{kind} {dtype_name} prefill")
+    for position in range(prefix_len, len(prompt)):  # decode past the window (mistral: 7)
+        (logits,) = runner.step([("a", [prompt[position]])], num_decode_seqs=1)
+        assert_close_in_dtype(logits, expected[position : position + 1], dtype, f"{kind} {dtype_name} decode {position}")
+
+
+def generate(stub, prompt: list[int], max_new_tokens: int) -> list[int]:
+    request = model_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True),
+    )
+    tokens, last = [], None
+    for response in stub.Generate(request, timeout=120):
+        tokens.extend(response.token_ids)
+        last = response
+    assert last.finish_reason == model_pb2.FINISH_REASON_LENGTH
+    return tokens
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_greedy_through_both_services(checkpoint, dtype_name, tmp_path):
+    kind, path = checkpoint
+    dtype = DTYPES[dtype_name]
+    reference = load_reference(path, dtype)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 300, (n,), generator=generator).tolist() for n in (6, 19, 33)]
+    new_tokens = 12
+    expected = [reference_greedy(reference, prompt, new_tokens) for prompt in prompts]
+
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
+            start_model_service(tmp_path, cache.address, "--model", str(path), "--dtype", dtype_name) as model:
+        stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # batched decode
+            results = list(pool.map(lambda p: generate(stub, p, new_tokens), prompts))
+        wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block to be released")
+
+    agreed = [
+        agreeing_prefix(ours, theirs, logits, dtype, f"{kind} {dtype_name} prompt {i}")
+        for i, (ours, (theirs, logits)) in enumerate(zip(results, expected))
+    ]
+    print(f"{kind} {dtype_name}: tokens agreeing before a near tie {agreed} of {new_tokens} each")
