@@ -14,7 +14,8 @@ second once it is in the page cache (BENCHMARKS.md). Nothing is cached on disk.
 
 - a Hugging Face directory: the config, tokenizer and weight files in it (names, sizes,
   content), in name order;
-- a single file (a .gguf): its content, whatever its name;
+- a single file (a .gguf, or an embedded model's, `--model smollm2`): its content,
+  whatever its name;
 - `tiny`: its construction recipe: seed, config and the source that builds it.
 """
 
@@ -48,7 +49,21 @@ def checkpoint_fingerprint(spec: str | Path) -> str:
         return directory_fingerprint(path)
     if path.is_file():
         return file_fingerprint(path)
+    embedded = _embedded_model_path(str(spec))
+    if embedded is not None:
+        return file_fingerprint(embedded)
     raise ModelLoadError(f"cannot fingerprint model {str(spec)!r}: neither 'tiny' nor an existing file or directory")
+
+
+def _embedded_model_path(spec: str) -> Path | None:
+    """The file of a model shipped in a package (`--model smollm2`), where that exists."""
+    try:
+        from model_service.models import embedded
+    except ImportError:  # no embedded models in this build
+        return None
+    if spec not in getattr(embedded, "EMBEDDED_MODELS", ()):
+        return None
+    return embedded.embedded_model_path(spec)
 
 
 def tiny_fingerprint() -> str:
