@@ -55,6 +55,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             max_model_len=self.engine.settings.max_model_len,
             dtype=str(self.engine.geometry.dtype).removeprefix("torch."),
             device=str(self.engine.device),
+            has_chat_template=loaded.chat_template is not None,
         )
 
     async def Generate(self, request, context):
@@ -75,7 +76,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
+            prompt_token_ids, options = validate_generate_request(
+                request, self._limits(), self.engine.loaded.tokenizer, self.engine.loaded.chat_template)
         except InvalidRequest as error:
             await reject(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         except PoolTooSmall as error:
