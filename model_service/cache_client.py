@@ -91,17 +91,21 @@ class CacheClient:
 
 def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
     proto_ops = [
+        cache_pb2.LeaseOp(fork=cache_pb2.ForkOp(sequence_id=fork.parent_lease_id, num_tokens=fork.parent_tokens))
+        for fork in ops.forks
+    ]
+    proto_ops.extend(
         cache_pb2.LeaseOp(release=cache_pb2.ReleaseOp(
             sequence_id=release.lease_id, cache_prefix=True, token_ids=release.cached_token_ids))
         for release in ops.releases
-    ]
+    )
     proto_ops.extend(
         cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=seq.lease_id, num_tokens=tokens))
         for seq, tokens in ops.extends
     )
     proto_ops.extend(
         cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(
-            num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids))
+            num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else ()))
         for seq in ops.allocations
     )
     return proto_ops
@@ -116,6 +120,7 @@ def outcome_from_proto(result: cache_pb2.LeaseResult) -> LeaseOutcome:
         lease_id=result.sequence_id,
         block_ids=tuple(result.block_ids),
         cached_tokens=result.cached_tokens,
+        copy=(result.copy.src_block, result.copy.dst_block) if result.HasField("copy") else None,
     )
 
 

@@ -28,18 +28,22 @@ MAX_PENDING_TOKENS = 16
 
 
 class Tokenizer(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
 class DetokenizedDelta:
     text: str
     stopped: bool
+    matched: str | None = None  # the stop string found, when stopped
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str], *,
+                 include_stop_str: bool = False, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._include_stop_str = include_stop_str
+        self._skip_special_tokens = skip_special_tokens
         self._token_ids = list(prompt_token_ids)
         self._prefix_offset = max(len(self._token_ids) - PROMPT_WINDOW_TOKENS, 0)
         self._read_offset = len(self._token_ids)
@@ -69,7 +73,10 @@ class IncrementalDetokenizer:
         return self._release(self._decode_new(final=True), final=True).text
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._token_ids[start:end])
+        ids = self._token_ids[start:end]
+        if self._skip_special_tokens:  # every tokenizer's default
+            return self._tokenizer.decode(ids)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def _decode_new(self, *, final: bool) -> str:
         end = len(self._token_ids)
@@ -103,20 +110,22 @@ class IncrementalDetokenizer:
         if not self._stop:
             self._held = ""
             return DetokenizedDelta(text, False)
-        stop_at = _first_stop(text, self._stop)
-        if stop_at is not None:
+        found = _first_stop(text, self._stop)
+        if found is not None:
+            stop_at, matched = found
             self._held = ""
             self._stopped = True
-            return DetokenizedDelta(text[:stop_at], True)
+            end = stop_at + len(matched) if self._include_stop_str else stop_at
+            return DetokenizedDelta(text[:end], True, matched)
         hold = 0 if final else _longest_stop_prefix_suffix(text, self._stop)
         self._held = text[len(text) - hold:] if hold else ""
         return DetokenizedDelta(text[: len(text) - hold], False)
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string in `text` begins, or None."""
-    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
-    return min(found) if found else None
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in `text`, or None."""
+    found = [(index, stop) for index, stop in ((text.find(stop), stop) for stop in stops) if index >= 0]
+    return min(found, key=lambda pair: pair[0]) if found else None
 
 
 def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:

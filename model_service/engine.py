@@ -2,20 +2,24 @@
 
 Each iteration: collect the answer to the lease call made last step, schedule, send
 the next lease call, run the forward pass while that call is on the wire, sample, and
-stream tokens out. gRPC handlers talk to it only through submit() and cancel(); it
-talks back through each request's sink. If the cache service goes away, every stream
+stream tokens out. gRPC handlers talk to it only through submit(), cancel() and
+abort(); it talks back through each request's sink. What a stream receives is built in
+output.py (detokenizing, stop matching, logprobs, the n completions of a request); the
+logits pipeline the sampler runs is logits_processing.py. A request whose deadline
+passes, queued or running, ends with DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away, every stream
 ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by itself.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -24,12 +28,14 @@ import torch
 from model_service import metrics
 from model_service.cache_client import CacheClient, Heartbeat
 from model_service.decode_graphs import DecodeGraphs, cuda_graph_capture
-from model_service.detokenizer import IncrementalDetokenizer
+from model_service.logits_processing import RowAdjustment, TokenHistory, prepare
+from model_service.logprobs import token_logprobs
 from model_service.models.loader import LoadedModel
+from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, new_request
 from model_service.runner import ModelRunner
-from model_service.sampling import SamplingOptions, make_generator, sample
-from model_service.scheduler import LeaseLost, LeaseOps, Scheduler, SchedulerLimits
-from model_service.sequence import Finish, Sequence
+from model_service.sampling import SamplingOptions, sample
+from model_service.scheduler import POLICIES, LeaseLost, LeaseOps, Scheduler, SchedulerLimits
+from model_service.sequence import Finish, Sequence, Status
 from pagedkv import pool_memory
 from pagedkv.kv_geometry import KvGeometry
 
@@ -46,28 +52,19 @@ class EngineSettings:
     workspace_bytes: int = 0
     # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
     cuda_graphs: bool = False
+    # fcfs, or priority (GenerateRequest.priority, lower first).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
 
 
-@dataclass(slots=True)
-class Delta:
-    """What a request's stream receives: new tokens and text, and at the end the reason."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # (grpc.StatusCode, message) when the request ends with an error status.
-    error: tuple[grpc.StatusCode, str] | None = None
-
-
-Sink = Callable[[Delta], None]
+__all__ = ["Delta", "Engine", "EngineSettings", "Sink"]
 # Hands a step's deltas to their sinks. The default calls each sink from the engine
 # thread; a server passes one that hops to its event loop once per step, not once per token.
 Deliver = Callable[[list[tuple[Sink, Delta]]], None]
@@ -86,14 +83,8 @@ class QueueFull(Exception):
     """More requests queued than --max-queued-requests."""
 
 
-@dataclass(slots=True)
-class _Live:
-    seq: Sequence
-    sink: Sink
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    submitted_at: float
-    last_token_at: float = 0.0
+class DuplicateRequest(Exception):
+    """A request id that a live request already has (Abort names requests by id)."""
 
 
 class Engine:
@@ -117,8 +108,13 @@ class Engine:
         self._outbox: list[tuple[Sink, Delta]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._arrivals = itertools.count()
-        self._live: dict[int, _Live] = {}
+        self._live: dict[int, RequestOutput] = {}  # by key, on the engine thread
+        self._completions: dict[Sequence, Completion] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, key)
+        self._history: TokenHistory | None = None  # made when a request first needs a penalty
         self._pending = 0  # submitted and not yet finished; read by submit() for the queue limit
+        # Request ids submitted and not yet finished, to their keys (for abort()).
+        self._live_ids: dict[str, int] = {}
         self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -161,32 +157,42 @@ class Engine:
 
     # -- the gRPC side ----------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink) -> int:
-        """Queues a validated request; returns the key that cancel() takes."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
+               deadline: float | None = None, priority: int = 0) -> int:
+        """Queues a validated request; returns the key that cancel() takes. `deadline` is a
+        time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise)."""
         if not self.connected.is_set() or self._stopping.is_set():
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
+        key = next(self._arrivals)
         with self._pending_lock:
+            if request_id in self._live_ids:
+                raise DuplicateRequest(
+                    f"request_id {request_id!r} is already queued or running; request ids must be unique "
+                    "among live requests (leave it empty to have one made)"
+                )
             if self._pending >= self.settings.max_queued_requests:
                 raise QueueFull(
                     f"{self._pending} requests are queued or running, the limit is "
                     f"--max-queued-requests {self.settings.max_queued_requests}; retry later"
                 )
             self._pending += 1
-        key = next(self._arrivals)
-        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
-                       prompt_len=len(prompt_token_ids), options=options, arrival=key)
-        live = _Live(
-            seq=seq, sink=sink,
-            detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, prompt_token_ids, options.stop),
-            generator=None if options.greedy else make_generator(options.seed, self.device),
-            submitted_at=time.perf_counter(),
-        )
-        self._inbox.put(("submit", live))
+            self._live_ids[request_id] = key
+        request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
+                              self.device, deadline, priority, arrival=key)
+        self._inbox.put(("submit", request))
         return key
 
     def cancel(self, key: int) -> None:
         """The client went away: free the request's blocks with the next lease call."""
         self._inbox.put(("cancel", key))
+
+    def abort(self, request_ids: list[str]) -> int:
+        """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
+        with self._pending_lock:
+            keys = [self._live_ids[request_id] for request_id in set(request_ids) if request_id in self._live_ids]
+        if keys:
+            self._inbox.put(("abort", keys))
+        return len(keys)
 
     # -- the engine thread --------------------------------------------------------------
 
@@ -233,7 +239,14 @@ class Engine:
                 delay = min(delay * 2, 1.0)
         else:
             return
-        kv_pool = pool_memory.map_pool(reply.pool)
+        try:
+            kv_pool = pool_memory.map_pool(reply.pool)
+        except (pool_memory.PoolMappingError, ValueError) as error:
+            # Most often a new cache service whose pool lives where this process cannot see
+            # it (a restarted cache container has a new /dev/shm). Give the session back now,
+            # not at its TTL, then exit: a restart (compose's restart policy) sees the new pool.
+            self._detach_unmapped(reply.session_id, error)
+            raise FatalAttachError(f"cannot map the cache service's KV pool: {error}") from error
         if kv_pool.device.type != self.device.type:
             kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
         self.session_id = reply.session_id
@@ -247,7 +260,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerLimits(block_size=reply.sizing.block_size, max_num_seqs=self.settings.max_num_seqs,
                             max_batch_tokens=self.settings.max_batch_tokens),
-            blocks_available=reply.sizing.num_blocks,
+            blocks_available=reply.sizing.num_blocks, policy=self.settings.scheduling_policy,
         )
         self._heartbeat = Heartbeat(
             self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
@@ -260,6 +273,14 @@ class Engine:
                  num_blocks=reply.sizing.num_blocks, block_size=reply.sizing.block_size,
                  max_total_tokens=reply.sizing.max_total_tokens)
 
+    def _detach_unmapped(self, session_id: str, error: Exception) -> None:
+        try:
+            self.cache.detach(session_id)
+            log.error("pool_unmappable_detached", session=session_id[:8], error=str(error))
+        except grpc.RpcError as detach_error:  # the session then expires at its TTL
+            log.error("pool_unmappable_detach_failed", session=session_id[:8], error=str(error),
+                      code=detach_error.code().name)
+
     def _step(self) -> None:
         scheduler = self.scheduler
         idle = not scheduler.has_work() and self._inflight is None
@@ -270,7 +291,14 @@ class Engine:
             metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
             ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
             for seq, reason in scheduler.apply(ops, outcomes, available):
-                self._end(seq, Finish.ABORTED, error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+                completion = self._completions.get(seq)
+                if completion is not None:
+                    self._end_request(completion.request, Finish.ABORTED,
+                                      error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+            # Forks' copy-on-write, before this step's forward pass writes into a copy.
+            self.runner.copy_blocks(scheduler.take_copies())
+        if self._deadlines:
+            self._expire_deadlines()
         if not scheduler.has_work():
             return
         step = scheduler.schedule()
@@ -281,13 +309,14 @@ class Engine:
             self._inflight = self.cache.lease(self.session_id, step.lease_ops)
             self._inflight_ops = step.lease_ops
         if step.batch:
-            due, logits = self.runner.execute(step.batch)
+            prompt_logits = self._prompt_logits_wanted(step.batch)
+            due, logits = self.runner.execute(step.batch, prompt_logits)
+            if prompt_logits:
+                self._collect_prompt_logprobs(prompt_logits)
             for seq, new_tokens in step.batch:
                 seq.num_computed += new_tokens
             if due:
-                lives = [self._live[seq.arrival] for seq in due]
-                tokens = sample(logits, [seq.options for seq in due], [live.generator for live in lives])
-                self._emit(lives, tokens.tolist())
+                self._sample(due, logits)
         elif self._inflight is None:
             # Nothing runnable and nothing asked: wait for an event instead of spinning.
             self._drain_inbox(block=True, timeout_s=0.05)
@@ -310,15 +339,27 @@ class Engine:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "submit":
-            live: _Live = message[1]
-            self._live[live.seq.arrival] = live
-            self.scheduler.add(live.seq)
-            metrics.PROMPT_TOKENS.inc(live.seq.prompt_len)
+            request: RequestOutput = message[1]
+            self._live[request.key] = request
+            for completion in request.completions:
+                self._completions[completion.seq] = completion
+                if completion.index:
+                    completion.seq.status = Status.FORK_PENDING
+            self.scheduler.add(request.completions[0].seq)
+            if request.deadline is not None:
+                heapq.heappush(self._deadlines, (request.deadline, request.key))
+            metrics.PROMPT_TOKENS.inc(request.prompt_len)
         elif kind == "cancel":
-            live = self._live.get(message[1])
-            if live is not None:
-                self._end(live.seq, Finish.ABORTED)
-                log.info("request_cancelled", request_id=live.seq.request_id)
+            request = self._live.get(message[1])
+            if request is not None:
+                self._end_request(request, Finish.ABORTED)
+                log.info("request_cancelled", request_id=request.request_id)
+        elif kind == "abort":
+            for key in message[1]:
+                request = self._live.get(key)
+                if request is not None:
+                    self._end_request(request, Finish.ABORTED)
+                    log.info("request_aborted", request_id=request.request_id)
         elif kind == "cache_failed":
             # Both the heartbeat and the lease call see a dying cache service; when the
             # lease call got there first the engine has re-attached since, and a failure
@@ -326,54 +367,150 @@ class Engine:
             if message[1] == self.session_id:
                 raise CacheFailed(message[2])
 
-    def _emit(self, lives: list[_Live], tokens: list[int]) -> None:
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key = heapq.heappop(self._deadlines)
+            request = self._live.get(key)
+            if request is not None:
+                log.info("deadline_exceeded", request_id=request.request_id)
+                self._end_request(request, Finish.ABORTED, error=(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the request's deadline passed before it finished; its blocks are freed"))
+
+    # -- sampling and output --------------------------------------------------------
+
+    def _sample(self, due: list[Sequence], logits: torch.Tensor) -> None:
+        """Samples every due sequence's next token and streams it. The first token of an
+        n-request's completion 0 is also the moment its other completions sample their
+        first tokens, from the same logits row, and are forked."""
+        forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
+        if forking:
+            # Rows of the children go right after their parent's, on a copy of its logits.
+            rows, ordered = [], []
+            for row, seq in enumerate(due):
+                family = [seq, *seq.fork_children] if seq.fork_children and seq.num_output == 0 else [seq]
+                rows.extend([row] * len(family))
+                ordered.extend(family)
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            due = ordered
+        completions = [self._completions[seq] for seq in due]
+        options = [completion.seq.options for completion in completions]
+        adjustments = None
+        if any(o.adjusts_logits for o in options):
+            adjustments = prepare([self._adjustment(c) for c in completions], logits.device)
+        tokens_tensor = sample(logits, options, [c.generator for c in completions], adjustments, self._history)
+        tokens = tokens_tensor.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(completions)
+        asked = [row for row, o in enumerate(options) if o.logprobs is not None]
+        if asked:
+            index = torch.tensor(asked, device=logits.device)
+            found = token_logprobs(logits.index_select(0, index), tokens_tensor.to(logits.device).index_select(0, index),
+                                   [options[row].logprobs for row in asked])
+            for row, logprob in zip(asked, found):
+                logprobs[row] = logprob
+        with_history = [(c.history_slot, token) for c, token in zip(completions, tokens) if c.history_slot is not None]
+        if with_history:
+            self._history.record([slot for slot, _ in with_history], [token for _, token in with_history])
+        for seq in forking:
+            self.scheduler.fork(seq, seq.fork_children)
+        self._emit(completions, tokens, logprobs)
+
+    def _adjustment(self, completion: Completion) -> RowAdjustment | None:
+        seq = completion.seq
+        options = seq.options
+        if not options.adjusts_logits:
+            return None
+        if options.uses_history and completion.history_slot is None:
+            if self._history is None:
+                self._history = TokenHistory(self.loaded.config.vocab_size, self.device)
+            completion.history_slot = self._history.open(seq.token_ids)
+        suppressed: tuple[int, ...] = ()
+        if seq.num_output < options.min_tokens:
+            ends = set(options.stop_token_ids)
+            if not options.ignore_eos:
+                ends |= self.eos_token_ids
+            suppressed = tuple(sorted(ends))
+        return RowAdjustment(
+            history_slot=completion.history_slot, repetition_penalty=options.repetition_penalty,
+            presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+            logit_bias=options.logit_bias, suppressed_token_ids=suppressed,
+        )
+
+    def _prompt_logits_wanted(self, batch: list[tuple[Sequence, int]]) -> dict | None:
+        wanted = None
+        for seq, _ in batch:
+            if seq.index == 0 and not seq.reuse_prefix and seq.num_computed < seq.prompt_len - 1:
+                completion = self._completions.get(seq)
+                if completion is not None and not completion.request.prompt_logprobs_done:
+                    wanted = wanted or {}
+                    wanted[seq] = None
+        return wanted
+
+    def _collect_prompt_logprobs(self, prompt_logits: dict) -> None:
+        for seq, (start, logits) in prompt_logits.items():
+            request = self._completions[seq].request
+            # Entry i is prompt token i + 1's; after a preemption the recompute passes
+            # positions already collected.
+            skip = max(len(request.prompt_logprobs) - start, 0)
+            if skip >= logits.shape[0]:
+                continue
+            targets = torch.tensor(seq.token_ids[start + 1 + skip:start + 1 + logits.shape[0]])
+            request.prompt_logprobs.extend(
+                token_logprobs(logits[skip:], targets, [request.options.prompt_logprobs] * len(targets)))
+            if request.prompt_logprobs_done:
+                seq.reuse_prefix = True
+
+    def _emit(self, completions: list[Completion], tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
         now = time.perf_counter()
         max_model_len = self.settings.max_model_len
-        for live, token in zip(lives, tokens):
-            seq = live.seq
-            seq.token_ids.append(token)
-            options = seq.options
-            finish = None
-            if token in self.eos_token_ids and not options.ignore_eos:
-                finish = Finish.EOS
-            elif token in options.stop_token_ids:
-                finish = Finish.STOP
-            delta = live.detokenizer.push([token])
-            text = delta.text
-            if delta.stopped:
-                finish = Finish.STOP
-            elif finish is None and (seq.num_output >= options.max_new_tokens or len(seq.token_ids) >= max_model_len):
-                finish = Finish.LENGTH
-            if finish is not None and not delta.stopped:
-                text += live.detokenizer.flush()
-            if live.last_token_at:
-                metrics.INTER_TOKEN_SECONDS.observe(now - live.last_token_at)
-            else:
-                metrics.TIME_TO_FIRST_TOKEN_SECONDS.observe(now - live.submitted_at)
-            live.last_token_at = now
+        for completion, token, logprob in zip(completions, tokens, logprobs):
+            if completion.finished:
+                continue
+            request = completion.request
+            delta = completion.on_token(token, logprob, self.eos_token_ids, max_model_len)
+            if completion.last_token_at:
+                metrics.INTER_TOKEN_SECONDS.observe(now - completion.last_token_at)
+            elif completion.index == 0:
+                metrics.TIME_TO_FIRST_TOKEN_SECONDS.observe(now - request.submitted_at)
+            completion.last_token_at = now
             metrics.GENERATED_TOKENS.inc()
-            if finish is None:
-                self._outbox.append((live.sink, Delta(token_ids=[token], text=text)))
+            if delta.finish is None:
+                self._outbox.append((request.sink, request.first(delta)))
             else:
-                self._end(seq, finish, last=Delta(token_ids=[token], text=text))
+                self._end_completion(completion, delta.finish, delta)
 
-    def _end(self, seq: Sequence, finish: Finish, *, last: Delta | None = None,
-             error: tuple[grpc.StatusCode, str] | None = None) -> None:
-        """Finishes a request: its blocks go back with the next lease call, its stream ends."""
-        live = self._live.pop(seq.arrival, None)
-        self.scheduler.finish(seq, finish)
-        if live is None:
+    def _end_completion(self, completion: Completion, finish: Finish, delta: Delta | None = None,
+                        error: tuple[grpc.StatusCode, str] | None = None) -> None:
+        """Finishes one completion: its blocks go back with the next lease call, and its
+        last delta goes out; the request ends with its last completion."""
+        if completion.finished:
             return
+        seq = completion.seq
+        self.scheduler.finish(seq, finish)
+        self._completions.pop(seq, None)
+        if completion.history_slot is not None:
+            self._history.close(completion.history_slot)
+            completion.history_slot = None
+        request = completion.request
+        if seq.index == 0:
+            request.cached_tokens = seq.cached_tokens
+        self._outbox.append((request.sink, request.finished(completion, finish, delta, error)))
+        metrics.REQUESTS.labels(finish.value).inc()
+        if request.unfinished == 0:
+            self._live.pop(request.key, None)
+            self._forget(request)
+
+    def _end_request(self, request: RequestOutput, finish: Finish,
+                     error: tuple[grpc.StatusCode, str] | None = None) -> None:
+        for completion in request.completions:
+            self._end_completion(completion, finish, error=error)
+
+    def _forget(self, request: RequestOutput) -> None:
         with self._pending_lock:
             self._pending -= 1
-        delta = last or Delta()
-        delta.finish = finish
-        delta.error = error
-        delta.prompt_tokens = seq.prompt_len
-        delta.completion_tokens = seq.num_output
-        delta.cached_tokens = seq.cached_tokens
-        metrics.REQUESTS.labels(finish.value).inc()
-        self._outbox.append((live.sink, delta))
+            if self._live_ids.get(request.request_id) == request.key:
+                del self._live_ids[request.request_id]
 
     def _flush(self) -> None:
         if self._outbox:
@@ -381,11 +518,13 @@ class Engine:
             self._deliver(deliveries)
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        for live in list(self._live.values()):
-            self._live.pop(live.seq.arrival, None)
-            with self._pending_lock:
-                self._pending -= 1
-            self._outbox.append((live.sink, Delta(finish=Finish.ABORTED, error=(code, message))))
+        for request in list(self._live.values()):
+            self._live.pop(request.key, None)
+            self._forget(request)
+            self._outbox.append((request.sink, Delta(finish=Finish.ABORTED, error=(code, message))))
+        self._completions.clear()
+        self._deadlines.clear()
+        self._history = None
 
     def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
         """Fails requests still in the inbox. Without this a request submitted just before
@@ -397,8 +536,7 @@ class Engine:
             except queue.Empty:
                 return
             if queued[0] == "submit":
-                with self._pending_lock:
-                    self._pending -= 1
+                self._forget(queued[1])
                 self._outbox.append((queued[1].sink, Delta(finish=Finish.ABORTED, error=(code, message))))
             # Cancels have nothing left to cancel; stale cache failures nothing left to fail.
 
@@ -442,9 +580,9 @@ class Engine:
                 outcomes, available = self._inflight.result()
                 self.scheduler.apply(self._inflight_ops, outcomes, available)
                 self._inflight = None
-            for live in list(self._live.values()):
-                self._end(live.seq, Finish.ABORTED,
-                          error=(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
+            for request in list(self._live.values()):
+                self._end_request(request, Finish.ABORTED, error=(
+                    grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
             step_ops = self.scheduler.schedule().lease_ops  # only releases remain
             if step_ops:
                 self.cache.lease(self.session_id, step_ops).result()

@@ -33,10 +33,16 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
-    def execute(self, batch: Seq[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def execute(self, batch: Seq[tuple[Sequence, int]],
+                prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] | None = None,
+                ) -> tuple[list[Sequence], torch.Tensor]:
         """Runs one step. Returns the sequences whose next token is due and their logits
-        [len(due), vocab] float32, in batch order. Does not change the sequences."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        [len(due), vocab] float32, in batch order. Does not change the sequences.
+
+        `prompt_logits`, when given, names sequences (its keys) whose prompt positions in
+        this step need logits (prompt logprobs); each gets (first position, logits
+        [k, vocab]) for the positions of its chunk that predict a prompt token."""
+        if not prompt_logits and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             # One token a sequence: a captured graph of this batch's bucket replays the step.
             hidden = self.decode_graphs.run(batch)  # [len(batch), hidden]
             rows = list(range(len(batch)))
@@ -44,12 +50,39 @@ class ModelRunner:
             input_ids, positions, meta = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
             rows = last_token_indices(meta.query_lens)
+            if prompt_logits:
+                self._prompt_logits(batch, hidden, rows, prompt_logits)
         due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = torch.tensor([rows[i] for i in due], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return [batch[i][0] for i in due], logits
+
+    def _prompt_logits(self, batch, hidden: torch.Tensor, rows: list[int],
+                       wanted: dict[Sequence, tuple[int, torch.Tensor]]) -> None:
+        for (seq, new_tokens), last_row in zip(batch, rows):
+            if seq not in wanted:
+                continue
+            start = seq.num_computed
+            # Position p predicts token p + 1; the prompt's last position predicts the
+            # first generated token (sampled, not a prompt logprob).
+            end = min(start + new_tokens, seq.prompt_len - 1)
+            if end <= start:
+                del wanted[seq]
+                continue
+            first_row = last_row - new_tokens + 1
+            wanted[seq] = (start, self.model.compute_logits(hidden[first_row:first_row + end - start]))
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy-on-write after forks: each (src, dst) block's K/V, every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_pool.index_copy_(2, dst, self.kv_pool.index_select(2, src))
 
     def prepare(self, batch: Seq[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size

@@ -2,9 +2,11 @@
 
 `SamplingOptions.from_proto` turns a request's `SamplingParams` into validated options
 (the servicer maps `InvalidRequest` to INVALID_ARGUMENT). `sample` picks one token per
-row of a logits batch: greedy rows by one argmax, sampled rows by temperature, top-k and
-top-p, each drawn with the row's own `torch.Generator` so that a seeded request gives the
-same tokens whatever else shares its batch.
+row of a logits batch: first the adjustments of `logits_processing` (penalties,
+logit_bias, min_tokens) when some row uses them, then greedy rows by one argmax, sampled
+rows by temperature, min_p, top-k and top-p, each drawn with the row's own
+`torch.Generator` so that a seeded request gives the same tokens whatever else shares
+its batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_service.logits_processing import LogitsAdjustments, TokenHistory, apply_min_p
 from pagedkv.model.v1 import model_pb2
 
 # Limits on stop strings: each one is searched for in every decoded delta, so their
@@ -25,6 +28,13 @@ MAX_STOP_STRING_CHARS = 256
 # Temperatures below this sample as greedy: dividing logits by a smaller number can
 # overflow float32 to inf, and softmax of inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
+# Completions of one prompt (n), alternatives per logprob (as OpenAI and vLLM), entries
+# of logit_bias: each bounds per-step work or the size of a response message.
+MAX_COMPLETIONS = 16
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+MAX_PRESENCE_FREQUENCY = 2.0
 
 
 class InvalidRequest(ValueError):
@@ -41,6 +51,17 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 is off
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Checks that need nothing but the options themselves; the ones that need the
@@ -73,10 +94,47 @@ class SamplingOptions:
                 )
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be >= 0")
+        if not 1 <= self.n <= MAX_COMPLETIONS:
+            raise InvalidRequest(f"n must be in [0, {MAX_COMPLETIONS}] (0 and 1: one completion), got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}] when set, got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if math.isnan(value) or not -MAX_PRESENCE_FREQUENCY <= value <= MAX_PRESENCE_FREQUENCY:
+                raise InvalidRequest(f"{name} must be in [-2, 2] (0 is off), got {value}")
+        if math.isnan(self.repetition_penalty) or math.isinf(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest(
+                f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty}"
+            )
+        if math.isnan(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 is off), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be in [0, max_new_tokens] = [0, {self.max_new_tokens}], got {self.min_tokens}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
+            )
+        for token_id, bias in self.logit_bias:
+            if math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequest(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a stage of logits_processing applies to this request at all."""
+        return self.uses_history or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether a penalty needs the sequence's token counts (TokenHistory)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def from_proto(
@@ -118,6 +176,11 @@ class SamplingOptions:
             raise InvalidRequest(
                 f"stop_token_ids must be < vocab_size ({vocab_size}), got {too_large[:8]}"
             )
+        bias_too_large = sorted(t for t in sampling.logit_bias if t >= vocab_size)
+        if bias_too_large:
+            raise InvalidRequest(
+                f"logit_bias token ids must be < vocab_size ({vocab_size}), got {bias_too_large[:8]}"
+            )
         # float32 on the wire: the float() keeps what the client sent, NaN and inf
         # included, for __post_init__ to reject.
         return cls(
@@ -129,6 +192,19 @@ class SamplingOptions:
             stop=tuple(sampling.stop),
             stop_token_ids=frozenset(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
+            n=max(sampling.n, 1),
+            logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+            prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
+            presence_penalty=float(sampling.presence_penalty),
+            frequency_penalty=float(sampling.frequency_penalty),
+            repetition_penalty=(float(sampling.repetition_penalty)
+                                if sampling.HasField("repetition_penalty") else 1.0),
+            min_p=float(sampling.min_p),
+            min_tokens=sampling.min_tokens,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in sampling.logit_bias.items())),
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
+            skip_special_tokens=(sampling.skip_special_tokens
+                                 if sampling.HasField("skip_special_tokens") else True),
         )
 
 
@@ -145,11 +221,15 @@ def sample(
     logits: torch.Tensor,
     options: Sequence[SamplingOptions],
     generators: Sequence[torch.Generator | None],
+    adjustments: LogitsAdjustments | None = None,
+    history: TokenHistory | None = None,
 ) -> torch.Tensor:
-    """One token id per row. logits: [B, V] float32 → [B] int64.
+    """One token id per row. logits: [B, V] float32 → [B] int64. logits is not modified.
 
     A row's draw depends only on its own logits, options and generator, never on the
     other rows: filtering is row-wise and each row draws with its own generator.
+    `adjustments` (penalties, logit_bias, min_tokens; None when no row uses them) come
+    first, reading token counts from `history`.
     """
     batch, vocab = logits.shape
     if len(options) != batch or len(generators) != batch:
@@ -157,6 +237,8 @@ def sample(
             f"logits has {batch} rows but got {len(options)} options and "
             f"{len(generators)} generators"
         )
+    if adjustments is not None:
+        logits = adjustments.apply(logits, history)
     sampled_rows = [row for row, opts in enumerate(options) if not opts.greedy]
     # One argmax answers every greedy row; sampled rows overwrite their entries below.
     if len(sampled_rows) < batch:
@@ -173,6 +255,8 @@ def sample(
     temperature = torch.tensor([o.temperature for o in sampled], dtype=torch.float32, device=device)
     chosen = logits if every_row else logits.index_select(0, rows)
     scaled = chosen.float() / temperature.unsqueeze(1)  # [S, V], a new tensor: edited in place
+    if any(o.min_p > 0 for o in sampled):
+        apply_min_p(scaled, torch.tensor([o.min_p for o in sampled], device=device).unsqueeze(1))
 
     # Every step below works row by row (elementwise, or a reduction along V) and keeps
     # vocabulary order, so a row's result does not depend on the rows beside it. Top-k

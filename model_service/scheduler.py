@@ -11,6 +11,17 @@ crosses a block boundary), block tables for newly admitted sequences, and releas
 what finished, was cancelled or was preempted. The cache service is the authority on
 free blocks; `blocks_available` from its last reply is only used to avoid asking for
 what cannot be had.
+
+Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
+(priority, arrival) and preempts the lowest priority (largest number), newest first.
+
+A request with n completions is admitted as its completion 0, holding seats for all n.
+Once completion 0 has prefilled the prompt and sampled its first token (the engine
+samples the others' first tokens from the same logits row), `fork` queues one fork op
+per other completion: each shares the prompt's full blocks (ref counted) and gets a copy
+of the partial last one, which the engine makes (`take_copies`) before the next forward
+pass. A completion that cannot fork (no block, or completion 0 gone) is queued as an
+ordinary sequence and recomputes its prompt; its own preemption works the same way.
 """
 
 from __future__ import annotations
@@ -44,19 +55,33 @@ class Release:
     num_blocks: int = 0
 
 
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class ForkRequest:
+    # The parent's lease and how many tokens of it are written, taken when the fork was
+    # asked for: the parent may finish (and be released, after the fork, in the same call).
+    parent_lease_id: int
+    parent_tokens: int
+    child: Sequence
+
+
 @dataclass(slots=True)
 class LeaseOps:
-    """One lease call's ops, in the order the cache service applies them."""
+    """One lease call's ops, in the order the cache service applies them. Forks come
+    first: a parent released in the same call still has its blocks when they fork."""
 
+    forks: list[ForkRequest] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
     extends: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to hold)
     allocations: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.releases or self.extends or self.allocations)
+        return bool(self.forks or self.releases or self.extends or self.allocations)
 
     def __len__(self) -> int:
-        return len(self.releases) + len(self.extends) + len(self.allocations)
+        return len(self.forks) + len(self.releases) + len(self.extends) + len(self.allocations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +94,7 @@ class LeaseOutcome:
     lease_id: int = 0
     block_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
+    copy: tuple[int, int] | None = None  # fork: (src_block, dst_block) to copy
 
 
 class LeaseLost(RuntimeError):
@@ -84,13 +110,19 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks_available: int) -> None:
+    def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.allocating: int = 0
+        self.allocating: int = 0  # allocate and fork ops in flight
+        self._allocating_children = 0  # completions that will fork from sequences allocating
         self.blocks_available = blocks_available
         self._releases: list[Release] = []
+        self._forks: list[ForkRequest] = []
+        self._copies: list[tuple[int, int]] = []
         self.preemptions = 0
 
     # -- requests come and go -------------------------------------------------------
@@ -108,12 +140,46 @@ class Scheduler:
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._release(seq)
-        # ALLOCATING: released when the allocation's result arrives (see apply).
+        # ALLOCATING, FORKING: released when the op's result arrives (see apply).
+        # FORK_PENDING: holds nothing; a fork asked for it is dropped (see schedule).
         seq.status = Status.FINISHED
         seq.finish = reason
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._releases or self.allocating)
+        return bool(self.waiting or self.running or self._releases or self.allocating or self._forks)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Completion 0 sampled its first token (and its children theirs): fork its
+        blocks for them with the next lease call."""
+        parent.fork_children = []
+        for child in children:
+            if child.status is Status.FINISHED:
+                continue
+            if parent.lease_id is None:
+                self._queue_unforked(child)
+            else:
+                self._forks.append(ForkRequest(parent.lease_id, parent.num_computed, child))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src_block, dst_block) copies the last lease call's forks need, to make before
+        the next forward pass writes into the copies."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _queue_unforked(self, child: Sequence) -> None:
+        child.status = Status.WAITING
+        self.waiting.appendleft(child)
+
+    def _order(self, seq: Sequence) -> tuple[int, int, int]:
+        """Who goes first: admission takes the smallest, preemption the largest."""
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival, seq.index)
+        return (0, seq.arrival, seq.index)
+
+    def seats_taken(self) -> int:
+        """Sequences running or on their way, and the completions that will fork from them."""
+        pending_children = sum(len(seq.fork_children) for seq in self.running) + self._allocating_children
+        return len(self.running) + self.allocating + len(self._forks) + pending_children
 
     def _release(self, seq: Sequence) -> None:
         if seq.lease_id is not None:
@@ -144,6 +210,25 @@ class Scheduler:
         self.blocks_available = blocks_available
         failed: list[tuple[Sequence, str]] = []
         results = iter(outcomes)
+        for fork in ops.forks:
+            outcome = next(results)
+            self.allocating -= 1
+            child = fork.child
+            if outcome.ok:
+                if outcome.copy is not None:
+                    self._copies.append(outcome.copy)
+                if child.status is Status.FINISHED:  # ended while its fork was in flight
+                    self._releases.append(Release(outcome.lease_id, ()))
+                    continue
+                child.lease_id = outcome.lease_id
+                child.block_table = list(outcome.block_ids)
+                child.num_computed = fork.parent_tokens
+                child.admitted_once = True
+                child.status = Status.RUNNING
+                self.running.append(child)
+            elif child.status is not Status.FINISHED:
+                # No block for the copy, or the parent's lease is gone: recompute instead.
+                self._queue_unforked(child)
         for _release in ops.releases:
             next(results)  # a release of a lease the service already reclaimed is harmless
         for seq, _ in ops.extends:
@@ -159,6 +244,7 @@ class Scheduler:
         for seq in ops.allocations:
             outcome = next(results)
             self.allocating -= 1
+            self._allocating_children -= len(seq.fork_children)
             if outcome.ok:
                 seq.lease_id = outcome.lease_id
                 if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
@@ -191,7 +277,8 @@ class Scheduler:
 
         budget = self.limits.max_batch_tokens
         batch: list[tuple[Sequence, int]] = []
-        decodes = [s for s in self.running if s.num_uncomputed == 1 and not s.starved]
+        decodes = [s for s in self.running
+                   if s.num_uncomputed == 1 and not s.starved and s.capacity(block_size) > s.num_computed]
         for seq in decodes[:budget]:
             batch.append((seq, 1))
         budget -= len(batch)
@@ -205,13 +292,22 @@ class Scheduler:
 
         ops = LeaseOps(releases=self._releases)
         self._releases = []
+        for fork in self._forks:
+            if fork.child.status is Status.FINISHED:
+                continue
+            fork.child.status = Status.FORKING
+            self.allocating += 1
+            ops.forks.append(fork)
+        self._forks = []
+        in_batch = {id(seq) for seq, _ in batch}
         for seq, new_tokens in batch:
             # After this step, the next one writes position num_computed + new_tokens.
             needed = seq.num_computed + new_tokens + 1
             if needed > seq.capacity(block_size):
                 ops.extends.append((seq, needed))
         for seq in self.running:
-            if seq.starved:
+            # Starved, or forked with a table that ends where the prompt does.
+            if seq.starved or (id(seq) not in in_batch and seq.capacity(block_size) < len(seq.token_ids)):
                 ops.extends.append((seq, len(seq.token_ids)))
         # An estimate: shared blocks free nothing; the service's count comes with its reply.
         freed = sum(release.num_blocks for release in ops.releases)
@@ -227,7 +323,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.starved]:
             if seq.status is not Status.RUNNING:
                 continue  # preempted already, as someone's victim
-            victim = max(self.running, key=lambda s: s.arrival)
+            victim = max(self.running, key=self._order)
             self.preempt(victim)
             preempted.append(victim)
         return preempted
@@ -235,19 +331,26 @@ class Scheduler:
     def _admit(self, ops: LeaseOps, available: int) -> None:
         block_size = self.limits.block_size
         prompt_tokens = 0
-        while self.waiting and len(self.running) + self.allocating < self.limits.max_num_seqs:
-            seq = self.waiting[0]
-            needed = blocks_for(len(seq.token_ids), block_size)
+        seats = self.seats_taken()
+        while self.waiting:
+            seq = self.waiting[0] if self.policy == "fcfs" else min(self.waiting, key=self._order)
             busy = bool(self.running or self.allocating or ops.allocations)
+            wanted = 1 + len(seq.fork_children)
+            # An n-request bigger than --max-num-seqs runs alone rather than never.
+            if seats + wanted > self.limits.max_num_seqs and (busy or seats):
+                break
+            needed = blocks_for(len(seq.token_ids), block_size)
             # When nothing else runs, ask anyway: cached blocks may be evictable, and the
             # service's reply corrects our count.
             if needed > available and busy:
                 break
             if prompt_tokens and prompt_tokens + len(seq.token_ids) > self.limits.max_batch_tokens:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.ALLOCATING
             self.allocating += 1
+            seats += wanted
+            self._allocating_children += len(seq.fork_children)
             ops.allocations.append(seq)
             available -= needed
             prompt_tokens += len(seq.token_ids)

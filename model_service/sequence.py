@@ -12,6 +12,10 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued; holds no blocks
     ALLOCATING = "allocating"  # an allocate op is in flight to the cache service
     RUNNING = "running"  # holds a block table; prefilling or decoding
+    # Completion i > 0 of an n-request: waits for completion 0 to prefill the prompt and
+    # sample its first token, then forks completion 0's blocks (a fork op in flight: FORKING).
+    FORK_PENDING = "fork_pending"
+    FORKING = "forking"
     FINISHED = "finished"
 
 
@@ -29,8 +33,13 @@ class Sequence:
     token_ids: list[int]
     prompt_len: int
     options: SamplingOptions
-    # Order of arrival: the newest running sequence is the one preempted.
+    # Order of arrival (shared by the n completions of a request): the newest running
+    # sequence is the one preempted.
     arrival: int
+    # Which of its request's n completions this is.
+    index: int = 0
+    # Lower runs first under the priority policy (GenerateRequest.priority).
+    priority: int = 0
     status: Status = Status.WAITING
     # The cache service's id of this sequence's lease; None while it holds no blocks.
     lease_id: int | None = None
@@ -44,6 +53,12 @@ class Sequence:
     starved: bool = False
     preemptions: int = 0
     finish: Finish | None = None
+    # Completion 0 of an n-request: the other completions, to fork once the prompt is in
+    # the pool and this sequence's first token is sampled (they sample theirs from the same row).
+    fork_children: list[Sequence] = field(default_factory=list)
+    # Ask the cache service for cached prefix blocks at allocation (off while prompt
+    # logprobs are still to compute: a cached position has no logits).
+    reuse_prefix: bool = True
 
     @property
     def num_output(self) -> int:

@@ -15,7 +15,8 @@ from model_service.engine import Engine, EngineSettings
 from model_service.models.config import ModelLoadError
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
-from model_service.servicer import ModelServicer, deliver_on_loop
+from model_service.generation import GenerationService, deliver_on_loop
+from model_service.servicer import ModelServicer
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-model-len", default=None, type=int,
              help="longest prompt + completion (default: the model's max_position_embeddings, at most 8192)")
     add_flag(parser, "--max-num-seqs", default=64, type=int, help="sequences decoded together in one step")
+    add_flag(parser, "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+             help="fcfs: by arrival; priority: by GenerateRequest.priority (lower first), then arrival; "
+                  "preemption takes the lowest priority, newest first")
     add_flag(parser, "--max-batch-prefill-tokens", default=2048, type=int,
              help="tokens through the model in one step; the warmup pass runs at this size")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
@@ -106,6 +110,7 @@ async def serve(args: argparse.Namespace) -> int:
     settings = EngineSettings(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
+        scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),
@@ -124,9 +129,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal,
                     deliver=deliver_on_loop(loop))
-    servicer = ModelServicer(engine, default_max_new_tokens=args.default_max_new_tokens,
-                             max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
-                             max_concurrent_streams=args.max_concurrent_streams)
+    generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
+                                   max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
+                                   max_concurrent_streams=args.max_concurrent_streams)
+    servicer = ModelServicer(generation)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
     await server.start()

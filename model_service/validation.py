@@ -14,7 +14,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from model_service.chat_template import KNOWN_ROLES, ChatTemplate, ChatTemplateError
-from model_service.sampling import InvalidRequest, SamplingOptions
+from model_service.sampling import MAX_COMPLETIONS, InvalidRequest, SamplingOptions
 from model_service.tokenizer import Tokenizer
 from pagedkv.model.v1 import model_pb2
 
@@ -35,6 +35,8 @@ class GenerateLimits:
     default_max_new_tokens: int
     # The whole pool's tokens; 0 while not attached (the engine then answers UNAVAILABLE).
     max_total_tokens: int = 0
+    # Most completions (n) one request may ask for: --max-num-seqs, as they run at once.
+    max_completions: int = MAX_COMPLETIONS
 
 
 def validate_generate_request(
@@ -67,6 +69,12 @@ def validate_generate_request(
         vocab_size=vocab_size,
         default_max_new_tokens=limits.default_max_new_tokens,
     )
+    most = min(MAX_COMPLETIONS, limits.max_completions)
+    if options.n > most:
+        raise InvalidRequest(
+            f"n must be in [0, {most}] (0 and 1: one completion; at most --max-num-seqs run at once), "
+            f"got {options.n}"
+        )
     total = len(prompt_token_ids) + options.max_new_tokens
     pool_tokens = limits.max_total_tokens
     if pool_tokens and total > pool_tokens:

@@ -2,6 +2,13 @@
 
     python -m pagedkv.health_probe 127.0.0.1:50052                  # exit 0 when SERVING, 1 otherwise
     python -m pagedkv.health_probe 127.0.0.1:50051 --service pagedkv.model.v1.ModelService --timeout 30
+    python -m pagedkv.health_probe 127.0.0.1:50051 --now --timeout 3    # one answer, no waiting
+
+Waiting (the default) suits a launcher or a test waiting for a service to come up: it
+polls through NOT_SERVING and refused connections. `--now` suits a container health check,
+which runs the probe on an interval: it asks once and fails at once on NOT_SERVING or no
+answer, so the container's health follows the service's within one probe interval
+instead of after --timeout seconds of hoping.
 
 `wait_serving(address, timeout_s)` is the same from Python: it polls Health.Check until
 the answer is SERVING and raises TimeoutError naming the last answer (a status, or why
@@ -23,6 +30,7 @@ _POLL_INTERVAL_S = 0.1
 # One Check is a loopback round trip; a second is generous and keeps a hung server from
 # eating the whole wait.
 _CALL_DEADLINE_S = 1.0
+_MIN_DEADLINE_S = 0.05
 
 
 def check(channel: grpc.Channel, service: str = "", deadline_s: float = _CALL_DEADLINE_S) -> str:
@@ -45,7 +53,7 @@ def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
     with grpc.insecure_channel(address) as channel:
         while True:
             remaining = deadline - time.monotonic()
-            last_seen = check(channel, service, deadline_s=max(0.05, min(_CALL_DEADLINE_S, remaining)))
+            last_seen = check(channel, service, deadline_s=max(_MIN_DEADLINE_S, min(_CALL_DEADLINE_S, remaining)))
             if last_seen == "SERVING":
                 return
             if time.monotonic() + _POLL_INTERVAL_S > deadline:
@@ -63,9 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0,
                         help="seconds to keep polling before giving up; 0 checks once (default 3)")
+    parser.add_argument("--now", action="store_true",
+                        help="ask once, with --timeout as the call's deadline, and exit 1 at once unless the "
+                             "answer is SERVING (for container health checks)")
     args = parser.parse_args(argv)
     if args.timeout < 0:
         parser.error(f"--timeout must be 0 or more, got {args.timeout}")
+    if args.now:
+        with grpc.insecure_channel(args.address) as channel:
+            answer = check(channel, args.service, deadline_s=max(args.timeout, _MIN_DEADLINE_S))
+        if answer != "SERVING":
+            print(f"health_probe: {args.address}: {answer}", file=sys.stderr)
+            return 1
+        return 0
     try:
         wait_serving(args.address, args.timeout, args.service)
     except TimeoutError as error:

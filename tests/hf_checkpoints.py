@@ -8,8 +8,13 @@ Kinds (CHECKPOINT_KINDS):
 - "llama": GQA (4 heads, 2 KV heads), llama3 rope scaling whose original context (64) is
   short enough that the scaling changes the frequencies; generation_config eos is a list.
 - "llama-sharded": the same model saved in several safetensors shards with an index.
-- "mistral": head_dim (32) != hidden / heads (16), sliding_window larger than any test sequence.
+- "llama-mha-bias": full multi-head attention (4 KV heads for 4 heads) and attention_bias,
+  which in transformers' Llama puts a bias on q/k/v and on o_proj; plain RoPE.
+- "mistral": head_dim (32) != hidden / heads (16), sliding_window 7 on every layer: shorter
+  than the test sequences and not a multiple of any block size the tests use.
 - "qwen2": tied embeddings, q/k/v bias, one KV head (MQA); generation_config eos is an int.
+- "qwen2-window": qwen2 with use_sliding_window, window 6, max_window_layers 1: layer 0
+  attends to everything, layer 1 to its window (as transformers applies Qwen2's flags).
 
 Weights are redrawn at a larger scale than transformers' init (std 0.02 gives near-uniform
 logits): logits are then peaked and greedy comparisons are far from ties.
@@ -23,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-CHECKPOINT_KINDS = ("llama", "llama-sharded", "mistral", "qwen2")
+CHECKPOINT_KINDS = ("llama", "llama-sharded", "llama-mha-bias", "mistral", "qwen2", "qwen2-window")
+MISTRAL_WINDOW, QWEN2_WINDOW = 7, 6
 VOCAB_SIZE = 384  # the tokenizer uses fewer ids; checkpoints often pad their vocab
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|extra|>"]
 UNK_ID, BOS_ID, EOS_ID, EXTRA_ID = 0, 1, 2, 3
@@ -94,13 +100,17 @@ def _hf_config(kind: str):
             },
             **common,
         )
+    if kind == "llama-mha-bias":
+        return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, attention_bias=True, **common)
     if kind == "mistral":
         return MistralConfig(
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=4096, **common
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=MISTRAL_WINDOW, **common
         )
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen2-window"):
+        window = dict(use_sliding_window=True, sliding_window=QWEN2_WINDOW, max_window_layers=1)
         return Qwen2Config(
-            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1000000.0, **common
+            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1000000.0,
+            **(window if kind == "qwen2-window" else {}), **common,
         )
     raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {CHECKPOINT_KINDS}")
 
@@ -134,5 +144,5 @@ def write_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory, max_shard_size=shard)
     eos = [EOS_ID, EXTRA_ID] if kind.startswith("llama") else EOS_ID
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos).save_pretrained(directory)
-    write_tokenizer(directory, add_bos=kind != "qwen2")
+    write_tokenizer(directory, add_bos=not kind.startswith("qwen2"))
     return directory

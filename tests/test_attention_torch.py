@@ -73,8 +73,9 @@ def build_step(
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_layer, meta, full_k, full_v
 
 
-def dense_reference(q, meta, full_k, full_v, scale):
-    """Explicit causal softmax in float64 over contiguous K/V repeated per q head."""
+def dense_reference(q, meta, full_k, full_v, scale, sliding_window=None):
+    """Explicit causal softmax in float64 over contiguous K/V repeated per q head; with a
+    sliding window, a query at position p sees keys p - window + 1 .. p."""
     outs, start = [], 0
     for seq, query_len in enumerate(meta.query_lens):
         context_len = meta.context_lens_host[seq]
@@ -87,6 +88,8 @@ def dense_reference(q, meta, full_k, full_v, scale):
         query_pos = torch.arange(query_len)[:, None] + prefix_len
         key_pos = torch.arange(context_len)[None, :]
         scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        if sliding_window is not None:
+            scores = scores.masked_fill(key_pos <= query_pos - sliding_window, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += query_len
     return torch.cat(outs)
@@ -116,6 +119,24 @@ def test_paged_attention_matches_dense_reference(batch, block_size, group, dtype
     assert out.shape == q.shape and out.dtype == dtype
     expected = dense_reference(q, meta, full_k, full_v, scale)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [1, 5, 8, 21])
+@pytest.mark.parametrize("batch", list(MIXED_BATCHES), ids=list(MIXED_BATCHES))
+def test_sliding_window_matches_dense_reference(batch, window, dtype):
+    # Windows shorter than most contexts, one equal to the block size, and 1 (itself only);
+    # prefixes of 44 and 32 start the gather several blocks in.
+    seqs, num_decode = MIXED_BATCHES[batch]
+    q, k, v, kv_layer, meta, full_k, full_v = build_step(seqs, num_decode, group=2, block_size=8, dtype=dtype)
+
+    out = PagedAttention("torch")(q, k, v, kv_layer, meta, 0.25, sliding_window=window)
+
+    expected = dense_reference(q, meta, full_k, full_v, 0.25, sliding_window=window)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # The window changes the answer wherever a context is longer than it.
+    if window < max(meta.context_lens_host):
+        assert not torch.allclose(out.double(), dense_reference(q, meta, full_k, full_v, 0.25), atol=1e-3)
 
 
 def test_write_kv_lands_in_slots_and_nowhere_else():

@@ -9,7 +9,8 @@ which runs this same file in a fresh `python -m pytest` with TRITON_INTERPRET=1 
 environment, before anything imports triton. In that child (or in any run started with
 TRITON_INTERPRET=1) the kernel tests below are defined and run in-process.
 
-Shapes stay small: the interpreter runs one program at a time (~0.4 s for a 4-sequence decode).
+Shapes stay small: the interpreter runs one program at a time (~0.4 s for a 4-sequence decode);
+the long-context cases use two sequences and at most two kv heads.
 """
 
 from __future__ import annotations
@@ -110,6 +111,47 @@ else:
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
+    # (kv_heads, group, head_dim): groups that are not a power of two pad GROUP_PAD rows that
+    # must be masked (Qwen2-1.5B has group 6, Qwen2-7B group 7); group 1 is full MHA.
+    SERVED_SHAPES = [(1, 3, 64), (1, 6, 128), (1, 7, 64), (2, 7, 128), (3, 1, 64), (2, 1, 128)]
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("shape", SERVED_SHAPES, ids=lambda s: f"kv{s[0]}-g{s[1]}-d{s[2]}")
+    def test_decode_served_gqa_groups_over_many_blocks(shape, dtype):
+        # Contexts of several hundred tokens across 20-30 shuffled blocks; few sequences and
+        # heads, since the interpreter runs one program at a time.
+        kv_heads, group, head_dim = shape
+        block_size = 16
+        context_lens = [301, 466]
+        kv_layer, generator = random_pool(64, block_size, dtype, seed=group * 10 + head_dim, kv_heads=kv_heads,
+                                          head_dim=head_dim)
+        tables = shuffled_tables(context_lens, block_size, 64, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        q = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=generator).to(dtype)
+
+        out = decode_attention_triton(q, kv_layer, tables, lens, head_dim**-0.5)
+
+        expected = decode_attention_torch(q, kv_layer, tables, lens, head_dim**-0.5)
+        torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    @pytest.mark.parametrize("window", [1, 7, 16, 100, 1000])
+    def test_decode_sliding_window_matches_torch(window):
+        # Group 3 (padded rows), contexts inside one block, at a block edge, and over many.
+        block_size, group = 8, 3
+        context_lens = [5, 16, 17, 233]
+        kv_layer, generator = random_pool(48, block_size, torch.float32, seed=window)
+        tables = shuffled_tables(context_lens, block_size, 48, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        q = torch.randn(len(context_lens), KV_HEADS * group, HEAD_DIM, generator=generator)
+
+        out = decode_attention_triton(q, kv_layer, tables, lens, 0.3, sliding_window=window)
+
+        expected = decode_attention_torch(q, kv_layer, tables, lens, 0.3, sliding_window=window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        if window < max(context_lens):
+            full = decode_attention_torch(q, kv_layer, tables, lens, 0.3)
+            assert not torch.allclose(out, full, atol=1e-3)
+
     def test_decode_strided_q_odd_head_dim_and_empty_context():
         # q sliced from a fused qkv projection (row stride != heads * dim); head_dim 24 pads to 32;
         # a context_len 0 entry (bucket padding) must come out as zeros, not NaN.
@@ -124,8 +166,8 @@ else:
         expected = decode_attention_torch(q[1:], kv_layer, tables[1:], lens[1:], 0.2)
         torch.testing.assert_close(out[1:], expected, atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-    def test_paged_attention_triton_backend_matches_torch_backend(dtype):
+    @pytest.mark.parametrize("dtype,window", [(d, None) for d in DTYPES] + [(torch.float32, 5)], ids=str)
+    def test_paged_attention_triton_backend_matches_torch_backend(dtype, window):
         # Mixed step: 2 decode sequences, then a fresh prefill and one after a cached prefix.
         block_size, group = 8, 2
         seqs = [(11, 1), (17, 1), (6, 6), (20, 5)]  # (context_len, query_len)
@@ -150,8 +192,8 @@ else:
         v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
         pool_torch = kv_layer.clone()
 
-        out = PagedAttention("triton")(q, k, v, kv_layer, meta, 0.25)
+        out = PagedAttention("triton")(q, k, v, kv_layer, meta, 0.25, sliding_window=window)
 
-        expected = PagedAttention("torch")(q, k, v, pool_torch, meta, 0.25)
+        expected = PagedAttention("torch")(q, k, v, pool_torch, meta, 0.25, sliding_window=window)
         assert torch.equal(kv_layer, pool_torch)
         torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

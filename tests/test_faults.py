@@ -285,3 +285,27 @@ def test_sigterm_ends_streams_releases_leases_and_exits_zero(tmp_path):
             stopping_at = time.monotonic()
             assert model.stop(signal.SIGTERM, timeout=15) == 0
             assert time.monotonic() - stopping_at < 15
+
+
+def test_a_model_service_that_cannot_map_the_pool_detaches_and_exits(tmp_path):
+    # What a model container sees after the cache container restarts: Attach succeeds, but
+    # the new pool file is in a /dev/shm it does not share. Here the file is unlinked after
+    # a first model service made the cache service create it.
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    cache, first = start_both(tmp_path, (*POOL_ARGS, "--shm-dir", shm_dir))
+    with cache:
+        assert first.stop() == 0, first.logs()
+        [pool_file] = pool_files(shm_dir)
+        (shm_dir / pool_file).unlink()
+        model = start_model_service(tmp_path, cache.address, wait_serving=False)
+        try:
+            code = model.process.wait(timeout=DEFAULT_TIMEOUT_S)
+        finally:
+            model.kill()
+        assert code == 1, model.logs()
+        events = {event["event"]: event for event in model.log_events()}
+        assert "does not exist here" in events["pool_unmappable_detached"]["error"], model.logs()
+        cache_rpc = cache_stub(cache.address)
+        assert stats(cache_rpc).sessions == 0, "the session was left to expire at its TTL"
+    assert cache.returncode == 0, cache.logs()

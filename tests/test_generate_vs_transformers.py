@@ -53,7 +53,7 @@ def write_and_load(kind: str, directory):
     return kind, path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen2-window"])
 def checkpoint(request, tmp_path_factory):
     return write_and_load(request.param, tmp_path_factory.mktemp(request.param))
 

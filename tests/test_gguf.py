@@ -12,7 +12,8 @@ import pytest
 import torch
 from gguf_checkpoints import QUANT_TYPES, write_gguf
 from processes import start_cache_service, start_model_service
-from test_model_vs_transformers import PagedRunner, reference_logits
+from paged_runner import PagedRunner
+from test_model_vs_transformers import reference_logits
 
 from model_service.models.config import ModelLoadError
 from model_service.models.gguf_weights import unpermute_rope_rows

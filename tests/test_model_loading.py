@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from hf_checkpoints import EOS_ID, EXTRA_ID, write_checkpoint
+from hf_checkpoints import EOS_ID, EXTRA_ID, MISTRAL_WINDOW, QWEN2_WINDOW, write_checkpoint
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
@@ -103,10 +103,40 @@ def test_llama3_rope_frequencies_match_transformers(checkpoints):
     assert torch.equal(ours, expected)
 
 
-def test_sliding_window_is_logged(checkpoints):
+def test_sliding_window_is_read_as_transformers_applies_it(checkpoints):
     with capture_logs() as logs:
-        ModelConfig.from_hf_dir(checkpoints["mistral"])
-    assert any("sliding_window" in entry["event"] for entry in logs)
+        mistral = ModelConfig.from_hf_dir(checkpoints["mistral"])
+    assert mistral.sliding_window == MISTRAL_WINDOW and mistral.sliding_window_layers is None
+    assert [mistral.window_of(i) for i in range(mistral.num_layers)] == [MISTRAL_WINDOW] * mistral.num_layers
+    assert any(entry["event"] == "sliding window attention" for entry in logs)
+
+    raw = json.loads((checkpoints["mistral"] / "config.json").read_text())
+    assert ModelConfig.from_hf_dict({**raw, "sliding_window": None}).window_of(0) is None
+    qwen2 = {**raw, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 6, "num_hidden_layers": 4}
+    # Qwen2 ignores the window unless use_sliding_window; then layers >= max_window_layers slide.
+    assert ModelConfig.from_hf_dict(qwen2).sliding_window is None
+    windowed = ModelConfig.from_hf_dict({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
+    assert [windowed.window_of(i) for i in range(4)] == [None, 6, 6, 6]
+    assert ModelConfig.from_hf_dict({**qwen2, "use_sliding_window": True, "max_window_layers": 4}).sliding_window is None
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    by_type = ModelConfig.from_hf_dict({**qwen2, "use_sliding_window": True, "layer_types": types})
+    assert [by_type.window_of(i) for i in range(4)] == [6, None, 6, None]
+    # Llama has no sliding window, whatever its config says.
+    assert ModelConfig.from_hf_dict({**raw, "architectures": ["LlamaForCausalLM"]}).sliding_window is None
+    with pytest.raises(ModelLoadError, match="sliding_window"):
+        ModelConfig.from_hf_dict({**raw, "sliding_window": 0})
+    with pytest.raises(ModelLoadError, match="sliding_window"):
+        ModelConfig.from_hf_dict({**raw, "sliding_window": "4096"})
+
+
+def test_qwen2_window_config_matches_transformers_layer_types(checkpoints, tmp_path):
+    from transformers import AutoConfig
+
+    path = write_checkpoint("qwen2-window", tmp_path / "qwen2-window")
+    hf = AutoConfig.from_pretrained(path)
+    ours = ModelConfig.from_hf_dir(path)
+    expected = [hf.sliding_window if kind == "sliding_attention" else None for kind in hf.layer_types]
+    assert [ours.window_of(i) for i in range(ours.num_layers)] == expected == [None, QWEN2_WINDOW]
 
 
 def test_bfloat16_load(checkpoints):

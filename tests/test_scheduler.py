@@ -19,14 +19,39 @@ class FakeCache:
     def __init__(self, num_blocks: int) -> None:
         self.free = list(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
+        self.refs: dict[int, int] = {}  # block -> tables holding it, when shared by a fork
         self.ids = itertools.count(1)
         self.calls = 0
+        self.forks = 0
 
     def answer(self, ops) -> tuple[list[LeaseOutcome], int]:
         self.calls += 1
         outcomes = []
+        for fork in ops.forks:
+            parent = self.tables.get(fork.parent_lease_id)
+            partial = fork.parent_tokens % BLOCK != 0
+            if parent is None or (partial and not self.free):
+                outcomes.append(LeaseOutcome(ok=False, code="NOT_FOUND" if parent is None else "NO_FREE_BLOCKS"))
+                continue
+            written = blocks_for(fork.parent_tokens, BLOCK)
+            shared = parent[:written - 1] if partial else parent[:written]
+            for block in shared:
+                self.refs[block] = self.refs.get(block, 1) + 1
+            copy = None
+            table = list(shared)
+            if partial:
+                table.append(self.free.pop())
+                copy = (parent[written - 1], table[-1])
+            lease_id = next(self.ids)
+            self.tables[lease_id] = table
+            self.forks += 1
+            outcomes.append(LeaseOutcome(ok=True, lease_id=lease_id, block_ids=tuple(table), copy=copy))
         for release in ops.releases:
-            self.free.extend(self.tables.pop(release.lease_id))
+            for block in self.tables.pop(release.lease_id):
+                self.refs[block] = self.refs.get(block, 1) - 1
+                if self.refs[block] == 0:
+                    del self.refs[block]
+                    self.free.append(block)
             outcomes.append(LeaseOutcome(ok=True))
         for seq, tokens in ops.extends:
             table = self.tables[seq.lease_id]
@@ -48,9 +73,18 @@ class FakeCache:
         return outcomes, len(self.free)
 
 
-def make_seq(arrival: int, prompt_len: int, max_new: int = 8) -> Sequence:
+def make_seq(arrival: int, prompt_len: int, max_new: int = 8, priority: int = 0, index: int = 0) -> Sequence:
     return Sequence(request_id=f"r{arrival}", token_ids=list(range(prompt_len)), prompt_len=prompt_len,
-                    options=SamplingOptions(max_new_tokens=max_new), arrival=arrival)
+                    options=SamplingOptions(max_new_tokens=max_new), arrival=arrival, priority=priority, index=index)
+
+
+def make_family(arrival: int, prompt_len: int, n: int, max_new: int = 8) -> list[Sequence]:
+    """The n completions of one request, as the engine makes them: completion 0 prefills."""
+    family = [make_seq(arrival, prompt_len, max_new, index=i) for i in range(n)]
+    for child in family[1:]:
+        child.status = Status.FORK_PENDING
+    family[0].fork_children = family[1:]
+    return family
 
 
 def run_step(scheduler: Scheduler, cache: FakeCache, pending):
@@ -60,13 +94,19 @@ def run_step(scheduler: Scheduler, cache: FakeCache, pending):
         scheduler.apply(ops, *answer)
     step = scheduler.schedule()
     pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
+    scheduler.take_copies()
     for seq, new_tokens in step.batch:
         assert seq.num_computed + new_tokens <= seq.capacity(BLOCK), "scheduled past the block table"
         seq.num_computed += new_tokens
         if seq.num_computed == len(seq.token_ids):
-            seq.token_ids.append(7)  # the sampled token
-            if seq.num_output >= seq.options.max_new_tokens:
-                scheduler.finish(seq, Finish.LENGTH)
+            family = [seq]
+            if seq.fork_children and seq.num_output == 0:  # the engine samples them from this row
+                family += seq.fork_children
+                scheduler.fork(seq, list(seq.fork_children))
+            for member in family:
+                member.token_ids.append(7)  # the sampled token
+                if member.num_output >= member.options.max_new_tokens:
+                    scheduler.finish(member, Finish.LENGTH)
     return step, pending
 
 
@@ -189,3 +229,122 @@ def test_an_unexpected_lease_failure_means_the_session_is_lost():
 def test_limits_validate():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerLimits(block_size=16, max_num_seqs=0, max_batch_tokens=8)
+
+
+# --- priority policy ------------------------------------------------------------------
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=1, max_batch_tokens=64), 100,
+                          policy="priority")
+    cache = FakeCache(100)
+    seqs = [make_seq(0, 5, 2, priority=5), make_seq(1, 5, 2, priority=-1), make_seq(2, 5, 2, priority=5),
+            make_seq(3, 5, 2, priority=0)]
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted = [s.lease_ops.allocations[0].arrival for s in drive(scheduler, cache) if s.lease_ops.allocations]
+    assert admitted == [1, 3, 0, 2]
+
+
+def test_fcfs_policy_ignores_priority():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=1, max_batch_tokens=64), 100)
+    cache = FakeCache(100)
+    for arrival, priority in enumerate([5, -1, 0]):
+        scheduler.add(make_seq(arrival, 5, 2, priority=priority))
+    admitted = [s.lease_ops.allocations[0].arrival for s in drive(scheduler, cache) if s.lease_ops.allocations]
+    assert admitted == [0, 1, 2]
+
+
+def test_priority_policy_preempts_the_lowest_priority_newest_first():
+    # 12 blocks of 4: four sequences writing 17 positions need 20; the victims must be the
+    # priority-9 ones, newest first, never the priority-0 ones that arrived later.
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 12,
+                          policy="priority")
+    cache = FakeCache(12)
+    seqs = [make_seq(0, 5, 12, priority=9), make_seq(1, 5, 12, priority=9), make_seq(2, 5, 12, priority=0),
+            make_seq(3, 5, 12, priority=0)]
+    for seq in seqs:
+        scheduler.add(seq)
+    victims = [v.arrival for step in drive(scheduler, cache) for v in step.preempted]
+    assert victims and victims[0] == 1, victims
+    assert seqs[2].preemptions == seqs[3].preemptions == 0
+    assert all(s.status is Status.FINISHED and s.num_output == 12 for s in seqs)
+    assert not cache.tables and len(cache.free) == 12
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=1, max_batch_tokens=8), 10, policy="lifo")
+
+
+# --- n completions on forked blocks ----------------------------------------------------
+
+
+def test_n_completions_fork_the_prompt_once_and_each_finishes_on_its_own():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
+    cache = FakeCache(100)
+    family = make_family(0, prompt_len=10, n=4, max_new=6)
+    family[2].options = SamplingOptions(max_new_tokens=2)  # finishes before its siblings
+    scheduler.add(family[0])
+    steps = drive(scheduler, cache)
+    assert cache.forks == 3
+    assert sum(len(s.lease_ops.allocations) for s in steps) == 1, "the prompt is allocated once"
+    assert [s.num_output for s in family] == [6, 6, 2, 6]
+    assert all(s.status is Status.FINISHED for s in family)
+    assert not cache.tables and len(cache.free) == 100 and not cache.refs
+
+
+def test_n_completions_hold_seats_for_all_of_them():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
+    cache = FakeCache(100)
+    family = make_family(0, prompt_len=6, n=4, max_new=5)
+    other = make_seq(1, prompt_len=6, max_new=5)
+    scheduler.add(family[0])
+    scheduler.add(other)
+    steps = drive(scheduler, cache)
+    admitted_at = {seq.arrival: i for i, step in enumerate(steps) for seq in step.lease_ops.allocations}
+    # Without seats held for the forks, the other request is admitted with completion 0
+    # and five sequences run at once.
+    assert admitted_at[1] > admitted_at[0] and all(len(step.batch) <= 4 for step in steps)
+    assert other.status is Status.FINISHED and not cache.tables
+
+
+@pytest.mark.parametrize("num_blocks", [9, 12])
+def test_n_completions_under_a_small_pool_preempt_and_leave_nothing_leased(num_blocks):
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), num_blocks)
+    cache = FakeCache(num_blocks)
+    family = make_family(0, prompt_len=9, n=4, max_new=10)
+    scheduler.add(family[0])
+    drive(scheduler, cache)
+    assert scheduler.preemptions > 0
+    assert all(s.status is Status.FINISHED and s.num_output == 10 for s in family)
+    assert not cache.tables and len(cache.free) == num_blocks and not cache.refs
+
+
+def test_finishing_the_parent_at_its_first_token_still_forks_the_children():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
+    cache = FakeCache(100)
+    family = make_family(0, prompt_len=6, n=3, max_new=4)
+    family[0].options = SamplingOptions(max_new_tokens=1)
+    scheduler.add(family[0])
+    steps = drive(scheduler, cache)
+    assert cache.forks == 2, "the parent's release comes after the forks in the same call"
+    assert sum(len(s.lease_ops.allocations) for s in steps) == 1
+    assert [s.num_output for s in family] == [1, 4, 4]
+    assert not cache.tables and len(cache.free) == 100
+
+
+def test_cancelling_every_completion_mid_flight_leaves_nothing_leased():
+    for cancel_at in range(1, 8):
+        scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
+        cache = FakeCache(100)
+        family = make_family(0, prompt_len=6, n=4, max_new=20)
+        scheduler.add(family[0])
+        pending = None
+        for _ in range(cancel_at):
+            _, pending = run_step(scheduler, cache, pending)
+        for seq in family:
+            scheduler.finish(seq, Finish.ABORTED)
+        while scheduler.has_work() or pending is not None:
+            _, pending = run_step(scheduler, cache, pending)
+        assert not cache.tables and len(cache.free) == 100, f"leaked after a cancel at step {cancel_at}"

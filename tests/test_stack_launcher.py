@@ -18,7 +18,7 @@ import pytest
 
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.health_probe import wait_serving
-from processes import free_port, start_cache_service
+from processes import free_port, start_cache_service, start_model_service
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_SERVICE_MISSING = not (REPO / "model_service" / "__main__.py").exists()
@@ -269,6 +269,22 @@ def test_health_probe_cli_exits_0_when_serving_and_1_when_nothing_listens(tmp_pa
                               "--timeout", "0.5"], capture_output=True, text=True, timeout=30)
     assert nothing.returncode == 1
     assert "not SERVING after 0.5s; last answer: UNAVAILABLE" in nothing.stderr
+
+
+def test_health_probe_now_answers_at_once_what_the_service_says(tmp_path):
+    # A model service with no cache service is up but NOT_SERVING, as one whose cache went
+    # away: `--now` (the container health checks') fails on that answer instead of waiting
+    # --timeout for it to change; the subprocess timeout is far below that 600 s.
+    probe = [sys.executable, "-m", "pagedkv.health_probe", "--now", "--timeout", "600"]
+    with start_model_service(tmp_path, f"127.0.0.1:{free_port()}", wait_serving=False) as model:
+        not_serving = subprocess.run([*probe, model.address], capture_output=True, text=True, timeout=60)
+        assert not_serving.returncode == 1
+        assert f"{model.address}: NOT_SERVING" in not_serving.stderr
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        serving = subprocess.run([*probe, cache.address], capture_output=True, text=True, timeout=60)
+        assert serving.returncode == 0, serving.stderr
+    refused = subprocess.run([*probe, f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
 
 
 def test_wait_serving_times_out_naming_what_it_saw():

@@ -61,6 +61,7 @@ class PagedAttention:
         kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim], a view into the pool
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # this layer's window (None: full attention)
     ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
         num_tokens, q_heads, _ = q.shape
         kv_heads = kv_layer.shape[3]
@@ -82,11 +83,13 @@ class PagedAttention:
             lens = meta.context_lens[:num_decode]
             if triton_kernels is not None:
                 # Context lengths stay runtime values: no recompiles as sequences grow.
-                out[:num_decode] = triton_kernels.decode_attention_triton(q[:num_decode], kv_layer, tables, lens, scale)
+                out[:num_decode] = triton_kernels.decode_attention_triton(
+                    q[:num_decode], kv_layer, tables, lens, scale, sliding_window=sliding_window,
+                )
             else:
                 out[:num_decode] = decode_attention_torch(
                     q[:num_decode], kv_layer, tables, lens, scale,
-                    max_context_len=max(meta.context_lens_host[:num_decode]),
+                    max_context_len=max(meta.context_lens_host[:num_decode]), sliding_window=sliding_window,
                 )
         if num_tokens > num_decode:
             # Prefill uses the torch path on every device, CUDA included: SDPA's fused kernels
@@ -100,5 +103,6 @@ class PagedAttention:
                 scale,
                 k_new=k[num_decode:],
                 v_new=v[num_decode:],
+                sliding_window=sliding_window,
             )
         return out

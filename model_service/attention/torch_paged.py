@@ -44,8 +44,12 @@ def decode_attention_torch(
     context_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
     max_context_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attend each sequence's single query over its whole context; returns [num_seqs, q_heads, head_dim].
+    """Attend each sequence's single query over its context; returns [num_seqs, q_heads, head_dim].
+
+    sliding_window (None: the whole context): the query sees only the last sliding_window
+    positions, its own included, as transformers' sliding-window mask does.
 
     max_context_len (host int), when given, trims the padded block table to the blocks that
     any sequence uses: tables are padded to the longest allowed sequence, and gathering the
@@ -68,7 +72,10 @@ def decode_attention_torch(
     # clamp(min=1): a padded batch entry with no context still attends to one (ignored) slot,
     # so its row stays finite instead of 0/0.
     lens = context_lens.to(device=q.device, dtype=torch.long).clamp(min=1)
-    visible = torch.arange(span, device=q.device)[None, :] < lens[:, None]  # [B, span]
+    key_pos = torch.arange(span, device=q.device)[None, :]
+    visible = key_pos < lens[:, None]  # [B, span]
+    if sliding_window is not None:
+        visible &= key_pos >= lens[:, None] - sliding_window
 
     # The group's q heads become `group` query rows of their kv head: one SDPA call, no
     # repeated K/V. SDPA's CPU and CUDA kernels accumulate fp16/bf16 softmax in float32.
@@ -88,11 +95,13 @@ def prefill_attention_torch(
     scale: float,
     k_new: torch.Tensor | None = None,  # [num_prefill_tokens, kv_heads, head_dim], this step's K
     v_new: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for prefill chunks over pool K/V (cached prefix included).
 
     Sequence i's query_lens[i] new tokens are the last ones of its context_lens[i] tokens, so
-    new token j sits at position prefix + j and sees positions 0..prefix + j.
+    new token j sits at position prefix + j and sees positions 0..prefix + j, or with a
+    sliding_window only the last sliding_window of them (prefix + j - window + 1 on).
     Returns [num_prefill_tokens, q_heads, head_dim].
 
     With k_new/v_new (this step's K/V, already written to the pool), a sequence with no
@@ -108,21 +117,29 @@ def prefill_attention_torch(
         prefix_len = context_len - query_len
         if prefix_len < 0:
             raise ValueError(f"sequence {seq}: query_len {query_len} > context_len {context_len}")
+        # Keys before the first new token's window are seen by no query of this chunk: the
+        # gather starts at the block holding the first visible one.
+        first_key = 0 if sliding_window is None else max(prefix_len + 1 - sliding_window, 0)
         if prefix_len == 0 and k_new is not None:
             k = k_new[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)
             v = v_new[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)
         else:
+            first_key -= first_key % block_size
             used_blocks = -(-context_len // block_size)
-            block_ids = block_tables[seq, :used_blocks].to(kv_layer.device)
-            # [context_len, kv_heads, D] -> [kv_heads, context_len, D]
-            k = kv_layer[0].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
-            v = kv_layer[1].index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1)
+            block_ids = block_tables[seq, first_key // block_size : used_blocks].to(kv_layer.device)
+            # [context_len - first_key, kv_heads, D] -> [kv_heads, context_len - first_key, D]
+            k = kv_layer[0].index_select(0, block_ids).flatten(0, 1)[: context_len - first_key].transpose(0, 1)
+            v = kv_layer[1].index_select(0, block_ids).flatten(0, 1)[: context_len - first_key].transpose(0, 1)
         q_seq = q[start : start + query_len].transpose(0, 1).to(kv_layer.dtype)  # [q_heads, query_len, D]
-        if prefix_len == 0:
+        num_keys = k.shape[1]  # keys first_key .. context_len - 1
+        if prefix_len == 0 and (sliding_window is None or sliding_window >= query_len):
             mask, causal = None, True  # plain causal: lets SDPA pick its fastest kernel
         else:
             # SDPA's is_causal aligns the diagonal top-left; ours is offset by the prefix.
-            mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(prefix_len)
+            offset = prefix_len - first_key  # key index of new token 0's own position
+            mask = torch.ones(query_len, num_keys, dtype=torch.bool, device=q.device).tril(offset)
+            if sliding_window is not None:
+                mask = mask.triu(offset - sliding_window + 1)
             causal = False
         # 4-D (a batch of one): SDPA's fused CPU kernel takes only 4-D inputs; 3-D ones went
         # down its unfused math path (a quarter of a 2,048-token prefill step).

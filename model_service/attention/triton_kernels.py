@@ -73,6 +73,7 @@ def write_kv_triton(
 def _decode_kernel(
     q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in exp2
+    window,  # sliding window in positions; 0: the whole context (runtime, never a recompile)
     stride_q_seq, stride_q_head, stride_out_seq, stride_out_head,
     stride_kv, stride_block, stride_slot, stride_head, stride_table_seq,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -96,13 +97,16 @@ def _decode_kernel(
 
     context_len = tl.load(lens_ptr + seq)  # runtime: lengths never recompile
     num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    # First visible position: blocks wholly before the window are never loaded.
+    first_pos = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     head_base = kv_ptr + kv_head * stride_head
-    for i in range(0, num_blocks):
+    for i in range(first_pos // BLOCK_SIZE, num_blocks):
         block_id = tl.load(tables_ptr + seq * stride_table_seq + i).to(tl.int64)
-        slot_mask = i * BLOCK_SIZE + slots < context_len
+        positions = i * BLOCK_SIZE + slots
+        slot_mask = (positions < context_len) & (positions >= first_pos)
         offsets = block_id * stride_block + slots[:, None] * stride_slot + dims[None, :]
         kv_mask = slot_mask[:, None] & dim_mask[None, :]
         k = tl.load(head_base + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, DIM_PAD]
@@ -134,6 +138,7 @@ def decode_attention_triton(
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
     context_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
+    sliding_window: int | None = None,  # attend to the last sliding_window positions only
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]
     num_seqs, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, pool_head_dim = kv_layer.shape
@@ -141,6 +146,8 @@ def decode_attention_triton(
         raise ValueError(f"q [{q_heads} heads, dim {head_dim}] does not fit the pool [{kv_heads} heads, dim {pool_head_dim}]")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two for the Triton kernel")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     _check_last_dim_contiguous(q=q, kv_layer=kv_layer, block_tables=block_tables)
     group = q_heads // kv_heads
     out = torch.empty_like(q)
@@ -148,7 +155,7 @@ def decode_attention_triton(
         return out
     _decode_kernel[(num_seqs, kv_heads)](
         q, kv_layer, block_tables, context_lens, out,
-        scale * LOG2_E,
+        scale * LOG2_E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group),

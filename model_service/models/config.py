@@ -45,6 +45,10 @@ class ModelConfig:
     o_proj_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Sliding-window attention: a token attends to the last `sliding_window` positions (its
+    # own included) on the layers in sliding_window_layers (None: every layer, as Mistral).
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -76,6 +80,23 @@ class ModelConfig:
             if self.rope_scaling["high_freq_factor"] == self.rope_scaling["low_freq_factor"]:
                 raise ModelLoadError("llama3 rope_scaling needs high_freq_factor != low_freq_factor")
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        if self.sliding_window is not None:
+            if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) \
+                    or self.sliding_window <= 0:
+                raise ModelLoadError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.sliding_window_layers is not None:
+            layers = tuple(int(i) for i in self.sliding_window_layers)
+            if any(not 0 <= i < self.num_layers for i in layers):
+                raise ModelLoadError(f"sliding_window_layers {layers} name layers outside 0..{self.num_layers - 1}")
+            object.__setattr__(self, "sliding_window_layers", layers)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of this layer, or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
 
     @property
     def q_size(self) -> int:
@@ -134,12 +155,7 @@ class ModelConfig:
             attention_bias = o_proj_bias = bool(raw.get("attention_bias", False))
 
         rope_theta, rope_scaling = _parse_rope(raw, source)
-        if raw.get("sliding_window") and (architecture != "Qwen2ForCausalLM" or raw.get("use_sliding_window")):
-            # Every layer attends to the whole context: exact for sequences up to the window.
-            structlog.get_logger().info(
-                "sliding_window ignored: full attention is used", sliding_window=raw["sliding_window"],
-                source=source,
-            )
+        sliding_window, sliding_window_layers = _parse_sliding_window(raw, architecture, source)
 
         generation = generation or {}
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
@@ -159,8 +175,45 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
+            sliding_window=sliding_window,
+            sliding_window_layers=sliding_window_layers,
             **fields,
         )
+
+
+def _parse_sliding_window(
+    raw: dict[str, Any], architecture: str, source: str
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """The window and the layers it applies to, as transformers applies them.
+
+    Mistral: `sliding_window` (null: none) on every layer. Qwen2: only with
+    `use_sliding_window`, on the layers `layer_types` marks "sliding_attention", or without
+    layer_types on layers max_window_layers and up. Llama has no sliding window.
+    """
+    window = raw.get("sliding_window")
+    if architecture == "LlamaForCausalLM" or window is None:
+        return None, None
+    if architecture == "Qwen2ForCausalLM":
+        if not raw.get("use_sliding_window"):
+            return None, None
+        num_layers = int(raw["num_hidden_layers"])
+        layer_types = raw.get("layer_types")
+        if layer_types is not None:
+            layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        else:
+            first = int(raw.get("max_window_layers", 28))
+            layers = tuple(range(first, num_layers))
+    else:
+        layers = None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise ModelLoadError(f"{source}: sliding_window must be an integer or null, got {window!r}")
+    if layers == ():
+        return None, None  # no layer slides (Qwen2 with max_window_layers >= the layer count)
+    structlog.get_logger().info(
+        "sliding window attention", sliding_window=window, layers="all" if layers is None else list(layers),
+        source=source,
+    )
+    return window, layers
 
 
 def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

