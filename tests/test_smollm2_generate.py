@@ -20,6 +20,7 @@ from processes import start_cache_service, start_model_service
 from test_smollm2_tokenizer import CONVERSATIONS
 
 from model_service.models.embedded import embedded_model_path
+from pagedkv.stack import example_arguments
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 MAX_NEW_TOKENS = 16
@@ -48,7 +49,7 @@ def stack(tmp_path_factory):
             start_model_service(tmp_path, cache.address, "--model", "smollm2", "--max-model-len", "512",
                                 "--max-batch-prefill-tokens", "512") as model:
         channel = grpc.insecure_channel(model.address)
-        yield model_pb2_grpc.ModelServiceStub(channel), cache
+        yield model_pb2_grpc.ModelServiceStub(channel), cache, model.address
         channel.close()
 
 
@@ -76,14 +77,19 @@ def chat(stub, messages, **request_fields) -> tuple[list[int], str, model_pb2.Ge
 
 
 def test_model_info_says_it_has_a_chat_template(stack):
-    stub, _ = stack
+    stub, _, _ = stack
     info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=30)
     assert info.model_id == "smollm2" and info.has_chat_template
     assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
 
 
+def test_the_ready_line_asks_a_chat_model_a_real_question(stack):
+    _, _, address = stack
+    assert example_arguments(address) == '--chat "What is the capital of France?" --max-new-tokens 64'
+
+
 def test_the_capital_of_france(stack):
-    stub, _ = stack
+    stub, _, _ = stack
     tokens, text, last = chat(stub, [{"role": "user", "content": "What is the capital of France?"}])
     assert text == "The capital of France is Paris."
     assert last.finish_reason == model_pb2.FINISH_REASON_EOS and tokens[-1] == 2
@@ -91,7 +97,7 @@ def test_the_capital_of_france(stack):
 
 @pytest.mark.timeout(900)  # a few seconds on a quiet machine; minutes on a shared, loaded one
 def test_conversations_match_transformers_alone_and_eight_at_once(stack, reference):
-    stub, cache = stack
+    stub, cache, _ = stack
     expected = [reference_greedy(reference, messages) for messages in EIGHT_CONVERSATIONS]
     for messages, want in zip(EIGHT_CONVERSATIONS[:3], expected):
         tokens, text, _ = chat(stub, messages)
@@ -106,7 +112,7 @@ def test_conversations_match_transformers_alone_and_eight_at_once(stack, referen
 
 def test_chat_template_kwargs_reach_the_template(stack):
     # SmolLM2's template reads no extra variable: the kwargs are accepted and change nothing.
-    stub, _ = stack
+    stub, _, _ = stack
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     kwargs = struct_pb2.Struct()
     kwargs.update({"enable_thinking": False})
@@ -129,7 +135,7 @@ USER_HI = [model_pb2.ChatMessage(role="user", content="hi")]
 ], ids=["unknown-role", "empty-role", "prompt-and-messages", "ids-and-messages", "kwargs-without-messages",
         "kwargs-reserved-name"])
 def test_bad_chat_requests_are_invalid_argument(stack, fields, phrase):
-    stub, cache = stack
+    stub, cache, _ = stack
     request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(max_new_tokens=4), **fields)
     with pytest.raises(grpc.RpcError) as raised:
         list(stub.Generate(request, timeout=60))
