@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import sys
 import tempfile
 import threading
@@ -66,9 +67,9 @@ def instrument(vocab_size: int) -> None:
           if args[5].num_decode_seqs == args[5].num_seqs else "paged attention, prefill steps")
     execute = ModelRunner.execute
 
-    def execute_and_log(runner, batch):
+    def execute_and_log(runner, batch, *rest):
         started = time.perf_counter()
-        result = execute(runner, batch)
+        result = execute(runner, batch, *rest)
         steps.append((len(batch), sum(n for _, n in batch), time.perf_counter() - started))
         return result
 
@@ -109,10 +110,12 @@ def main() -> int:
                 if delta.finish is not None or delta.error is not None:
                     finished.release()
 
+            request_ids = itertools.count()
+
             def run(items) -> float:
                 started = time.perf_counter()
                 for prompt, max_new in items:
-                    engine.submit("bench", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
+                    engine.submit(f"bench-{next(request_ids)}", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
                 for _ in items:
                     finished.acquire()
                 return time.perf_counter() - started

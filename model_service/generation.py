@@ -81,6 +81,7 @@ class GenerationService:
             dtype=str(self.engine.geometry.dtype).removeprefix("torch."),
             device=str(self.engine.device),
             model_fingerprint=self.engine.settings.model_fingerprint,
+            has_chat_template=loaded.chat_template is not None,
         )
 
     async def generate(self, request: model_pb2.GenerateRequest,
@@ -120,14 +121,15 @@ class GenerationService:
     async def start_async(self, request: model_pb2.GenerateRequest, deadline: float | None = None) -> ResponseStream:
         """start(), with a text prompt tokenized on a worker thread (after validation's
         byte-length check): a long prompt must not freeze every other stream."""
-        if not request.prompt:
+        if not (request.prompt or request.messages):
             return self.start(request, deadline)
         validated = await asyncio.to_thread(self._validate, request)
         return self.start(request, deadline, validated)
 
     def _validate(self, request: model_pb2.GenerateRequest):
         try:
-            return validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
+            return validate_generate_request(
+                request, self._limits(), self.engine.loaded.tokenizer, self.engine.loaded.chat_template)
         except InvalidRequest as error:
             raise rejected(grpc.StatusCode.INVALID_ARGUMENT, error) from None
         except PoolTooSmall as error:

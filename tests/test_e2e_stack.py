@@ -129,7 +129,7 @@ def model(stack):
 
 def assert_no_leased_blocks(cache) -> None:
     """A finished request's blocks go back with the engine's next lease call: poll briefly."""
-    wait_for(lambda: stats(cache).blocks_leased == 0, timeout_s=10, what="0 leased blocks after the requests")
+    wait_for(lambda: stats(cache).blocks_leased == 0, timeout_s=60, what="0 leased blocks after the requests")
     assert stats(cache).sequences == 0
 
 
