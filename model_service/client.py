@@ -3,7 +3,7 @@
     python -m model_service.client "Once upon a time" --max-new-tokens 32
     python -m model_service.client --token-ids 1,2,3 --temperature 0.8 --seed 7 --json
     python -m model_service.client --chat "What is the capital of France?"
-    python -m model_service.client --system "Answer in French." "What is the capital of France?"
+    python -m model_service.client --system "You are a concise assistant." "Name three primary colors."
     python -m model_service.client --info
 
 Text streams to stdout as it arrives; a usage line goes to stderr at the end. `--json`
