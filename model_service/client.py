@@ -2,6 +2,8 @@
 
     python -m model_service.client "Once upon a time" --max-new-tokens 32
     python -m model_service.client --token-ids 1,2,3 --temperature 0.8 --seed 7 --json
+    python -m model_service.client --chat "What is the capital of France?"
+    python -m model_service.client --system "You are a concise assistant." "Name three primary colors."
     python -m model_service.client --info
 
 Text streams to stdout as it arrives; a usage line goes to stderr at the end. `--json`
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
     parser.add_argument("--token-ids", type=_token_ids, metavar="1,2,3",
                         help="prompt as comma-separated token ids instead of text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message, rendered by the model's chat template")
+    parser.add_argument("--system", metavar="TEXT",
+                        help="a system message before the user message (implies --chat)")
     parser.add_argument("--max-new-tokens", type=int,
                         help="tokens to generate (default: the service's default)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -98,6 +104,13 @@ def build_request(args: argparse.Namespace) -> model_pb2.GenerateRequest:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.chat or args.system is not None:
+        system = [] if args.system is None else [model_pb2.ChatMessage(role="system", content=args.system)]
+        return model_pb2.GenerateRequest(
+            request_id=args.request_id,
+            messages=[*system, model_pb2.ChatMessage(role="user", content=args.prompt or "")],
+            sampling=sampling,
+        )
     return model_pb2.GenerateRequest(
         request_id=args.request_id,
         prompt=args.prompt or "",
@@ -175,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.info and (args.prompt is None) == (args.token_ids is None):
         parser.print_usage(sys.stderr)
         print("error: give exactly one of a prompt or --token-ids (or --info)", file=sys.stderr)
+        return 2
+    if (args.chat or args.system is not None) and args.token_ids is not None:
+        parser.print_usage(sys.stderr)
+        print("error: --chat and --system take a text prompt, not --token-ids", file=sys.stderr)
         return 2
     metadata = [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else None
     try:
