@@ -60,9 +60,9 @@ def instrument(vocab_size: int) -> None:
           if args[5].num_decode_seqs == args[5].num_seqs else "paged attention, prefill steps")
     execute = ModelRunner.execute
 
-    def execute_and_log(runner, batch):
+    def execute_and_log(runner, batch, *args, **kwargs):
         started = time.perf_counter()
-        result = execute(runner, batch)
+        result = execute(runner, batch, *args, **kwargs)
         steps.append((len(batch), sum(n for _, n in batch), time.perf_counter() - started))
         return result
 
@@ -99,8 +99,9 @@ def main() -> int:
 
             def run(items) -> float:
                 started = time.perf_counter()
-                for prompt, max_new in items:
-                    engine.submit("bench", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
+                for index, (prompt, max_new) in enumerate(items):
+                    # Request ids must be unique among live requests.
+                    engine.submit(f"bench-{len(items)}-{index}", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
                 for _ in items:
                     finished.acquire()
                 return time.perf_counter() - started

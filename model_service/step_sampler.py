@@ -52,9 +52,13 @@ class StepSampler:
         logprobs: list[TokenLogprob | None] = [None] * len(chosen)
         asked = [row for row, o in enumerate(options) if o.logprobs is not None]
         if asked:
-            index = torch.tensor(asked, device=logits.device)
-            found = token_logprobs(logits.index_select(0, index), token_tensor.to(logits.device).index_select(0, index),
-                                   [options[row].logprobs for row in asked])
+            tops = [options[row].logprobs for row in asked]
+            if len(asked) == len(options):
+                found = token_logprobs(logits, token_tensor, tops)
+            else:
+                index = torch.tensor(asked, device=logits.device)
+                found = token_logprobs(logits.index_select(0, index),
+                                       token_tensor.to(logits.device).index_select(0, index), tops)
             for row, logprob in zip(asked, found):
                 logprobs[row] = logprob
         counted = [(c.history_slot, token) for c, token in zip(chosen, tokens) if c.history_slot is not None]
