@@ -45,7 +45,7 @@ RUN pip install ".${EXTRAS:+[$EXTRAS]}" && rm -rf build /tmp/requirements.txt
 RUN useradd --create-home --uid 10001 --user-group pagedkv
 USER pagedkv
 
-EXPOSE 50051 50052 9401 9402
+EXPOSE 50051 50052 9401 9402 8000
 # The gRPC health of whichever service runs here (PAGEDKV_PORT is set per service; the
 # cache service's port is the default). `--now` asks once and fails on NOT_SERVING, so with
 # one retry the container's health follows the service's within one interval. The compose

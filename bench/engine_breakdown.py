@@ -1,18 +1,22 @@
-"""W48 through the engine alone: where a run's time goes, without gRPC streaming or a client.
+"""W48 (or one stream) through the engine alone: where a run's time goes, without gRPC
+streaming or a client.
 
-The same checkpoint and workload as bench_generate.py; a real cache service process
+The same checkpoints and workloads as bench_vs_vllm.py (the W48 random Llama or SmolLM2,
+float32 or bfloat16; W48 or one stream of 128 tokens); a real cache service process
 leases the blocks, but the engine runs in this process and its tokens go to plain
 callbacks. Reports the wall time, engine steps by kind (prefill, decode by batch size),
 and the time inside the layer linears, the lm_head and paged attention (K/V write,
 gather and SDPA), measured by timing those calls (CPU work is synchronous).
 
-    .venv/bin/python bench/engine_breakdown.py [--threads 2]
+    .venv/bin/python bench/engine_breakdown.py [--threads 2] [--model w48|smollm2|PATH]
+        [--dtype float32|bfloat16] [--workload w48|single]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import sys
 import tempfile
 import threading
@@ -26,12 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from bench_generate import workload, write_w48_checkpoint  # noqa: E402
+from bench_vs_vllm import single_stream, smollm2_checkpoint  # noqa: E402
 from processes import start_cache_service  # noqa: E402
 
 from model_service.attention.backend import PagedAttention  # noqa: E402
 from model_service.cache_client import CacheClient  # noqa: E402
 from model_service.engine import Engine, EngineSettings  # noqa: E402
 from model_service.models.loader import load_model  # noqa: E402
+from model_service.models.packed_linear import PackedLinear  # noqa: E402
 from model_service.runner import ModelRunner  # noqa: E402
 from model_service.sampling import SamplingOptions  # noqa: E402
 
@@ -55,14 +61,15 @@ def timed(owner, name: str, label) -> None:
 
 
 def instrument(vocab_size: int) -> None:
-    timed(nn.Linear, "forward", lambda args: "lm_head" if args[0].out_features == vocab_size else "layer linears")
+    for linear in (nn.Linear, PackedLinear):
+        timed(linear, "forward", lambda args: "lm_head" if args[0].out_features == vocab_size else "layer linears")
     timed(PagedAttention, "__call__", lambda args: "paged attention, decode steps"
           if args[5].num_decode_seqs == args[5].num_seqs else "paged attention, prefill steps")
     execute = ModelRunner.execute
 
-    def execute_and_log(runner, batch, *args, **kwargs):
+    def execute_and_log(runner, batch, *rest):
         started = time.perf_counter()
-        result = execute(runner, batch, *args, **kwargs)
+        result = execute(runner, batch, *rest)
         steps.append((len(batch), sum(n for _, n in batch), time.perf_counter() - started))
         return result
 
@@ -78,16 +85,22 @@ def step_kind(batch_size: int, tokens: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="w48", help="w48, smollm2 or a checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--workload", default="w48", choices=["w48", "single"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    requests = workload()
+    dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        loaded = load_model(str(write_w48_checkpoint(tmp / "w48")), torch.float32, "cpu")
+        path = {"w48": lambda: write_w48_checkpoint(tmp / "w48"), "smollm2": smollm2_checkpoint}.get(
+            args.model, lambda: Path(args.model))()
+        loaded = load_model(str(path), dtype, "cpu")
+        requests = workload() if args.workload == "w48" else single_stream(loaded.config.vocab_size)
         instrument(loaded.config.vocab_size)
-        with start_cache_service(tmp, "--kv-cache-bytes", "512MiB") as cache:
+        with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache:
             settings = EngineSettings(max_model_len=1024, max_batch_tokens=2048, max_num_seqs=64)
-            engine = Engine(loaded, settings, CacheClient(cache.address), torch.device("cpu"), torch.float32)
+            engine = Engine(loaded, settings, CacheClient(cache.address), torch.device("cpu"), dtype)
             engine.start()
             if not engine.connected.wait(30):
                 raise SystemExit("the engine did not attach to the cache service")
@@ -97,11 +110,12 @@ def main() -> int:
                 if delta.finish is not None or delta.error is not None:
                     finished.release()
 
+            request_ids = itertools.count()
+
             def run(items) -> float:
                 started = time.perf_counter()
-                for index, (prompt, max_new) in enumerate(items):
-                    # Request ids must be unique among live requests.
-                    engine.submit(f"bench-{len(items)}-{index}", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
+                for prompt, max_new in items:
+                    engine.submit(f"bench-{next(request_ids)}", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
                 for _ in items:
                     finished.acquire()
                 return time.perf_counter() - started
@@ -114,7 +128,7 @@ def main() -> int:
 
     new_tokens = sum(n for _, n in requests)
     forward = sum(seconds for _, _, seconds in steps)
-    print(f"W48, engine only, {args.threads} threads: {new_tokens} new tokens in {wall:.2f} s "
+    print(f"{args.workload} on {args.model}, {args.dtype}, engine only, {args.threads} threads: {new_tokens} new tokens in {wall:.2f} s "
           f"({new_tokens / wall:.0f} tokens/s); {len(steps)} steps, {forward:.2f} s in forward passes\n")
     print("| steps | count | seconds | ms a step |")
     print("| --- | --- | --- | --- |")

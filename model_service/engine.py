@@ -27,7 +27,7 @@ import torch
 
 from model_service import metrics
 from model_service.cache_client import CacheClient, Heartbeat
-from model_service.decode_graphs import DecodeGraphs, cuda_graph_capture
+from model_service.decode_graphs import DecodeGraphPool
 from model_service.models.loader import LoadedModel
 from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, new_request
 from model_service.runner import ModelRunner
@@ -117,6 +117,17 @@ class Engine:
         self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Decode graphs are captured once now, before the first Attach, so that their
+        # memory is reserved when the cache service sizes the pool, and reported with
+        # the workspace; every Attach recaptures them into the same memory pool.
+        self.decode_graph_pool: DecodeGraphPool | None = None
+        self.workspace_bytes = settings.workspace_bytes
+        if settings.cuda_graphs:
+            self.decode_graph_pool = DecodeGraphPool(loaded.model, settings.max_num_seqs, settings.max_model_len)
+            self.workspace_bytes += self.decode_graph_pool.memory_bytes
+            metrics.DECODE_GRAPH_MEMORY_BYTES.set(self.decode_graph_pool.memory_bytes)
+            log.info("decode_graphs_reserved", buckets=self.decode_graph_pool.graphs.buckets,
+                     memory_bytes=self.decode_graph_pool.memory_bytes, workspace_bytes=self.workspace_bytes)
         # Set while attached:
         self.session_id: str | None = None
         self.sizing = None
@@ -226,7 +237,7 @@ class Engine:
         while not self._stopping.is_set():
             try:
                 reply = self.cache.attach(self.settings.client_name, self.geometry,
-                                          self.settings.workspace_bytes, self.settings.max_model_len)
+                                          self.workspace_bytes, self.settings.max_model_len)
                 break
             except grpc.RpcError as error:
                 if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -251,10 +262,10 @@ class Engine:
         self.session_id = reply.session_id
         self.sizing = reply.sizing
         graphs = None
-        if self.settings.cuda_graphs:
-            graphs = DecodeGraphs(self.loaded.model, kv_pool, reply.sizing.block_size, self.settings.max_num_seqs,
-                                  self.settings.max_model_len, capture=cuda_graph_capture())
-            log.info("decode_graphs_captured", buckets=graphs.buckets, captures=graphs.captures)
+        if self.decode_graph_pool is not None:
+            graphs = self.decode_graph_pool.capture(kv_pool, reply.sizing.block_size)
+            log.info("decode_graphs_captured", buckets=graphs.buckets, captures=graphs.captures,
+                     memory_bytes=self.decode_graph_pool.memory_bytes)
         self.runner = ModelRunner(self.loaded.model, kv_pool, reply.sizing.block_size, graphs)
         self.scheduler = Scheduler(
             SchedulerLimits(block_size=reply.sizing.block_size, max_num_seqs=self.settings.max_num_seqs,

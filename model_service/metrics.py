@@ -28,3 +28,7 @@ ENGINE_STEP_SECONDS = Counter(
     "pagedkv_model_engine_step_seconds", "Engine time spent in steps (forward passes, sampling and lease waits)"
 )
 CACHE_CONNECTED = Gauge("pagedkv_model_cache_connected", "1 while attached to the cache service")
+DECODE_GRAPH_MEMORY_BYTES = Gauge(
+    "pagedkv_model_decode_graph_memory_bytes",
+    "Device memory the decode CUDA graphs reserve (one shared pool; part of the workspace reported at Attach)",
+)

@@ -120,6 +120,7 @@ class ModelRunner:
             context_lens_host=tuple(context_lens),
             num_decode_seqs=num_decode,
             block_size=block_size,
+            step_memo={},
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         pos = torch.tensor(positions, dtype=torch.int64, device=device)

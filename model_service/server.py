@@ -16,6 +16,8 @@ from model_service.models.config import ModelLoadError
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
 from model_service.generation import GenerationService, deliver_on_loop
+from model_service.openai_http.app import create_app
+from model_service.openai_http.server import HttpServer
 from model_service.servicer import ModelServicer
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -60,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
+    add_flag(parser, "--http-port", default=8000, type=int,
+             help="OpenAI-compatible HTTP API port on --host (0 picks a free one, -1 disables); TLS and "
+                  "--auth-token apply as on gRPC")
+    add_flag(parser, "--served-model-name", default=None,
+             help="the model id the HTTP API lists and accepts (default: GetModelInfo's model_id)")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
     return parser
 
@@ -85,6 +92,8 @@ def use_cuda_graphs(choice: str, device: torch.device, attention_backend: str,
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.http_port < -1:
+        raise ValueError(f"--http-port must be a port, 0 (pick a free one) or -1 (no HTTP), got {args.http_port}")
     if args.max_concurrent_streams < 0:
         raise ValueError(f"--max-concurrent-streams must be 0 (no limit) or more, got {args.max_concurrent_streams}")
     device = resolve_device(args.device)
@@ -133,18 +142,27 @@ async def serve(args: argparse.Namespace) -> int:
     servicer = ModelServicer(generation)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
-    await server.start()
+    http = None
+    if args.http_port >= 0:
+        http = HttpServer(create_app(generation, served_model_name=args.served_model_name, auth_token=args.auth_token),
+                          args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        await http.start()
+    await server.start(extra_ports={"http_port": http.port if http else -1})
     engine.start()
     stop_signal = asyncio.ensure_future(wait_for_stop_signal())
     done, _ = await asyncio.wait([stop_signal, fatal], return_when=asyncio.FIRST_COMPLETED)
     if fatal in done:
         log.error("model_service_failed", error=str(fatal.result()))
+        if http:
+            await http.stop()
         await server.stop(0)
         cache.close()
         return 1
     log.info("stopping", signal=stop_signal.result().name, grace_s=args.grace_s)
     await server.set_serving(False)
     await asyncio.to_thread(engine.stop, args.grace_s)
+    if http:
+        await http.stop()
     await server.stop(1.0)
     cache.close()
     log.info("stopped")
@@ -152,4 +170,4 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run_server_main(build_parser(), argv, serve, startup_errors=(ModelLoadError, ValueError))
+    return run_server_main(build_parser(), argv, serve, startup_errors=(ModelLoadError, ValueError, OSError))

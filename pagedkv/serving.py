@@ -206,7 +206,9 @@ class GrpcServer:
         self.metrics_port = -1
         self._metrics_server = None
 
-    async def start(self) -> int:
+    async def start(self, extra_ports: dict[str, int] | None = None) -> int:
+        """Binds, serves, and writes the port file: {"port", "metrics_port", **extra_ports}
+        (another listener of the same process, e.g. the model service's HTTP port)."""
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls_cert:
             credentials = grpc.ssl_server_credentials(
@@ -224,7 +226,8 @@ class GrpcServer:
             self._metrics_server, _ = prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
             self.metrics_port = self._metrics_server.server_port
         if self.config.port_file:
-            Path(self.config.port_file).write_text(json.dumps({"port": self.port, "metrics_port": self.metrics_port}))
+            ports = {"port": self.port, "metrics_port": self.metrics_port, **(extra_ports or {})}
+            Path(self.config.port_file).write_text(json.dumps(ports))
         log.info("grpc_listening", address=f"{self.config.host}:{self.port}", metrics_port=self.metrics_port,
                  tls=bool(self.config.tls_cert), auth=bool(self.config.auth_token))
         return self.port

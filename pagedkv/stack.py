@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--host", default="127.0.0.1", help="address both services bind")
     add_flag(parser, "--cache-port", default=50052, type=int, help="cache service gRPC port (0 picks a free one)")
     add_flag(parser, "--model-port", default=50051, type=int, help="model service gRPC port (0 picks a free one)")
+    add_flag(parser, "--model-http-port", default=8000, type=int,
+             help="model service OpenAI-compatible HTTP port (0 picks a free one, -1 disables)")
     add_flag(parser, "--cache-metrics-port", default=9402, type=int,
              help="cache service Prometheus port (0 picks a free one, -1 disables)")
     add_flag(parser, "--model-metrics-port", default=9401, type=int,
@@ -96,6 +98,7 @@ class Child:
         self.port_file = port_file
         self.port = 0
         self.metrics_port = -1
+        self.http_port = -1
         self._tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         # On a terminal the child writes to a pseudo-terminal, so its logs stay in the
         # console format meant for people (JSON lines are for pipes and containers).
@@ -154,6 +157,7 @@ class Child:
             return False
         self.port = int(ports["port"])
         self.metrics_port = int(ports["metrics_port"])
+        self.http_port = int(ports.get("http_port", -1))
         return True
 
     def failure(self, what: str) -> ChildFailed:
@@ -257,11 +261,12 @@ class Stack:
         else:
             model = self.start_child(
                 "model",
-                ["--model", args.model, "--cache-service", f"{host}:{cache.port}"],
+                ["--model", args.model, "--cache-service", f"{host}:{cache.port}", "--http-port", str(args.model_http_port)],
                 args.model_port, args.model_metrics_port,
             )
+            http = "off" if model.http_port < 0 else f"http://{host}:{model.http_port}/v1"
             print(f"pagedkv ready: model service {host}:{model.port} (metrics {_metrics(host, model.metrics_port)}), "
-                  f"{cache_part}; try: {_python_shown()} -m model_service.client \"Hello\" --max-new-tokens 32 "
+                  f"OpenAI API {http}, {cache_part}; try: {_python_shown()} -m model_service.client \"Hello\" --max-new-tokens 32 "
                   f"--address {host}:{model.port}; Ctrl-C stops", flush=True)
         while not self._stop.wait(_POLL_S * 2):
             for child in self.children:

@@ -26,11 +26,12 @@ class PagedRunner:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.model = model
-        dtype = next(model.parameters()).dtype  # the pool holds K/V in the model's dtype
+        parameter = next(model.parameters())  # the pool holds K/V in the model's dtype, on its device
+        self.device = parameter.device
         self.pool = 100.0 * torch.randn(
             (config.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim),
             generator=generator,
-        ).to(dtype)
+        ).to(device=self.device, dtype=parameter.dtype)
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
         self.tables: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}
@@ -42,7 +43,7 @@ class PagedRunner:
         self.lengths[target] = num_tokens
 
     def step(self, chunks: list[tuple[str, list[int]]], num_decode_seqs: int) -> list[torch.Tensor]:
-        """Run one forward over `chunks` (decode sequences first); logits per chunk [len, vocab]."""
+        """Run one forward over `chunks` (decode sequences first); logits per chunk [len, vocab], on CPU."""
         input_ids, positions, slots, context_lens = [], [], [], []
         for seq, tokens in chunks:
             start = self.lengths.get(seq, 0)
@@ -61,10 +62,11 @@ class PagedRunner:
         for row, (seq, _) in enumerate(chunks):
             block_tables[row, : len(self.tables[seq])] = torch.tensor(self.tables[seq], dtype=torch.int32)
         query_lens = tuple(len(tokens) for _, tokens in chunks)
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=block_tables,
-            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=block_tables.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             query_lens=query_lens,
             context_lens_host=tuple(context_lens),
             num_decode_seqs=num_decode_seqs,
@@ -72,11 +74,12 @@ class PagedRunner:
         )
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), self.pool, meta
+                torch.tensor(input_ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device), self.pool, meta,
             )
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden).cpu()
             # What the engine samples from: each sequence's last row.
-            last = self.model.compute_logits(hidden[last_token_indices(query_lens)])
+            last = self.model.compute_logits(hidden[last_token_indices(query_lens)]).cpu()
         per_chunk = list(logits.split(query_lens))
         torch.testing.assert_close(last, torch.stack([chunk[-1] for chunk in per_chunk]))
         return per_chunk

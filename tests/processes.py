@@ -15,7 +15,7 @@
 `start_cache_service(tmp_path, *extra_args)` runs `python -m cache_service` and
 `start_model_service(tmp_path, cache_address, *extra_args)` runs `python -m model_service
 --model tiny --cache-service CACHE_ADDRESS`, both with `--port 0 --metrics-port 0
---port-file` in tmp_path, and return once the port file is written and grpc.health.v1
+--port-file` in tmp_path (the model service also `--http-port 0`), and return once the port file is written and grpc.health.v1
 says SERVING; `extra_args` come last, so they override (`"--model", path`). Keyword-only
 options: `timeout_s` (default 120) for start-up, `env` (extra environment variables; the
 PAGEDKV_* variables of the calling shell are dropped so a developer's settings never leak
@@ -26,6 +26,8 @@ passes first, it is killed and the error carries its stderr.
 A ServiceProcess has:
 - `.address` ("127.0.0.1:PORT"), `.port`, `.metrics_port`, `.metrics_url`
   ("http://127.0.0.1:PORT/metrics", None when metrics are disabled), `.pid`;
+- model services: `.http_port` and `.http_url` ("http://127.0.0.1:PORT/v1", the OpenAI
+  API's base URL; None with `"--http-port", "-1"`): HTTP is on a free port, never 8000;
 - `.stop(sig=signal.SIGTERM, timeout=15.0) -> int`: sends `sig`, waits up to `timeout`,
   SIGKILLs after that, returns the exit code (negative: killed by that signal);
 - `.kill() -> int`: SIGKILL and wait;
@@ -84,7 +86,11 @@ class ServiceProcess:
         self.stderr_path = Path(tmp_path) / f"{name}-{number}.stderr.log"
         self.port = 0
         self.metrics_port = -1
-        full_argv = [*argv[:3], "--port", "0", "--metrics-port", "0", "--port-file", str(self.port_file), *argv[3:]]
+        self.http_port = -1
+        # Never the model service's default HTTP port 8000: tests run side by side.
+        http = ["--http-port", "0"] if name == "model" else []
+        full_argv = [*argv[:3], "--port", "0", "--metrics-port", "0", *http, "--port-file", str(self.port_file),
+                     *argv[3:]]
         with open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(
                 full_argv,
@@ -114,6 +120,11 @@ class ServiceProcess:
     @property
     def metrics_url(self) -> str | None:
         return None if self.metrics_port < 0 else f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI API's base URL ("http://127.0.0.1:PORT/v1"); None when HTTP is off."""
+        return None if self.http_port < 0 else f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def returncode(self) -> int | None:
@@ -161,6 +172,7 @@ class ServiceProcess:
             return False
         self.port = int(ports["port"])
         self.metrics_port = int(ports["metrics_port"])
+        self.http_port = int(ports.get("http_port", -1))
         return True
 
     def _describe(self, what: str) -> str:

@@ -31,7 +31,20 @@ def cache(tmp_path_factory):
 
 @pytest.fixture()
 def stub(cache):
-    return cache_stub(cache.address)
+    """The shared service's stub; afterwards the test must have released every lease and
+    detached every session it opened, so that no test's leak fails a later one."""
+    stub = cache_stub(cache.address)
+    assert (stats(stub).blocks_leased, stats(stub).sessions) == (0, 0), "an earlier test leaked"
+    yield stub
+    after = stats(stub)
+    assert (after.blocks_leased, after.sequences, after.sessions) == (0, 0, 0), (
+        f"this test left {after.blocks_leased} blocks leased, {after.sequences} sequences, {after.sessions} sessions"
+    )
+
+
+def detach(stub, *sessions: str) -> None:
+    for session in sessions:
+        stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
 
 
 def test_sizing_before_attach_is_failed_precondition(tmp_path):
@@ -65,7 +78,7 @@ def test_lease_until_full_then_release_everything(stub):
     lease(stub, session, *[release(s) for s in held])
     after = stats(stub)
     assert (after.blocks_free, after.blocks_leased, after.sequences) == (64, 0, 0)
-    stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
+    detach(stub, session)
 
 
 def test_extend_fork_and_prefix_reuse(stub):
@@ -88,7 +101,7 @@ def test_extend_fork_and_prefix_reuse(stub):
     assert again.cached_tokens == 32 and again.block_ids[:2] == first.block_ids[:2]
     lease(stub, session, release(again.sequence_id))
     assert leased_blocks(stub) == 0
-    stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
+    detach(stub, session)
 
 
 def test_another_sessions_sequence_is_permission_denied(stub):
@@ -103,14 +116,16 @@ def test_another_sessions_sequence_is_permission_denied(stub):
         assert lease(stub, owner, op).results[0].status == cache_pb2.LEASE_STATUS_NOT_FOUND
     assert lease(stub, owner, cache_pb2.LeaseOp()).results[0].status == cache_pb2.LEASE_STATUS_INVALID_ARGUMENT
     assert leased_blocks(stub) == 0
+    detach(stub, owner, intruder)
 
 
 def test_geometry_mismatch_is_failed_precondition(stub):
-    attach(stub)
+    session = attach(stub).session_id
     with pytest.raises(grpc.RpcError) as error:
         attach(stub, num_layers=3)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "3 layers" in error.value.details() and "restart the cache service" in error.value.details()
+    detach(stub, session)
 
 
 @pytest.mark.parametrize("geometry", [dict(num_layers=0), dict(dtype=cache_pb2.DTYPE_UNSPECIFIED), dict(device="tpu")])
@@ -141,10 +156,13 @@ def test_pool_handle_maps_in_this_process_and_is_private(stub):
     assert list(pool.shape) == [2, 2, 64, 16, 2, 16]
     pool[1, 1, 63].fill_(3.5)  # a second mapping of the same memory: both see it
     assert float(pool_memory.map_pool(reply.pool)[1, 1, 63, 0, 0, 0]) == 3.5
+    detach(stub, reply.session_id)
 
 
 def test_detach_and_ttl_reclaim_leases(tmp_path):
-    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "300") as service:
+    # A 3 s TTL and a heartbeat every poll (0.1 s): `alive` survives a stall of this process
+    # 30 times longer than its heartbeat interval; the reclaim itself may take its time.
+    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "3000") as service:
         stub = cache_stub(service.address)
         alive = attach(stub, "alive").session_id
         silent = attach(stub, "silent").session_id
@@ -155,7 +173,7 @@ def test_detach_and_ttl_reclaim_leases(tmp_path):
         def reclaimed():
             stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=alive), timeout=10)
             return leased_blocks(stub) == 1
-        wait_for(reclaimed, 5.0, "the silent session's leases to be reclaimed")
+        wait_for(reclaimed, 60.0, "the silent session's leases to be reclaimed", poll_s=0.1)
         with pytest.raises(grpc.RpcError) as error:
             lease(stub, silent, allocate(16))
         assert error.value.code() == grpc.StatusCode.NOT_FOUND

@@ -175,7 +175,8 @@ def test_services_bind_all_interfaces_inside_and_publish_on_loopback_only(name, 
     assert env["PAGEDKV_METRICS_PORT"] == str(metrics_port)
     assert "PAGEDKV_AUTH_TOKEN" in env, "the optional shared token is passed through"
     published = sorted(service["ports"])
-    assert published == sorted([f"127.0.0.1:{grpc_port}:{grpc_port}", f"127.0.0.1:{metrics_port}:{metrics_port}"])
+    http_ports = [8000] if name == "model" else []  # the model service's OpenAI HTTP API
+    assert published == sorted(f"127.0.0.1:{port}:{port}" for port in [grpc_port, metrics_port, *http_ports])
     for raw in load(BASE)["services"][name]["ports"]:
         assert raw.startswith("127.0.0.1:"), f"{raw} would publish beyond loopback"
 
@@ -199,6 +200,8 @@ def test_both_services_run_the_one_image_as_modules():
         service = CPU["services"][name]
         assert service["build"]["context"] == "."
         assert service["command"] == [module]
+        # The CPU image takes PyTorch's CPU build of pyproject's torch pin, not PyPI's CUDA one.
+        assert service["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
 def test_gpu_override_shares_one_gpu_and_the_pid_namespace():

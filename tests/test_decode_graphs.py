@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model_service.attention.backend import PagedAttention
-from model_service.decode_graphs import DecodeGraphs, batch_buckets
+from model_service.decode_graphs import DecodeGraphPool, DecodeGraphs, batch_buckets
 from model_service.models.tiny import build_tiny_model
 from model_service.runner import ModelRunner
 from model_service.sequence import Sequence
@@ -45,6 +45,14 @@ class SkipPaddingAttention:
 def eager_capture(counter: list[int]):
     def capture(step):
         counter.append(1)
+        return step
+    return capture
+
+
+def sizes_capture(sizes: list[int]):
+    """Eager, recording each captured bucket's batch size (the step's output rows)."""
+    def capture(step):
+        sizes.append(step().shape[0])
         return step
     return capture
 
@@ -115,6 +123,36 @@ def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly():
     due, logits = with_graphs.execute(prefill)
     assert graphs.replays == 1, "a prefill step went through a decode graph"
     torch.testing.assert_close(logits, eager.execute(prefill)[1], atol=1e-5, rtol=1e-5)
+
+
+def test_graphs_are_captured_largest_bucket_first():
+    # With one memory pool, the smaller graphs reuse the largest one's buffers only if it
+    # was captured first.
+    model = build_tiny_model(attention=SkipPaddingAttention())
+    config = model.config
+    pool = torch.zeros(config.num_layers, 2, 8, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    sizes: list[int] = []
+    DecodeGraphs(model, pool, BLOCK_SIZE, max_num_seqs=24, max_model_len=64, capture=sizes_capture(sizes))
+    assert sizes == sorted(batch_buckets(24), reverse=True)
+
+
+def test_graph_pool_captures_before_attach_and_recaptures_per_attach():
+    torch.manual_seed(1)
+    model = build_tiny_model(attention=SkipPaddingAttention())
+    config = model.config
+    captures: list[int] = []
+    graph_pool = DecodeGraphPool(model, max_num_seqs=8, max_model_len=128, capture=eager_capture(captures))
+    assert len(captures) == len(batch_buckets(8))  # before any pool exists
+    assert graph_pool.memory_bytes == 0  # CPU: nothing reserved; on CUDA the graphs' private pool
+
+    for attach in range(2):  # a re-attach maps a new pool and captures its graphs again
+        pool = torch.randn(config.num_layers, 2, 64, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        graphs = graph_pool.capture(pool, BLOCK_SIZE)
+        assert graph_pool.graphs is graphs and len(captures) == (attach + 2) * len(batch_buckets(8))
+        batch = decode_batch([9, 30, 2])
+        due, logits = ModelRunner(model, pool, BLOCK_SIZE, graphs).execute(batch)
+        torch.testing.assert_close(logits, ModelRunner(model, pool, BLOCK_SIZE).execute(batch)[1], atol=1e-5, rtol=1e-5)
+        assert graphs.replays == 1
 
 
 def test_prefill_and_oversized_batches_take_the_eager_path():

@@ -1,10 +1,12 @@
 from collections.abc import Sequence
 
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service.detokenizer import DetokenizedDelta, IncrementalDetokenizer
+from model_service.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class BytewiseTokenizer:
@@ -211,16 +213,8 @@ def test_output_is_text_before_the_first_stop(before, stop, after):
 # --- the project's tokenizers ----------------------------------------------------------
 
 
-def project_tokenizers():
-    # model_service.models is imported first: importing model_service.tokenizer on its own
-    # currently hits an import cycle (tokenizer -> models.config -> models -> tiny -> tokenizer).
-    pytest.importorskip("model_service.models")
-    return pytest.importorskip("model_service.tokenizer")
-
-
 def test_with_the_project_byte_tokenizer():
-    tokenizer_module = project_tokenizers()
-    tokenizer = tokenizer_module.ByteTokenizer()
+    tokenizer = ByteTokenizer()
     prompt = tokenizer.encode("Once upon a ")
     completion = tokenizer.encode("tïme 🙂 there was END here", add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, stop=["END"])
@@ -235,8 +229,6 @@ def test_with_the_project_byte_tokenizer():
 
 
 def test_with_a_byte_level_bpe_hf_tokenizer():
-    tokenizer_module = project_tokenizers()
-    tokenizers = pytest.importorskip("tokenizers")
     raw = tokenizers.Tokenizer(tokenizers.models.BPE())
     raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = tokenizers.decoders.ByteLevel()
@@ -245,7 +237,7 @@ def test_with_a_byte_level_bpe_hf_tokenizer():
     )
     # Trained on ASCII only, so every non-ASCII character is split into byte tokens.
     raw.train_from_iterator(["hello world, the cafe is naive"] * 20, trainer)
-    tokenizer = tokenizer_module.HFTokenizer(raw)
+    tokenizer = HFTokenizer(raw)
     text = "hello wörld, naïve 日本語 ☕ café 🙂"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert "\ufffd" in tokenizer.decode(ids[:4])  # "w", then half of "ö"

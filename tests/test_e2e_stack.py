@@ -99,7 +99,7 @@ def stack(tmp_path_factory):
     # What `make run` runs, but on free ports, and with no PAGEDKV_* setting of the developer's.
     environment = {name: value for name, value in os.environ.items() if not name.startswith("PAGEDKV_")}
     argv = [sys.executable, "-m", "pagedkv.stack", "--model", "tiny", "--cache-port", "0", "--model-port", "0",
-            "--cache-metrics-port", "0", "--model-metrics-port", "0"]
+            "--cache-metrics-port", "0", "--model-metrics-port", "0", "--model-http-port", "0"]
     with open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
                                    env=environment, cwd=REPO)
@@ -129,7 +129,7 @@ def model(stack):
 
 def assert_no_leased_blocks(cache) -> None:
     """A finished request's blocks go back with the engine's next lease call: poll briefly."""
-    wait_for(lambda: stats(cache).blocks_leased == 0, timeout_s=10, what="0 leased blocks after the requests")
+    wait_for(lambda: stats(cache).blocks_leased == 0, timeout_s=60, what="0 leased blocks after the requests")
     assert stats(cache).sequences == 0
 
 

@@ -3,7 +3,9 @@
 Every test starts the cache and model services as real processes, puts streams in
 flight, breaks something, and then checks what the contract promises: streams end with
 a status instead of hanging, health says what is true, and GetStats shows no block that
-no live sequence holds. Waits poll (wait_for); nothing sleeps and hopes.
+no live sequence holds. Waits poll (wait_for) with generous deadlines (GENEROUS_S): on a
+loaded machine things take longer, and a test fails only if they never happen, never for
+taking a second too long. Nothing sleeps and hopes; no assertion is about elapsed time.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 POOL_ARGS = ("--kv-cache-bytes", "16MiB")  # ~1900 blocks of the tiny model: nothing is preempted here
 LEASE_TTL_MS = 1000
+# How long a wait may take before the test calls it a hang; far beyond any healthy run.
+GENEROUS_S = 60
 # Long enough that no stream finishes before the fault: the tiny model's max_model_len is 2048.
 LONG = 1900
 
-# Each test starts two or three services (~5 s of torch import each); a hang fails fast.
-pytestmark = pytest.mark.timeout(120)
+# Each test starts two or three services (~5 s of torch import each); a hang still fails.
+pytestmark = pytest.mark.timeout(300)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -46,7 +50,7 @@ def request(tokens: list[int], max_new_tokens: int) -> model_pb2.GenerateRequest
 class Stream:
     """One Generate stream read on its own thread; records tokens, the last message and the status."""
 
-    def __init__(self, stub, tokens: list[int], max_new_tokens: int = LONG, timeout_s: float = 60.0) -> None:
+    def __init__(self, stub, tokens: list[int], max_new_tokens: int = LONG, timeout_s: float = 3 * GENEROUS_S) -> None:
         self.tokens: list[int] = []
         self.last: model_pb2.GenerateResponse | None = None
         self.code: grpc.StatusCode | None = None  # OK once the stream finished normally
@@ -54,7 +58,6 @@ class Stream:
         self.first_token = threading.Event()
         self.done = threading.Event()
         self.started = threading.Event()  # a first token, or the end
-        self.ended_at = 0.0
         self.call = stub.Generate(request(tokens, max_new_tokens), timeout=timeout_s)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -69,16 +72,15 @@ class Stream:
         except grpc.RpcError as error:
             self.code, self.details = error.code(), error.details()
         finally:
-            self.ended_at = time.monotonic()
             self.done.set()
             self.started.set()
 
 
 def start_streams(stub, count: int, **kwargs) -> list[Stream]:
     streams = [Stream(stub, prompt(seed, 8 + seed % 24), **kwargs) for seed in range(count)]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + GENEROUS_S
     for stream in streams:
-        assert stream.started.wait(max(0.0, deadline - time.monotonic())), "a stream got no token within 30 s"
+        assert stream.started.wait(max(0.0, deadline - time.monotonic())), f"a stream got no token in {GENEROUS_S} s"
     assert not any(s.done.is_set() for s in streams), [(s.code, s.details) for s in streams if s.done.is_set()]
     return streams
 
@@ -100,7 +102,7 @@ def health(address: str) -> str:
 
 def generate(stub, tokens: list[int], max_new_tokens: int) -> model_pb2.GenerateResponse:
     last = None
-    for response in stub.Generate(request(tokens, max_new_tokens), timeout=30):
+    for response in stub.Generate(request(tokens, max_new_tokens), timeout=GENEROUS_S):
         last = response
     return last
 
@@ -146,15 +148,12 @@ def test_kill9_model_service_reclaims_leases_and_a_restart_keeps_the_prefix_cach
         streams = start_streams(stub, 16)
         assert stats(cache_rpc).blocks_leased > 0
         model.kill()
-        killed_at = time.monotonic()
 
-        # The cache service learns of the death only from the missing heartbeats: within a
-        # TTL plus one reaper interval (TTL / 4), every lease of the dead session is back.
+        # The cache service learns of the death only from the missing heartbeats: once the
+        # TTL passes, every lease of the dead session is back (no Detach ever came).
         wait_for(lambda: (lambda s: s.blocks_leased == 0 and s.sessions == 0)(stats(cache_rpc)),
-                 timeout_s=10, what="the dead model service's leases to be reclaimed", poll_s=0.02)
-        reclaimed_after = time.monotonic() - killed_at
-        assert reclaimed_after < (LEASE_TTL_MS * 1.25 + 750) / 1000, f"leases came back after {reclaimed_after:.2f} s"
-        wait_ended(streams, 10)
+                 timeout_s=GENEROUS_S, what="the dead model service's leases to be reclaimed")
+        wait_ended(streams, GENEROUS_S)
         assert {s.code for s in streams} == {grpc.StatusCode.UNAVAILABLE}, {(s.code, s.details) for s in streams}
         assert stats(cache_rpc).blocks_cached >= 2
 
@@ -167,7 +166,8 @@ def test_kill9_model_service_reclaims_leases_and_a_restart_keeps_the_prefix_cach
             last = generate(stub, cached_prompt, 4)
             assert last.finish_reason == model_pb2.FINISH_REASON_LENGTH
             assert last.usage.cached_tokens >= 16, last.usage
-            wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 5, "the restarted service's blocks to be released")
+            wait_for(lambda: stats(cache_rpc).blocks_leased == 0, GENEROUS_S,
+                     "the restarted service's blocks to be released")
         assert restarted.returncode == 0
 
 
@@ -178,16 +178,15 @@ def test_kill9_cache_service_fails_streams_then_the_model_service_reattaches(tmp
     cache, model = start_both(tmp_path, cache_args)
     with model:
         stub = model_stub(model.address)
-        streams = start_streams(stub, 16, timeout_s=30)
+        # Deadlines far beyond the waits below: a stream that ends ended by the fault.
+        streams = start_streams(stub, 16, timeout_s=3 * GENEROUS_S)
         [dead_pool_file] = pool_files(shm_dir)
         cache.kill()
-        killed_at = time.monotonic()
 
-        # Every stream ends with UNAVAILABLE, long before its 30 s deadline.
-        wait_ended(streams, 10)
+        # Every stream ends with UNAVAILABLE (not DEADLINE_EXCEEDED: none hung to its deadline).
+        wait_ended(streams, GENEROUS_S)
         assert {s.code for s in streams} == {grpc.StatusCode.UNAVAILABLE}, {(s.code, s.details) for s in streams}
-        assert max(s.ended_at for s in streams) - killed_at < 5
-        wait_for(lambda: health(model.address) == "NOT_SERVING", 5, "the model service to report NOT_SERVING")
+        wait_for(lambda: health(model.address) == "NOT_SERVING", GENEROUS_S, "the model service to report NOT_SERVING")
         try:
             generate(stub, prompt(1, 8), 4)
             raise AssertionError("Generate succeeded with no cache service")
@@ -200,14 +199,16 @@ def test_kill9_cache_service_fails_streams_then_the_model_service_reattaches(tmp
         with start_cache_service(tmp_path, *cache_args, "--port", cache.port) as cache_again:
             assert dead_pool_file not in pool_files(shm_dir), "the dead cache service's pool file survived"
             # The channel's reconnect backoff is capped at 1 s (cache_client.RECONNECT_OPTIONS),
-            # so re-attach follows within seconds, not gRPC's default of up to 120 s.
-            wait_for(lambda: health(model.address) == "SERVING", 5, "the model service to re-attach", poll_s=0.1)
+            # so re-attach follows within seconds, not gRPC's default of up to 120 s (this
+            # wait is shorter than that, so a lost cap still fails here).
+            wait_for(lambda: health(model.address) == "SERVING", GENEROUS_S, "the model service to re-attach",
+                     poll_s=0.1)
             [new_pool_file] = pool_files(shm_dir)
             assert f"pagedkv-{cache_again.pid}-" in new_pool_file
             last = generate(stub, prompt(2, 20), 8)
             assert last.finish_reason == model_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 8
             cache_rpc = cache_stub(cache_again.address)
-            wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 5, "every block to be released")
+            wait_for(lambda: stats(cache_rpc).blocks_leased == 0, GENEROUS_S, "every block to be released")
             assert stats(cache_rpc).sessions == 1
     assert model.returncode == 0
 
@@ -218,15 +219,24 @@ def test_cancel_disconnect_and_deadline_release_blocks_at_once(tmp_path):
         cache_rpc = cache_stub(cache.address)
         stub = model_stub(model.address)
         background = start_streams(stub, 3)
+        # The deadline victim must still be generating when its deadline passes, on a fast
+        # machine or a loaded one: its deadline is a third of the time LONG tokens take at
+        # the background streams' measured pace (at least 5 s, so its first token comes first).
+        paced_from, paced_tokens = time.monotonic(), len(background[0].tokens)
+        wait_for(lambda: len(background[0].tokens) >= paced_tokens + 50, GENEROUS_S, "50 background tokens")
+        seconds_per_token = (time.monotonic() - paced_from) / (len(background[0].tokens) - paced_tokens)
+        deadline_s = max(5.0, LONG * seconds_per_token / 3)
 
-        cancelled = stub.Generate(request(prompt(10, 40), LONG), timeout=60)
+        cancelled = stub.Generate(request(prompt(10, 40), LONG), timeout=3 * GENEROUS_S)
         own_channel = grpc.insecure_channel(model.address)
-        disconnected = model_pb2_grpc.ModelServiceStub(own_channel).Generate(request(prompt(11, 40), LONG), timeout=60)
+        disconnected = model_pb2_grpc.ModelServiceStub(own_channel).Generate(
+            request(prompt(11, 40), LONG), timeout=3 * GENEROUS_S)
         for call in (cancelled, disconnected):
             for _, _ in zip(range(3), call):
                 pass
-        past_deadline = Stream(stub, prompt(12, 40), timeout_s=2)
-        assert past_deadline.first_token.wait(2), (past_deadline.code, past_deadline.details)
+        past_deadline = Stream(stub, prompt(12, 40), timeout_s=deadline_s)
+        assert past_deadline.started.wait(GENEROUS_S)
+        assert past_deadline.first_token.is_set(), (past_deadline.code, past_deadline.details, deadline_s)
 
         def running_background() -> int:  # on a fast machine one may finish during the test
             return sum(not s.done.is_set() for s in background)
@@ -234,21 +244,25 @@ def test_cancel_disconnect_and_deadline_release_blocks_at_once(tmp_path):
         def sequences_are(victims: int):
             return lambda: stats(cache_rpc).sequences == victims + running_background()
 
-        wait_for(sequences_are(3), 2, "six sequences: three background, three victims")
+        def victims_running() -> int:  # the deadline victim counts until it has ended
+            return 2 + (not past_deadline.done.is_set())
+
+        wait_for(lambda: sequences_are(victims_running())(), GENEROUS_S, "three background sequences and the victims")
         cancelled.cancel()
         own_channel.close()
-        wait_for(sequences_are(1), 2, "the cancelled and disconnected requests' blocks")
-        assert past_deadline.done.wait(10)
+        wait_for(lambda: sequences_are(victims_running() - 2)(), GENEROUS_S,
+                 "the cancelled and disconnected requests' blocks")
+        assert past_deadline.done.wait(GENEROUS_S)
         assert past_deadline.code == grpc.StatusCode.DEADLINE_EXCEEDED, (past_deadline.code, past_deadline.details)
-        wait_for(sequences_are(0), 2, "the blocks of the request past its deadline")
+        wait_for(sequences_are(0), GENEROUS_S, "the blocks of the request past its deadline")
 
         # The others kept streaming, undisturbed, to their full length.
         counts = [len(s.tokens) for s in background]
-        wait_for(lambda: all(s.done.is_set() or len(s.tokens) > n for s, n in zip(background, counts)), 5,
+        wait_for(lambda: all(s.done.is_set() or len(s.tokens) > n for s, n in zip(background, counts)), GENEROUS_S,
                  "the background streams to keep streaming")
-        wait_ended(background, 60)
+        wait_ended(background, 3 * GENEROUS_S)
         assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == LONG for s in background)
-        wait_for(lambda: (lambda s: s.blocks_leased == 0 and s.sequences == 0)(stats(cache_rpc)), 5,
+        wait_for(lambda: (lambda s: s.blocks_leased == 0 and s.sequences == 0)(stats(cache_rpc)), GENEROUS_S,
                  "every block to be released")
 
 
@@ -261,10 +275,9 @@ def test_sigterm_ends_streams_releases_leases_and_exits_zero(tmp_path):
     with cache:
         cache_rpc = cache_stub(cache.address)
         streams = start_streams(model_stub(model.address), 8)
-        stopping_at = time.monotonic()
-        assert model.stop(signal.SIGTERM, timeout=15) == 0
-        assert time.monotonic() - stopping_at < 15
-        wait_ended(streams, 1)
+        # Exit 0 (not a SIGKILL after the timeout): it stopped by itself, after its 1 s grace.
+        assert model.stop(signal.SIGTERM, timeout=GENEROUS_S) == 0
+        wait_ended(streams, GENEROUS_S)
         for stream in streams:
             assert stream.code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), (stream.code, stream.details)
         cache_stats = stats(cache_rpc)
@@ -272,19 +285,16 @@ def test_sigterm_ends_streams_releases_leases_and_exits_zero(tmp_path):
 
         # Now SIGTERM the cache service under a model service with streams in flight.
         with start_model_service(tmp_path, cache.address) as model:
-            streams = start_streams(model_stub(model.address), 8, timeout_s=30)
+            streams = start_streams(model_stub(model.address), 8, timeout_s=3 * GENEROUS_S)
             assert len(pool_files(shm_dir)) == 1
-            stopping_at = time.monotonic()
-            assert cache.stop(signal.SIGTERM, timeout=15) == 0
-            assert time.monotonic() - stopping_at < 15
+            assert cache.stop(signal.SIGTERM, timeout=GENEROUS_S) == 0
             assert pool_files(shm_dir) == [], "SIGTERM left the pool file behind"
-            wait_ended(streams, 10)
+            wait_ended(streams, GENEROUS_S)
             assert {s.code for s in streams} == {grpc.StatusCode.UNAVAILABLE}, {(s.code, s.details) for s in streams}
-            wait_for(lambda: health(model.address) == "NOT_SERVING", 5, "the model service to report NOT_SERVING")
-            # And a model service with no cache service still stops promptly and cleanly.
-            stopping_at = time.monotonic()
-            assert model.stop(signal.SIGTERM, timeout=15) == 0
-            assert time.monotonic() - stopping_at < 15
+            wait_for(lambda: health(model.address) == "NOT_SERVING", GENEROUS_S,
+                     "the model service to report NOT_SERVING")
+            # And a model service with no cache service still stops by itself, cleanly.
+            assert model.stop(signal.SIGTERM, timeout=GENEROUS_S) == 0
 
 
 def test_a_model_service_that_cannot_map_the_pool_detaches_and_exits(tmp_path):

@@ -1,8 +1,14 @@
 """Fuzzing the two places where client input meets the services, in process.
 
 - `validate_generate_request` with random GenerateRequest fields (NaN and inf floats,
-  huge ints within the proto ranges, random unicode, long stop lists): it returns options
-  that satisfy every limit, or raises InvalidRequest / PoolTooSmall; never anything else.
+  huge ints within the proto ranges, random unicode, long stop lists), against an oracle
+  (`expected_refusal`) that restates the rules independently: a request the oracle calls
+  valid must be accepted, with options that satisfy every limit; one it calls invalid must
+  be refused with InvalidRequest, or PoolTooSmall when only the pool is too small. So a
+  validator that refuses everything fails, as does one that lets a bad field through.
+- The same requests over gRPC to a real model service: valid ones are served to a finish
+  reason, invalid ones get INVALID_ARGUMENT (RESOURCE_EXHAUSTED for the pool), and none
+  leaves a block leased.
 - `cache_service.servicer.apply_op` with random lease op sequences from several sessions
   on a real Ledger: it never raises, every result has a real status, and the ledger's
   invariants hold after every op.
@@ -10,23 +16,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import grpc
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from cache_helpers import stats, wait_for
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from cache_service.ledger import Ledger
 from cache_service.servicer import apply_op
 from model_service.models.tiny import tiny_config
 from model_service.tokenizer import ByteTokenizer
-from model_service.sampling import MAX_STOP_STRINGS, InvalidRequest, sample
+from model_service.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, InvalidRequest, sample
 from model_service.validation import (
     MAX_REQUEST_ID_CHARS, GenerateLimits, PoolTooSmall, validate_generate_request,
 )
 from pagedkv.cache.v1 import cache_pb2
-from pagedkv.model.v1 import model_pb2
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 TOKENIZER = ByteTokenizer()
 VOCAB = tiny_config().vocab_size
@@ -103,6 +112,44 @@ def generate_limits(draw) -> GenerateLimits:
     )
 
 
+def expected_refusal(request: model_pb2.GenerateRequest, limits: GenerateLimits) -> str | None:
+    """The rules of DESIGN.md's error table for the fields the strategies draw, restated
+    apart from the validator: "invalid" (INVALID_ARGUMENT), "pool" (RESOURCE_EXHAUSTED:
+    larger than the whole pool), or None (valid)."""
+    sampling = request.sampling
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+        return "invalid"
+    if bool(request.prompt) == bool(request.prompt_token_ids):  # both, or neither (empty)
+        return "invalid"
+    prompt = TOKENIZER.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+    if not prompt or max(prompt) >= limits.vocab_size or len(prompt) > limits.max_prompt_tokens:
+        return "invalid"
+    if sampling.HasField("max_new_tokens"):
+        max_new_tokens = sampling.max_new_tokens
+        if max_new_tokens <= 0:
+            return "invalid"
+    else:
+        max_new_tokens = min(limits.default_max_new_tokens, limits.max_model_len - len(prompt))
+        if max_new_tokens <= 0:
+            return "invalid"
+    if len(prompt) + max_new_tokens > limits.max_model_len:
+        return "invalid"
+    temperature = sampling.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        return "invalid"
+    if sampling.HasField("top_p") and not (0 < sampling.top_p <= 1):  # NaN fails both comparisons
+        return "invalid"
+    if not 0 <= sampling.top_k <= limits.vocab_size:
+        return "invalid"
+    if len(sampling.stop) > MAX_STOP_STRINGS or any(not 0 < len(stop) <= MAX_STOP_STRING_CHARS for stop in sampling.stop):
+        return "invalid"
+    if any(t >= limits.vocab_size for t in sampling.stop_token_ids):
+        return "invalid"
+    if limits.max_total_tokens and len(prompt) + max_new_tokens > limits.max_total_tokens:
+        return "pool"
+    return None
+
+
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request=generate_requests(), limits=generate_limits())
 @example(
@@ -113,12 +160,20 @@ def generate_limits(draw) -> GenerateLimits:
     request=model_pb2.GenerateRequest(prompt="hi", sampling=model_pb2.SamplingParams(temperature=3.4e38, top_p=1e-45)),
     limits=GenerateLimits(VOCAB, 64, 63, 16),
 )
-def test_generate_validation_accepts_only_what_can_run(request, limits):
+def test_generate_validation_accepts_exactly_what_can_run(request, limits):
+    expected = expected_refusal(request, limits)
+    event(f"expected: {expected or 'valid'}")  # pytest --hypothesis-show-statistics: both sides are drawn
     try:
         prompt, options = validate_generate_request(request, limits, TOKENIZER)
-    except (InvalidRequest, PoolTooSmall) as error:
+    except InvalidRequest as error:
+        assert expected == "invalid", f"refused a request the rules accept ({expected}): {error}"
         assert str(error), "a rejection must say why"
         return
+    except PoolTooSmall as error:
+        assert expected == "pool", f"PoolTooSmall for a request the rules call {expected}: {error}"
+        assert "max_total_tokens" in str(error)
+        return
+    assert expected is None, f"accepted a request the rules refuse ({expected})"
     # Accepted: every limit holds.
     assert prompt and all(0 <= t < VOCAB for t in prompt)
     assert len(prompt) <= limits.max_prompt_tokens
@@ -135,6 +190,119 @@ def test_generate_validation_accepts_only_what_can_run(request, limits):
     generator = None if options.greedy else torch.Generator().manual_seed(0)
     token = sample(torch.randn(1, VOCAB), [options], [generator])
     assert 0 <= int(token[0]) < VOCAB
+
+
+def boundary_request(*, ids=(5,), **sampling) -> model_pb2.GenerateRequest:
+    return model_pb2.GenerateRequest(prompt_token_ids=list(ids), sampling=model_pb2.SamplingParams(**sampling))
+
+
+BOUNDARY_LIMITS = GenerateLimits(VOCAB, max_model_len=64, max_prompt_tokens=63, default_max_new_tokens=16,
+                                 max_total_tokens=1024)
+# Each limit just inside and just outside: random draws land on an exact edge only by luck.
+BOUNDARIES = {
+    "top_k = vocab": (boundary_request(top_k=VOCAB), None),
+    "top_k = vocab + 1": (boundary_request(top_k=VOCAB + 1), "invalid"),
+    "top_k = -1": (boundary_request(top_k=-1), "invalid"),
+    "prompt id vocab - 1": (boundary_request(ids=[VOCAB - 1]), None),
+    "prompt id vocab": (boundary_request(ids=[VOCAB]), "invalid"),
+    "stop id vocab": (boundary_request(stop_token_ids=[VOCAB]), "invalid"),
+    "prompt fills max_prompt_tokens": (boundary_request(ids=[5] * 63, max_new_tokens=1), None),
+    "prompt over max_prompt_tokens": (boundary_request(ids=[5] * 64, max_new_tokens=1), "invalid"),
+    "prompt + max_new_tokens = max_model_len": (boundary_request(ids=[5] * 14, max_new_tokens=50), None),
+    "prompt + max_new_tokens = max_model_len + 1": (boundary_request(ids=[5] * 14, max_new_tokens=51), "invalid"),
+    "max_new_tokens 0": (boundary_request(max_new_tokens=0), "invalid"),
+    "16 stop strings": (boundary_request(stop=["x"] * MAX_STOP_STRINGS), None),
+    "17 stop strings": (boundary_request(stop=["x"] * (MAX_STOP_STRINGS + 1)), "invalid"),
+    "stop of the longest length": (boundary_request(stop=["y" * MAX_STOP_STRING_CHARS]), None),
+    "stop one character longer": (boundary_request(stop=["y" * (MAX_STOP_STRING_CHARS + 1)]), "invalid"),
+    "top_p 1": (boundary_request(top_p=1.0), None),
+    "top_p just above 1": (boundary_request(top_p=1.0000001), "invalid"),
+    "top_p 0": (boundary_request(top_p=0.0), "invalid"),
+    "temperature -0.0": (boundary_request(temperature=-0.0), None),
+    "temperature inf": (boundary_request(temperature=math.inf), "invalid"),
+    "request_id of the longest length": (
+        model_pb2.GenerateRequest(request_id="r" * MAX_REQUEST_ID_CHARS, prompt_token_ids=[5]), None),
+    "request_id one character longer": (
+        model_pb2.GenerateRequest(request_id="r" * (MAX_REQUEST_ID_CHARS + 1), prompt_token_ids=[5]), "invalid"),
+    "request_id with a newline": (model_pb2.GenerateRequest(request_id="a\nb", prompt_token_ids=[5]), "invalid"),
+    "both prompts": (model_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[5]), "invalid"),
+    "no prompt": (model_pb2.GenerateRequest(), "invalid"),
+}
+SMALL_POOL = dataclasses.replace(BOUNDARY_LIMITS, max_total_tokens=60)
+POOL_BOUNDARIES = {
+    "prompt + max_new_tokens = the pool": (boundary_request(ids=[5] * 40, max_new_tokens=20), None),
+    "one token more than the pool": (boundary_request(ids=[5] * 40, max_new_tokens=21), "pool"),
+    "over the pool and over max_model_len": (boundary_request(ids=[5] * 40, max_new_tokens=30), "invalid"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDARIES) + list(POOL_BOUNDARIES))
+def test_limits_on_both_sides(case):
+    request, expected = BOUNDARIES.get(case) or POOL_BOUNDARIES[case]
+    limits = BOUNDARY_LIMITS if case in BOUNDARIES else SMALL_POOL
+    assert expected_refusal(request, limits) == expected, "the oracle itself is wrong here"
+    try:
+        validate_generate_request(request, limits, TOKENIZER)
+    except InvalidRequest:
+        assert expected == "invalid", f"{case}: refused"
+    except PoolTooSmall:
+        assert expected == "pool", f"{case}: PoolTooSmall"
+    else:
+        assert expected is None, f"{case}: accepted"
+
+
+# A real model service (tiny model, byte tokenizer like TOKENIZER) with small limits, so
+# that the drawn requests fall on both sides of them and every valid one finishes quickly.
+SERVED_MAX_MODEL_LEN = 96
+SERVED_DEFAULT_MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from cache_helpers import cache_stub
+    from processes import start_cache_service, start_model_service
+
+    tmp_path = tmp_path_factory.mktemp("fuzz")
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
+            start_model_service(tmp_path, cache.address, "--max-model-len", SERVED_MAX_MODEL_LEN,
+                                "--default-max-new-tokens", SERVED_DEFAULT_MAX_NEW_TOKENS) as model:
+        channel = grpc.insecure_channel(model.address)
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=30)
+        limits = GenerateLimits(
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            max_prompt_tokens=info.max_model_len - 1, default_max_new_tokens=SERVED_DEFAULT_MAX_NEW_TOKENS,
+            max_total_tokens=info.max_total_tokens,
+        )
+        assert (info.vocab_size, info.max_model_len) == (VOCAB, SERVED_MAX_MODEL_LEN)
+        yield stub, limits, cache_stub(cache.address)
+        channel.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(request=generate_requests())
+def test_served_requests_get_tokens_or_the_right_status(served, request):
+    stub, limits, cache = served
+    expected = expected_refusal(request, limits)
+    event(f"expected: {expected or 'valid'}")
+    try:
+        responses = list(stub.Generate(request, timeout=60))
+    except grpc.RpcError as error:
+        wanted = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "pool": grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert expected is not None, f"a valid request failed: {error.code().name}: {error.details()}"
+        assert error.code() == wanted[expected], f"{error.code().name} for a request the rules call {expected}"
+        assert error.details(), "a refusal must say why"
+    else:
+        assert expected is None, f"served a request the rules refuse ({expected})"
+        last = responses[-1]
+        assert last.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED
+        generated = sum(len(r.token_ids) for r in responses)
+        max_new_tokens = (request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens")
+                          else SERVED_DEFAULT_MAX_NEW_TOKENS)
+        assert 1 <= generated <= max_new_tokens and last.usage.completion_tokens == generated
+    # Refused or finished, the request holds no block afterwards.
+    wait_for(lambda: stats(cache).blocks_leased == 0, 60, "the request's blocks to be released")
 
 
 def test_a_request_larger_than_the_pool_is_pool_too_small():

@@ -1,15 +1,9 @@
 """bfloat16 and float16 against transformers in the same dtype, on the same weights.
 
-Two outputs computed in a 16-bit dtype by different (both correct) code differ by rounding,
-so the comparisons use a tolerance fit for the dtype: a few units of its rounding at the
-scale of the logits (`dtype_tolerance`). Here transformers' own 16-bit logits are 5-8 times
-closer than that to its float32 ones; a wrong mask, a dropped bias or a wrong block moves
-logits by whole units.
-
-Greedy generations must agree token for token until the first position where
-transformers' own top-2 logits are within that tolerance (a near tie that rounding may
-break either way; vLLM's check_logprobs_close); there our token must be transformers'
-runner-up, and the comparison stops, since the two continuations then differ.
+The tolerance and the greedy rule are low_precision.py's: logits within a few units of the
+dtype's rounding at their scale (here transformers' own 16-bit logits are 5-8 times closer
+than that to its float32 ones; a wrong mask, a dropped bias or a wrong block moves logits by
+whole units), and greedy tokens equal until transformers' own top-2 are a near tie.
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
+from low_precision import agreeing_prefix, assert_close_in_dtype, reference_greedy
 from paged_runner import PagedRunner
 from processes import start_cache_service, start_model_service
 
@@ -29,14 +24,6 @@ from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 KINDS = ["llama", "mistral", "qwen2"]  # mistral: sliding window 7, shorter than the sequences
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-ULPS = 4
-
-
-def dtype_tolerance(dtype: torch.dtype, reference_logits: torch.Tensor) -> float:
-    """ULPS units of the dtype's rounding (its eps) at the largest logit's magnitude."""
-    return ULPS * torch.finfo(dtype).eps * float(reference_logits.abs().max())
-
-
 @pytest.fixture(scope="module", params=KINDS)
 def checkpoint(request, tmp_path_factory):
     return request.param, write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
@@ -51,16 +38,6 @@ def load_reference(path, dtype):
 def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return reference(torch.tensor([token_ids])).logits[0].float()  # [len, vocab]
-
-
-def assert_close_in_dtype(ours: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, where: str) -> None:
-    tolerance = dtype_tolerance(dtype, expected)
-    error = float((ours - expected).abs().max())
-    assert error <= tolerance, f"{where}: logits differ by {error:.4f} > {tolerance:.4f} ({ULPS} ulps of {dtype})"
-    # The argmax agrees wherever transformers' top two are further apart than the tolerance.
-    top2 = expected.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > tolerance
-    assert torch.equal(ours.argmax(-1)[clear], expected.argmax(-1)[clear]), f"{where}: argmax differs"
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -80,33 +57,6 @@ def test_paged_logits_within_dtype_tolerance(checkpoint, dtype_name):
     for position in range(prefix_len, len(prompt)):  # decode past the window (mistral: 7)
         (logits,) = runner.step([("a", [prompt[position]])], num_decode_seqs=1)
         assert_close_in_dtype(logits, expected[position : position + 1], dtype, f"{kind} {dtype_name} decode {position}")
-
-
-def reference_greedy(reference, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy generate (eos ignored) and its raw logits at each step [n, vocab]."""
-    with torch.inference_mode():
-        output = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            output_logits=True, return_dict_in_generate=True,
-        )
-    return output.sequences[0, len(prompt):].tolist(), torch.cat(output.logits).float()
-
-
-def agreeing_prefix(ours: list[int], theirs: list[int], logits: torch.Tensor, dtype: torch.dtype, where: str) -> int:
-    """How many tokens agree; fails unless the first disagreement is at a near tie."""
-    assert len(ours) == len(theirs), where
-    for position, (mine, expected) in enumerate(zip(ours, theirs)):
-        if mine != expected:
-            tolerance = dtype_tolerance(dtype, logits[position])
-            top2 = logits[position].topk(2)
-            gap = float(top2.values[0] - top2.values[1])
-            assert gap <= tolerance and mine == int(top2.indices[1]), (
-                f"{where}: token {position} is {mine}, transformers' is {expected} with a top-2 gap of "
-                f"{gap:.4f} (tolerance {tolerance:.4f}); ours {ours}, theirs {theirs}"
-            )
-            return position
-    return len(ours)
 
 
 def generate(stub, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -38,7 +38,7 @@ class Stack:
         environment = {name: value for name, value in os.environ.items() if not name.startswith("PAGEDKV_")}
         environment.update(env or {})
         argv = [sys.executable, "-m", "pagedkv.stack", "--cache-port", "0", "--model-port", "0",
-                "--cache-metrics-port", "0", "--model-metrics-port", "0", *args]
+                "--cache-metrics-port", "0", "--model-metrics-port", "0", "--model-http-port", "0", *args]
         with open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
                                             env=environment, cwd=REPO)

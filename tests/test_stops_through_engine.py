@@ -121,8 +121,8 @@ def test_stop_token_id_ends_the_request_on_that_token(reference_and_path, stub):
 
     assert tokens == free[: index + 1]
     assert_finished(responses, model_pb2.FINISH_REASON_STOP, tokens, prompt)
-    if responses[-1].WhichOneof("matched_stop") is not None:
-        assert responses[-1].matched_stop_token_id == free[index]
+    assert responses[-1].WhichOneof("matched_stop") == "matched_stop_token_id"
+    assert responses[-1].matched_stop_token_id == free[index]
 
 
 def test_stop_string_spanning_two_tokens_cuts_the_text_before_it(reference_and_path, stub):
@@ -150,8 +150,16 @@ def test_stop_string_spanning_two_tokens_cuts_the_text_before_it(reference_and_p
     assert stop not in text
     assert tokens == free[: j + 1]  # generation ended on the token that completed the stop string
     assert_finished(responses, model_pb2.FINISH_REASON_STOP, tokens, prompt)
-    if responses[-1].WhichOneof("matched_stop") is not None:
-        assert responses[-1].matched_stop_str == stop
+    assert responses[-1].WhichOneof("matched_stop") == "matched_stop_str"
+    assert responses[-1].matched_stop_str == stop
+
+    # include_stop_str_in_output keeps the matched string at the end, and nothing after it.
+    responses, tokens, text = generate(stub, prompt, max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
+                                       include_stop_str_in_output=True)
+    assert text == free_text[:start] + stop
+    assert tokens == free[: j + 1]
+    assert_finished(responses, model_pb2.FINISH_REASON_STOP, tokens, prompt)
+    assert responses[-1].matched_stop_str == stop
 
 
 def test_seeded_sampling_repeats_and_ignores_batch_neighbours(stub):

@@ -105,3 +105,23 @@ def test_cache_client_without_the_ca_cannot_attach(tls_stack):
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         plaintext.close()
+
+
+def test_openai_http_api_is_served_over_tls_too(tls_stack):
+    import ssl
+
+    import openai
+
+    model = tls_stack["model"]
+    trusted = ssl.create_default_context(cafile=str(tls_stack["cert"]))
+    client = openai.OpenAI(base_url=f"https://127.0.0.1:{model.http_port}/v1", api_key="unused", max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=trusted))
+    completion = client.completions.create(model="tiny", prompt="over TLS", max_tokens=3,
+                                           extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 3
+    (event,) = [e for e in model.log_events() if e.get("event") == "http_listening"]
+    assert event["tls"] is True
+    plaintext = openai.OpenAI(base_url=f"http://127.0.0.1:{model.http_port}/v1", api_key="unused", max_retries=0,
+                              timeout=10)
+    with pytest.raises(openai.APIConnectionError):
+        plaintext.models.list()

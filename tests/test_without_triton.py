@@ -79,7 +79,7 @@ def test_make_runs_stack_and_the_client_work_on_cpu_without_triton(no_triton_env
         stack = subprocess.Popen(
             [sys.executable, "-m", "pagedkv.stack", "--model", "tiny", "--kv-cache-bytes", "16MiB",
              "--cache-port", str(cache_port), "--model-port", str(model_port),
-             "--cache-metrics-port", "-1", "--model-metrics-port", "-1"],
+             "--cache-metrics-port", "-1", "--model-metrics-port", "-1", "--model-http-port", "0"],
             env=no_triton_env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         try:

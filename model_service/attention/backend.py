@@ -14,7 +14,9 @@ import torch
 
 from model_service.attention.metadata import AttentionMetadata
 from model_service.attention.torch_paged import (
+    DecodePlan,
     decode_attention_torch,
+    decode_plan,
     prefill_attention_torch,
     write_kv_torch,
 )
@@ -87,10 +89,11 @@ class PagedAttention:
                     q[:num_decode], kv_layer, tables, lens, scale, sliding_window=sliding_window,
                 )
             else:
-                out[:num_decode] = decode_attention_torch(
-                    q[:num_decode], kv_layer, tables, lens, scale,
-                    max_context_len=max(meta.context_lens_host[:num_decode]), sliding_window=sliding_window,
-                )
+                plan = self._decode_plan(meta, kv_layer.device, sliding_window)
+                decoded = decode_attention_torch(q[:num_decode], kv_layer, tables, lens, scale, plan=plan)
+                if num_tokens == num_decode:
+                    return decoded  # a decode-only step: no copy into a step-wide buffer
+                out[:num_decode] = decoded
         if num_tokens > num_decode:
             # Prefill uses the torch path on every device, CUDA included: SDPA's fused kernels
             # handle the long causal chunks well, and prefill runs once per prompt.
@@ -106,3 +109,19 @@ class PagedAttention:
                 sliding_window=sliding_window,
             )
         return out
+
+    @staticmethod
+    def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> DecodePlan:
+        """The step's decode plan for this window: built by the first layer that needs it
+        and shared by the rest through meta.step_memo (built every layer without one)."""
+        key = ("decode_plan", sliding_window)
+        plan = meta.step_memo.get(key) if meta.step_memo is not None else None
+        if plan is None:
+            num_decode = meta.num_decode_seqs
+            plan = decode_plan(
+                meta.block_tables[:num_decode], meta.context_lens[:num_decode], meta.block_size, device,
+                max_context_len=max(meta.context_lens_host[:num_decode]), sliding_window=sliding_window,
+            )
+            if meta.step_memo is not None:
+                meta.step_memo[key] = plan
+        return plan

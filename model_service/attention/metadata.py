@@ -35,6 +35,11 @@ class AttentionMetadata:
     # The first num_decode_seqs sequences have exactly one new token each.
     num_decode_seqs: int
     block_size: int
+    # Derived tensors that every layer of this step shares (decode plans, per sliding
+    # window), filled by the attention path on first use. Give a fresh dict per step, and
+    # None (no sharing) for metadata whose tensors are refilled in place between steps, as
+    # captured decode graphs do: a memo would keep serving the first step's plan.
+    step_memo: dict | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -17,6 +17,8 @@ advanced indexing (kv[0][block_tables]), so the gather uses index_select.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +39,46 @@ def write_kv_torch(
     v_slots.index_copy_(0, slots, v.to(kv_layer.dtype))
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """What every layer's decode attention of one step shares: which pool blocks to gather
+    and which gathered slots each query sees. Built once a step (per sliding window), not
+    once a layer: at one stream of a 30-layer model the per-layer rebuild was a dozen small
+    ops a layer."""
+
+    block_ids: torch.Tensor  # [num_seqs * used_blocks], the trimmed tables flattened
+    span: int  # used_blocks * block_size: gathered slots a sequence
+    # [num_seqs, 1, 1, span] bool: the slots each query sees. Built from the device-side
+    # lengths: captured graphs hold only an upper bound on the host-side ones.
+    visible: torch.Tensor
+
+
+def decode_plan(
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    context_lens: torch.Tensor,  # int32 [num_seqs]
+    block_size: int,
+    device: torch.device,
+    max_context_len: int | None = None,
+    sliding_window: int | None = None,
+) -> DecodePlan:
+    """max_context_len (host int), when given, trims the padded block table to the blocks
+    that any sequence uses: tables are padded to the longest allowed sequence, and gathering
+    the padding would dominate the cost. Leave it None where shapes must stay fixed."""
+    if max_context_len is not None:
+        used_blocks = max(1, -(-max_context_len // block_size))
+        block_tables = block_tables[:, :used_blocks]
+    span = block_tables.shape[1] * block_size
+    block_ids = block_tables.reshape(-1).to(device)
+    # clamp(min=1): a padded batch entry with no context still attends to one (ignored) slot,
+    # so its row stays finite instead of 0/0.
+    lens = context_lens.to(device=device, dtype=torch.long).clamp(min=1)
+    key_pos = torch.arange(span, device=device)[None, :]
+    visible = key_pos < lens[:, None]  # [B, span]
+    if sliding_window is not None:
+        visible &= key_pos >= lens[:, None] - sliding_window
+    return DecodePlan(block_ids, span, visible[:, None, None, :])
+
+
 def decode_attention_torch(
     q: torch.Tensor,  # [num_seqs, q_heads, head_dim], one query per sequence
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
@@ -45,44 +87,29 @@ def decode_attention_torch(
     scale: float,
     max_context_len: int | None = None,
     sliding_window: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single query over its context; returns [num_seqs, q_heads, head_dim].
 
     sliding_window (None: the whole context): the query sees only the last sliding_window
     positions, its own included, as transformers' sliding-window mask does.
-
-    max_context_len (host int), when given, trims the padded block table to the blocks that
-    any sequence uses: tables are padded to the longest allowed sequence, and gathering the
-    padding would dominate the cost. Leave it None where shapes must stay fixed.
+    max_context_len: see decode_plan. plan: this step's decode_plan, when the caller shares
+    one across layers (it then stands for block_tables, context_lens and both options).
     """
     num_seqs, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_layer.shape
     group = q_heads // kv_heads
-    if max_context_len is not None:
-        used_blocks = max(1, -(-max_context_len // block_size))
-        block_tables = block_tables[:, :used_blocks]
-    max_blocks = block_tables.shape[1]
-    span = max_blocks * block_size
-
-    block_ids = block_tables.reshape(-1).to(kv_layer.device)
+    if plan is None:
+        plan = decode_plan(block_tables, context_lens, block_size, kv_layer.device, max_context_len, sliding_window)
+    span = plan.span
     # [num_seqs * max_blocks, block_size, kv_heads, D] -> [B, span, kv_heads, D] -> [B, kv_heads, span, D]
-    k = kv_layer[0].index_select(0, block_ids).view(num_seqs, span, kv_heads, head_dim).transpose(1, 2)
-    v = kv_layer[1].index_select(0, block_ids).view(num_seqs, span, kv_heads, head_dim).transpose(1, 2)
-
-    # clamp(min=1): a padded batch entry with no context still attends to one (ignored) slot,
-    # so its row stays finite instead of 0/0.
-    lens = context_lens.to(device=q.device, dtype=torch.long).clamp(min=1)
-    key_pos = torch.arange(span, device=q.device)[None, :]
-    visible = key_pos < lens[:, None]  # [B, span]
-    if sliding_window is not None:
-        visible &= key_pos >= lens[:, None] - sliding_window
+    k = kv_layer[0].index_select(0, plan.block_ids).view(num_seqs, span, kv_heads, head_dim).transpose(1, 2)
+    v = kv_layer[1].index_select(0, plan.block_ids).view(num_seqs, span, kv_heads, head_dim).transpose(1, 2)
 
     # The group's q heads become `group` query rows of their kv head: one SDPA call, no
     # repeated K/V. SDPA's CPU and CUDA kernels accumulate fp16/bf16 softmax in float32.
     q_grouped = q.reshape(num_seqs, kv_heads, group, head_dim).to(kv_layer.dtype)
-    out = F.scaled_dot_product_attention(
-        q_grouped, k, v, attn_mask=visible[:, None, None, :], scale=scale
-    )  # [B, kv_heads, group, D]
+    out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=plan.visible, scale=scale)  # [B, kv_heads, group, D]
     return out.reshape(num_seqs, q_heads, head_dim).to(q.dtype)
 
 

@@ -35,11 +35,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; same arithmetic as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # The variance is taken in float32 whatever the dtype, as the reference does.
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        # Normalized in float32 whatever the dtype, then rounded and scaled in the input
+        # dtype, as the reference does (x * rsqrt(mean(x^2) + eps), then weight * x):
+        # three ops instead of seven, at 61 norms a step in a 30-layer model.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -66,9 +65,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # q: [T, Hq, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # k: [T, Hkv, D]
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # q and k heads rotated in one call (one set of elementwise ops, not two).
+        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # q: [T, Hq, D], k: [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, Hkv, D]
         out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]

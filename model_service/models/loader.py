@@ -10,6 +10,7 @@ import torch
 
 from model_service.models.config import ModelConfig, ModelLoadError
 from model_service.models.llama import AttentionFn, LlamaForCausalLM, default_attention
+from model_service.models.packed_linear import pack_linears
 from model_service.models.tiny import build_tiny_model, tiny_config
 from model_service.models.weights import checkpoint_files, load_weights
 from model_service.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -34,7 +35,21 @@ def load_model(
     attention_backend: str = "auto",
 ) -> LoadedModel:
     """spec: "tiny", or a local Hugging Face checkpoint directory (config.json,
-    tokenizer.json, model.safetensors or a sharded model.safetensors.index.json)."""
+    tokenizer.json, model.safetensors or a sharded model.safetensors.index.json).
+    bfloat16 linears on CPU come back with their weights packed for oneDNN (packed_linear.py)."""
+    loaded = _load_unpacked(spec, dtype, device, attention=attention, attention_backend=attention_backend)
+    pack_linears(loaded.model)
+    return loaded
+
+
+def _load_unpacked(
+    spec: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    attention: AttentionFn | None,
+    attention_backend: str,
+) -> LoadedModel:
     log = structlog.get_logger()
     if spec == TINY_SPEC:
         model = build_tiny_model(dtype, device, attention=attention, attention_backend=attention_backend)

@@ -1,0 +1,359 @@
+"""The OpenAI HTTP API of the model service, through the official `openai` client.
+
+Real processes: a cache service and model services serving a tiny random Llama checkpoint
+(tests/hf_checkpoints.py, a real byte-level BPE tokenizer), with --auth-token on, so every
+call here also goes through the bearer check. Each HTTP answer is compared with what the
+gRPC Generate call gives for the same request: one validation and one engine behind both
+doors. Every error status comes back as an OpenAI error object that the client turns into
+its own exception class, and leaves no block leased.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from cache_helpers import cache_stub, stats, wait_for
+from hf_checkpoints import write_checkpoint
+from processes import start_cache_service, start_model_service
+
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+from pagedkv.serving import bearer_metadata
+
+TOKEN = "test-token"
+METADATA = bearer_metadata(TOKEN)
+MODEL = "llama-http"  # --served-model-name
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint("llama", tmp_path_factory.mktemp("llama-http"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with start_cache_service(tmp_path_factory.mktemp("cache"), "--kv-cache-bytes", "16MiB",
+                             "--auth-token", TOKEN) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def model(cache, checkpoint, tmp_path_factory):
+    with start_model_service(tmp_path_factory.mktemp("model"), cache.address, "--model", str(checkpoint),
+                             "--auth-token", TOKEN, "--served-model-name", MODEL) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    # max_retries=0: the client retries 429 and 5xx by itself, which would hide the status.
+    return openai.OpenAI(base_url=model.http_url, api_key=TOKEN, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stub(model):
+    channel = grpc.insecure_channel(model.address)
+    yield model_pb2_grpc.ModelServiceStub(channel)
+    channel.close()
+
+
+def leased(cache) -> int:
+    return stats(cache_stub(cache.address), metadata=METADATA).blocks_leased
+
+
+def no_block_leased(cache) -> None:
+    wait_for(lambda: leased(cache) == 0, 30, "every block released")
+
+
+def grpc_text(stub, **fields) -> tuple[str, model_pb2.GenerateResponse]:
+    """The text of a gRPC Generate call and its last message."""
+    sampling = fields.pop("sampling", {})
+    request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(**sampling), **fields)
+    text, last = "", None
+    for response in stub.Generate(request, timeout=120, metadata=METADATA):
+        text += response.text
+        last = response
+    return text, last
+
+
+def metric(model, name: str, **labels) -> float:
+    wanted = name + ("{" + ",".join(f'{key}="{value}"' for key, value in labels.items()) + "}" if labels else "")
+    for line in urllib.request.urlopen(model.metrics_url, timeout=10).read().decode().splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# -- models and health ----------------------------------------------------------------------
+
+
+def test_models_list_and_retrieve_name_the_served_model(client, stub):
+    info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10, metadata=METADATA)
+    models = client.models.list()
+    assert [card.id for card in models.data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.owned_by == "pagedkv"
+    assert card.model_extra["root"] == info.model_id
+    assert card.model_extra["max_model_len"] == info.max_model_len
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("no-such-model")
+    assert error.value.status_code == 404 and error.value.code == "model_not_found"
+
+
+def test_health_is_open_without_a_token(model):
+    with urllib.request.urlopen(f"http://127.0.0.1:{model.http_port}/health", timeout=10) as response:
+        assert response.status == 200
+
+
+# -- completions ----------------------------------------------------------------------------
+
+
+def test_completion_equals_grpc_greedy(client, stub, cache):
+    expected, last = grpc_text(stub, prompt=PROMPT, sampling=dict(max_new_tokens=12, temperature=0, ignore_eos=True))
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.object == "text_completion" and completion.model == MODEL
+    assert completion.id.startswith("cmpl-")
+    [choice] = completion.choices
+    assert choice.text == expected and choice.index == 0 and choice.finish_reason == "length"
+    assert completion.usage.prompt_tokens == last.usage.prompt_tokens
+    assert completion.usage.completion_tokens == 12
+    assert completion.usage.total_tokens == last.usage.prompt_tokens + 12
+    no_block_leased(cache)
+
+
+def test_completion_prompt_as_token_ids_and_as_a_batch(client, stub):
+    ids = [1, 40, 41, 42, 43, 44, 45]
+    expected_ids, _ = grpc_text(stub, prompt_token_ids=ids, sampling=dict(max_new_tokens=6, temperature=0,
+                                                                          ignore_eos=True))
+    expected_text, _ = grpc_text(stub, prompt=PROMPT, sampling=dict(max_new_tokens=6, temperature=0, ignore_eos=True))
+    single = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert single.choices[0].text == expected_ids
+    batch = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT + " Again"], max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [choice.index for choice in batch.choices] == [0, 1]
+    assert batch.choices[0].text == expected_text
+    assert batch.usage.completion_tokens == 12
+    token_batch = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert [choice.text for choice in token_batch.choices] == [expected_ids, expected_ids]
+
+
+def test_completion_stream_with_usage(client, stub):
+    expected, last = grpc_text(stub, prompt=PROMPT, sampling=dict(max_new_tokens=10, temperature=0, ignore_eos=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(chunk.choices[0].text for chunk in text_chunks) == expected
+    assert [chunk.choices[0].finish_reason for chunk in text_chunks][-1] == "length"
+    assert all(chunk.usage is None for chunk in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 10
+    assert usage_chunk.usage.prompt_tokens == last.usage.prompt_tokens
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+def test_async_client_completion_stream_and_whole(model, stub):
+    expected, _ = grpc_text(stub, prompt=PROMPT, sampling=dict(max_new_tokens=8, temperature=0, ignore_eos=True))
+
+    async def both() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=model.http_url, api_key=TOKEN, max_retries=0) as client:
+            whole = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+            stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            streamed = "".join([chunk.choices[0].text async for chunk in stream])
+            return whole.choices[0].text, streamed
+
+    assert asyncio.run(both()) == (expected, expected)
+
+
+def test_stop_string_cuts_the_text_there(client, stub):
+    greedy, _ = grpc_text(stub, prompt=PROMPT, sampling=dict(max_new_tokens=16, temperature=0, ignore_eos=True))
+    stop = greedy[5:8]
+    expected = greedy[:greedy.index(stop)]
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == expected and completion.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                              stop=[stop, "never-there"], stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    # Three full blocks of 16 tokens, then a few more: a second request finds the blocks cached.
+    prompt = " ".join(["Paged attention keeps the KV cache in fixed-size blocks."] * 5)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens >= 48
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+
+
+def test_sse_wire_format_is_openai_s(model):
+    """The raw stream: `data: {json}` events separated by blank lines, `data: [DONE]` last."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{model.http_url}/completions", data=body, method="POST", headers={
+        "content-type": "application/json", "authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ")
+        assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"
+
+
+# -- streams that end early free their blocks --------------------------------------------
+
+
+def test_client_closing_a_stream_frees_its_blocks_at_once(client, cache, model):
+    aborted_before = metric(model, "pagedkv_model_requests_total", finish_reason="aborted")
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for count, _ in enumerate(stream):
+        if count == 2:
+            break
+    assert leased(cache) > 0, "the request should hold blocks while it streams"
+    stream.close()
+    no_block_leased(cache)
+    # Cancelled, not run to its 400 tokens.
+    wait_for(lambda: metric(model, "pagedkv_model_requests_total", finish_reason="aborted") == aborted_before + 1,
+             30, "the request counted as aborted")
+
+
+def test_client_hanging_up_on_a_whole_answer_cancels_it(model, cache):
+    aborted_before = metric(model, "pagedkv_model_requests_total", finish_reason="aborted")
+    impatient = openai.OpenAI(base_url=model.http_url, api_key=TOKEN, max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=450, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    wait_for(lambda: metric(model, "pagedkv_model_requests_total", finish_reason="aborted") == aborted_before + 1,
+             60, "the hung-up request counted as aborted")
+    no_block_leased(cache)
+
+
+def test_32_concurrent_streams_complete_and_equal_grpc(model, stub, cache):
+    prompts = [f"{PROMPT} Number {i}." for i in range(32)]
+    expected = [grpc_text(stub, prompt=p, sampling=dict(max_new_tokens=8, temperature=0, ignore_eos=True))[0]
+                for p in prompts]
+
+    async def stream_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=model.http_url, api_key=TOKEN, max_retries=0, timeout=300) as client:
+            async def one(prompt: str) -> str:
+                stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                return "".join([chunk.choices[0].text async for chunk in stream])
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(stream_all()) == expected
+    no_block_leased(cache)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fields", "param", "in_message"), [
+    ({"temperature": -1.0}, None, "temperature must be a finite number >= 0"),
+    ({"top_p": 0.0}, None, "top_p must be in (0, 1]"),
+    ({"max_tokens": 100_000}, None, "exceeds max_model_len"),
+    ({"prompt": "x" * 3000}, None, "this service accepts at most"),
+    ({"prompt": [1, 99999]}, None, ">= vocab_size"),
+    ({"prompt": []}, "prompt", "empty list"),
+    ({"seed": -1}, "seed", "out of range"),
+    ({"logit_bias": {"hello": 1.0}}, "logit_bias", "not a token id"),
+    ({"max_token": 5}, "max_token", "not a field this server knows"),
+    ({"echo": True}, "echo", "not supported"),
+    ({"best_of": 3}, "best_of", "not supported"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+])
+def test_bad_completion_is_400_with_an_openai_error_body(client, cache, fields, param, in_message):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=fields)
+    assert error.value.status_code == 400
+    assert in_message in error.value.message, error.value.message
+    assert error.value.type == "invalid_request_error"
+    assert error.value.param == param
+    assert leased(cache) == 0
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0"),
+])
+def test_unsupported_chat_feature_is_400_saying_so(client, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**body)
+    assert "not supported" in error.value.message and error.value.param == param
+    assert error.value.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("api_key", ["wrong-token", ""])
+def test_wrong_or_missing_token_is_401(model, api_key):
+    client = openai.OpenAI(base_url=model.http_url, api_key=api_key or "unused", max_retries=0,
+                           default_headers={} if api_key else {"Authorization": ""})
+    with pytest.raises(openai.AuthenticationError) as error:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert error.value.status_code == 401 and error.value.code == "invalid_api_key"
+    assert ("wrong token" if api_key else "missing Authorization") in error.value.message
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    assert "'gpt-4o' does not exist" in error.value.message and error.value.param == "model"
+
+
+@pytest.fixture(scope="module")
+def limited(cache, tmp_path_factory):
+    """The tiny model, one Generate stream at a time."""
+    with start_model_service(tmp_path_factory.mktemp("limited"), cache.address, "--auth-token", TOKEN,
+                             "--max-concurrent-streams", "1") as service:
+        yield service
+
+
+def test_stream_limit_is_429_through_http_as_through_grpc(limited, cache):
+    client = openai.OpenAI(base_url=limited.http_url, api_key=TOKEN, max_retries=0)
+    holding = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+    next(iter(holding))  # the first stream is open and counted
+    with pytest.raises(openai.RateLimitError) as error:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert error.value.status_code == 429 and "--max-concurrent-streams 1" in error.value.message
+    # One limit for both doors: an HTTP stream counts against gRPC calls too.
+    channel = grpc.insecure_channel(limited.address)
+    with pytest.raises(grpc.RpcError) as grpc_error:
+        list(model_pb2_grpc.ModelServiceStub(channel).Generate(model_pb2.GenerateRequest(prompt=PROMPT), timeout=30,
+                                                               metadata=METADATA))
+    channel.close()
+    assert grpc_error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    holding.close()
+    no_block_leased(cache)
+
+
+def test_not_attached_is_503(tmp_path):
+    # Nothing listens where the cache service should be: the model service never attaches.
+    with start_model_service(tmp_path, "127.0.0.1:9", wait_serving=False) as detached:
+        client = openai.OpenAI(base_url=detached.http_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as error:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        assert error.value.status_code == 503 and "not attached to the cache service" in error.value.message
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{detached.http_port}/health", timeout=10)
+        assert health.value.code == 503
