@@ -5,6 +5,8 @@
     python -m model_service.client "Once upon a time" --n 3 --temperature 1 --seed 7 --logprobs 2
     python -m model_service.client "Say hi" --repetition-penalty 1.2 --min-p 0.05 --logit-bias 42=-100
     python -m model_service.client --abort my-request-id
+    python -m model_service.client --chat "What is the capital of France?"
+    python -m model_service.client --system "Answer in French." "What is the capital of France?"
     python -m model_service.client --info
 
 Text streams to stdout as it arrives (with --n above 1, each completion is printed whole
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
     parser.add_argument("--token-ids", type=_token_ids, metavar="1,2,3",
                         help="prompt as comma-separated token ids instead of text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message, rendered by the model's chat template")
+    parser.add_argument("--system", metavar="TEXT",
+                        help="a system message before the user message (implies --chat)")
     parser.add_argument("--max-new-tokens", type=int,
                         help="tokens to generate (default: the service's default)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -145,6 +151,13 @@ def build_request(args: argparse.Namespace) -> model_pb2.GenerateRequest:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.chat or args.system is not None:
+        system = [] if args.system is None else [model_pb2.ChatMessage(role="system", content=args.system)]
+        return model_pb2.GenerateRequest(
+            request_id=args.request_id,
+            messages=[*system, model_pb2.ChatMessage(role="user", content=args.prompt or "")],
+            sampling=sampling,
+        )
     return model_pb2.GenerateRequest(
         request_id=args.request_id,
         prompt=args.prompt or "",
@@ -255,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.info and not args.abort and (args.prompt is None) == (args.token_ids is None):
         parser.print_usage(sys.stderr)
         print("error: give exactly one of a prompt or --token-ids (or --info)", file=sys.stderr)
+        return 2
+    if (args.chat or args.system is not None) and args.token_ids is not None:
+        parser.print_usage(sys.stderr)
+        print("error: --chat and --system take a text prompt, not --token-ids", file=sys.stderr)
         return 2
     metadata = [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else None
     try:

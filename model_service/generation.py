@@ -80,6 +80,7 @@ class GenerationService:
             max_model_len=self.engine.settings.max_model_len,
             dtype=str(self.engine.geometry.dtype).removeprefix("torch."),
             device=str(self.engine.device),
+            has_chat_template=loaded.chat_template is not None,
         )
 
     async def generate(self, request: model_pb2.GenerateRequest,
@@ -118,7 +119,8 @@ class GenerationService:
     def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
                 deadline: float | None) -> tuple[int, int, asyncio.Queue[Delta]]:
         try:
-            prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
+            prompt_token_ids, options = validate_generate_request(
+                request, self._limits(), self.engine.loaded.tokenizer, self.engine.loaded.chat_template)
         except InvalidRequest as error:
             raise rejected(grpc.StatusCode.INVALID_ARGUMENT, error) from None
         except PoolTooSmall as error:

