@@ -6,7 +6,7 @@
     python -m model_service.client "Say hi" --repetition-penalty 1.2 --min-p 0.05 --logit-bias 42=-100
     python -m model_service.client --abort my-request-id
     python -m model_service.client --chat "What is the capital of France?"
-    python -m model_service.client --system "Answer in French." "What is the capital of France?"
+    python -m model_service.client --system "You are a concise assistant." "Name three primary colors."
     python -m model_service.client --info
 
 Text streams to stdout as it arrives (with --n above 1, each completion is printed whole
