@@ -28,14 +28,13 @@ import torch
 from model_service import metrics
 from model_service.cache_client import CacheClient, Heartbeat, LeaseDeadline
 from model_service.decode_graphs import DecodeGraphPool
-from model_service.logits_processing import RowAdjustment, TokenHistory, prepare
-from model_service.logprobs import token_logprobs
 from model_service.models.loader import LoadedModel
 from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, new_request
 from model_service.runner import ModelRunner
-from model_service.sampling import SamplingOptions, sample
+from model_service.sampling import SamplingOptions
 from model_service.scheduler import POLICIES, LeaseLost, LeaseOps, Scheduler, SchedulerLimits
 from model_service.sequence import Finish, Sequence, Status
+from model_service.step_sampler import StepSampler
 from pagedkv import pool_memory
 from pagedkv.kv_geometry import KvGeometry
 
@@ -104,6 +103,7 @@ class Engine:
             head_dim=loaded.config.head_dim, dtype=dtype, device=str(device),
         )
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self._sampler = StepSampler(loaded.config.vocab_size, self.eos_token_ids, device)
         self._on_serving = on_serving
         self._on_fatal = on_fatal
         self._deliver = deliver
@@ -113,7 +113,6 @@ class Engine:
         self._live: dict[int, RequestOutput] = {}  # by key, on the engine thread
         self._completions: dict[Sequence, Completion] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, key)
-        self._history: TokenHistory | None = None  # made when a request first needs a penalty
         self._pending = 0  # submitted and not yet finished; read by submit() for the queue limit
         # Request ids submitted and not yet finished, to their keys (for abort()).
         self._live_ids: dict[str, int] = {}
@@ -342,10 +341,10 @@ class Engine:
             self._inflight_ops = step.lease_ops
         if step.batch:
             self._check_lease_deadline()
-            prompt_logits = self._prompt_logits_wanted(step.batch)
+            prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._completions)
             due, logits = self.runner.execute(step.batch, prompt_logits)
             if prompt_logits:
-                self._collect_prompt_logprobs(prompt_logits)
+                self._sampler.collect_prompt_logprobs(prompt_logits, self._completions)
             for seq, new_tokens in step.batch:
                 seq.num_computed += new_tokens
             if due:
@@ -425,85 +424,14 @@ class Engine:
     # -- sampling and output --------------------------------------------------------
 
     def _sample(self, due: list[Sequence], logits: torch.Tensor) -> None:
-        """Samples every due sequence's next token and streams it. The first token of an
-        n-request's completion 0 is also the moment its other completions sample their
-        first tokens, from the same logits row, and are forked."""
+        """Samples every due sequence's next token and streams it. At the first token of
+        an n-request's completion 0, its other completions sample theirs from the same
+        row and are forked."""
         forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
-        if forking:
-            # Rows of the children go right after their parent's, on a copy of its logits.
-            rows, ordered = [], []
-            for row, seq in enumerate(due):
-                family = [seq, *seq.fork_children] if seq.fork_children and seq.num_output == 0 else [seq]
-                rows.extend([row] * len(family))
-                ordered.extend(family)
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            due = ordered
-        completions = [self._completions[seq] for seq in due]
-        options = [completion.seq.options for completion in completions]
-        adjustments = None
-        if any(o.adjusts_logits for o in options):
-            adjustments = prepare([self._adjustment(c) for c in completions], logits.device)
-        tokens_tensor = sample(logits, options, [c.generator for c in completions], adjustments, self._history)
-        tokens = tokens_tensor.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(completions)
-        asked = [row for row, o in enumerate(options) if o.logprobs is not None]
-        if asked:
-            index = torch.tensor(asked, device=logits.device)
-            found = token_logprobs(logits.index_select(0, index), tokens_tensor.to(logits.device).index_select(0, index),
-                                   [options[row].logprobs for row in asked])
-            for row, logprob in zip(asked, found):
-                logprobs[row] = logprob
-        with_history = [(c.history_slot, token) for c, token in zip(completions, tokens) if c.history_slot is not None]
-        if with_history:
-            self._history.record([slot for slot, _ in with_history], [token for _, token in with_history])
+        completions, tokens, logprobs = self._sampler.sample(due, logits, self._completions)
         for seq in forking:
             self.scheduler.fork(seq, seq.fork_children)
         self._emit(completions, tokens, logprobs)
-
-    def _adjustment(self, completion: Completion) -> RowAdjustment | None:
-        seq = completion.seq
-        options = seq.options
-        if not options.adjusts_logits:
-            return None
-        if options.uses_history and completion.history_slot is None:
-            if self._history is None:
-                self._history = TokenHistory(self.loaded.config.vocab_size, self.device)
-            completion.history_slot = self._history.open(seq.token_ids)
-        suppressed: tuple[int, ...] = ()
-        if seq.num_output < options.min_tokens:
-            ends = set(options.stop_token_ids)
-            if not options.ignore_eos:
-                ends |= self.eos_token_ids
-            suppressed = tuple(sorted(ends))
-        return RowAdjustment(
-            history_slot=completion.history_slot, repetition_penalty=options.repetition_penalty,
-            presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-            logit_bias=options.logit_bias, suppressed_token_ids=suppressed,
-        )
-
-    def _prompt_logits_wanted(self, batch: list[tuple[Sequence, int]]) -> dict | None:
-        wanted = None
-        for seq, _ in batch:
-            if seq.index == 0 and not seq.reuse_prefix and seq.num_computed < seq.prompt_len - 1:
-                completion = self._completions.get(seq)
-                if completion is not None and not completion.request.prompt_logprobs_done:
-                    wanted = wanted or {}
-                    wanted[seq] = None
-        return wanted
-
-    def _collect_prompt_logprobs(self, prompt_logits: dict) -> None:
-        for seq, (start, logits) in prompt_logits.items():
-            request = self._completions[seq].request
-            # Entry i is prompt token i + 1's; after a preemption the recompute passes
-            # positions already collected.
-            skip = max(len(request.prompt_logprobs) - start, 0)
-            if skip >= logits.shape[0]:
-                continue
-            targets = torch.tensor(seq.token_ids[start + 1 + skip:start + 1 + logits.shape[0]])
-            request.prompt_logprobs.extend(
-                token_logprobs(logits[skip:], targets, [request.options.prompt_logprobs] * len(targets)))
-            if request.prompt_logprobs_done:
-                seq.reuse_prefix = True
 
     def _emit(self, completions: list[Completion], tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
         now = time.perf_counter()
@@ -533,9 +461,7 @@ class Engine:
         seq = completion.seq
         self.scheduler.finish(seq, finish)
         self._completions.pop(seq, None)
-        if completion.history_slot is not None:
-            self._history.close(completion.history_slot)
-            completion.history_slot = None
+        self._sampler.release(completion)
         request = completion.request
         if seq.index == 0:
             request.cached_tokens = seq.cached_tokens
@@ -568,7 +494,7 @@ class Engine:
             self._outbox.append((request.sink, Delta(finish=Finish.ABORTED, error=(code, message))))
         self._completions.clear()
         self._deadlines.clear()
-        self._history = None
+        self._sampler.reset()
 
     def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
         """Fails requests still in the inbox. Without this a request submitted just before
