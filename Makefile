@@ -1,10 +1,10 @@
 # Two commands set everything up on a fresh machine (Python 3.11+):
-#   make run    both services on the embedded model (MODEL=/path/to/checkpoint to serve one)
+#   make run    both services on SmolLM2-135M-Instruct (MODEL=tiny, MODEL=/path/to/model.gguf or a checkpoint dir)
 #   make test   the whole test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL ?= tiny
+MODEL ?= smollm2
 # The stamps are rebuilt when the dependency list changes, so `make` after a pull
 # installs what is new and nothing else. `run` installs the service alone (no triton:
 # it runs only on CUDA); `test` adds the test extras, triton's interpreter among them.

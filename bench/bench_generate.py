@@ -16,7 +16,16 @@ reported: single runs on a shared 2-core machine move by +-20 %. Each round keep
 prompt lengths and max_new_tokens but draws new prompt tokens, so no round of pagedkv
 finds an earlier round's prompts in its prefix cache.
 
+With --baseline-tree DIR (a copy of an older commit, e.g. `git archive COMMIT | tar -x -C
+DIR`) a second model service runs that tree's code, attached to the same cache service,
+as one more path in the turns: the before/after of a change measured side by side.
+With --variants the current tree also runs W48 with logprobs=5 on every request, and
+with n=4 on every fourth request (tokens/s then counts every completion's tokens).
+Every path of a round gets prompt tokens of its own, so none finds another's prompts in
+the shared prefix cache.
+
     .venv/bin/python bench/bench_generate.py [--skip-transformers] [--threads 2] [--rounds 5]
+        [--baseline-tree DIR] [--variants]
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import statistics
 import sys
@@ -84,39 +94,62 @@ def metric(url: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def pagedkv_services(path: Path, tmp: Path, threads: int):
-    """Both services up for the whole script; yields run(requests) -> result of one round."""
-    with start_cache_service(tmp, "--kv-cache-bytes", "512MiB") as cache, \
-            start_model_service(tmp, cache.address, "--model", str(path), "--threads", str(threads),
-                                "--max-num-seqs", "64", "--max-batch-prefill-tokens", "2048") as model:
+def started_in(directory: Path | None):
+    """Starts child processes with `directory` as their working directory: `python -m`
+    puts it first on sys.path, so its packages are the ones imported."""
+    if directory is None:
+        yield
+        return
+    here = os.getcwd()
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
-        async def send_all(items) -> int:
+
+@contextlib.contextmanager
+def cache_service(tmp: Path):
+    with start_cache_service(tmp, "--kv-cache-bytes", "1GiB") as cache:
+        yield cache
+
+
+@contextlib.contextmanager
+def pagedkv_services(path: Path, tmp: Path, threads: int, cache, tree: Path | None = None):
+    """A model service (of `tree`'s code, or this one's) on `cache`, up for the whole
+    script; yields run(requests, **sampling) -> result of one round."""
+    with started_in(tree):
+        model_cm = start_model_service(tmp, cache.address, "--model", str(path), "--threads", str(threads),
+                                       "--max-num-seqs", "64", "--max-batch-prefill-tokens", "2048")
+    with model_cm as model:
+
+        async def send_all(items, sampling: dict, n_every: int = 0) -> int:
             # One asyncio client for all streams: 48 blocking client threads would spend
             # more of these two cores on the GIL than the service spends on a token.
             async with grpc.aio.insecure_channel(model.address) as channel:
                 stub = model_pb2_grpc.ModelServiceStub(channel)
 
-                async def one(prompt, max_new) -> int:
-                    request = model_pb2.GenerateRequest(
-                        prompt_token_ids=prompt,
-                        sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True),
-                    )
+                async def one(index, prompt, max_new) -> int:
+                    params = model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True, **sampling)
+                    if n_every and index % n_every == 0:
+                        params.n = 4
+                    request = model_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=params)
                     return sum([len(r.token_ids) async for r in stub.Generate(request, timeout=600)])
 
-                return sum(await asyncio.gather(*(one(*item) for item in items)))
+                return sum(await asyncio.gather(*(one(i, *item) for i, item in enumerate(items))))
 
-        def run(requests) -> dict:
+        def run(requests, n_every: int = 0, **sampling) -> dict:
             wait_before = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total")
             step_before = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total")
             started = time.perf_counter()
-            tokens = asyncio.run(send_all(requests))
+            tokens = asyncio.run(send_all(requests, sampling, n_every))
             elapsed = time.perf_counter() - started
             wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
             step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
             return {"tokens": tokens, "seconds": elapsed, "lease_wait_share": wait / step if step else 0.0}
 
         # Warm the service once, as the warm transformers path is warm (a prompt no round uses).
-        asyncio.run(send_all(redraw_tokens(workload(), -1)[:1]))
+        asyncio.run(send_all(redraw_tokens(workload(), -1)[:1], {}))
         yield run
 
 
@@ -158,6 +191,9 @@ def run_hf_continuous(model, requests) -> dict:
 
 
 PAGEDKV = "pagedkv (gRPC, both services)"
+BASELINE = "pagedkv, --baseline-tree"
+LOGPROBS = "pagedkv, logprobs=5 on every request"
+N_QUARTER = "pagedkv, n=4 on every fourth request"
 HF_GENERATE = "transformers generate, batches of 8"
 HF_COLD = "transformers continuous batching, cold"
 HF_WARM = "transformers continuous batching, warm"
@@ -168,6 +204,8 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="runs of every path, taking turns; the median is reported")
+    parser.add_argument("--baseline-tree", type=Path, help="a copy of another commit: its model service is one more path")
+    parser.add_argument("--variants", action="store_true", help="also logprobs=5, and n=4 on a quarter of the requests")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     requests = workload()
@@ -175,7 +213,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         path = write_w48_checkpoint(tmp / "w48")
-        with pagedkv_services(path, tmp, args.threads) as run_pagedkv:
+        with contextlib.ExitStack() as stack:
+            cache = stack.enter_context(cache_service(tmp))
+            run_pagedkv = stack.enter_context(pagedkv_services(path, tmp, args.threads, cache))
+            run_baseline = None
+            if args.baseline_tree is not None:
+                run_baseline = stack.enter_context(
+                    pagedkv_services(path, tmp, args.threads, cache, args.baseline_tree.resolve()))
             model = None
             if not args.skip_transformers:
                 from transformers import AutoModelForCausalLM
@@ -189,7 +233,16 @@ def main() -> int:
                     # twice as fast as after other work (transformers' own warm state).
                     rounds.setdefault(HF_WARM, []).append(run_hf_continuous(model, round_requests))
                     rounds.setdefault(HF_GENERATE, []).append(run_hf_generate(model, round_requests))
+                # Paths of one round get prompts of their own (the cache service is shared).
+                others = iter(range(100 + 10 * round_index, 110 + 10 * round_index))
+                if run_baseline is not None:
+                    rounds.setdefault(BASELINE, []).append(run_baseline(redraw_tokens(requests, next(others))))
                 rounds.setdefault(PAGEDKV, []).append(run_pagedkv(round_requests))
+                if args.variants:
+                    rounds.setdefault(LOGPROBS, []).append(
+                        run_pagedkv(redraw_tokens(requests, next(others)), logprobs=5))
+                    rounds.setdefault(N_QUARTER, []).append(
+                        run_pagedkv(redraw_tokens(requests, next(others)), n_every=4))
 
     def rate(row: dict) -> float:
         return row["tokens"] / row["seconds"]
@@ -198,7 +251,7 @@ def main() -> int:
           f"{args.rounds} round(s), median round shown\n")
     print("| path | new tokens | seconds | tokens/s | every round, tokens/s |")
     print("| --- | --- | --- | --- | --- |")
-    for name in (PAGEDKV, HF_GENERATE, HF_COLD, HF_WARM):
+    for name in (PAGEDKV, BASELINE, LOGPROBS, N_QUARTER, HF_GENERATE, HF_COLD, HF_WARM):
         if name in rounds:
             rows = sorted(rounds[name], key=rate)
             median = rows[len(rows) // 2]
@@ -210,6 +263,10 @@ def main() -> int:
                   for paged, generate, warm in zip(rounds[PAGEDKV], rounds[HF_GENERATE], rounds[HF_WARM])]
         print(f"\npagedkv / fastest transformers path, by round: {', '.join(f'{r:.2f}' for r in ratios)}; "
               f"median {statistics.median(ratios):.2f}x")
+    if BASELINE in rounds:
+        ratios = [rate(paged) / rate(base) for paged, base in zip(rounds[PAGEDKV], rounds[BASELINE])]
+        print(f"\npagedkv / --baseline-tree, by round: {', '.join(f'{r:.3f}' for r in ratios)}; "
+              f"median {statistics.median(ratios):.3f}x")
     shares = [row["lease_wait_share"] for row in rounds[PAGEDKV]]
     print(f"engine step time spent waiting on the cache service: median {100 * statistics.median(shares):.2f}%, "
           f"max {100 * max(shares):.2f}%")

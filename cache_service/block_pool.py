@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from cache_service.prefix_hash import ROOT_HASH, HashFn
+from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace, namespace_root
 
 
 class Block:
@@ -30,10 +30,13 @@ class Block:
     registration gets a fresh ``reg_id``, and a block records the ``reg_id`` of the block
     that preceded it when it was registered. A hit must match the stored token ids and
     the identity of the block matched just before it, so by induction a hit chain holds
-    exactly the queried tokens, whatever the hash function does.
+    exactly the queried tokens, whatever the hash function does. The first block of a
+    chain (``parent_reg == 0``) also records its ``namespace``, so a hit never crosses
+    from one model or salt into another, whatever the hash function does.
     """
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent_reg", "reg_id", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent_reg", "reg_id", "namespace",
+                 "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -42,6 +45,7 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None
         self.parent_reg = 0
         self.reg_id = 0
+        self.namespace: Namespace = DEFAULT_NAMESPACE
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -172,8 +176,9 @@ class BlockPool:
 
     # ---------------------------------------------------------------- prefix cache
 
-    def lookup(self, token_ids: Sequence[int], max_blocks: int) -> list[Block]:
-        """The registered blocks holding the longest prefix of ``token_ids``, up to ``max_blocks``.
+    def lookup(self, token_ids: Sequence[int], max_blocks: int, namespace: Namespace = DEFAULT_NAMESPACE) -> list[Block]:
+        """The registered blocks of ``namespace`` holding the longest prefix of ``token_ids``,
+        up to ``max_blocks``.
 
         Only full blocks match. References are not taken: pass the result to ``acquire``.
         """
@@ -184,7 +189,7 @@ class BlockPool:
         tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
         cached_get = self.cached.get
         hash_fn = self.hash_fn
-        parent_hash = ROOT_HASH
+        parent_hash = namespace_root(namespace, hash_fn)
         parent_reg = 0
         hits: list[Block] = []
         append = hits.append
@@ -196,13 +201,16 @@ class BlockPool:
             # Verify: a colliding hash must not return another prefix's blocks.
             if block is None or block.parent_reg != parent_reg or block.token_ids != chunk:
                 break
+            if parent_reg == 0 and block.namespace != namespace:
+                break
             append(block)
             parent_reg = block.reg_id
             start += block_size
         return hits
 
-    def register(self, blocks: Sequence[Block], token_ids: Sequence[int]) -> int:
-        """Register the full blocks of a sequence holding ``token_ids`` in the prefix cache.
+    def register(self, blocks: Sequence[Block], token_ids: Sequence[int],
+                 namespace: Namespace = DEFAULT_NAMESPACE) -> int:
+        """Register the full blocks of a sequence holding ``token_ids`` in ``namespace``'s prefix cache.
 
         ``blocks[i]`` holds tokens ``[i * block_size, (i + 1) * block_size)``. When an
         identical block is already registered, that one stays the cached copy and
@@ -218,7 +226,7 @@ class BlockPool:
         tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
         cached = self.cached
         hash_fn = self.hash_fn
-        parent_hash = ROOT_HASH
+        parent_hash = namespace_root(namespace, hash_fn)
         parent_reg = 0
         registered = 0
         for index in range(count):
@@ -234,10 +242,13 @@ class BlockPool:
                 block.token_ids = chunk
                 block.parent_reg = parent_reg
                 block.reg_id = self._last_reg_id
+                block.namespace = namespace
                 cached[parent_hash] = block
                 registered += 1
             elif canonical.parent_reg != parent_reg or canonical.token_ids != chunk:
                 break  # hash collision with a different prefix
+            elif parent_reg == 0 and canonical.namespace != namespace:
+                break  # hash collision with another namespace's first block
             parent_reg = canonical.reg_id if canonical is not None else block.reg_id
         return registered
 

@@ -5,7 +5,12 @@ checks that enough blocks are available before it changes anything, so a refused
 leaves the ledger exactly as it was.
 
 An owner is the session a sequence was leased to; the ledger only compares owner
-strings and names them in error messages, so pass an id that is not a secret.
+strings and names them in error messages, so pass an id that is not a secret. Each
+owner is bounded (SessionLimits): one session cannot grow the ledger until the process
+dies, and an op past a limit fails alone.
+
+A sequence's namespace (model fingerprint, cache_salt) picks the prefix cache it reads
+and feeds: sequences of other models or salts never share a cached block.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache_service.block_pool import Block, BlockPool
-from cache_service.prefix_hash import HashFn
+from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace
 
 
 class LeaseError(Exception):
@@ -37,6 +42,32 @@ class NotOwner(LeaseError):
 
 class InvalidLease(LeaseError):
     code = "INVALID_ARGUMENT"
+
+
+class LimitExceeded(LeaseError):
+    code = "LIMIT_EXCEEDED"
+
+
+DEFAULT_MAX_SESSION_SEQUENCES = 16384
+DEFAULT_MAX_SESSION_BLOCKS = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """What one owner may hold at once. The defaults are far beyond what an engine
+    asks for (it runs tens to hundreds of sequences) but bound the ledger's memory: a
+    sequence costs a few hundred bytes, a block-table entry eight."""
+
+    max_sequences: int = DEFAULT_MAX_SESSION_SEQUENCES
+    # Block-table entries (block references): a fork's shared blocks count again, since
+    # its table holds them again.
+    max_blocks: int = DEFAULT_MAX_SESSION_BLOCKS
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1:
+            raise ValueError(f"--max-session-sequences must be at least 1, got {self.max_sequences}")
+        if self.max_blocks < 1:
+            raise ValueError(f"--max-session-blocks must be at least 1, got {self.max_blocks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,33 +96,39 @@ class LedgerStats:
 
 
 class _Sequence:
-    __slots__ = ("owner", "num_tokens", "blocks")
+    __slots__ = ("owner", "num_tokens", "blocks", "namespace")
 
-    def __init__(self, owner: str, num_tokens: int, blocks: list[Block]) -> None:
+    def __init__(self, owner: str, num_tokens: int, blocks: list[Block], namespace: Namespace) -> None:
         self.owner = owner
         self.num_tokens = num_tokens
         self.blocks = blocks
+        self.namespace = namespace
 
 
 class Ledger:
-    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash) -> None:
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash,
+                 limits: SessionLimits = SessionLimits()) -> None:
         self.pool = BlockPool(num_blocks, block_size, hash_fn)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.limits = limits
         self._sequences: dict[int, _Sequence] = {}
         self._by_owner: dict[str, set[int]] = {}
+        self._owner_blocks: dict[str, int] = {}  # block-table entries per owner
+        self._draining: dict[str, list[int]] = {}  # release_owner_some's order, newest last
         self._last_sequence_id = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
 
     # ---------------------------------------------------------------- leasing
 
-    def allocate(self, owner: str, num_tokens: int, prompt_token_ids: Sequence[int] = ()) -> Allocation:
+    def allocate(self, owner: str, num_tokens: int, prompt_token_ids: Sequence[int] = (),
+                 namespace: Namespace = DEFAULT_NAMESPACE) -> Allocation:
         """Lease blocks for a new sequence of ``num_tokens`` tokens.
 
-        With ``prompt_token_ids``, the longest cached chain of the prompt's full blocks is
-        reused, but never the block holding the last prompt token: the model must compute
-        that token's logits, and it must not write into a shared block.
+        With ``prompt_token_ids``, the longest cached chain of the prompt's full blocks in
+        ``namespace`` is reused, but never the block holding the last prompt token: the
+        model must compute that token's logits, and it must not write into a shared block.
         """
         pool = self.pool
         block_size = self.block_size
@@ -106,7 +143,7 @@ class Ledger:
         needed = (num_tokens + block_size - 1) // block_size
         hits: list[Block] = []
         if prompt_len > block_size:
-            hits = pool.lookup(prompt_token_ids, (prompt_len - 1) // block_size)
+            hits = pool.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace)
         fresh = needed - len(hits)
         revived = 0
         for block in hits:
@@ -118,6 +155,9 @@ class Ledger:
                 f"({needed} in all, {len(hits) - revived} already leased and shared); "
                 f"only {pool.num_free} of {self.num_blocks} are free or evictable"
             )
+        # After the pool's own check: what the pool cannot hold is NO_FREE_BLOCKS (the
+        # engine waits), whatever the session holds.
+        self._check_limits(owner, 1, needed, f"a sequence of {num_tokens} tokens")
         if hits:
             pool.acquire(hits)
             blocks = hits + pool.take(fresh)
@@ -128,12 +168,7 @@ class Ledger:
         self._prefix_hits += cached_tokens
         self._last_sequence_id += 1
         sequence_id = self._last_sequence_id
-        self._sequences[sequence_id] = _Sequence(owner, num_tokens, blocks)
-        owned = self._by_owner.get(owner)
-        if owned is None:
-            self._by_owner[owner] = {sequence_id}
-        else:
-            owned.add(sequence_id)
+        self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace))
         return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens)
 
     def extend(self, owner: str, sequence_id: int, num_tokens: int) -> list[int]:
@@ -150,34 +185,52 @@ class Ledger:
                 f"extending sequence {sequence_id} to {num_tokens} tokens needs {more} more blocks; "
                 f"only {self.pool.num_free} of {self.num_blocks} are free or evictable"
             )
+        self._check_limits(owner, 0, more, f"extending sequence {sequence_id} to {num_tokens} tokens")
         new_blocks = self.pool.take(more)
         sequence.blocks += new_blocks
         sequence.num_tokens = num_tokens
+        self._owner_blocks[owner] += len(new_blocks)
         return [block.block_id for block in new_blocks]
 
-    def fork(self, owner: str, sequence_id: int) -> Fork:
-        """A child sequence sharing the parent's full blocks; its partial last block is copied."""
+    def fork(self, owner: str, sequence_id: int, num_tokens: int = 0) -> Fork:
+        """A child of the parent's first ``num_tokens`` tokens (0: all it reserved).
+
+        ``num_tokens`` is what the parent has written, which decides copy-on-write: the
+        child shares every full block of it, and gets a copy of the block holding the
+        last written token when that block is partial, since both will write into it.
+        Deciding from the reserved length instead would share a block the parent is
+        still writing into whenever the reservation ends on a block boundary.
+        """
         parent = self._owned(owner, sequence_id)
         pool = self.pool
-        partial = parent.num_tokens % self.block_size != 0
+        block_size = self.block_size
+        written = num_tokens or parent.num_tokens
+        capacity = len(parent.blocks) * block_size
+        if written > capacity:
+            raise InvalidLease(
+                f"fork of sequence {sequence_id} at {written} tokens: its {len(parent.blocks)} blocks hold "
+                f"at most {capacity}"
+            )
+        full, partial = divmod(written, block_size)
+        table_len = full + (partial != 0)
         if partial and pool.num_free < 1:
             raise NoFreeBlocks(
                 f"forking sequence {sequence_id} needs 1 free block for its partial last block; "
                 f"0 of {self.num_blocks} are free or evictable"
             )
-        shared = parent.blocks[:-1] if partial else parent.blocks[:]
+        self._check_limits(owner, 1, table_len, f"forking sequence {sequence_id}")
+        shared = parent.blocks[:full]
         pool.acquire(shared)
         copy = None
         if partial:
             new_block = pool.take(1)[0]
-            copy = (parent.blocks[-1].block_id, new_block.block_id)
+            copy = (parent.blocks[full].block_id, new_block.block_id)
             blocks = shared + [new_block]
         else:
             blocks = shared
         self._last_sequence_id += 1
         child_id = self._last_sequence_id
-        self._sequences[child_id] = _Sequence(owner, parent.num_tokens, blocks)
-        self._by_owner[owner].add(child_id)
+        self._add(child_id, _Sequence(owner, written, blocks, parent.namespace))
         return Fork(child_id, [block.block_id for block in blocks], copy)
 
     def release(self, owner: str, sequence_id: int, cache_prefix: bool = False, token_ids: Sequence[int] = ()) -> int:
@@ -196,23 +249,47 @@ class Ledger:
                 f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
             )
         if cache_prefix and token_ids:
-            self.pool.register(sequence.blocks, token_ids)
+            self.pool.register(sequence.blocks, token_ids, sequence.namespace)
         self._forget(owner, sequence_id)
         self.pool.free(sequence.blocks)
         return len(sequence.blocks)
 
     def release_owner(self, owner: str) -> int:
         """Release every sequence of a dead or detached session; returns block references released."""
-        sequence_ids = self._by_owner.pop(owner, None)
-        if not sequence_ids:
-            return 0
+        released, _ = self.release_owner_some(owner, None)
+        return released
+
+    def release_owner_some(self, owner: str, max_blocks: int | None) -> tuple[int, bool]:
+        """Release whole sequences of ``owner`` until about ``max_blocks`` block references
+        are given back (None: all). Returns (references released, whether none is left).
+
+        For the event loop's sake: a session of millions of references is released a
+        chunk per call, and the ledger is consistent between calls.
+        """
+        order = self._draining.get(owner, [])
         released = 0
-        # Newest first, so that forks give back their references before their parents.
-        for sequence_id in sorted(sequence_ids, reverse=True):
-            sequence = self._sequences.pop(sequence_id)
+        sequences = self._sequences
+        while max_blocks is None or released < max_blocks:
+            if not order:
+                owned = self._by_owner.get(owner)
+                if not owned:
+                    break
+                # Oldest first in the list, popped from the end: forks give back their
+                # references before their parents.
+                order = sorted(owned)
+            sequence_id = order.pop()
+            sequence = sequences.get(sequence_id)
+            if sequence is None or sequence.owner != owner:
+                continue  # released by an op since the draining began
+            self._forget(owner, sequence_id)
             self.pool.free(sequence.blocks)
             released += len(sequence.blocks)
-        return released
+        done = owner not in self._by_owner
+        if done or not order:
+            self._draining.pop(owner, None)
+        else:
+            self._draining[owner] = order
+        return released, done
 
     # ---------------------------------------------------------------- queries
 
@@ -231,6 +308,10 @@ class Ledger:
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
         )
+
+    def owner_usage(self, owner: str) -> tuple[int, int]:
+        """(sequences, block-table entries) ``owner`` holds now."""
+        return len(self._by_owner.get(owner, ())), self._owner_blocks.get(owner, 0)
 
     def sequence_blocks(self, sequence_id: int) -> list[int]:
         """The block table of a live sequence (for tests and debugging)."""
@@ -272,6 +353,14 @@ class Ledger:
         indexed = sum(len(ids) for ids in self._by_owner.values())
         if indexed != len(self._sequences):
             raise AssertionError(f"owner index lists {indexed} sequences, ledger holds {len(self._sequences)}")
+        for owner, ids in self._by_owner.items():
+            entries = sum(len(self._sequences[sequence_id].blocks) for sequence_id in ids)
+            if self._owner_blocks.get(owner) != entries:
+                raise AssertionError(f"owner {owner!r} holds {entries} block-table entries, counted {self._owner_blocks.get(owner)}")
+            if len(ids) > self.limits.max_sequences or entries > self.limits.max_blocks:
+                raise AssertionError(f"owner {owner!r} holds {len(ids)} sequences and {entries} blocks, past {self.limits}")
+        if set(self._owner_blocks) != set(self._by_owner):
+            raise AssertionError("the per-owner block counts name other owners than the owner index")
         stats = self.stats()
         if stats.blocks_free + stats.blocks_leased + stats.blocks_cached != stats.blocks_total:
             raise AssertionError(f"free + leased + cached != total in {stats}")
@@ -286,9 +375,37 @@ class Ledger:
             raise NotOwner(f"sequence {sequence_id} belongs to session {sequence.owner!r}, not {owner!r}")
         return sequence
 
+    def _check_limits(self, owner: str, new_sequences: int, new_blocks: int, what: str) -> None:
+        sequences, blocks = self.owner_usage(owner)
+        limits = self.limits
+        if sequences + new_sequences > limits.max_sequences:
+            raise LimitExceeded(
+                f"{what} refused: session {owner!r} holds {sequences} sequences, the per-session limit "
+                f"(--max-session-sequences) is {limits.max_sequences}; release some first"
+            )
+        if blocks + new_blocks > limits.max_blocks:
+            raise LimitExceeded(
+                f"{what} refused: session {owner!r} holds {blocks} block-table entries and needs {new_blocks} "
+                f"more; the per-session limit (--max-session-blocks) is {limits.max_blocks}; release some first"
+            )
+
+    def _add(self, sequence_id: int, sequence: _Sequence) -> None:
+        self._sequences[sequence_id] = sequence
+        owner = sequence.owner
+        owned = self._by_owner.get(owner)
+        if owned is None:
+            self._by_owner[owner] = {sequence_id}
+            self._owner_blocks[owner] = len(sequence.blocks)
+        else:
+            owned.add(sequence_id)
+            self._owner_blocks[owner] += len(sequence.blocks)
+
     def _forget(self, owner: str, sequence_id: int) -> None:
-        del self._sequences[sequence_id]
+        sequence = self._sequences.pop(sequence_id)
         owned = self._by_owner[owner]
         owned.discard(sequence_id)
-        if not owned:
+        if owned:
+            self._owner_blocks[owner] -= len(sequence.blocks)
+        else:
             del self._by_owner[owner]
+            del self._owner_blocks[owner]

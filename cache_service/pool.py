@@ -8,13 +8,15 @@ and the prefix cache with it).
 
 from __future__ import annotations
 
+import asyncio
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import structlog
 import torch
 
-from cache_service.ledger import Ledger
+from cache_service.ledger import Ledger, SessionLimits
 from cache_service.sessions import Session, Sessions
 from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
 from pagedkv import pool_memory
@@ -43,6 +45,11 @@ class PoolSettings:
     max_blocks: int | None = None
     lease_ttl_ms: int = 5000
     shm_dir: str = "/dev/shm"
+    session_limits: SessionLimits = field(default_factory=SessionLimits)
+    # An expired session's blocks stay leased this much longer before anyone else can
+    # get them: its model service may still be finishing a forward pass it started
+    # before its local lease deadline (README, "Fenced writes").
+    reclaim_grace_ms: int = 5000
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:
@@ -57,6 +64,8 @@ class PoolSettings:
             raise ValueError(f"--max-blocks must be positive, got {self.max_blocks}")
         if self.lease_ttl_ms < 100:
             raise ValueError(f"--lease-ttl-ms must be at least 100, got {self.lease_ttl_ms}")
+        if self.reclaim_grace_ms < 0:
+            raise ValueError(f"--reclaim-grace-ms cannot be negative, got {self.reclaim_grace_ms}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +75,18 @@ class Attachment:
     handle: cache_pb2.PoolHandle
 
 
+# Block references released between two yields to the event loop when a session goes:
+# about 1 ms of ledger work (BENCHMARKS.md), so no RPC waits long behind a huge session.
+RELEASE_CHUNK_BLOCKS = 8192
+
+
 class KvPool:
-    def __init__(self, settings: PoolSettings) -> None:
+    def __init__(self, settings: PoolSettings, clock=time.monotonic) -> None:
         self.settings = settings
-        self.sessions = Sessions(settings.lease_ttl_ms / 1000)
+        self._clock = clock
+        self.sessions = Sessions(settings.lease_ttl_ms / 1000, clock)
+        # Expired sessions whose blocks wait out the reclaim grace: (release at, session).
+        self.quarantined: list[tuple[float, Session]] = []
         self.geometry: KvGeometry | None = None
         self.sizing: SizingReport | None = None
         self.ledger: Ledger | None = None
@@ -78,7 +95,11 @@ class KvPool:
 
     # -- sessions -------------------------------------------------------------------
 
-    def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int) -> Attachment:
+    def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
+               model_fingerprint: str = "") -> Attachment:
+        # 0: the client did not say (DESIGN.md's Attach has no max_model_len); the pool
+        # must then hold at least one block.
+        max_model_len = max_model_len or self.settings.block_size
         if self.geometry is None:
             self._create(geometry, workspace_bytes, max_model_len)
         elif geometry != self.geometry:
@@ -88,8 +109,8 @@ class KvPool:
             )
         else:
             self._check_fits(max_model_len)
-        session = self.sessions.open(client_name)
-        log.info("session_attached", session=session.owner, client=client_name)
+        session = self.sessions.open(client_name, model_fingerprint)
+        log.info("session_attached", session=session.owner, client=client_name, model_fingerprint=model_fingerprint)
         return Attachment(session, self.sizing, self._handle_for_attach())
 
     def _handle_for_attach(self) -> cache_pb2.PoolHandle:
@@ -101,21 +122,46 @@ class KvPool:
     def heartbeat(self, session_id: str) -> Session:
         return self.sessions.touch(session_id)
 
-    def detach(self, session_id: str) -> int:
+    async def detach(self, session_id: str) -> int:
+        """Ends a session at its own request: it writes no more, so its blocks come back at once."""
         session = self.sessions.close(session_id)
-        released = self.ledger.release_owner(session.owner)
+        released = await self._release(session)
         log.info("session_detached", session=session.owner, blocks_reclaimed=released)
         return released
 
-    def reap_expired(self) -> int:
-        """Reclaims the leases of every session that missed its TTL; returns blocks freed."""
-        released = 0
-        for session in self.sessions.expire():
-            blocks = self.ledger.release_owner(session.owner)
-            released += blocks
+    def expire_sessions(self) -> int:
+        """Drops the sessions that missed their TTL (their calls get NOT_FOUND from now on)
+        and queues their leases for reclaim once the grace has passed; returns how many."""
+        now = self._clock()
+        expired = self.sessions.expire()
+        for session in expired:
             log.warning("session_expired", session=session.owner, client=session.client_name,
-                        blocks_reclaimed=blocks, ttl_ms=self.settings.lease_ttl_ms)
+                        ttl_ms=self.settings.lease_ttl_ms, reclaim_in_ms=self.settings.reclaim_grace_ms)
+            self.quarantined.append((now + self.settings.reclaim_grace_ms / 1000, session))
+        return len(expired)
+
+    async def reclaim_expired(self) -> int:
+        """Releases the leases of expired sessions whose grace has passed; returns blocks freed."""
+        released = 0
+        while self.quarantined and self.quarantined[0][0] <= self._clock():
+            _, session = self.quarantined.pop(0)
+            blocks = await self._release(session)
+            released += blocks
+            log.info("expired_session_reclaimed", session=session.owner, blocks_reclaimed=blocks)
         return released
+
+    async def _release(self, session: Session) -> int:
+        """Every lease of a session, a chunk at a time, yielding to the event loop between
+        chunks: detaching a session of any size never stalls other RPCs for long."""
+        if self.ledger is None:
+            return 0
+        total = 0
+        while True:
+            released, done = self.ledger.release_owner_some(session.owner, RELEASE_CHUNK_BLOCKS)
+            total += released
+            if done:
+                return total
+            await asyncio.sleep(0)
 
     def require_pool(self) -> tuple[Ledger, SizingReport]:
         if self.ledger is None:
@@ -151,7 +197,7 @@ class KvPool:
             self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
         self.sizing = sizing
-        self.ledger = Ledger(sizing.num_blocks, sizing.block_size)
+        self.ledger = Ledger(sizing.num_blocks, sizing.block_size, limits=self.settings.session_limits)
         log.info("pool_created", geometry=describe(geometry), num_blocks=sizing.num_blocks,
                  block_size=sizing.block_size, bytes_per_block=sizing.bytes_per_block,
                  max_total_tokens=sizing.max_total_tokens, limited_by=sizing.limited_by)

@@ -8,6 +8,7 @@ import asyncio
 import structlog
 
 from cache_service import metrics
+from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.pool import KvPool, PoolSettings
 from cache_service.servicer import CacheServicer
 from pagedkv import pool_memory
@@ -38,19 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-blocks", default=None, type=int, help="upper bound on the number of blocks")
     add_flag(parser, "--lease-ttl-ms", default=5000, type=int,
              help="a session silent this long has every lease reclaimed")
+    add_flag(parser, "--reclaim-grace-ms", default=5000, type=int,
+             help="an expired session's blocks stay leased this much longer, so a stalled model service "
+                  "finishing a forward pass never writes into blocks someone else holds")
+    add_flag(parser, "--max-session-sequences", default=DEFAULT_MAX_SESSION_SEQUENCES, type=int,
+             help="sequences one session may hold at once; an allocate or fork past it fails with LIMIT_EXCEEDED")
+    add_flag(parser, "--max-session-blocks", default=DEFAULT_MAX_SESSION_BLOCKS, type=int,
+             help="block-table entries one session may hold at once (a fork's shared blocks count again); "
+                  "an op past it fails with LIMIT_EXCEEDED")
     add_flag(parser, "--shm-dir", default="/dev/shm", help="CPU: where the pool's shared-memory file lives")
     add_flag(parser, "--grace-s", default=5.0, type=float, help="seconds in-flight calls get on SIGTERM")
     return parser
 
 
 async def reap_forever(pool: KvPool) -> None:
-    # Four checks per TTL: a dead session's blocks come back within 1.25 TTL.
+    # Four checks per TTL: a dead session's blocks come back within 1.25 TTL plus the
+    # reclaim grace.
     interval = pool.settings.lease_ttl_ms / 4000
     while True:
         await asyncio.sleep(interval)
-        before = len(pool.sessions)
-        pool.reap_expired()
-        metrics.SESSIONS_EXPIRED.inc(before - len(pool.sessions))
+        metrics.SESSIONS_EXPIRED.inc(pool.expire_sessions())
+        await pool.reclaim_expired()
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -62,6 +71,8 @@ async def serve(args: argparse.Namespace) -> None:
         max_blocks=args.max_blocks,
         lease_ttl_ms=args.lease_ttl_ms,
         shm_dir=args.shm_dir,
+        session_limits=SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks),
+        reclaim_grace_ms=args.reclaim_grace_ms,
     )
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)
     if removed:

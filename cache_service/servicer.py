@@ -8,7 +8,7 @@ from collections import Counter
 import grpc
 
 from cache_service import metrics
-from cache_service.ledger import Ledger, LeaseError
+from cache_service.ledger import InvalidLease, Ledger, LeaseError
 from cache_service.pool import GeometryMismatch, KvPool, NoPool
 from cache_service.sessions import UnknownSession
 from cache_service.sizing import SizingError
@@ -17,6 +17,9 @@ from pagedkv.kv_geometry import KvGeometry
 
 # One call carries at most one engine step's worth of ops; far more is a client bug.
 MAX_OPS_PER_CALL = 65536
+# A fingerprint is a hash and a salt a tenant key: both short. Each live sequence keeps its salt.
+MAX_FINGERPRINT_CHARS = 256
+MAX_SALT_CHARS = 256
 
 # Most specific first: SizingError is a ValueError.
 ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -32,6 +35,7 @@ LEASE_STATUS = {
     "NOT_FOUND": cache_pb2.LEASE_STATUS_NOT_FOUND,
     "PERMISSION_DENIED": cache_pb2.LEASE_STATUS_PERMISSION_DENIED,
     "INVALID_ARGUMENT": cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
+    "LIMIT_EXCEEDED": cache_pb2.LEASE_STATUS_LIMIT_EXCEEDED,
 }
 
 
@@ -51,8 +55,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if not request.HasField("geometry"):
                 raise ValueError("geometry is required: num_layers, num_kv_heads, head_dim, dtype, device")
             geometry = KvGeometry.from_proto(request.geometry)
+            if len(request.model_fingerprint) > MAX_FINGERPRINT_CHARS:
+                raise ValueError(f"model_fingerprint is {len(request.model_fingerprint)} characters; "
+                                 f"at most {MAX_FINGERPRINT_CHARS}")
             attachment = self.pool.attach(
-                request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len
+                request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len,
+                request.model_fingerprint,
             )
         except (ValueError, GeometryMismatch) as error:
             await abort_for(context, error)
@@ -72,7 +80,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     async def Detach(self, request, context):
         try:
-            released = self.pool.detach(request.session_id)
+            released = await self.pool.detach(request.session_id)
         except UnknownSession as error:
             await abort_for(context, error)
         return cache_pb2.DetachResponse(blocks_reclaimed=released)
@@ -87,7 +95,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 raise ValueError(f"{len(request.ops)} ops in one Lease call; at most {MAX_OPS_PER_CALL}")
         except (UnknownSession, NoPool, ValueError) as error:
             await abort_for(context, error)
-        results = [apply_op(ledger, session.owner, op) for op in request.ops]
+        results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
         count_ops(request.ops, results)
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
         return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
@@ -103,12 +111,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return stats_proto(self.pool)
 
 
-def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp) -> cache_pb2.LeaseResult:
-    """Applies one op; a failure becomes this op's result and touches nothing else."""
+def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp, model_fingerprint: str = "") -> cache_pb2.LeaseResult:
+    """Applies one op of ``owner``'s (a session serving ``model_fingerprint``); a failure
+    becomes this op's result and touches nothing else."""
     kind = op.WhichOneof("op")
     try:
         if kind == "allocate":
-            allocation = ledger.allocate(owner, op.allocate.num_tokens, op.allocate.prompt_token_ids)
+            salt = op.allocate.cache_salt
+            if len(salt) > MAX_SALT_CHARS:
+                raise InvalidLease(f"cache_salt is {len(salt)} characters; at most {MAX_SALT_CHARS}")
+            allocation = ledger.allocate(owner, op.allocate.num_tokens, op.allocate.prompt_token_ids,
+                                         (model_fingerprint, salt))
             result = cache_pb2.LeaseResult(
                 status=cache_pb2.LEASE_STATUS_OK, sequence_id=allocation.sequence_id,
                 block_ids=allocation.block_ids, cached_tokens=allocation.cached_tokens,
@@ -119,7 +132,7 @@ def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp) -> cache_pb2.Lea
                 status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.extend.sequence_id, block_ids=appended
             )
         elif kind == "fork":
-            fork = ledger.fork(owner, op.fork.sequence_id)
+            fork = ledger.fork(owner, op.fork.sequence_id, op.fork.num_tokens)
             result = cache_pb2.LeaseResult(
                 status=cache_pb2.LEASE_STATUS_OK, sequence_id=fork.sequence_id, block_ids=fork.block_ids
             )

@@ -26,6 +26,9 @@ class Session:
     # Who holds a sequence, as the ledger sees it: error messages name it, so it must not
     # be the session id (a secret: whoever knows it can touch the session's blocks).
     owner: str = ""
+    # The checkpoint the session serves (AttachRequest.model_fingerprint): its sequences
+    # read and feed only that model's prefix cache.
+    model_fingerprint: str = ""
 
 
 class Sessions:
@@ -40,9 +43,10 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, client_name: str) -> Session:
+    def open(self, client_name: str, model_fingerprint: str = "") -> Session:
         # Unguessable: a session id is the capability to touch that session's blocks.
-        session = Session(secrets.token_hex(16), client_name, self._clock(), f"{client_name}#{next(self._opened)}")
+        session = Session(secrets.token_hex(16), client_name, self._clock(), f"{client_name}#{next(self._opened)}",
+                          model_fingerprint)
         self._sessions[session.session_id] = session
         return session
 

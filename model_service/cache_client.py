@@ -8,6 +8,7 @@ can run a forward pass while the call is on the wire.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,16 +52,16 @@ class CacheClient:
         self.timeout_s = timeout_s
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
-               max_model_len: int) -> cache_pb2.AttachResponse:
+               max_model_len: int, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
         request = cache_pb2.AttachRequest(
             client_name=client_name, geometry=geometry.to_proto(),
-            workspace_bytes=workspace_bytes, max_model_len=max_model_len,
+            workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
         )
         return self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
 
-    def heartbeat(self, session_id: str) -> None:
+    def heartbeat(self, session_id: str, timeout_s: float | None = None) -> None:
         self.stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=session_id),
-                            timeout=self.timeout_s, metadata=self.metadata)
+                            timeout=timeout_s or self.timeout_s, metadata=self.metadata)
 
     def detach(self, session_id: str) -> int:
         reply = self.stub.Detach(cache_pb2.DetachRequest(session_id=session_id),
@@ -105,7 +106,8 @@ def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
     )
     proto_ops.extend(
         cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(
-            num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else ()))
+            num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else (),
+            cache_salt=seq.cache_salt))
         for seq in ops.allocations
     )
     return proto_ops
@@ -124,14 +126,52 @@ def outcome_from_proto(result: cache_pb2.LeaseResult) -> LeaseOutcome:
     )
 
 
-class Heartbeat:
-    """Keeps a session alive from its own thread, so a long forward pass never lets it lapse."""
+class LeaseDeadline:
+    """The engine's local view of when its session may expire at the cache service.
 
-    def __init__(self, client: CacheClient, session_id: str, interval_s: float, on_failure) -> None:
+    The service expires a session TTL after the last call it received from it. A call
+    the engine sent at time t and saw answered was received after t, so the session
+    lives at least until t + TTL; past t + TTL - margin the engine must assume it may be
+    gone (its blocks handed to another session) and stop writing K/V. The margin covers
+    the forward pass that is already running when the deadline passes.
+    """
+
+    def __init__(self, ttl_s: float, acked_at: float, clock=time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.margin_s = ttl_s / 4
+        self._clock = clock
+        self._acked_at = acked_at
+        self._lock = threading.Lock()
+
+    def acked(self, sent_at: float) -> None:
+        """A call sent at `sent_at` (this clock) was answered: the session lived then."""
+        with self._lock:
+            if sent_at > self._acked_at:
+                self._acked_at = sent_at
+
+    def remaining_s(self) -> float:
+        return self._acked_at + self.ttl_s - self.margin_s - self._clock()
+
+    def expired(self) -> bool:
+        return self.remaining_s() <= 0
+
+
+class Heartbeat:
+    """Keeps a session alive from its own thread, so a long forward pass never lets it lapse.
+
+    Each call's deadline is below the TTL: a call still unanswered after that says
+    nothing the lease deadline does not already track, so it is abandoned and the next
+    one sent on schedule, and the engine fences itself once no call got through for
+    TTL - margin. Any other failure (NOT_FOUND: expired; UNAVAILABLE: gone) ends the session.
+    """
+
+    def __init__(self, client: CacheClient, session_id: str, interval_s: float, on_failure,
+                 deadline: LeaseDeadline | None = None) -> None:
         self._client = client
         self._session_id = session_id
         self._interval_s = interval_s
         self._on_failure = on_failure
+        self._deadline = deadline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cache-heartbeat", daemon=True)
 
@@ -144,13 +184,18 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
+            sent_at = time.monotonic()
             try:
-                self._client.heartbeat(self._session_id)
+                self._client.heartbeat(self._session_id, timeout_s=self._interval_s)
             except grpc.RpcError as error:
                 if self._stop.is_set():
                     return
                 log.warning("heartbeat_failed", code=error.code().name, details=error.details())
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._deadline is not None:
+                    continue
                 # The session id goes with the failure: by the time the engine reads it,
                 # it may have re-attached, and this failure must not end the new session.
                 self._on_failure(self._session_id, error)
                 return
+            if self._deadline is not None:
+                self._deadline.acked(sent_at)

@@ -96,9 +96,11 @@ class IncrementalDetokenizer:
                 if end - self._read_offset < MAX_PENDING_TOKENS:
                     return ""
         # The window may decode no longer than its prefix (a tokenizer that merges or
-        # cleans up across the boundary): then there is nothing new to emit yet.
+        # cleans up across the boundary): then there is nothing new to emit yet. Tokens
+        # that decode to nothing at all (skipped specials) would grow the window, and the
+        # cost of each step with it, forever: past MAX_PENDING_TOKENS the window moves on.
         new_text = window_text[len(self._prefix_text):]
-        if not new_text and not final:
+        if not new_text and not final and end - self._read_offset < MAX_PENDING_TOKENS:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = end

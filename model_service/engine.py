@@ -26,16 +26,15 @@ import structlog
 import torch
 
 from model_service import metrics
-from model_service.cache_client import CacheClient, Heartbeat
+from model_service.cache_client import CacheClient, Heartbeat, LeaseDeadline
 from model_service.decode_graphs import DecodeGraphPool
-from model_service.logits_processing import RowAdjustment, TokenHistory, prepare
-from model_service.logprobs import token_logprobs
 from model_service.models.loader import LoadedModel
 from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, new_request
 from model_service.runner import ModelRunner
-from model_service.sampling import SamplingOptions, sample
+from model_service.sampling import SamplingOptions
 from model_service.scheduler import POLICIES, LeaseLost, LeaseOps, Scheduler, SchedulerLimits
 from model_service.sequence import Finish, Sequence, Status
+from model_service.step_sampler import StepSampler
 from pagedkv import pool_memory
 from pagedkv.kv_geometry import KvGeometry
 
@@ -54,6 +53,8 @@ class EngineSettings:
     cuda_graphs: bool = False
     # fcfs, or priority (GenerateRequest.priority, lower first).
     scheduling_policy: str = "fcfs"
+    # The checkpoint's content hash (models/fingerprint.py): its prefix cache is its own.
+    model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
@@ -102,6 +103,7 @@ class Engine:
             head_dim=loaded.config.head_dim, dtype=dtype, device=str(device),
         )
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self._sampler = StepSampler(loaded.config.vocab_size, self.eos_token_ids, device)
         self._on_serving = on_serving
         self._on_fatal = on_fatal
         self._deliver = deliver
@@ -111,12 +113,12 @@ class Engine:
         self._live: dict[int, RequestOutput] = {}  # by key, on the engine thread
         self._completions: dict[Sequence, Completion] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, key)
-        self._history: TokenHistory | None = None  # made when a request first needs a penalty
         self._pending = 0  # submitted and not yet finished; read by submit() for the queue limit
         # Request ids submitted and not yet finished, to their keys (for abort()).
         self._live_ids: dict[str, int] = {}
         self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._accepting = True  # False from the moment stop() begins
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # Decode graphs are captured once now, before the first Attach, so that their
         # memory is reserved when the cache service sizes the pool, and reported with
@@ -137,6 +139,8 @@ class Engine:
         self._heartbeat: Heartbeat | None = None
         self._inflight: Future | None = None
         self._inflight_ops: LeaseOps | None = None
+        self._inflight_sent_at = 0.0
+        self._lease_deadline: LeaseDeadline | None = None
         self.connected = threading.Event()
 
     # -- life cycle -------------------------------------------------------------------
@@ -147,6 +151,7 @@ class Engine:
     def stop(self, grace_s: float) -> None:
         """Lets running requests finish for up to grace_s, ends the rest with UNAVAILABLE,
         releases every lease and detaches. Blocking: call from a worker thread."""
+        self._accepting = False  # the grace is for requests already in, not for new ones
         deadline = time.monotonic() + grace_s
         while self.pending and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -169,10 +174,12 @@ class Engine:
     # -- the gRPC side ----------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
-               deadline: float | None = None, priority: int = 0) -> int:
+               deadline: float | None = None, priority: int = 0, cache_salt: str = "") -> int:
         """Queues a validated request; returns the key that cancel() takes. `deadline` is a
         time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise)."""
-        if not self.connected.is_set() or self._stopping.is_set():
+        if not self._accepting or self._stopping.is_set():
+            raise EngineUnavailable("the model service is shutting down; retry elsewhere")
+        if not self.connected.is_set():
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
         key = next(self._arrivals)
         with self._pending_lock:
@@ -190,6 +197,8 @@ class Engine:
             self._live_ids[request_id] = key
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
                               self.device, deadline, priority, arrival=key)
+        for completion in request.completions:
+            completion.seq.cache_salt = cache_salt  # forks inherit it at the cache service too
         self._inbox.put(("submit", request))
         return key
 
@@ -215,7 +224,7 @@ class Engine:
                     continue
                 try:
                     self._step()
-                except (grpc.RpcError, LeaseLost, CacheFailed) as error:
+                except (grpc.RpcError, LeaseLost, CacheFailed, LeaseExpired) as error:
                     self._lose_cache(error)
                 finally:
                     self._flush()
@@ -236,14 +245,21 @@ class Engine:
         """Attaches (or re-attaches) to the cache service, retrying until it answers."""
         delay = 0.2
         while not self._stopping.is_set():
+            sent_at = time.monotonic()
             try:
                 reply = self.cache.attach(self.settings.client_name, self.geometry,
-                                          self.workspace_bytes, self.settings.max_model_len)
+                                          self.workspace_bytes, self.settings.max_model_len,
+                                          model_fingerprint=self.settings.model_fingerprint)
                 break
             except grpc.RpcError as error:
                 if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise FatalAttachError(f"the cache service refused Attach: {error.code().name}: {error.details()}")
                 log.warning("cache_unreachable", address=self.cache.address, retry_in_s=delay)
+                # A request can slip in as the connection drops (it passed submit's check
+                # just before): end it now rather than keep it until a re-attach.
+                self._fail_queued(grpc.StatusCode.UNAVAILABLE,
+                                  f"the cache service at {self.cache.address} is unreachable; retry")
+                self._flush()
                 self._stopping.wait(delay)
                 # At most 1 s between tries: a restarted cache service is re-attached to
                 # within about a second (the channel's reconnect backoff is capped alike).
@@ -273,9 +289,11 @@ class Engine:
                             max_batch_tokens=self.settings.max_batch_tokens),
             blocks_available=reply.sizing.num_blocks, policy=self.settings.scheduling_policy,
         )
+        self._lease_deadline = LeaseDeadline(reply.lease_ttl_ms / 1000, acked_at=sent_at)
         self._heartbeat = Heartbeat(
             self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
             on_failure=lambda session_id, error: self._inbox.put(("cache_failed", session_id, error)),
+            deadline=self._lease_deadline,
         ).start()
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
@@ -299,6 +317,7 @@ class Engine:
         started = time.perf_counter()
         if self._inflight is not None:
             outcomes, available = self._inflight.result()
+            self._lease_deadline.acked(self._inflight_sent_at)
             metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
             ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
             for seq, reason in scheduler.apply(ops, outcomes, available):
@@ -317,13 +336,15 @@ class Engine:
             metrics.PREEMPTIONS.inc(len(step.preempted))
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         if step.lease_ops:
+            self._inflight_sent_at = time.monotonic()
             self._inflight = self.cache.lease(self.session_id, step.lease_ops)
             self._inflight_ops = step.lease_ops
         if step.batch:
-            prompt_logits = self._prompt_logits_wanted(step.batch)
+            self._check_lease_deadline()
+            prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._completions)
             due, logits = self.runner.execute(step.batch, prompt_logits)
             if prompt_logits:
-                self._collect_prompt_logprobs(prompt_logits)
+                self._sampler.collect_prompt_logprobs(prompt_logits, self._completions)
             for seq, new_tokens in step.batch:
                 seq.num_computed += new_tokens
             if due:
@@ -334,6 +355,17 @@ class Engine:
         metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
+
+    def _check_lease_deadline(self) -> None:
+        """Fenced writes: no forward pass (which writes K/V into leased blocks) once the
+        session may have expired at the cache service, whose blocks may then be someone else's."""
+        if self._lease_deadline.expired():
+            log.error("lease_deadline_passed", session=self.session_id[:8], ttl_s=self._lease_deadline.ttl_s)
+            raise LeaseExpired(
+                f"no heartbeat or lease call answered for {self._lease_deadline.ttl_s - self._lease_deadline.margin_s:.2f} s "
+                f"(lease TTL {self._lease_deadline.ttl_s:g} s less a margin): the session may have expired, so "
+                "this engine stopped writing into its blocks"
+            )
 
     def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> None:
         try:
@@ -392,85 +424,14 @@ class Engine:
     # -- sampling and output --------------------------------------------------------
 
     def _sample(self, due: list[Sequence], logits: torch.Tensor) -> None:
-        """Samples every due sequence's next token and streams it. The first token of an
-        n-request's completion 0 is also the moment its other completions sample their
-        first tokens, from the same logits row, and are forked."""
+        """Samples every due sequence's next token and streams it. At the first token of
+        an n-request's completion 0, its other completions sample theirs from the same
+        row and are forked."""
         forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
-        if forking:
-            # Rows of the children go right after their parent's, on a copy of its logits.
-            rows, ordered = [], []
-            for row, seq in enumerate(due):
-                family = [seq, *seq.fork_children] if seq.fork_children and seq.num_output == 0 else [seq]
-                rows.extend([row] * len(family))
-                ordered.extend(family)
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            due = ordered
-        completions = [self._completions[seq] for seq in due]
-        options = [completion.seq.options for completion in completions]
-        adjustments = None
-        if any(o.adjusts_logits for o in options):
-            adjustments = prepare([self._adjustment(c) for c in completions], logits.device)
-        tokens_tensor = sample(logits, options, [c.generator for c in completions], adjustments, self._history)
-        tokens = tokens_tensor.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(completions)
-        asked = [row for row, o in enumerate(options) if o.logprobs is not None]
-        if asked:
-            index = torch.tensor(asked, device=logits.device)
-            found = token_logprobs(logits.index_select(0, index), tokens_tensor.to(logits.device).index_select(0, index),
-                                   [options[row].logprobs for row in asked])
-            for row, logprob in zip(asked, found):
-                logprobs[row] = logprob
-        with_history = [(c.history_slot, token) for c, token in zip(completions, tokens) if c.history_slot is not None]
-        if with_history:
-            self._history.record([slot for slot, _ in with_history], [token for _, token in with_history])
+        completions, tokens, logprobs = self._sampler.sample(due, logits, self._completions)
         for seq in forking:
             self.scheduler.fork(seq, seq.fork_children)
         self._emit(completions, tokens, logprobs)
-
-    def _adjustment(self, completion: Completion) -> RowAdjustment | None:
-        seq = completion.seq
-        options = seq.options
-        if not options.adjusts_logits:
-            return None
-        if options.uses_history and completion.history_slot is None:
-            if self._history is None:
-                self._history = TokenHistory(self.loaded.config.vocab_size, self.device)
-            completion.history_slot = self._history.open(seq.token_ids)
-        suppressed: tuple[int, ...] = ()
-        if seq.num_output < options.min_tokens:
-            ends = set(options.stop_token_ids)
-            if not options.ignore_eos:
-                ends |= self.eos_token_ids
-            suppressed = tuple(sorted(ends))
-        return RowAdjustment(
-            history_slot=completion.history_slot, repetition_penalty=options.repetition_penalty,
-            presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-            logit_bias=options.logit_bias, suppressed_token_ids=suppressed,
-        )
-
-    def _prompt_logits_wanted(self, batch: list[tuple[Sequence, int]]) -> dict | None:
-        wanted = None
-        for seq, _ in batch:
-            if seq.index == 0 and not seq.reuse_prefix and seq.num_computed < seq.prompt_len - 1:
-                completion = self._completions.get(seq)
-                if completion is not None and not completion.request.prompt_logprobs_done:
-                    wanted = wanted or {}
-                    wanted[seq] = None
-        return wanted
-
-    def _collect_prompt_logprobs(self, prompt_logits: dict) -> None:
-        for seq, (start, logits) in prompt_logits.items():
-            request = self._completions[seq].request
-            # Entry i is prompt token i + 1's; after a preemption the recompute passes
-            # positions already collected.
-            skip = max(len(request.prompt_logprobs) - start, 0)
-            if skip >= logits.shape[0]:
-                continue
-            targets = torch.tensor(seq.token_ids[start + 1 + skip:start + 1 + logits.shape[0]])
-            request.prompt_logprobs.extend(
-                token_logprobs(logits[skip:], targets, [request.options.prompt_logprobs] * len(targets)))
-            if request.prompt_logprobs_done:
-                seq.reuse_prefix = True
 
     def _emit(self, completions: list[Completion], tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
         now = time.perf_counter()
@@ -500,9 +461,7 @@ class Engine:
         seq = completion.seq
         self.scheduler.finish(seq, finish)
         self._completions.pop(seq, None)
-        if completion.history_slot is not None:
-            self._history.close(completion.history_slot)
-            completion.history_slot = None
+        self._sampler.release(completion)
         request = completion.request
         if seq.index == 0:
             request.cached_tokens = seq.cached_tokens
@@ -535,7 +494,7 @@ class Engine:
             self._outbox.append((request.sink, Delta(finish=Finish.ABORTED, error=(code, message))))
         self._completions.clear()
         self._deadlines.clear()
-        self._history = None
+        self._sampler.reset()
 
     def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
         """Fails requests still in the inbox. Without this a request submitted just before
@@ -609,6 +568,10 @@ class Engine:
 
 class CacheFailed(Exception):
     """The heartbeat thread saw the cache service fail."""
+
+
+class LeaseExpired(Exception):
+    """The local lease deadline passed: the session may be gone at the cache service."""
 
 
 class FatalAttachError(RuntimeError):

@@ -80,6 +80,8 @@ class GenerationService:
             max_model_len=self.engine.settings.max_model_len,
             dtype=str(self.engine.geometry.dtype).removeprefix("torch."),
             device=str(self.engine.device),
+            model_fingerprint=self.engine.settings.model_fingerprint,
+            has_chat_template=loaded.chat_template is not None,
         )
 
     async def generate(self, request: model_pb2.GenerateRequest,
@@ -88,7 +90,7 @@ class GenerationService:
         when the request is refused, later when the engine fails it). Closing the
         generator early cancels the request. `deadline`: a time.monotonic() by which the
         engine ends the request with DEADLINE_EXCEEDED."""
-        stream = self.start(request, deadline)
+        stream = await self.start_async(request, deadline)
         try:
             async for response in stream:
                 yield response
@@ -99,7 +101,8 @@ class GenerationService:
         """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
         return self.engine.abort(request_ids)
 
-    def start(self, request: model_pb2.GenerateRequest, deadline: float | None = None) -> ResponseStream:
+    def start(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
+              validated=None) -> ResponseStream:
         """Validates and submits `request`, or raises GenerateError without having touched
         the engine. The caller must close() the stream it gets, whatever happens next."""
         if self.max_concurrent_streams and self.open_streams >= self.max_concurrent_streams:
@@ -110,24 +113,36 @@ class GenerationService:
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
         try:
-            return ResponseStream(self, request_id, self._submit(request_id, request, deadline))
+            return ResponseStream(self, request_id, self._submit(request_id, request, deadline, validated))
         except GenerateError:
             structlog.contextvars.unbind_contextvars("request_id")
             raise
 
-    def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
-                deadline: float | None) -> tuple[int, int, asyncio.Queue[Delta]]:
+    async def start_async(self, request: model_pb2.GenerateRequest, deadline: float | None = None) -> ResponseStream:
+        """start(), with a text prompt tokenized on a worker thread (after validation's
+        byte-length check): a long prompt must not freeze every other stream."""
+        if not (request.prompt or request.messages):
+            return self.start(request, deadline)
+        validated = await asyncio.to_thread(self._validate, request)
+        return self.start(request, deadline, validated)
+
+    def _validate(self, request: model_pb2.GenerateRequest):
         try:
-            prompt_token_ids, options = validate_generate_request(request, self._limits(), self.engine.loaded.tokenizer)
+            return validate_generate_request(
+                request, self._limits(), self.engine.loaded.tokenizer, self.engine.loaded.chat_template)
         except InvalidRequest as error:
             raise rejected(grpc.StatusCode.INVALID_ARGUMENT, error) from None
         except PoolTooSmall as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error) from None
+
+    def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
+                deadline: float | None, validated=None) -> tuple[int, int, asyncio.Queue[Delta]]:
+        prompt_token_ids, options = validated or self._validate(request)
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
             key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
-                                     deadline=deadline, priority=request.priority)
+                                     deadline=deadline, priority=request.priority, cache_salt=request.cache_salt)
         except QueueFull as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
         except EngineUnavailable as error:

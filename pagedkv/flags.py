@@ -37,6 +37,10 @@ def add_server_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port
     add_flag(parser, "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the service to the network")
     add_flag(parser, "--port", default=port, type=int, help="gRPC port (0 picks a free one)")
     add_flag(parser, "--metrics-port", default=metrics_port, type=int, help="Prometheus /metrics HTTP port (0 picks a free one, -1 disables)")
+    # Its own flag: the metrics have no auth, so exposing gRPC (behind a token) must not
+    # expose them too.
+    add_flag(parser, "--metrics-host", default="127.0.0.1", help="address the unauthenticated /metrics port binds; "
+             "0.0.0.0 only where nothing but your Prometheus reaches it")
     add_flag(parser, "--auth-token", default=None, help="shared token required as 'authorization: Bearer TOKEN' on every RPC but health")
     add_flag(parser, "--tls-cert", default=None, help="PEM certificate chain; with --tls-key serves TLS instead of plaintext")
     add_flag(parser, "--tls-key", default=None, help="PEM private key for --tls-cert")

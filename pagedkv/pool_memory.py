@@ -12,11 +12,15 @@ the model service calls `map_pool` on the PoolHandle from AttachResponse.
 from __future__ import annotations
 
 import errno
+import fcntl
 import math
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
+
+import structlog
 
 import torch
 import torch.multiprocessing.reductions as reductions
@@ -26,7 +30,11 @@ from pagedkv.kv_geometry import check_dtype, dtype_from_proto, dtype_to_proto
 from pagedkv.units import format_bytes
 
 DEFAULT_SHM_DIRECTORY = "/dev/shm"
-_POOL_FILE = re.compile(r"^pagedkv-(?P<pid>[0-9]+)-[0-9a-f]+\.kv$")
+# Any name the cache service could have written, whatever pid it had. The pid in the
+# name is only a hint for people; ownership is the flock (see cleanup_stale_pools).
+_POOL_FILE = re.compile(r"^pagedkv-.*\.kv$")
+
+log = structlog.get_logger()
 
 
 class PoolMappingError(RuntimeError):
@@ -47,13 +55,16 @@ class SharedPoolHandle:
 class SharedPool:
     """A pool tensor backed by a file in shared memory; `close()` unlinks the file.
 
+    `lock_fd` holds an exclusive flock on the file for as long as the pool is open: it
+    is what tells a later cleanup that the file is in use (see cleanup_stale_pools).
     Mappings (this process's `.tensor`, other processes' `map_pool` results) stay valid
     after close(): the memory is freed when the last one goes away.
     """
 
-    def __init__(self, tensor: torch.Tensor, handle: SharedPoolHandle) -> None:
+    def __init__(self, tensor: torch.Tensor, handle: SharedPoolHandle, lock_fd: int | None = None) -> None:
         self.tensor = tensor
         self.handle = handle
+        self.lock_fd = lock_fd
         self._closed = False
 
     @property
@@ -69,6 +80,9 @@ class SharedPool:
             os.unlink(self.handle.path)
         except FileNotFoundError:
             pass
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # drops the flock
+            self.lock_fd = None
 
     def __enter__(self) -> SharedPool:
         return self
@@ -95,7 +109,8 @@ def create_shared_pool(
 
     The file's pages are reserved up front (posix_fallocate): a tmpfs too small for the
     pool (Docker's default /dev/shm is 64 MiB) fails here with a clear error rather than
-    with SIGBUS when a late block is first written.
+    with SIGBUS when a late block is first written. The file is flocked before anything
+    else can see it in use, and stays locked until close() (or this process's death).
     """
     shape = tuple(shape)
     check_dtype(dtype)
@@ -103,16 +118,15 @@ def create_shared_pool(
     path = os.path.join(directory, f"pagedkv-{os.getpid()}-{secrets.token_hex(8)}.kv")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        try:
-            os.ftruncate(fd, size_bytes)
-            _reserve(fd, size_bytes, directory)
-        finally:
-            os.close(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, size_bytes)
+        _reserve(fd, size_bytes, directory)
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
     except BaseException:
         os.unlink(path)
+        os.close(fd)
         raise
-    return SharedPool(tensor, SharedPoolHandle(path=path, size_bytes=size_bytes, shape=shape, dtype=dtype))
+    return SharedPool(tensor, SharedPoolHandle(path=path, size_bytes=size_bytes, shape=shape, dtype=dtype), fd)
 
 
 def _reserve(fd: int, size_bytes: int, directory: str) -> None:
@@ -140,22 +154,17 @@ def _reserve(fd: int, size_bytes: int, directory: str) -> None:
             raise too_small(available) from None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def cleanup_stale_pools(directory: str = DEFAULT_SHM_DIRECTORY) -> list[str]:
-    """Remove pool files left by dead processes (pagedkv-<pid>-*.kv whose pid is gone).
+    """Remove pool files no live cache service holds; returns the paths removed.
 
-    Call it from the cache service only, which creates the files: a process in another
-    PID namespace (a model container without `pid: service:cache`) would see the live
-    cache service's pid as dead and delete its pool.
+    A live pool's file is flocked by the cache service that created it, for as long as
+    that process lives (the kernel drops the lock when it dies, however it dies). So a
+    file whose lock can be taken is stale, whatever pid its name carries: a restarted
+    service that got its predecessor's pid still removes the old pool, and services in
+    PID namespaces that share /dev/shm never remove each other's live pools. Anything
+    else in the directory (another user's file, a directory, a symlink, a file that
+    cannot be opened) is skipped with a warning: /dev/shm is writable by everyone, so
+    nothing found there may stop the service from starting.
     """
     removed = []
     try:
@@ -163,19 +172,55 @@ def cleanup_stale_pools(directory: str = DEFAULT_SHM_DIRECTORY) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        match = _POOL_FILE.match(name)
-        if match is None:
-            continue
-        pid = int(match.group("pid"))
-        if pid <= 0 or _pid_alive(pid):
+        if _POOL_FILE.match(name) is None:
             continue
         path = os.path.join(directory, name)
+        if _remove_if_stale(path):
+            removed.append(path)
+    return removed
+
+
+def _remove_if_stale(path: str) -> bool:
+    try:
+        # O_NOFOLLOW: a symlink named like a pool must not make us lock (or remove) its target.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False  # another cleaner got there first
+    except OSError as error:
+        log.warning("shm_file_skipped", path=path, reason=f"cannot open it: {error.strerror}")
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            log.warning("shm_file_skipped", path=path, reason="not a regular file")
+            return False
+        if info.st_uid != os.geteuid():
+            log.warning("shm_file_skipped", path=path, reason=f"owned by uid {info.st_uid}, not this user")
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live cache service holds it
+        except OSError as error:
+            log.warning("shm_file_skipped", path=path, reason=f"cannot lock it: {error.strerror}")
+            return False
+        try:
+            # Still the file we locked? (It may have been removed and the name reused.)
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (current.st_dev, current.st_ino) != (info.st_dev, info.st_ino):
+            return False
         try:
             os.unlink(path)
-        except FileNotFoundError:  # another cleaner got there first
-            continue
-        removed.append(path)
-    return removed
+        except FileNotFoundError:
+            return False
+        except OSError as error:
+            log.warning("shm_file_skipped", path=path, reason=f"cannot remove it: {error.strerror}")
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 # ---- CUDA IPC ------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class ServerConfig:
     tls_key: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024
     port_file: str | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -61,6 +62,7 @@ class ServerConfig:
             tls_key=args.tls_key,
             max_message_bytes=args.max_message_bytes,
             port_file=args.port_file,
+            metrics_host=args.metrics_host,
         )
 
 
@@ -223,7 +225,8 @@ class GrpcServer:
         await self.set_serving(False)
         await self.server.start()
         if self.config.metrics_port >= 0:
-            self._metrics_server, _ = prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
+            self._metrics_server, _ = prometheus_client.start_http_server(self.config.metrics_port,
+                                                                           addr=self.config.metrics_host)
             self.metrics_port = self._metrics_server.server_port
         if self.config.port_file:
             ports = {"port": self.port, "metrics_port": self.metrics_port, **(extra_ports or {})}

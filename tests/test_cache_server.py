@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -162,7 +163,7 @@ def test_pool_handle_maps_in_this_process_and_is_private(stub):
 def test_detach_and_ttl_reclaim_leases(tmp_path):
     # A 3 s TTL and a heartbeat every poll (0.1 s): `alive` survives a stall of this process
     # 30 times longer than its heartbeat interval; the reclaim itself may take its time.
-    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "3000") as service:
+    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "3000", "--reclaim-grace-ms", "0") as service:
         stub = cache_stub(service.address)
         alive = attach(stub, "alive").session_id
         silent = attach(stub, "silent").session_id
@@ -228,14 +229,18 @@ def test_sigterm_unlinks_the_pool_and_start_up_removes_stale_ones(tmp_path):
     dead_pid = 2**22 + 12345  # above any pid_max default: never alive
     stale = shm_dir / f"pagedkv-{dead_pid}-deadbeef.kv"
     stale.write_bytes(b"\0" * 64)
-    live = shm_dir / f"pagedkv-{os.getpid()}-cafe.kv"
+    # A live pool is one whose file its cache service holds locked, whatever its name says.
+    live = shm_dir / f"pagedkv-{dead_pid + 1}-cafe.kv"
     live.write_bytes(b"\0" * 64)
+    live_lock = os.open(live, os.O_RDONLY)
+    fcntl.flock(live_lock, fcntl.LOCK_EX)
     service = start_cache_service(tmp_path, *POOL_ARGS, "--shm-dir", str(shm_dir))
     try:
         assert not stale.exists(), "a dead owner's pool file survived start-up"
-        assert live.exists(), "a live process's pool file was removed"
+        assert live.exists(), "a live service's pool file was removed"
         pool_file = Path(attach(cache_stub(service.address)).pool.shared_memory.path)
         assert pool_file.exists()
     finally:
+        os.close(live_lock)
         assert service.stop(signal.SIGTERM) == 0
     assert not pool_file.exists(), "the pool file outlived the cache service"

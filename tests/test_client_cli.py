@@ -26,6 +26,10 @@ class FakeModelService(model_pb2_grpc.ModelServiceServicer):
         if self.abort_with:
             context.abort(*self.abort_with)
 
+    def Abort(self, request, context):
+        self.requests.append(request)
+        return model_pb2.AbortResponse(aborted=len([i for i in request.request_ids if i.startswith("live")]))
+
     def GetModelInfo(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
         return model_pb2.GetModelInfoResponse(
@@ -100,6 +104,83 @@ def test_sampling_flags_reach_the_request(fake, capsys):
     assert sampling.ignore_eos
 
 
+def test_generation_api_flags_reach_the_request(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    argv = [
+        "Hi", "--n", "3", "--logprobs", "5", "--prompt-logprobs", "0", "--presence-penalty", "0.5",
+        "--frequency-penalty", "-1", "--repetition-penalty", "1.3", "--min-p", "0.1", "--min-tokens", "2",
+        "--logit-bias", "42=-100", "--logit-bias", "7=2.5", "--include-stop-str", "--keep-special-tokens",
+        "--priority", "-4", "--address", address,
+    ]
+    assert client.main(argv) == 0
+    request = service.requests[0]
+    sampling = request.sampling
+    assert (sampling.n, sampling.logprobs, sampling.prompt_logprobs, sampling.min_tokens) == (3, 5, 0, 2)
+    assert sampling.HasField("prompt_logprobs")
+    assert sampling.presence_penalty == pytest.approx(0.5) and sampling.frequency_penalty == pytest.approx(-1)
+    assert sampling.repetition_penalty == pytest.approx(1.3) and sampling.min_p == pytest.approx(0.1)
+    assert dict(sampling.logit_bias) == {42: -100.0, 7: 2.5}
+    assert sampling.include_stop_str_in_output and sampling.HasField("skip_special_tokens")
+    assert not sampling.skip_special_tokens and request.priority == -4
+
+
+def test_unset_generation_api_flags_leave_the_service_defaults(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["Hi", "--address", address]) == 0
+    sampling = service.requests[0].sampling
+    for name in ("logprobs", "prompt_logprobs", "repetition_penalty", "skip_special_tokens"):
+        assert not sampling.HasField(name), name
+    assert sampling.n == 0 and not sampling.logit_bias
+
+
+def test_n_completions_and_logprobs_are_printed_per_completion(fake, capsys):
+    service, address = fake
+    top = [model_pb2.TopLogprob(token_id=5, logprob=-0.1)]
+    service.responses = [
+        model_pb2.GenerateResponse(index=0, token_ids=[5], text="a",
+                                   logprobs=[model_pb2.TokenLogprob(token_id=5, logprob=-0.1, top=top)]),
+        model_pb2.GenerateResponse(index=1, token_ids=[6], text="b", finish_reason=model_pb2.FINISH_REASON_STOP,
+                                   usage=model_pb2.Usage(completion_tokens=1), matched_stop_token_id=6,
+                                   logprobs=[model_pb2.TokenLogprob(token_id=6, logprob=-2.5)]),
+        model_pb2.GenerateResponse(index=0, token_ids=[7], text="c", finish_reason=model_pb2.FINISH_REASON_LENGTH,
+                                   usage=model_pb2.Usage(prompt_tokens=4, completion_tokens=2),
+                                   logprobs=[model_pb2.TokenLogprob(token_id=7, logprob=-0.5)]),
+    ]
+    assert client.main(["Hi", "--n", "2", "--logprobs", "1", "--address", address]) == 0
+    out, err = capsys.readouterr()
+    assert out == "--- completion 0 ---\nac\n--- completion 1 ---\nb\n"
+    assert "[0] token=5 logprob=-0.1000 top=5:-0.1000" in err and "[1] token=6 logprob=-2.5000" in err
+    assert "prompt_tokens=4 completion_tokens=3 cached_tokens=0 finish_reason=LENGTH,STOP" in err
+
+
+def test_abort_names_requests_and_prints_how_many_were_live(fake, capsys):
+    service, address = fake
+    assert client.main(["--abort", "live-1", "--abort", "gone", "--address", address]) == 0
+    assert list(service.requests[0].request_ids) == ["live-1", "gone"]
+    assert capsys.readouterr().out == "aborted: 1 of 2\n"
+
+
+def test_chat_sends_one_user_message(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["--chat", "What is the capital of France?", "--address", address]) == 0
+    request = service.requests[0]
+    assert [(m.role, m.content) for m in request.messages] == [("user", "What is the capital of France?")]
+    assert request.prompt == "" and not request.prompt_token_ids
+
+
+def test_system_puts_a_system_message_first_and_implies_chat(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["--system", "Answer in French.", "Capital of France?", "--address", address]) == 0
+    request = service.requests[0]
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "Answer in French."), ("user", "Capital of France?")]
+    assert request.prompt == ""
+
+
 def test_json_prints_one_line_per_message(fake, capsys):
     service, address = fake
     service.responses = STREAM
@@ -169,6 +250,12 @@ def test_info_json(fake, capsys):
         (["--token-ids", "1,-2"], "token ids must be in"),
         (["text", "--timeout", "0"], "must be > 0"),
         (["text", "--temperature", "hot"], "invalid float value"),
+        (["text", "--logit-bias", "42"], "expected TOKEN_ID=BIAS"),
+        (["text", "--logit-bias", "x=1"], "expected TOKEN_ID=BIAS"),
+
+
+        (["--chat", "--token-ids", "1,2"], "--chat and --system take a text prompt"),
+        (["--system", "be brief", "--token-ids", "1,2"], "--chat and --system take a text prompt"),
     ],
 )
 def test_usage_errors_exit_2(argv, message, capsys):

@@ -1,12 +1,13 @@
 """docker-compose.yml for real, with each Compose CLI installed, where a Docker engine answers.
 
 Builds the image, brings the stack up and waits until Docker calls both containers
-healthy, generates over the published port, restarts the model container (the prefix
-cached before still hits: same cache container, same pool), kills the cache container
-with SIGKILL (the model service fails to map the new pool in its stale /dev/shm, detaches,
-exits and is brought back by its restart policy, so both are healthy again with no
-depends_on restart key), then stops the stack (both exit 0, the model service detached)
-and `down` exits 0. Skipped, with the reason, where no engine or no CLI is found.
+healthy, generates over the published gRPC port, lists the models over the published
+HTTP port, restarts the model container (the prefix cached before still hits: same cache
+container, same pool), SIGKILLs the cache service (the model service fails to map the
+new pool from its stale /dev/shm, detaches, exits and is brought back by its restart
+policy, so both are healthy again with no depends_on restart key), then stops the stack
+(both exit 0, the model service detached) and `down` exits 0. Skipped, with the reason,
+where no engine or no CLI is found.
 
 The run uses its own project name, free host ports, and an image tag of its own, so a
 stack the developer runs is left alone. The first build downloads the dependencies
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -56,9 +58,11 @@ class Stack:
         override.write_text(f"services:\n  cache:\n    image: {IMAGE}\n  model:\n    image: {IMAGE}\n")
         self.command = [*command, "-p", self.project, "-f", str(REPO / "docker-compose.yml"), "-f", str(override)]
         self.model_port = free_port()
+        self.http_port = free_port()
         self.env = {name: value for name, value in os.environ.items() if not name.startswith("PAGEDKV_")}
         self.env.update({
             "PAGEDKV_MODEL_HOST_PORT": str(self.model_port),
+            "PAGEDKV_MODEL_HTTP_HOST_PORT": str(self.http_port),
             "PAGEDKV_CACHE_HOST_PORT": str(free_port()),
             "PAGEDKV_MODEL_METRICS_HOST_PORT": str(free_port()),
             "PAGEDKV_CACHE_METRICS_HOST_PORT": str(free_port()),
@@ -139,6 +143,8 @@ def test_the_stack_runs_recovers_and_stops_cleanly(generation, engine_version, t
         stack.up()
         stack.wait_healthy()
         first = stack.generate()
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/v1/models", timeout=60) as response:
+            assert response.status == 200 and json.load(response)["data"], "the OpenAI HTTP API is not published"
 
         # A restarted model service re-attaches to the same pool: the prefix still hits.
         model_started = stack.started_at("model")

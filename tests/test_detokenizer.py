@@ -245,3 +245,22 @@ def test_with_a_byte_level_bpe_hf_tokenizer():
     texts = [detokenizer.push([token_id]).text for token_id in ids]
     assert "".join(texts) + detokenizer.flush() == text
     assert all("\ufffd" not in t for t in texts)
+
+
+class EmptyForSpecials(CountingTokenizer):
+    """Ids >= 256 are specials that decode to nothing (skip_special_tokens)."""
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded_tokens += len(ids)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_tokens_that_decode_to_nothing_keep_detokenizing_linear():
+    tokenizer = EmptyForSpecials()
+    detokenizer = IncrementalDetokenizer(tokenizer, [104, 105], ())
+    count = 4000
+    text = "".join(detokenizer.push([300]).text for _ in range(count))
+    text += detokenizer.push([104]).text + detokenizer.flush()
+    assert text == "h"
+    # A window that grows with every empty token would decode ~count²/2 = 8,000,000.
+    assert tokenizer.decoded_tokens < 60 * count, tokenizer.decoded_tokens

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import grpc
 import pytest
 import torch
 
-from model_service.engine import Engine, EngineSettings
+from model_service.engine import Engine, EngineSettings, EngineUnavailable
 from model_service.models.loader import load_model
 from model_service.sampling import SamplingOptions
-from model_service.scheduler import LeaseLost
+from model_service.scheduler import LeaseLost, LeaseOutcome
+from model_service.sequence import Finish
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2
 
@@ -37,7 +39,7 @@ class FakeCache:
         self.detached: list[str] = []
         self.reattached = threading.Event()
 
-    def attach(self, client_name, geometry, workspace_bytes, max_model_len):
+    def attach(self, client_name, geometry, workspace_bytes, max_model_len, model_fingerprint=""):
         session = f"session-{len(self.attached)}"
         self.attached.append(session)
         if len(self.attached) > 1:
@@ -45,7 +47,7 @@ class FakeCache:
         sizing = cache_pb2.SizingReport(block_size=16, num_blocks=8, max_total_tokens=128)
         return cache_pb2.AttachResponse(session_id=session, lease_ttl_ms=60_000, sizing=sizing, pool=self.handle)
 
-    def heartbeat(self, session_id):
+    def heartbeat(self, session_id, timeout_s=None):
         pass
 
     def lease(self, session_id, ops):
@@ -96,6 +98,170 @@ def test_failed_lease_ends_requests_with_unavailable_and_reattaches(pool_handle,
         assert cache.detached == (["session-0"] if detaches else [])
     finally:
         engine.stop(0)
+
+
+class UnreachableAfterFirstAttach(FakeCache):
+    """The first Attach works; then the cache service is gone for good."""
+
+    def attach(self, *args, **kwargs):
+        if self.attached:
+            self.attached.append("refused")
+            raise Unavailable()
+        return super().attach(*args, **kwargs)
+
+
+def test_a_request_submitted_as_the_cache_drops_ends_instead_of_waiting(pool_handle):
+    loaded, handle = pool_handle
+    cache = UnreachableAfterFirstAttach(handle, Unavailable())
+    engine = Engine(loaded, EngineSettings(max_model_len=64), cache, torch.device("cpu"), torch.float32)
+    engine.start()
+    try:
+        assert engine.connected.wait(10)
+        first = threading.Event()
+        engine.submit("r0", [1, 2, 3], SamplingOptions(max_new_tokens=4), lambda d: d.finish and first.set())
+        assert first.wait(10)
+        deadline = time.monotonic() + 10
+        while len(cache.attached) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.connected.is_set()
+        # The race: submit() saw the engine connected just before the connection dropped.
+        engine.connected.set()
+        deltas = []
+        ended = threading.Event()
+        engine.submit("late", [1, 2, 3], SamplingOptions(max_new_tokens=4),
+                      lambda d: (deltas.append(d), d.finish and ended.set()))
+        engine.connected.clear()
+        assert ended.wait(15), "the request waited for a re-attach that never comes"
+        assert deltas[-1].error[0] == grpc.StatusCode.UNAVAILABLE
+        assert engine.pending == 0
+    finally:
+        engine.stop(0)
+
+
+class HealthyCache(FakeCache):
+    """Leases succeed from one huge block; heartbeats can be made to hang."""
+
+    def __init__(self, handle, block_size: int, ttl_ms: int) -> None:
+        super().__init__(handle, None)
+        self.block_size = block_size
+        self.ttl_ms = ttl_ms
+        self.heartbeats_hang = threading.Event()
+        self.released = threading.Event()
+
+    def attach(self, client_name, geometry, workspace_bytes, max_model_len, model_fingerprint=""):
+        self.attached.append(f"session-{len(self.attached)}")
+        sizing = cache_pb2.SizingReport(block_size=self.block_size, num_blocks=1, max_total_tokens=self.block_size)
+        return cache_pb2.AttachResponse(session_id=self.attached[-1], lease_ttl_ms=self.ttl_ms, sizing=sizing,
+                                        pool=self.handle)
+
+    def heartbeat(self, session_id, timeout_s=None):
+        if self.heartbeats_hang.is_set():
+            self.released.wait(timeout_s)  # answered by nobody: the deadline passes
+            raise DeadlineExceeded()
+
+    def lease(self, session_id, ops):
+        outcomes = [LeaseOutcome(ok=False, code="NO_FREE_BLOCKS") for _ in ops.forks]  # no n > 1 here
+        outcomes += [LeaseOutcome(ok=True) for _ in ops.releases]
+        outcomes += [LeaseOutcome(ok=True) for _ in ops.extends]
+        outcomes += [LeaseOutcome(ok=True, lease_id=1, block_ids=(0,)) for _ in ops.allocations]
+        result: Future = Future()
+        result.set_result((outcomes, 0))
+        return result
+
+
+class DeadlineExceeded(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+def test_the_engine_stops_writing_once_its_lease_may_have_expired(tmp_path):
+    """Fenced writes: heartbeats stop getting through (a stalled network, or this process
+    paused) while a request decodes inside one block, so no lease call proves the session
+    alive either. Past TTL - margin the engine must stop stepping: the cache service may
+    have handed its blocks to someone else."""
+    loaded = load_model("tiny")
+    config = loaded.config
+    block_size = 2048
+    shared = pool_memory.create_shared_pool(
+        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim), torch.float32, str(tmp_path))
+    cache = HealthyCache(pool_memory.shared_handle_to_proto(shared.handle), block_size, ttl_ms=600)
+    engine = Engine(loaded, EngineSettings(max_model_len=block_size), cache, torch.device("cpu"), torch.float32)
+    engine.start()
+    try:
+        assert engine.connected.wait(10)
+        deltas = []
+        ended = threading.Event()
+        first_token = threading.Event()
+
+        def sink(delta):
+            deltas.append(delta)
+            if delta.token_ids:
+                first_token.set()
+            if delta.finish is not None:
+                ended.set()
+
+        engine.submit("long", [1, 2, 3], SamplingOptions(max_new_tokens=2000, ignore_eos=True), sink)
+        assert first_token.wait(10)
+        cache.heartbeats_hang.set()
+        assert ended.wait(30), "the request never ended"
+        error = deltas[-1].error
+        assert error is not None and error[0] == grpc.StatusCode.UNAVAILABLE, deltas[-1]
+        assert "stopped writing" in error[1]
+        generated = sum(len(d.token_ids) for d in deltas)
+        assert generated < 2000, "the engine kept stepping past its lease deadline"
+        # It gave the old session up and attached again.
+        assert "session-0" in cache.detached
+    finally:
+        cache.released.set()
+        engine.stop(0)
+        shared.close()
+
+
+def test_stop_lets_running_requests_finish_but_accepts_no_new_ones(tmp_path):
+    loaded = load_model("tiny")
+    config = loaded.config
+    block_size = 2048
+    shared = pool_memory.create_shared_pool(
+        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim), torch.float32, str(tmp_path))
+    cache = HealthyCache(pool_memory.shared_handle_to_proto(shared.handle), block_size, ttl_ms=60_000)
+    engine = Engine(loaded, EngineSettings(max_model_len=block_size), cache, torch.device("cpu"), torch.float32)
+    engine.start()
+    try:
+        assert engine.connected.wait(10)
+        deltas = []
+        ended = threading.Event()
+        started = threading.Event()
+
+        def sink(delta):
+            deltas.append(delta)
+            started.set()
+            if delta.finish is not None:
+                ended.set()
+
+        engine.submit("running", [1, 2, 3], SamplingOptions(max_new_tokens=1500, ignore_eos=True), sink)
+        assert started.wait(10)
+        stopper = threading.Thread(target=engine.stop, args=(60.0,))
+        stopper.start()
+        refused_while_running = None
+        deadline = time.monotonic() + 30
+        while refused_while_running is None and time.monotonic() < deadline:
+            try:
+                key = engine.submit("new", [1, 2], SamplingOptions(max_new_tokens=1), lambda delta: None)
+                engine.cancel(key)
+            except EngineUnavailable as error:
+                assert "shutting down" in str(error)
+                refused_while_running = not ended.is_set()
+            time.sleep(0.001)
+        assert refused_while_running, "new requests were accepted during the grace period"
+        stopper.join(60)
+        assert ended.is_set() and deltas[-1].finish is Finish.LENGTH and deltas[-1].error is None
+        assert sum(len(d.token_ids) for d in deltas) == 1500
+    finally:
+        engine.stop(0)
+        shared.close()
 
 
 def test_a_pool_it_cannot_map_is_detached_before_the_engine_gives_up(pool_handle, tmp_path):

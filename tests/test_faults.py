@@ -27,6 +27,7 @@ from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 POOL_ARGS = ("--kv-cache-bytes", "16MiB")  # ~1900 blocks of the tiny model: nothing is preempted here
 LEASE_TTL_MS = 1000
+RECLAIM_GRACE_MS = 500
 # How long a wait may take before the test calls it a hang; far beyond any healthy run.
 GENEROUS_S = 60
 # Long enough that no stream finishes before the fault: the tiny model's max_model_len is 2048.
@@ -135,7 +136,8 @@ def pool_files(directory) -> list[str]:
 def test_kill9_model_service_reclaims_leases_and_a_restart_keeps_the_prefix_cache(tmp_path):
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    cache, model = start_both(tmp_path, (*POOL_ARGS, "--lease-ttl-ms", LEASE_TTL_MS, "--shm-dir", shm_dir))
+    cache, model = start_both(tmp_path, (*POOL_ARGS, "--lease-ttl-ms", LEASE_TTL_MS,
+                                         "--reclaim-grace-ms", RECLAIM_GRACE_MS, "--shm-dir", shm_dir))
     with cache:
         cache_rpc = cache_stub(cache.address)
         stub = model_stub(model.address)

@@ -321,7 +321,7 @@ NUM_BLOCKS, BLOCK_SIZE = 24, 4
 OWNERS = ("a#1", "b#2", "c#3")
 VALID_STATUSES = {
     cache_pb2.LEASE_STATUS_OK, cache_pb2.LEASE_STATUS_NO_FREE_BLOCKS, cache_pb2.LEASE_STATUS_NOT_FOUND,
-    cache_pb2.LEASE_STATUS_PERMISSION_DENIED, cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
+    cache_pb2.LEASE_STATUS_PERMISSION_DENIED, cache_pb2.LEASE_STATUS_INVALID_ARGUMENT, cache_pb2.LEASE_STATUS_LIMIT_EXCEEDED,
 }
 # A small token alphabet, so that prompts share prefixes and the prefix cache is exercised.
 PROMPT = st.lists(st.integers(0, 3), max_size=3 * BLOCK_SIZE + 2)

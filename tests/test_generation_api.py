@@ -282,6 +282,16 @@ def test_abort_ends_a_running_request_and_duplicate_ids_are_already_exists(stack
     assert len(tokens_of(again[0])) == 2
 
 
+def test_a_deadline_mid_stream_is_deadline_exceeded_and_frees_the_blocks(stack):
+    stub, cache, _ = stack
+    request = model_pb2.GenerateRequest(prompt_token_ids=prompt_ids(20, seed=17), sampling=model_pb2.SamplingParams(
+        n=2, max_new_tokens=230, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(request, timeout=0.3))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: stats(cache).blocks_leased == 0, 10, "the expired request's blocks to be released")
+
+
 # --- stop details --------------------------------------------------------------------------
 
 

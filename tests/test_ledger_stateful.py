@@ -9,8 +9,15 @@ would write them; reused (prefix-hit) and shared (forked) blocks are only read. 
 - a block handed out while another sequence still uses it, or a shared block written to,
   shows up as a live sequence whose blocks no longer hold its tokens.
 
-Two machines run: one with Python's hash, one with a 2-bit hash, so that collisions in
-the prefix cache happen all the time and must never yield wrong blocks.
+Several sessions (owners) serve two models, requests carry cache salts: the simulated
+K/V also records the model and salt it was written under, so a prefix hit across models
+or salts shows up as a block holding someone else's K/V. Forks name how many tokens the
+parent has written; per-session limits on sequences and block-table entries are low
+enough to be hit; sessions are reaped whole or a chunk at a time.
+
+Three machines run: one with Python's hash, one with a 2-bit hash, one blind to the
+parent (and the namespace), so that collisions in the prefix cache happen all the time
+and must never yield wrong blocks.
 """
 
 from __future__ import annotations
@@ -20,11 +27,25 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from cache_service.ledger import InvalidLease, Ledger, NoFreeBlocks, NotOwner, UnknownSequence
+from cache_service.ledger import (
+    InvalidLease,
+    Ledger,
+    LimitExceeded,
+    NoFreeBlocks,
+    NotOwner,
+    SessionLimits,
+    UnknownSequence,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16  # small, so that allocations run out of blocks and evict cached ones
 OWNERS = ("a", "b", "c")
+# Sessions a and b serve one model (a restarted service, or two replicas): they share
+# cached prefixes; c serves another model of the same geometry: it never shares.
+MODEL_OF = {"a": "model-1", "b": "model-1", "c": "model-2"}
+SALTS = ("", "tenant-x")
+# Low enough that random runs hit them.
+LIMITS = SessionLimits(max_sequences=5, max_blocks=14)
 
 # Prompts are mostly whole blocks drawn from three block contents, so the same prefixes
 # recur (prefix hits) and the same block contents recur after different prefixes (a hit
@@ -38,6 +59,7 @@ prompts = st.builds(
 )
 extras = st.lists(st.integers(1, 2), max_size=6)
 owners = st.sampled_from(OWNERS)
+salts = st.sampled_from(SALTS)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -45,8 +67,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ledger = Ledger(NUM_BLOCKS, BLOCK_SIZE, hash_fn=self.hash_fn)
+        self.ledger = Ledger(NUM_BLOCKS, BLOCK_SIZE, hash_fn=self.hash_fn, limits=LIMITS)
         self.owner: dict[int, str] = {}
+        self.salt: dict[int, str] = {}
         self.tokens: dict[int, list[int]] = {}
         self.table: dict[int, list[int]] = {}
         self.kv: list[list[int | None]] = [[None] * BLOCK_SIZE for _ in range(NUM_BLOCKS)]
@@ -54,38 +77,59 @@ class LedgerMachine(RuleBasedStateMachine):
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.hit_allocations = 0
-        self.history: list[tuple[int, ...]] = []  # token ids released with cache_prefix
+        self.history: list[tuple[str, tuple[int, ...]]] = []  # (salt, token ids) released with cache_prefix
+        self.limit_refusals = 0
 
     sequences = Bundle("sequences")
 
     # ------------------------------------------------------------ helpers
 
+    def kv_of(self, sequence_id: int, position: int) -> tuple:
+        """What the K/V at `position` of a sequence is a function of: its model, the whole
+        prefix, and (for isolation, not for the math) its salt."""
+        owner = self.owner[sequence_id]
+        return (MODEL_OF[owner], self.salt[sequence_id], tuple(self.tokens[sequence_id][: position + 1]))
+
     def write(self, sequence_id: int, start: int) -> None:
         """The model service writes K/V for positions start.. of the sequence."""
         table, tokens = self.table[sequence_id], self.tokens[sequence_id]
         for position in range(start, len(tokens)):
-            self.kv[table[position // BLOCK_SIZE]][position % BLOCK_SIZE] = tuple(tokens[: position + 1])
+            self.kv[table[position // BLOCK_SIZE]][position % BLOCK_SIZE] = self.kv_of(sequence_id, position)
 
     def forget(self, sequence_id: int) -> None:
-        del self.owner[sequence_id], self.tokens[sequence_id], self.table[sequence_id]
+        del self.owner[sequence_id], self.tokens[sequence_id], self.table[sequence_id], self.salt[sequence_id]
         self.released.add(sequence_id)
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        mine = [s for s, o in self.owner.items() if o == owner]
+        return len(mine), sum(len(self.table[s]) for s in mine)
+
+    def over_limits(self, owner: str, new_sequences: int, new_blocks: int) -> bool:
+        sequences, blocks = self.usage(owner)
+        return sequences + new_sequences > LIMITS.max_sequences or blocks + new_blocks > LIMITS.max_blocks
 
     # ------------------------------------------------------------ rules
 
-    @rule(target=sequences, owner=owners, prompt=prompts, extra=extras, use_prompt=st.booleans())
-    def allocate(self, owner, prompt, extra, use_prompt):
+    @rule(target=sequences, owner=owners, prompt=prompts, extra=extras, use_prompt=st.booleans(), salt=salts)
+    def allocate(self, owner, prompt, extra, use_prompt, salt=""):
         tokens = prompt + extra
         prompt_ids = prompt if use_prompt else []
         needed = -(-len(tokens) // BLOCK_SIZE)
         available = self.ledger.blocks_available()
         before = self.ledger.stats()
+        namespace = (MODEL_OF[owner], salt)
         if not tokens:
             with pytest.raises(InvalidLease):
-                self.ledger.allocate(owner, 0, prompt_ids)
+                self.ledger.allocate(owner, 0, prompt_ids, namespace)
             assert self.ledger.stats() == before
             return consumes_nothing()
         try:
-            allocation = self.ledger.allocate(owner, len(tokens), prompt_ids)
+            allocation = self.ledger.allocate(owner, len(tokens), prompt_ids, namespace)
+        except LimitExceeded:
+            assert self.over_limits(owner, 1, needed)
+            assert self.ledger.stats() == before
+            self.limit_refusals += 1
+            return consumes_nothing()
         except NoFreeBlocks as error:
             assert needed > available, f"refused {needed} blocks with {available} available: {error}"
             assert self.ledger.stats() == before
@@ -99,43 +143,48 @@ class LedgerMachine(RuleBasedStateMachine):
             assert cached == 0
         assert len(allocation.block_ids) == needed
         assert len(set(allocation.block_ids)) == needed
-        # Reused blocks must already hold the prompt's tokens.
+        # Reused blocks must already hold the prompt's tokens, of this model and salt.
         for position in range(cached):
             block = allocation.block_ids[position // BLOCK_SIZE]
             held = self.kv[block][position % BLOCK_SIZE]
-            assert held == tuple(prompt_ids[: position + 1]), (
+            assert held == (*namespace, tuple(prompt_ids[: position + 1])), (
                 f"prefix hit block {block} slot {position % BLOCK_SIZE} holds K/V of {held}, "
-                f"expected the prompt's first {position + 1} tokens"
+                f"expected the prompt's first {position + 1} tokens under {namespace}"
             )
         # Fresh blocks belong to no live sequence.
         live_blocks = {b for table in self.table.values() for b in table}
         for block in allocation.block_ids[cached // BLOCK_SIZE :]:
             assert block not in live_blocks, f"fresh block {block} is still in a live table"
             self.kv[block] = [None] * BLOCK_SIZE
+        assert not self.over_limits(owner, 1, needed), "an allocation past the session's limits went through"
         self.prefix_queries += len(prompt_ids)
         self.prefix_hits += cached
         self.hit_allocations += cached > 0
         sequence_id = allocation.sequence_id
         assert sequence_id not in self.owner and sequence_id not in self.released
         self.owner[sequence_id] = owner
+        self.salt[sequence_id] = salt
         self.tokens[sequence_id] = list(tokens)
         self.table[sequence_id] = list(allocation.block_ids)
         self.write(sequence_id, cached)
         return sequence_id
 
     @precondition(lambda self: self.history)
-    @rule(target=sequences, data=st.data(), owner=owners, extra=extras)
-    def allocate_a_released_prefix(self, data, owner, extra):
-        """Ask again for what an earlier sequence cached, cut at or near a block boundary."""
-        tokens = data.draw(st.sampled_from(self.history))
+    @rule(target=sequences, data=st.data(), owner=owners, extra=extras, same_salt=st.booleans())
+    def allocate_a_released_prefix(self, data, owner, extra, same_salt):
+        """Ask again for what an earlier sequence cached, cut at or near a block boundary,
+        from any session (of its model or not), with its salt or another."""
+        salt, tokens = data.draw(st.sampled_from(self.history))
+        if not same_salt:
+            salt = SALTS[1 - SALTS.index(salt)]
         cut = data.draw(st.integers(0, len(tokens) // BLOCK_SIZE)) * BLOCK_SIZE + data.draw(st.sampled_from([0, 0, 1, 3]))
-        return self.allocate(owner, list(tokens[:cut]), extra, True)
+        return self.allocate(owner, list(tokens[:cut]), extra, True, salt)
 
     @rule(target=sequences, owner=owners, slack=st.integers(0, 2))
     def fill_the_plain_free_blocks(self, owner, slack):
         """Lease nearly every plain-free block, so that the next allocations must revive or
         evict cached blocks and the availability check is exercised at its edge."""
-        count = self.ledger.stats().blocks_free - slack
+        count = min(self.ledger.stats().blocks_free - slack, LIMITS.max_blocks - self.usage(owner)[1])
         if count < 1:
             return consumes_nothing()
         return self.allocate(owner, [], [2] * (count * BLOCK_SIZE), False)
@@ -151,9 +200,14 @@ class LedgerMachine(RuleBasedStateMachine):
         available = self.ledger.blocks_available()
         try:
             new_blocks = self.ledger.extend(owner, sequence_id, new_len)
+        except LimitExceeded:
+            assert self.over_limits(owner, 0, more) and more <= available
+            self.limit_refusals += 1
+            return
         except NoFreeBlocks:
             assert more > available
             return
+        assert not self.over_limits(owner, 0, more)
         assert len(new_blocks) == more
         live_blocks = {b for table in self.table.values() for b in table}
         assert not live_blocks & set(new_blocks)
@@ -175,27 +229,41 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.owner)
     @rule(target=sequences, data=st.data())
     def fork(self, data):
+        """A child of the first `written` tokens of its parent (0: all it reserved)."""
         parent = data.draw(st.sampled_from(sorted(self.owner)))
         owner = self.owner[parent]
-        partial = len(self.tokens[parent]) % BLOCK_SIZE != 0
+        parent_tokens = self.tokens[parent]
+        asked = data.draw(st.sampled_from([0, len(parent_tokens)]) | st.integers(1, len(parent_tokens)))
+        written = asked or len(parent_tokens)
+        full, partial = divmod(written, BLOCK_SIZE)
+        child_len = full + (partial != 0)
         available = self.ledger.blocks_available()
+        before = self.ledger.stats()
         try:
-            child = self.ledger.fork(owner, parent)
+            child = self.ledger.fork(owner, parent, asked)
+        except LimitExceeded:
+            assert self.over_limits(owner, 1, child_len) and not (partial and available == 0)
+            assert self.ledger.stats() == before
+            self.limit_refusals += 1
+            return consumes_nothing()
         except NoFreeBlocks:
             assert partial and available == 0
+            assert self.ledger.stats() == before
             return consumes_nothing()
+        assert not self.over_limits(owner, 1, child_len)
         parent_table = self.table[parent]
+        assert len(child.block_ids) == child_len
+        assert child.block_ids[:full] == parent_table[:full]
         if partial:
-            assert child.block_ids[:-1] == parent_table[:-1]
-            assert child.copy == (parent_table[-1], child.block_ids[-1])
+            assert child.copy == (parent_table[full], child.block_ids[-1])
             live_blocks = {b for table in self.table.values() for b in table}
             assert child.block_ids[-1] not in live_blocks
-            self.kv[child.block_ids[-1]] = list(self.kv[parent_table[-1]])  # the model service's copy
+            self.kv[child.block_ids[-1]] = list(self.kv[parent_table[full]])  # the model service's copy
         else:
-            assert child.block_ids == parent_table
             assert child.copy is None
         self.owner[child.sequence_id] = owner
-        self.tokens[child.sequence_id] = list(self.tokens[parent])
+        self.salt[child.sequence_id] = self.salt[parent]
+        self.tokens[child.sequence_id] = list(parent_tokens[:written])
         self.table[child.sequence_id] = list(child.block_ids)
         return child.sequence_id
 
@@ -214,8 +282,9 @@ class LedgerMachine(RuleBasedStateMachine):
             self.write(sequence_id, old_len)
         token_ids = tokens[: min(keep, len(tokens))] if keep < 25 else tokens
         released = self.ledger.release(self.owner[sequence_id], sequence_id, cache_prefix, token_ids)
-        if cache_prefix and len(token_ids) >= BLOCK_SIZE and tuple(token_ids) not in self.history:
-            self.history.append(tuple(token_ids))
+        entry = (self.salt[sequence_id], tuple(token_ids))
+        if cache_prefix and len(token_ids) >= BLOCK_SIZE and entry not in self.history:
+            self.history.append(entry)
         assert released == len(self.table[sequence_id])
         self.forget(sequence_id)
 
@@ -249,6 +318,24 @@ class LedgerMachine(RuleBasedStateMachine):
         for sequence_id in mine:
             self.forget(sequence_id)
 
+    @precondition(lambda self: self.owner)
+    @rule(owner=owners, chunk=st.integers(1, 6), calls=st.integers(1, 3))
+    def reap_a_chunk_at_a_time(self, owner, chunk, calls):
+        """A reaped session is released a chunk per call; other rules may run in between
+        (in the service none of its own do, but the ledger must not rely on that)."""
+        for _ in range(calls):
+            mine = {s for s, o in self.owner.items() if o == owner}
+            released, done = self.ledger.release_owner_some(owner, chunk)
+            gone = {s for s in mine if s not in self.ledger._sequences}
+            assert released == sum(len(self.table[s]) for s in gone)
+            assert released >= chunk or done, f"released {released} < {chunk} without finishing"
+            assert done == (gone == mine)
+            for sequence_id in gone:
+                self.forget(sequence_id)
+            self.ledger.check_invariants()
+            if done:
+                return
+
     # ------------------------------------------------------------ invariants
 
     @invariant()
@@ -266,6 +353,13 @@ class LedgerMachine(RuleBasedStateMachine):
         assert [block.ref_count for block in self.ledger.pool.blocks] == counts
 
     @invariant()
+    def every_session_within_its_limits(self):
+        for owner in OWNERS:
+            sequences, blocks = self.usage(owner)
+            assert self.ledger.owner_usage(owner) == (sequences, blocks)
+            assert sequences <= LIMITS.max_sequences and blocks <= LIMITS.max_blocks
+
+    @invariant()
     def stats_add_up(self):
         stats = self.ledger.stats()
         leased = len({b for table in self.table.values() for b in table})
@@ -281,7 +375,7 @@ class LedgerMachine(RuleBasedStateMachine):
             table = self.table[sequence_id]
             for position in range(len(tokens)):
                 held = self.kv[table[position // BLOCK_SIZE]][position % BLOCK_SIZE]
-                assert held == tuple(tokens[: position + 1]), (
+                assert held == self.kv_of(sequence_id, position), (
                     f"sequence {sequence_id} position {position}: block {table[position // BLOCK_SIZE]} "
                     f"holds K/V of {held}, expected {tokens[: position + 1]} "
                     "(a block was overwritten while in use, or reused at the wrong place)"
@@ -290,7 +384,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def cached_blocks_hold_their_registered_tokens(self):
         for block in self.ledger.pool.cached.values():
-            assert tuple(prefix[-1] for prefix in self.kv[block.block_id]) == block.token_ids
+            assert tuple(held[-1][-1] for held in self.kv[block.block_id]) == block.token_ids
 
 
 def consumes_nothing():
@@ -307,7 +401,8 @@ class CollidingLedgerMachine(LedgerMachine):
 
 
 class PositionBlindLedgerMachine(LedgerMachine):
-    """The hash ignores the parent: equal block contents at different places collide."""
+    """The hash ignores the parent: equal block contents at different places, or under
+    different models and salts, collide."""
 
     hash_fn = staticmethod(lambda key: hash(key[1]))
 
@@ -332,8 +427,20 @@ def test_the_model_sees_prefix_hits():
     prompt = CHUNKS[0] + CHUNKS[1] + [2]
     first = machine.allocate("a", prompt, [], True)
     machine.release(first, True, 30)
+    # Another model, another salt: misses. The same model and salt from another session: hits.
+    assert machine.ledger.allocate("c", len(prompt), prompt, (MODEL_OF["c"], "")).cached_tokens == 0
+    assert machine.ledger.allocate("b", len(prompt), prompt, (MODEL_OF["b"], SALTS[1])).cached_tokens == 0
     second = machine.allocate("b", prompt, [2], True)
     assert machine.hit_allocations == 1
     assert machine.ledger.stats().prefix_hits == 2 * BLOCK_SIZE
     machine.every_live_sequence_reads_its_own_tokens()
     machine.ledger.release("b", second)
+
+
+def test_the_model_reaches_the_limits():
+    """Guard against a vacuous run: the limits are low enough to be hit."""
+    machine = LedgerMachine()
+    for _ in range(LIMITS.max_sequences):
+        machine.allocate("a", [1], [], False)
+    machine.allocate("a", [1], [], False)
+    assert machine.limit_refusals == 1

@@ -171,7 +171,7 @@ def test_tiny_model_is_deterministic_and_llama_shaped():
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(ModelLoadError, match="neither 'tiny' nor an existing checkpoint directory"):
+    with pytest.raises(ModelLoadError, match="is not 'tiny', 'smollm2', a .gguf file or an existing checkpoint directory"):
         load_model(str(tmp_path / "nowhere"))
 
 

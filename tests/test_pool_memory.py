@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 import torch.multiprocessing.reductions as reductions
 
@@ -154,39 +156,106 @@ def test_too_small_shm_is_a_clear_error_and_leaves_no_file(shm_dir, monkeypatch)
     assert os.listdir(shm_dir) == []
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
+def _pool_in_a_dead_process(shm_dir: str) -> str:
+    """A pool file whose creator died without closing it (kill -9): its flock is gone."""
+    code = (
+        "import os, sys, torch\n"
+        "from pagedkv.pool_memory import create_shared_pool\n"
+        "pool = create_shared_pool((2, 2), torch.float32, directory=sys.argv[1])\n"
+        "print(pool.handle.path, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, shm_dir], capture_output=True, text=True, check=True, cwd=REPO)
+    return done.stdout.strip()
 
 
-def test_cleanup_stale_pools(shm_dir):
-    dead = os.path.join(shm_dir, f"pagedkv-{_dead_pid()}-0123abcd.kv")
-    live = os.path.join(shm_dir, f"pagedkv-{os.getpid()}-0123abcd.kv")
-    other = os.path.join(shm_dir, "pagedkv-notapid-0.kv")
-    for path in (dead, live, other):
-        Path(path).write_bytes(b"x")
-    pool = create_shared_pool(SHAPE, torch.float32, directory=shm_dir)
+def test_cleanup_removes_only_files_no_live_service_holds(shm_dir):
+    dead = _pool_in_a_dead_process(shm_dir)
+    # A predecessor that had this very pid (common in containers): the pid is alive, but
+    # nobody holds the file's lock, so it is stale.
+    same_pid = os.path.join(shm_dir, f"pagedkv-{os.getpid()}-0123abcd.kv")
+    Path(same_pid).write_bytes(b"x")
+    live = create_shared_pool(SHAPE, torch.float32, directory=shm_dir)
+    # A live pool of a service in another PID namespace: its name carries a pid that
+    # means nothing here, but its lock is held.
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('locked', flush=True)\n"
+         "time.sleep(60)\n",
+         os.path.join(shm_dir, "pagedkv-1-feedface.kv")],
+        stdout=subprocess.PIPE, text=True,
+    )
     try:
-        assert cleanup_stale_pools(shm_dir) == [dead]
-        assert sorted(os.listdir(shm_dir)) == sorted(
-            os.path.basename(path) for path in (live, other, pool.handle.path)
-        )
+        assert holder.stdout.readline().strip() == "locked"
+        assert sorted(cleanup_stale_pools(shm_dir)) == sorted([dead, same_pid])
+        assert sorted(os.listdir(shm_dir)) == sorted([os.path.basename(live.handle.path), "pagedkv-1-feedface.kv"])
         assert cleanup_stale_pools(shm_dir) == []
         assert cleanup_stale_pools(os.path.join(shm_dir, "missing")) == []
+        assert torch.count_nonzero(live.tensor) == 0  # still mapped and usable
     finally:
-        pool.close()
+        holder.kill()
+        holder.wait()
+        live.close()
+    # Closed: its lock is dropped with its file.
+    assert not os.path.exists(live.handle.path)
 
 
-def test_cleanup_keeps_a_pid_owned_by_someone_else(shm_dir, monkeypatch):
-    def kill(pid, signal):
-        raise PermissionError(errno.EPERM, "Operation not permitted")
+def _hostile_files(shm_dir: str) -> dict[str, str]:
+    """Files anyone can put in /dev/shm under names a pool could have; returns name -> what it is."""
+    directory = Path(shm_dir)
+    (directory / "pagedkv-999999999999999999999999-0.kv").write_bytes(b"x")  # os.kill: OverflowError
+    (directory / "pagedkv-notapid-0.kv").write_bytes(b"x")
+    (directory / "pagedkv-dir.kv").mkdir()
+    target = directory / "precious"
+    target.write_bytes(b"keep me")
+    (directory / "pagedkv-link.kv").symlink_to(target)
+    os.mkfifo(directory / "pagedkv-fifo.kv")
+    foreign = directory / "pagedkv-7-foreign.kv"
+    foreign.write_bytes(b"x")
+    if os.geteuid() == 0:
+        os.chown(foreign, 65534, 65534)  # another user's file
+    else:
+        foreign.chmod(0)  # unreadable
+    (directory / "unrelated.kv").write_bytes(b"x")
+    return {
+        "pagedkv-999999999999999999999999-0.kv": "stale", "pagedkv-notapid-0.kv": "stale",
+        "pagedkv-dir.kv": "kept", "pagedkv-link.kv": "kept", "pagedkv-fifo.kv": "kept",
+        "pagedkv-7-foreign.kv": "kept", "unrelated.kv": "kept", "precious": "kept",
+    }
 
-    monkeypatch.setattr(os, "kill", kill)
-    path = Path(shm_dir) / "pagedkv-1-ff.kv"
-    path.write_bytes(b"x")
-    assert cleanup_stale_pools(shm_dir) == []
-    assert path.exists()
+
+def test_cleanup_skips_hostile_files_with_a_warning(shm_dir):
+    files = _hostile_files(shm_dir)
+    with structlog.testing.capture_logs() as logs:
+        removed = cleanup_stale_pools(shm_dir)
+    assert sorted(os.path.basename(path) for path in removed) == sorted(
+        name for name, fate in files.items() if fate == "stale"
+    )
+    assert sorted(os.listdir(shm_dir)) == sorted(name for name, fate in files.items() if fate == "kept")
+    assert (Path(shm_dir) / "precious").read_bytes() == b"keep me"
+    skipped = {os.path.basename(event["path"]): event["reason"] for event in logs if event["event"] == "shm_file_skipped"}
+    assert set(skipped) == {"pagedkv-dir.kv", "pagedkv-link.kv", "pagedkv-fifo.kv", "pagedkv-7-foreign.kv"}
+    assert "not a regular file" in skipped["pagedkv-fifo.kv"]
+
+
+def test_cache_service_starts_among_hostile_files(shm_dir, tmp_path):
+    from cache_helpers import attach, cache_stub
+    from processes import start_cache_service
+
+    files = _hostile_files(shm_dir)
+    with start_cache_service(tmp_path, "--shm-dir", shm_dir, "--kv-cache-bytes", "1MiB") as cache:
+        reply = attach(cache_stub(cache.address))
+        assert os.path.dirname(reply.pool.shared_memory.path) == shm_dir
+        # A second start-up cleanup (another cache service on the same directory) leaves the live pool.
+        assert cleanup_stale_pools(shm_dir) == []
+        assert os.path.exists(reply.pool.shared_memory.path)
+    assert cache.returncode == 0
+    assert sorted(os.listdir(shm_dir)) == sorted(name for name, fate in files.items() if fate == "kept")
+    skipped = [event for event in cache.log_events() if event.get("event") == "shm_file_skipped"]
+    assert len(skipped) == 4
 
 
 # ---- CUDA IPC: the field mapping, with torch's reduce/rebuild stood in for ---------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import pytest
 
@@ -229,6 +230,40 @@ def test_an_unexpected_lease_failure_means_the_session_is_lost():
 def test_limits_validate():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerLimits(block_size=16, max_num_seqs=0, max_batch_tokens=8)
+
+
+def test_a_refused_allocation_is_not_asked_again_every_step_when_nothing_runs():
+    """The pool is held by another session: asking every step would be thousands of Lease
+    calls a second. After a refusal the next ask waits, doubling up to a cap."""
+    now = [0.0]
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64),
+                          blocks_available=0, clock=lambda: now[0])
+    cache = FakeCache(0)
+    scheduler.add(make_seq(0, 6))
+    step, pending = run_step(scheduler, cache, None)
+    assert len(step.lease_ops.allocations) == 1  # nothing runs: it asks anyway
+    asks = 1
+    for _ in range(50):  # fifty steps within the same instant: no second ask
+        step, pending = run_step(scheduler, cache, pending)
+        asks += len(step.lease_ops.allocations)
+    assert asks == 1
+    waits = []
+    for _ in range(8):
+        before = now[0]
+        while True:
+            now[0] += 0.001
+            step, pending = run_step(scheduler, cache, pending)
+            if step.lease_ops.allocations:
+                break
+        waits.append(round(now[0] - before, 3))
+    assert waits == sorted(waits) and 0.4 < waits[-1] < 0.6, waits
+    cache.free = list(range(8))  # another session released blocks
+    for _ in range(100):
+        if not scheduler.has_work() and pending is None:
+            break
+        now[0] += 0.1
+        step, pending = run_step(scheduler, cache, pending)
+    assert scheduler.waiting == deque() and not scheduler.running and not scheduler.has_work()
 
 
 # --- priority policy ------------------------------------------------------------------

@@ -245,7 +245,7 @@ def test_stack_flags_have_env_twins():
     defaults = build_parser().parse_args([])
     assert (defaults.model_port, defaults.cache_port, defaults.model_metrics_port, defaults.cache_metrics_port) == (
         50051, 50052, 9401, 9402)
-    assert defaults.kv_cache_bytes == "256MiB" and defaults.model == "tiny"
+    assert defaults.kv_cache_bytes == "1GiB" and defaults.model == "smollm2"
 
 
 # -- the health probe ---------------------------------------------------------------------

@@ -1,0 +1,204 @@
+"""One cache service, many models and tenants, through real services.
+
+- Two checkpoints of one geometry with different weights share a pool, one after the
+  other and at the same time: each one's greedy output equals transformers' (its output
+  on a fresh cache service), the second never hits the first one's prefix, and the same
+  checkpoint restarted still hits its own.
+- cache_salt: different salts share no cached block, the same salt hits.
+- A model service SIGSTOPped past its TTL while a second serves on the same pool: the
+  second's outputs stay exact, and the first recovers after SIGCONT.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+import torch
+from cache_helpers import cache_stub, stats, wait_for
+from hf_checkpoints import write_checkpoint
+from processes import start_cache_service, start_model_service
+
+from pagedkv.health_probe import check as health_check
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    output = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return output[0, len(prompt):].tolist()
+
+
+def prompt(seed: int, length: int, vocab: int = 300) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (length,), generator=generator).tolist()
+
+
+def generate(stub, tokens: list[int], max_new_tokens: int, cache_salt: str = "") -> tuple[list[int], model_pb2.GenerateResponse]:
+    request = model_pb2.GenerateRequest(
+        prompt_token_ids=tokens, cache_salt=cache_salt,
+        sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True),
+    )
+    out, last = [], None
+    for response in stub.Generate(request, timeout=120):
+        out.extend(response.token_ids)
+        last = response
+    return out, last
+
+
+def model_stub(service) -> model_pb2_grpc.ModelServiceStub:
+    return model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(service.address))
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Two llama checkpoints of one geometry, different weights, with their transformers twins."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("two-models")
+    paths = [write_checkpoint("llama", root / f"seed{seed}", seed=seed) for seed in (0, 1)]
+    references = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() for path in paths]
+    return paths, references
+
+
+def test_two_models_share_the_pool_but_never_a_prefix(two_models, tmp_path):
+    (path_a, path_b), (ref_a, ref_b) = two_models
+    shared_prompt = prompt(1, 40)  # two full blocks outlive each request as prefix cache
+    want_a, want_b = reference_greedy(ref_a, shared_prompt, 8), reference_greedy(ref_b, shared_prompt, 8)
+    assert want_a != want_b, "the two checkpoints must differ in what they generate"
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache:
+        # One after the other: A caches the prompt's blocks, then B comes on the same pool.
+        with start_model_service(tmp_path, cache.address, "--model", str(path_a)) as model_a:
+            info_a = model_stub(model_a).GetModelInfo(model_pb2.GetModelInfoRequest())
+            tokens, last = generate(model_stub(model_a), shared_prompt, 8)
+            assert tokens == want_a and last.usage.cached_tokens == 0
+        assert stats(cache_stub(cache.address)).blocks_cached >= 2
+        with start_model_service(tmp_path, cache.address, "--model", str(path_b)) as model_b:
+            stub_b = model_stub(model_b)
+            info_b = stub_b.GetModelInfo(model_pb2.GetModelInfoRequest())
+            assert info_a.model_fingerprint and info_a.model_fingerprint != info_b.model_fingerprint
+            tokens, last = generate(stub_b, shared_prompt, 8)
+            assert last.usage.cached_tokens == 0, "model B was given model A's cached K/V"
+            assert tokens == want_b
+            # At the same time: A restarted (same checkpoint) hits its own cache, B its own.
+            with start_model_service(tmp_path, cache.address, "--model", str(path_a)) as restarted_a:
+                stub_a = model_stub(restarted_a)
+                tokens, last = generate(stub_a, shared_prompt, 8)
+                assert tokens == want_a and last.usage.cached_tokens >= 16, last.usage
+                tokens, last = generate(stub_b, shared_prompt, 8)
+                assert tokens == want_b and last.usage.cached_tokens >= 16, last.usage
+                batch = [prompt(10 + i, 20 + 7 * i) for i in range(4)]
+                expected = [(reference_greedy(ref_a, p, 12), reference_greedy(ref_b, p, 12)) for p in batch]
+                with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                    runs = [(pool.submit(generate, stub_a, p, 12), pool.submit(generate, stub_b, p, 12)) for p in batch]
+                    for (run_a, run_b), (exp_a, exp_b) in zip(runs, expected):
+                        assert run_a.result()[0] == exp_a and run_b.result()[0] == exp_b
+        wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
+
+
+def test_cache_salt_isolates_tenants(tmp_path):
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
+            start_model_service(tmp_path, cache.address) as model:
+        stub = model_stub(model)
+        tokens = prompt(2, 50, vocab=256)  # three full blocks of 16
+        first, last = generate(stub, tokens, 4, cache_salt="tenant-1")
+        assert last.usage.cached_tokens == 0
+        for other in ("tenant-2", ""):
+            out, last = generate(stub, tokens, 4, cache_salt=other)
+            assert last.usage.cached_tokens == 0, f"salt {other!r} hit tenant-1's cache"
+            assert out == first  # isolation costs recompute, never correctness
+        out, last = generate(stub, tokens, 4, cache_salt="tenant-1")
+        assert last.usage.cached_tokens == 48 and out == first
+        out, last = generate(stub, tokens, 4)
+        assert last.usage.cached_tokens == 48, "the unsalted request cached its own blocks a moment ago"
+        with pytest.raises(grpc.RpcError) as error:
+            generate(stub, tokens, 4, cache_salt="x" * 257)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in error.value.details()
+
+
+class Stream:
+    def __init__(self, stub, tokens: list[int], max_new_tokens: int) -> None:
+        self.tokens: list[int] = []
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.first_token = threading.Event()
+        self.done = threading.Event()
+        request = model_pb2.GenerateRequest(
+            prompt_token_ids=tokens,
+            sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
+        self.call = stub.Generate(request, timeout=120)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.call:
+                self.tokens.extend(response.token_ids)
+                self.first_token.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            self.code, self.details = error.code(), error.details()
+        finally:
+            self.done.set()
+
+
+def test_a_stalled_model_service_never_writes_into_blocks_others_hold(two_models, tmp_path):
+    """A is SIGSTOPped mid-generation past its lease TTL; B fills the whole pool (A's old
+    blocks included) and stays exact; after SIGCONT, A fences itself (its streams end
+    with UNAVAILABLE, it re-attaches) and serves exactly again, and so does B."""
+    (path, _), (reference, _) = two_models
+    config = reference.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    block_bytes = 2 * config.num_hidden_layers * 16 * config.num_key_value_heads * head_dim * 4
+    cache_args = ("--kv-cache-bytes", str(48 * block_bytes), "--headroom", "0",
+                  "--lease-ttl-ms", "1000", "--reclaim-grace-ms", "500")
+    model_args = ("--model", str(path), "--max-model-len", "128")
+    with start_cache_service(tmp_path, *cache_args) as cache, \
+            start_model_service(tmp_path, cache.address, *model_args) as model_a, \
+            start_model_service(tmp_path, cache.address, *model_args) as model_b:
+        cache_rpc = cache_stub(cache.address)
+        stub_a, stub_b = model_stub(model_a), model_stub(model_b)
+        streams = [Stream(stub_a, prompt(20 + i, 24), 100) for i in range(4)]
+        for stream in streams:
+            assert stream.first_token.wait(60)
+        os.kill(model_a.pid, signal.SIGSTOP)
+        try:
+            held = stats(cache_rpc).blocks_leased
+            wait_for(lambda: stats(cache_rpc).sessions == 1, 30, "the stopped service's session to expire")
+            wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 30, "its blocks to be reclaimed after the grace")
+            # B now needs every block of the pool, A's old ones too.
+            batch = [prompt(40 + i, 30) for i in range(6)]
+            expected = [reference_greedy(reference, p, 90) for p in batch]
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                results = list(pool.map(lambda p: generate(stub_b, p, 90)[0], batch))
+            assert results == expected, "B's outputs changed while A was stopped"
+            assert held > 0
+        finally:
+            os.kill(model_a.pid, signal.SIGCONT)
+        for stream in streams:
+            assert stream.done.wait(60), "a stream of the stopped service never ended"
+        assert {s.code for s in streams} <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK}
+        assert any(s.code == grpc.StatusCode.UNAVAILABLE for s in streams), [(s.code, s.details) for s in streams]
+
+        def serving(service) -> bool:
+            with grpc.insecure_channel(service.address) as channel:
+                return health_check(channel) == "SERVING"
+
+        wait_for(lambda: serving(model_a) and stats(cache_rpc).sessions == 2, 60, "A to attach again", poll_s=0.1)
+        fresh = [prompt(60 + i, 30) for i in range(4)]
+        expected = [reference_greedy(reference, p, 40) for p in fresh]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            from_a = pool.submit(lambda: [generate(stub_a, p, 40)[0] for p in fresh[:2]])
+            from_b = pool.submit(lambda: [generate(stub_b, p, 40)[0] for p in fresh[2:]])
+            assert from_a.result() == expected[:2], "A did not recover exactly"
+            assert from_b.result() == expected[2:]
+        events = {event.get("event") for event in model_a.log_events()}
+        assert events & {"lease_deadline_passed", "heartbeat_failed"}, "A never noticed its session had expired"
+        wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 10, "every block to be released")
