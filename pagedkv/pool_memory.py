@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -33,6 +34,10 @@ DEFAULT_SHM_DIRECTORY = "/dev/shm"
 # Any name the cache service could have written, whatever pid it had. The pid in the
 # name is only a hint for people; ownership is the flock (see cleanup_stale_pools).
 _POOL_FILE = re.compile(r"^pagedkv-.*\.kv$")
+# A pool file while it is being created and not yet locked (see create_shared_pool). One
+# left behind by a service that died in that moment is removed once it is clearly old.
+_CREATING_FILE = re.compile(r"^\.pagedkv-.*\.kv\.creating$")
+_CREATING_STALE_AFTER_S = 60.0
 
 log = structlog.get_logger()
 
@@ -115,10 +120,21 @@ def create_shared_pool(
     shape = tuple(shape)
     check_dtype(dtype)
     numel, size_bytes = _size_bytes(shape, dtype)
-    path = os.path.join(directory, f"pagedkv-{os.getpid()}-{secrets.token_hex(8)}.kv")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    name = f"pagedkv-{os.getpid()}-{secrets.token_hex(8)}.kv"
+    path = os.path.join(directory, name)
+    # Created under a name no cleaner matches, locked, and only then renamed to the pool's
+    # name (the flock stays with the open file): another cache service's start-up cleanup
+    # must never find the pool's name unlocked, or it takes it for stale and removes it.
+    creating = os.path.join(directory, f".{name}.creating")
+    fd = os.open(creating, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.unlink(creating)
+        os.close(fd)
+        raise
+    os.rename(creating, path)
+    try:
         os.ftruncate(fd, size_bytes)
         _reserve(fd, size_bytes, directory)
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
@@ -172,12 +188,19 @@ def cleanup_stale_pools(directory: str = DEFAULT_SHM_DIRECTORY) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        if _POOL_FILE.match(name) is None:
-            continue
         path = os.path.join(directory, name)
+        if _POOL_FILE.match(name) is None and not (_CREATING_FILE.match(name) and _older_than(path, _CREATING_STALE_AFTER_S)):
+            continue
         if _remove_if_stale(path):
             removed.append(path)
     return removed
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime > seconds
+    except OSError:
+        return False
 
 
 def _remove_if_stale(path: str) -> bool:

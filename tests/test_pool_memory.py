@@ -156,6 +156,35 @@ def test_too_small_shm_is_a_clear_error_and_leaves_no_file(shm_dir, monkeypatch)
     assert os.listdir(shm_dir) == []
 
 
+def test_a_cleaner_running_while_a_pool_is_created_never_removes_it(shm_dir, monkeypatch):
+    # Another cache service's start-up cleanup may run at any moment, also between this
+    # one's creating the file and locking it: the pool's name must never be seen unlocked.
+    real_open = os.open
+
+    def open_then_clean(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_CREAT:
+            assert cleanup_stale_pools(shm_dir) == []
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_clean)
+    with create_shared_pool(SHAPE, torch.float32, directory=shm_dir) as pool:
+        monkeypatch.setattr(os, "open", real_open)
+        assert os.listdir(shm_dir) == [os.path.basename(pool.handle.path)]
+        assert cleanup_stale_pools(shm_dir) == []
+        assert os.path.exists(pool.handle.path)
+
+
+def test_a_creation_left_half_done_is_removed_once_old(shm_dir):
+    fresh = os.path.join(shm_dir, ".pagedkv-1-00.kv.creating")
+    old = os.path.join(shm_dir, ".pagedkv-2-00.kv.creating")
+    for path in (fresh, old):
+        Path(path).write_bytes(b"")
+    os.utime(old, (1, 1))
+    assert cleanup_stale_pools(shm_dir) == [old]
+    assert os.path.exists(fresh)
+
+
 def _pool_in_a_dead_process(shm_dir: str) -> str:
     """A pool file whose creator died without closing it (kill -9): its flock is gone."""
     code = (
