@@ -245,6 +245,26 @@ def sessions(stack):
         stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10, metadata=AUTH)
 
 
+@pytest.fixture(autouse=True)
+def leaves_nothing_behind(request):
+    """Every test of this module shares the services: afterwards no block or sequence may
+    be leased and no session it opened may stay attached, so one test's leak fails that
+    test, not a later one."""
+    if "stack" not in request.fixturenames:
+        yield
+        return
+    stub = request.getfixturevalue("stack")["cache_stub"]
+    if "sessions" in request.fixturenames:
+        request.getfixturevalue("sessions")  # the shared sessions exist before counting
+    sessions_before = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10, metadata=AUTH).sessions
+    yield
+
+    def clean():
+        after = stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10, metadata=AUTH)
+        return (after.blocks_leased, after.sequences, after.sessions) == (0, 0, sessions_before)
+    wait_for(clean, 60, "this test's blocks, sequences and sessions to be gone")
+
+
 def lease_one(stub, session, op) -> cache_pb2.LeaseResult:
     (result,) = lease(stub, session, op, metadata=AUTH).results
     return result
