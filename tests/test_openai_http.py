@@ -45,7 +45,8 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(cache, checkpoint, tmp_path_factory):
     with start_model_service(tmp_path_factory.mktemp("model"), cache.address, "--model", str(checkpoint),
-                             "--auth-token", TOKEN, "--served-model-name", MODEL) as service:
+                             "--auth-token", TOKEN, "--cache-auth-token", TOKEN,
+                             "--served-model-name", MODEL) as service:
         yield service
 
 
@@ -324,7 +325,7 @@ def test_unknown_model_is_404(client):
 def limited(cache, tmp_path_factory):
     """The tiny model, one Generate stream at a time."""
     with start_model_service(tmp_path_factory.mktemp("limited"), cache.address, "--auth-token", TOKEN,
-                             "--max-concurrent-streams", "1") as service:
+                             "--cache-auth-token", TOKEN, "--max-concurrent-streams", "1") as service:
         yield service
 
 
