@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 from model_service.models.config import ModelConfig, ModelLoadError
 from model_service.models.gguf_file import GGUFFile
 from model_service.models.llama import LlamaForCausalLM
-from model_service.models.weights import _abbrev
+from model_service.models.weights import describe_tensor_mismatch
 
 # What gguf.quants dequantizes (and the list: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K).
 SUPPORTED_TENSOR_TYPES = tuple(
@@ -78,12 +78,8 @@ def check_gguf_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, _Target
     missing = sorted(set(targets) - set(file.tensors))
     unexpected = sorted(set(file.tensors) - set(targets))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {_abbrev(missing)}")
-        if unexpected:
-            parts.append(f"unexpected tensors {_abbrev(unexpected)}")
-        raise ModelLoadError(f"{file.path} does not match its {config.architecture} metadata: " + "; ".join(parts))
+        raise ModelLoadError(f"{file.path} does not match its {config.architecture} metadata: "
+                             + describe_tensor_mismatch(missing, unexpected))
     unsupported = sorted(
         (name, tensor.tensor_type.name) for name, tensor in file.tensors.items()
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES

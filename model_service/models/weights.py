@@ -107,12 +107,8 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path) -> None:
     missing = sorted(set(targets) - set(files))
     unexpected = sorted(name for name in set(files) - set(targets) if not ignorable(name))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {_abbrev(missing)}")
-        if unexpected:
-            parts.append(f"unexpected tensors {_abbrev(unexpected)}")
-        raise ModelLoadError(f"checkpoint in {directory} does not match {config.architecture}: " + "; ".join(parts))
+        raise ModelLoadError(f"checkpoint in {directory} does not match {config.architecture}: "
+                             + describe_tensor_mismatch(missing, unexpected))
 
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[str]] = {}
@@ -131,6 +127,16 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path) -> None:
                             f"config.json implies {tuple(destination.shape)}"
                         )
                     destination.copy_(tensor)
+
+
+def describe_tensor_mismatch(missing: list[str], unexpected: list[str]) -> str:
+    """"missing tensors ...; unexpected tensors ...", for whichever of the two is not empty."""
+    parts = []
+    if missing:
+        parts.append(f"missing tensors {_abbrev(missing)}")
+    if unexpected:
+        parts.append(f"unexpected tensors {_abbrev(unexpected)}")
+    return "; ".join(parts)
 
 
 def _abbrev(names: list[str], limit: int = 8) -> str:
