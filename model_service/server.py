@@ -10,7 +10,8 @@ import time
 import structlog
 import torch
 
-from model_service.attention.backend import load_triton_kernels
+from model_service.attention import cpu_kernels
+from model_service.attention.backend import BACKENDS, load_triton_kernels
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineSettings
 from model_service.models.config import ModelLoadError
@@ -63,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "answers RESOURCE_EXHAUSTED; 0 disables the limit")
     add_flag(parser, "--max-prompt-tokens", default=None, type=int, help="longest prompt accepted (default: max-model-len - 1)")
     add_flag(parser, "--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
-    add_flag(parser, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-             help="auto: Triton kernels on CUDA, PyTorch elsewhere")
+    add_flag(parser, "--attention-backend", default="auto", choices=list(BACKENDS),
+             help="auto: Triton kernels on CUDA, the C kernel on CPU (built at start), PyTorch where neither loads")
     add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
@@ -107,6 +108,10 @@ async def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype, device, attention_backend=args.attention_backend)
+    if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
+        # Built (or found in its cache) now, not in the first request; a failed build
+        # was logged and leaves decode attention on the torch path.
+        log.info("cpu_decode_attention", kernel=cpu_kernels.load() is not None)
     # After loading: the weights are in the page cache then, and hashing them is cheap.
     fingerprint_started = time.perf_counter()
     fingerprint = checkpoint_fingerprint(args.model)

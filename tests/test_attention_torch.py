@@ -1,4 +1,4 @@
-"""The PyTorch paged-attention path against a naive dense reference.
+"""The CPU paged-attention paths (PyTorch, and the C decode kernel) against a naive dense reference.
 
 The reference never sees the pool: it keeps each sequence's K/V contiguous and computes an
 explicit causal softmax in float64, with K/V repeated per q head. Block tables are shuffled
@@ -105,32 +105,38 @@ MIXED_BATCHES = {
 }
 
 
+# "cpu" is the C decode kernel (cpu_kernels.py); prefill is the torch path in both.
+CPU_BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("batch", list(MIXED_BATCHES), ids=list(MIXED_BATCHES))
-def test_paged_attention_matches_dense_reference(batch, block_size, group, dtype):
+def test_paged_attention_matches_dense_reference(batch, block_size, group, dtype, backend):
     seqs, num_decode = MIXED_BATCHES[batch]
     q, k, v, kv_layer, meta, full_k, full_v = build_step(seqs, num_decode, group=group, block_size=block_size, dtype=dtype)
     scale = HEAD_DIM**-0.5
 
-    out = PagedAttention("torch")(q, k, v, kv_layer, meta, scale)
+    out = PagedAttention(backend)(q, k, v, kv_layer, meta, scale)
 
     assert out.shape == q.shape and out.dtype == dtype
     expected = dense_reference(q, meta, full_k, full_v, scale)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [1, 5, 8, 21])
 @pytest.mark.parametrize("batch", list(MIXED_BATCHES), ids=list(MIXED_BATCHES))
-def test_sliding_window_matches_dense_reference(batch, window, dtype):
+def test_sliding_window_matches_dense_reference(batch, window, dtype, backend):
     # Windows shorter than most contexts, one equal to the block size, and 1 (itself only);
     # prefixes of 44 and 32 start the gather several blocks in.
     seqs, num_decode = MIXED_BATCHES[batch]
     q, k, v, kv_layer, meta, full_k, full_v = build_step(seqs, num_decode, group=2, block_size=8, dtype=dtype)
 
-    out = PagedAttention("torch")(q, k, v, kv_layer, meta, 0.25, sliding_window=window)
+    out = PagedAttention(backend)(q, k, v, kv_layer, meta, 0.25, sliding_window=window)
 
     expected = dense_reference(q, meta, full_k, full_v, 0.25, sliding_window=window)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -198,5 +204,9 @@ def test_unknown_backend_and_bad_head_counts_are_errors():
         PagedAttention("torch")(torch.randn(1, 3, HEAD_DIM), k, v, kv_layer, meta, 0.25)
 
 
-def test_auto_uses_torch_for_a_cpu_pool():
-    assert not PagedAttention("auto").uses_triton(torch.zeros(2, 1, 8, 1, 4))
+def test_auto_uses_the_c_kernel_for_a_cpu_pool():
+    kv_layer = torch.zeros(2, 1, 8, 1, 4)
+    attention = PagedAttention("auto")
+    assert not attention.uses_triton(kv_layer)
+    assert attention.cpu_kernel_library(torch.zeros(1, 1, 4), kv_layer) is not None
+    assert PagedAttention("torch").cpu_kernel_library(torch.zeros(1, 1, 4), kv_layer) is None

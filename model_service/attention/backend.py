@@ -1,5 +1,10 @@
 """PagedAttention: write this step's K/V into the pool, then attend (decode, then prefill).
 
+Decode attention by backend: "triton" (CUDA; the tests run it interpreted on CPU), "cpu"
+(the C kernel of cpu_kernels.py, reading blocks in place), "torch" (gather + SDPA, any
+device). "auto" takes Triton on CUDA and the C kernel on CPU, each where it loads, and
+the torch path otherwise.
+
 Triton is imported lazily, on the first call that needs it, for two reasons: a CPU-only
 server never pays triton's import (about a second), and triton decides between compiled and
 interpreted kernels (TRITON_INTERPRET) when the kernels module is first imported, so
@@ -12,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from model_service.attention import cpu_kernels
 from model_service.attention.metadata import AttentionMetadata
 from model_service.attention.torch_paged import (
     DecodePlan,
@@ -21,7 +27,7 @@ from model_service.attention.torch_paged import (
     write_kv_torch,
 )
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 _triton_kernels: ModuleType | None = None
 _triton_import_error: Exception | None = None
@@ -48,12 +54,21 @@ class PagedAttention:
             raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
         if backend == "triton" and load_triton_kernels() is None:
             raise RuntimeError(f"attention backend 'triton' requested but triton does not import: {_triton_import_error}")
+        if backend == "cpu" and cpu_kernels.load() is None:
+            raise RuntimeError(f"attention backend 'cpu' requested but its C kernels did not build: "
+                               f"{cpu_kernels.load_error()}")
         self.backend = backend
 
     def uses_triton(self, kv_layer: torch.Tensor) -> bool:
         if self.backend == "auto":
             return kv_layer.is_cuda and load_triton_kernels() is not None
         return self.backend == "triton"
+
+    def cpu_kernel_library(self, q: torch.Tensor, kv_layer: torch.Tensor):
+        """The C kernel library where it serves this call, else None (torch path)."""
+        if self.backend not in ("auto", "cpu") or not cpu_kernels.supports(q, kv_layer):
+            return None
+        return cpu_kernels.load()
 
     def __call__(
         self,
@@ -89,8 +104,13 @@ class PagedAttention:
                     q[:num_decode], kv_layer, tables, lens, scale, sliding_window=sliding_window,
                 )
             else:
-                plan = self._decode_plan(meta, kv_layer.device, sliding_window)
-                decoded = decode_attention_torch(q[:num_decode], kv_layer, tables, lens, scale, plan=plan)
+                library = self.cpu_kernel_library(q, kv_layer)
+                if library is not None:
+                    decoded = cpu_kernels.paged_decode_attention(
+                        library, q[:num_decode], kv_layer, tables, lens, scale, sliding_window)
+                else:
+                    plan = self._decode_plan(meta, kv_layer.device, sliding_window)
+                    decoded = decode_attention_torch(q[:num_decode], kv_layer, tables, lens, scale, plan=plan)
                 if num_tokens == num_decode:
                     return decoded  # a decode-only step: no copy into a step-wide buffer
                 out[:num_decode] = decoded

@@ -1,0 +1,229 @@
+/* Paged decode attention on the CPU, reading K/V in place from the pool.
+ *
+ * The torch path gathers every sequence's blocks into a padded copy (as long as the
+ * longest sequence) and runs one masked SDPA over it: at W48 on SmolLM2 that was 45 % of a
+ * decode step. Here each (sequence, kv head) pair walks its own block table: no copy, no
+ * padding, and the group's query heads share each K/V row they read.
+ *
+ * Layout (DESIGN.md "Pool layout"): one layer's K (and V) is [num_blocks, block_size,
+ * kv_heads, head_dim], contiguous; q is [num_seqs, q_heads, head_dim] with heads and
+ * dims contiguous and rows q_row_stride elements apart; out is contiguous like q.
+ * Arithmetic is float32 whatever the storage type (as SDPA accumulates), with the online
+ * softmax of flash attention, one block of keys at a time.
+ *
+ * Built at first use by cpu_kernels.py with the machine's compiler and OpenMP; OpenMP
+ * resolves to the libgomp torch has already loaded, so this shares torch's thread pool,
+ * and the caller passes torch's thread count (libgomp keeps that count per thread).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 64
+#define MAX_BLOCK_SIZE 256
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Row i of length n (elements) at base, converted to float32 into dst. */
+static inline void load_row(float *restrict dst, const void *base, int64_t offset, int n, int dtype) {
+    if (dtype == DTYPE_F32) {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    } else if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        const _Float16 *src = (const _Float16 *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)src[i];
+    }
+}
+
+static inline void store_row(void *base, int64_t offset, const float *restrict src, int n, int dtype) {
+    if (dtype == DTYPE_F32) {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    } else if (dtype == DTYPE_BF16) {
+        uint16_t *dst = (uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        _Float16 *dst = (_Float16 *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (_Float16)src[i];
+    }
+}
+
+/* exp(x) for x <= 0 in float32, vectorizable (libm's expf is a call per element):
+ * x = k ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (error below 2 ulp
+ * over that range), times 2^k built in the exponent bits. Below -87 it returns 0. */
+static inline float exp_nonpositive(float x) {
+    const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
+    x = x < -87.0f ? -87.0f : x;
+    /* nearest integer by the 1.5 * 2^23 trick: vectorizes, where roundf is a call */
+    float k = (x * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
+    float r = (x - k * ln2_hi) - k * ln2_lo;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Sixteen float32 lanes: GCC's vector extension, lowered to AVX-512, AVX2 or NEON. */
+typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+/* Sum of a[i] * b[i]. By lanes of 16, then a tree over the lanes: a plain reduction loop
+ * compiles (without -ffast-math, which this file must not have: see exp_nonpositive) to
+ * a chain of 16 dependent scalar adds, and that chain was most of the kernel's time. */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int n) {
+    f32x16 lanes = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        f32x16 x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        lanes += x * y;
+    }
+    lanes += __builtin_shuffle(lanes, (i32x16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    lanes += __builtin_shuffle(lanes, (i32x16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    lanes += __builtin_shuffle(lanes, (i32x16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    float sum = lanes[0] + lanes[1];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* One (sequence, kv head): its `group` query heads against its visible keys. Always
+ * inlined into attend_specialized's cases, so head_dim and dtype are constants there and
+ * the row loops unroll into straight vector code. */
+static inline __attribute__((always_inline)) void attend_one(const void *q, const void *k_cache, const void *v_cache,
+                       const int32_t *table, int first_key, int end_key, int kv_head, int kv_heads,
+                       int group, int head_dim, int block_size, float scale, int dtype, void *out,
+                       int64_t out_offset, int64_t q_offset) {
+    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+    float scores[MAX_GROUP][MAX_BLOCK_SIZE];
+    float row_max[MAX_GROUP], row_sum[MAX_GROUP];
+    float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];
+
+    for (int g = 0; g < group; g++) {
+        load_row(qf[g], q, q_offset + (int64_t)g * head_dim, head_dim, dtype);
+        for (int d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.0f; }
+        row_max[g] = -INFINITY;
+        row_sum[g] = 0.0f;
+    }
+    if (end_key <= first_key) { /* nothing visible: zeros, not 0/0 */
+        for (int g = 0; g < group; g++) store_row(out, out_offset + (int64_t)g * head_dim, acc[g], head_dim, dtype);
+        return;
+    }
+    const int64_t token_stride = (int64_t)kv_heads * head_dim;
+    for (int block_start = first_key - first_key % block_size; block_start < end_key; block_start += block_size) {
+        const int64_t block = table[block_start / block_size];
+        const int lo = block_start < first_key ? first_key - block_start : 0;
+        const int hi = block_start + block_size > end_key ? end_key - block_start : block_size;
+        const int64_t base = (block * block_size) * token_stride + (int64_t)kv_head * head_dim;
+
+        for (int t = lo; t < hi; t++) {
+            load_row(kf, k_cache, base + t * token_stride, head_dim, dtype);
+            for (int g = 0; g < group; g++) scores[g][t] = dot(qf[g], kf, head_dim);
+        }
+        for (int g = 0; g < group; g++) {
+            float block_max = row_max[g];
+            for (int t = lo; t < hi; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
+            const float correction = exp_nonpositive(row_max[g] - block_max); /* 0 on the first block */
+            row_max[g] = block_max;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = lo; t < hi; t++) {
+                const float p = exp_nonpositive(scores[g][t] - block_max);
+                scores[g][t] = p;
+                sum += p;
+            }
+            row_sum[g] = row_sum[g] * correction + sum;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;
+        }
+        for (int t = lo; t < hi; t++) {
+            load_row(vf, v_cache, base + t * token_stride, head_dim, dtype);
+            for (int g = 0; g < group; g++) {
+                const float p = scores[g][t];
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) acc[g][d] += p * vf[d];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = 1.0f / row_sum[g];
+        for (int d = 0; d < head_dim; d++) acc[g][d] *= inv;
+        store_row(out, out_offset + (int64_t)g * head_dim, acc[g], head_dim, dtype);
+    }
+}
+
+#define ATTEND(HEAD_DIM, DTYPE)                                                                  \
+    attend_one(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, HEAD_DIM, \
+               block_size, scale, DTYPE, out, out_offset, q_offset)
+#define HEAD_DIM_CASES(DTYPE)                        \
+    case 32: ATTEND(32, DTYPE); return;              \
+    case 64: ATTEND(64, DTYPE); return;              \
+    case 80: ATTEND(80, DTYPE); return;              \
+    case 96: ATTEND(96, DTYPE); return;              \
+    case 128: ATTEND(128, DTYPE); return;            \
+    case 256: ATTEND(256, DTYPE); return;            \
+    default: ATTEND(head_dim, DTYPE); return;
+
+static void attend_specialized(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                               int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
+                               int block_size, float scale, int dtype, void *out, int64_t out_offset,
+                               int64_t q_offset) {
+    switch (dtype) {
+    case DTYPE_F32: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32) }
+    case DTYPE_BF16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_BF16) }
+    default: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F16) }
+    }
+}
+
+/* Returns 0, or a nonzero code for shapes past the fixed limits (checked by the caller
+ * first; kept here so a wrong call cannot write past a stack buffer). */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
+                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
+                           float scale, int sliding_window, int dtype, void *out, int num_threads) {
+    const int group = q_heads / kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK_SIZE || q_heads % kv_heads)
+        return 1;
+    const int items = num_seqs * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int item = 0; item < items; item++) {
+        const int seq = item / kv_heads, kv_head = item % kv_heads;
+        const int end_key = context_lens[seq];
+        int first_key = 0;
+        if (sliding_window > 0 && end_key > sliding_window) first_key = end_key - sliding_window;
+        const int64_t q_offset = (int64_t)seq * q_row_stride + (int64_t)kv_head * group * head_dim;
+        const int64_t out_offset = ((int64_t)seq * q_heads + (int64_t)kv_head * group) * head_dim;
+        attend_specialized(q, k_cache, v_cache, block_tables + (int64_t)seq * table_row_stride,
+                           first_key, end_key, kv_head, kv_heads, group, head_dim, block_size, scale, dtype,
+                           out, out_offset, q_offset);
+    }
+    return 0;
+}

@@ -1,0 +1,119 @@
+"""The C decode-attention kernel (model_service/attention/cpu_kernels.py): the same answers
+as the torch path at every specialized head dim and the generic one, and a service that
+still serves (on the torch path) where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from model_service.attention import cpu_kernels
+from model_service.attention.torch_paged import decode_attention_torch
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def random_decode_step(num_seqs, q_heads, kv_heads, head_dim, block_size, max_context, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-max_context // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 4
+    kv_layer = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * blocks_per_seq].view(num_seqs, -1)
+    lens = torch.randint(1, max_context + 1, (num_seqs,), generator=generator, dtype=torch.int32)
+    lens[0] = max_context
+    # q as the model hands it over: a view of the fused q/k/v rows, rows further apart than q_heads * D.
+    qkv = torch.randn(num_seqs, q_heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
+    return qkv[:, :q_heads], kv_layer, tables.to(torch.int32), lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256, 48])  # 48: the generic path
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (4, 4), (14, 2)])
+def test_kernel_matches_the_torch_path(dtype, head_dim, q_heads, kv_heads):
+    q, kv_layer, tables, lens = random_decode_step(5, q_heads, kv_heads, head_dim, 16, 70, dtype)
+    scale = head_dim**-0.5
+    library = cpu_kernels.load()
+    assert library is not None, cpu_kernels.load_error()
+
+    out = cpu_kernels.paged_decode_attention(library, q, kv_layer, tables, lens, scale)
+
+    expected = decode_attention_torch(q, kv_layer, tables, lens, scale, max_context_len=int(lens.max()))
+    assert out.shape == (5, q_heads, head_dim) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+@pytest.mark.parametrize("window", [None, 1, 13, 64])
+def test_kernel_block_sizes_and_windows(block_size, window):
+    q, kv_layer, tables, lens = random_decode_step(7, 8, 2, 64, block_size, 150, torch.float32, seed=block_size)
+    library = cpu_kernels.load()
+
+    out = cpu_kernels.paged_decode_attention(library, q, kv_layer, tables, lens, 0.125, sliding_window=window)
+
+    expected = decode_attention_torch(q, kv_layer, tables, lens, 0.125, sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_empty_context_gives_zeros_not_nan():
+    q, kv_layer, tables, lens = random_decode_step(3, 4, 2, 64, 16, 20, torch.float32)
+    lens[1] = 0  # a padded batch entry
+    out = cpu_kernels.paged_decode_attention(cpu_kernels.load(), q, kv_layer, tables, lens, 0.125)
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_shapes_past_the_kernel_limits_take_the_torch_path():
+    from model_service.attention.backend import PagedAttention
+
+    q = torch.zeros(1, 2, 512)
+    kv_layer = torch.zeros(2, 1, 16, 1, 512)
+    assert not cpu_kernels.supports(q, kv_layer)
+    assert PagedAttention("auto").cpu_kernel_library(q, kv_layer) is None
+    assert not cpu_kernels.supports(q, kv_layer.transpose(1, 2))  # not the pool's contiguous layout
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+def test_built_once_then_found_in_the_cache(tmp_path):
+    code = """
+        from model_service.attention import cpu_kernels
+        assert cpu_kernels.load() is not None, cpu_kernels.load_error()
+    """
+    first = run_python(code, PAGEDKV_KERNEL_CACHE=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    assert "cpu kernels built" in first.stdout + first.stderr
+    built = list(tmp_path.glob("paged_decode-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("tmp*"))  # no scratch left behind
+
+    second = run_python(code, PAGEDKV_KERNEL_CACHE=str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert "cpu kernels built" not in second.stdout + second.stderr
+
+
+@pytest.mark.parametrize("env", [{"CC": "false"}, {"PAGEDKV_CPU_KERNELS": "0"}], ids=["compiler fails", "disabled"])
+def test_without_the_kernel_auto_serves_on_torch_and_cpu_refuses(tmp_path, env):
+    result = run_python("""
+        import torch
+        from model_service.attention import cpu_kernels
+        from model_service.attention.backend import PagedAttention
+        assert cpu_kernels.load() is None
+        print("reason:", cpu_kernels.load_error())
+        assert PagedAttention("auto").cpu_kernel_library(torch.zeros(1, 1, 4), torch.zeros(2, 1, 8, 1, 4)) is None
+        try:
+            PagedAttention("cpu")
+        except RuntimeError as error:
+            print("refused:", error)
+    """, PAGEDKV_KERNEL_CACHE=str(tmp_path), **env)
+    assert result.returncode == 0, result.stderr
+    assert "refused: attention backend 'cpu' requested but its C kernels did not build" in result.stdout
+    if "CC" in env:
+        assert "reason: false failed" in result.stdout
+        assert "cpu kernels unavailable" in result.stdout + result.stderr  # the one warning
+    assert not list(tmp_path.glob("*.so"))
