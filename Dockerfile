@@ -21,6 +21,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler: the model service builds its CPU decode-attention kernel at start
+# (model_service/attention/cpu_kernels.py, about a second); without one it falls back to
+# the slower torch path with a warning.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, from pyproject.toml itself (never a hand-written list), so a code
 # change does not reinstall torch: the core list plus that of each extra in EXTRAS.
 COPY pyproject.toml README.md ./
