@@ -10,7 +10,7 @@ import time
 import structlog
 import torch
 
-from model_service.attention import cpu_kernels
+from model_service import cpu_kernels
 from model_service.attention.backend import BACKENDS, load_triton_kernels
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineSettings
@@ -111,7 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
     if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
         # Built (or found in its cache) now, not in the first request; a failed build
         # was logged and leaves decode attention on the torch path.
-        log.info("cpu_decode_attention", kernel=cpu_kernels.load() is not None)
+        log.info("cpu_kernels", loaded=cpu_kernels.load() is not None)
     # After loading: the weights are in the page cache then, and hashing them is cheap.
     fingerprint_started = time.perf_counter()
     fingerprint = checkpoint_fingerprint(args.model)

@@ -105,7 +105,7 @@ MIXED_BATCHES = {
 }
 
 
-# "cpu" is the C decode kernel (cpu_kernels.py); prefill is the torch path in both.
+# "cpu" is the C decode kernel (model_service/cpu_kernels); prefill is the torch path in both.
 CPU_BACKENDS = ["torch", "cpu"]
 
 

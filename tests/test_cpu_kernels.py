@@ -1,6 +1,6 @@
-"""The C decode-attention kernel (model_service/attention/cpu_kernels.py): the same answers
-as the torch path at every specialized head dim and the generic one, and a service that
-still serves (on the torch path) where the kernel cannot be built."""
+"""The C decode-attention kernel (model_service/cpu_kernels/paged_decode.py): the same answers
+as the torch path at every specialized head dim and the generic one; and the kernels' build:
+cached, and where it fails a service that still serves on the torch code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from model_service.attention import cpu_kernels
+from model_service import cpu_kernels
+from model_service.cpu_kernels import paged_decode
 from model_service.attention.torch_paged import decode_attention_torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -40,7 +41,7 @@ def test_kernel_matches_the_torch_path(dtype, head_dim, q_heads, kv_heads):
     library = cpu_kernels.load()
     assert library is not None, cpu_kernels.load_error()
 
-    out = cpu_kernels.paged_decode_attention(library, q, kv_layer, tables, lens, scale)
+    out = paged_decode.paged_decode_attention(library, q, kv_layer, tables, lens, scale)
 
     expected = decode_attention_torch(q, kv_layer, tables, lens, scale, max_context_len=int(lens.max()))
     assert out.shape == (5, q_heads, head_dim) and out.dtype == dtype
@@ -53,7 +54,7 @@ def test_kernel_block_sizes_and_windows(block_size, window):
     q, kv_layer, tables, lens = random_decode_step(7, 8, 2, 64, block_size, 150, torch.float32, seed=block_size)
     library = cpu_kernels.load()
 
-    out = cpu_kernels.paged_decode_attention(library, q, kv_layer, tables, lens, 0.125, sliding_window=window)
+    out = paged_decode.paged_decode_attention(library, q, kv_layer, tables, lens, 0.125, sliding_window=window)
 
     expected = decode_attention_torch(q, kv_layer, tables, lens, 0.125, sliding_window=window)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
@@ -62,7 +63,7 @@ def test_kernel_block_sizes_and_windows(block_size, window):
 def test_empty_context_gives_zeros_not_nan():
     q, kv_layer, tables, lens = random_decode_step(3, 4, 2, 64, 16, 20, torch.float32)
     lens[1] = 0  # a padded batch entry
-    out = cpu_kernels.paged_decode_attention(cpu_kernels.load(), q, kv_layer, tables, lens, 0.125)
+    out = paged_decode.paged_decode_attention(cpu_kernels.load(), q, kv_layer, tables, lens, 0.125)
     assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
 
 
@@ -71,9 +72,9 @@ def test_shapes_past_the_kernel_limits_take_the_torch_path():
 
     q = torch.zeros(1, 2, 512)
     kv_layer = torch.zeros(2, 1, 16, 1, 512)
-    assert not cpu_kernels.supports(q, kv_layer)
+    assert not paged_decode.supports(q, kv_layer)
     assert PagedAttention("auto").cpu_kernel_library(q, kv_layer) is None
-    assert not cpu_kernels.supports(q, kv_layer.transpose(1, 2))  # not the pool's contiguous layout
+    assert not paged_decode.supports(q, kv_layer.transpose(1, 2))  # not the pool's contiguous layout
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -83,13 +84,13 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_built_once_then_found_in_the_cache(tmp_path):
     code = """
-        from model_service.attention import cpu_kernels
+        from model_service import cpu_kernels
         assert cpu_kernels.load() is not None, cpu_kernels.load_error()
     """
     first = run_python(code, PAGEDKV_KERNEL_CACHE=str(tmp_path))
     assert first.returncode == 0, first.stderr
     assert "cpu kernels built" in first.stdout + first.stderr
-    built = list(tmp_path.glob("paged_decode-*.so"))
+    built = list(tmp_path.glob("pagedkv-cpu-*.so"))
     assert len(built) == 1 and not list(tmp_path.glob("tmp*"))  # no scratch left behind
 
     second = run_python(code, PAGEDKV_KERNEL_CACHE=str(tmp_path))
@@ -101,11 +102,14 @@ def test_built_once_then_found_in_the_cache(tmp_path):
 def test_without_the_kernel_auto_serves_on_torch_and_cpu_refuses(tmp_path, env):
     result = run_python("""
         import torch
-        from model_service.attention import cpu_kernels
+        from model_service import cpu_kernels
         from model_service.attention.backend import PagedAttention
         assert cpu_kernels.load() is None
         print("reason:", cpu_kernels.load_error())
         assert PagedAttention("auto").cpu_kernel_library(torch.zeros(1, 1, 4), torch.zeros(2, 1, 8, 1, 4)) is None
+        from model_service.models import fused_ops  # the layer ops fall back to their torch code
+        gate_up = torch.randn(3, 8)
+        assert torch.equal(fused_ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:])
         try:
             PagedAttention("cpu")
         except RuntimeError as error:

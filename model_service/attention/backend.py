@@ -1,7 +1,7 @@
 """PagedAttention: write this step's K/V into the pool, then attend (decode, then prefill).
 
 Decode attention by backend: "triton" (CUDA; the tests run it interpreted on CPU), "cpu"
-(the C kernel of cpu_kernels.py, reading blocks in place), "torch" (gather + SDPA, any
+(the C kernel of model_service/cpu_kernels, reading blocks in place), "torch" (gather + SDPA, any
 device). "auto" takes Triton on CUDA and the C kernel on CPU, each where it loads, and
 the torch path otherwise.
 
@@ -17,7 +17,8 @@ from types import ModuleType
 
 import torch
 
-from model_service.attention import cpu_kernels
+from model_service import cpu_kernels
+from model_service.cpu_kernels import paged_decode
 from model_service.attention.metadata import AttentionMetadata
 from model_service.attention.torch_paged import (
     DecodePlan,
@@ -66,7 +67,7 @@ class PagedAttention:
 
     def cpu_kernel_library(self, q: torch.Tensor, kv_layer: torch.Tensor):
         """The C kernel library where it serves this call, else None (torch path)."""
-        if self.backend not in ("auto", "cpu") or not cpu_kernels.supports(q, kv_layer):
+        if self.backend not in ("auto", "cpu") or not paged_decode.supports(q, kv_layer):
             return None
         return cpu_kernels.load()
 
@@ -106,7 +107,7 @@ class PagedAttention:
             else:
                 library = self.cpu_kernel_library(q, kv_layer)
                 if library is not None:
-                    decoded = cpu_kernels.paged_decode_attention(
+                    decoded = paged_decode.paged_decode_attention(
                         library, q[:num_decode], kv_layer, tables, lens, scale, sliding_window)
                 else:
                     plan = self._decode_plan(meta, kv_layer.device, sliding_window)

@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_service.attention.metadata import AttentionMetadata
+from model_service.models import fused_ops
 from model_service.models.config import ModelConfig
-from model_service.models.rope import RotaryEmbedding, apply_rotary
+from model_service.models.fused_ops import RotaryStep
+from model_service.models.rope import RotaryEmbedding
 
 # (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_layer [2, NB, BS, Hkv, D], meta, scale,
 #  sliding_window=int | None) -> [T, Hq, D]
@@ -33,12 +34,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; same arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalized in float32 whatever the dtype, then rounded and scaled in the input
-        # dtype, as the reference does (x * rsqrt(mean(x^2) + eps), then weight * x):
-        # three ops instead of seven, at 61 norms a step in a 30-layer model.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, hidden: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, its norm): a residual add and the norm after it in one pass."""
+        return fused_ops.add_rms_norm(hidden, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -55,19 +55,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.attention = attention
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
-        # q and k heads rotated in one call (one set of elementwise ops, not two).
-        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        # q and k heads rotated in one call (in place on the C path).
+        qk = rotary.rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # q: [T, Hq, D], k: [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, Hkv, D]
         out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window)  # [T, Hq, D]
@@ -82,8 +76,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -94,9 +87,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, cos, sin, kv_layer, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_layer, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary: RotaryStep,
+                kv_layer: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (residual stream, this layer's MLP output still to add to it): the add is
+        left to the next norm, which fuses it (`pending`; None before the first layer)."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(
+            hidden, self.self_attn(normed, rotary, kv_layer, meta))
+        return hidden, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,11 +127,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # input_ids, positions: [T] int64; kv_pool: [L, 2, NB, BS, Hkv, D] -> hidden [T, hidden]
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions)  # [T, 1, D/2] each
+        hidden = self.embed_tokens(input_ids)  # [T, hidden], the residual stream (added to in place)
+        rotary = RotaryStep(self.rotary.cos_cache, self.rotary.sin_cache, positions)
+        pending = None
         for layer_index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_pool[layer_index], meta)
-        return self.norm(hidden)
+            hidden, pending = layer(hidden, pending, rotary, kv_pool[layer_index], meta)
+        return self.norm.add_and_norm(hidden, pending)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] (only the rows whose next token is wanted) -> [N, vocab] float32

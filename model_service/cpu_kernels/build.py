@@ -1,0 +1,119 @@
+"""Builds and loads the CPU kernels of csrc/ with the machine's compiler, at first use.
+
+Why ctypes and not a torch C++ extension: the kernels need no torch headers, so they
+build in about a second instead of a minute, which every fresh machine, container and
+CI run pays once. The callers (paged_decode.py, layer_ops.py) pass data pointers of
+tensors they have checked.
+
+The shared object is cached under $PAGEDKV_KERNEL_CACHE (default ~/.cache/pagedkv/kernels),
+named by a hash of the source, the compiler, its flags and this CPU's feature flags
+(-march=native code must not run on another CPU that shares the cache directory). Where
+no compiler works, or PAGEDKV_CPU_KERNELS=0, `load()` returns None, with one warning,
+and the torch code serves instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger()
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode.c", "layer_ops.c")
+# Never -ffast-math: see csrc/cpu_math.h.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# The storage types the kernels take (cpu_math.h's enum).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# name: argument types, in the order of the C signatures
+SIGNATURES = {
+    "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _i32,
+                               _f32, _i32, _i32, _ptr, _i32],
+    "rms_norm": [_ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
+    "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
+    "silu_mul": [_ptr, _ptr, _i32, _i32, _i32, _i32],
+    "rotary_in_place": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32],
+}
+RETURNS = {"paged_decode_attention": ctypes.c_int}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("PAGEDKV_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "pagedkv" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    sources = [path.read_bytes() for path in sorted(CSRC.iterdir()) if path.suffix in (".c", ".h")]
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
+    target = cache_dir() / f"pagedkv-cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: a concurrent start never loads half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), *(str(CSRC / name) for name in SOURCES), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    log.info("cpu kernels built", path=str(target), compiler=compiler)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first call; None (with one warning) where it cannot be."""
+    global _library, _load_error
+    with _lock:
+        if _library is not None or _load_error is not None:
+            return _library
+        if os.environ.get("PAGEDKV_CPU_KERNELS", "1") == "0":
+            _load_error = "PAGEDKV_CPU_KERNELS=0"
+            return None
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        try:
+            if compiler is None:
+                raise RuntimeError("no C compiler (cc or gcc) on PATH and CC unset")
+            library = ctypes.CDLL(str(_build(compiler)))
+        except Exception as error:  # a failed build must leave the service on the torch path
+            _load_error = str(error)
+            log.warning("cpu kernels unavailable; decode attention and the layer ops take the slower torch path",
+                        reason=_load_error)
+            return None
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            function.restype = RETURNS.get(name)
+        _library = library
+        return library
+
+
+def load_error() -> str | None:
+    return _load_error

@@ -1,0 +1,51 @@
+"""Paged decode attention by the C kernel (csrc/paged_decode.c): the torch path's contract
+(attention/torch_paged.py decode_attention_torch), reading K/V in place from the pool."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from model_service.cpu_kernels.build import DTYPE_CODES
+
+# The C side's fixed buffer limits (paged_decode.c); wider shapes take the torch path.
+MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE = 256, 64, 256
+
+
+def supports(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """Whether paged_decode_attention takes this call (else the caller uses the torch path)."""
+    _, _, block_size, kv_heads, head_dim = kv_layer.shape
+    return (kv_layer.device.type == "cpu" and kv_layer.dtype in DTYPE_CODES and kv_layer.is_contiguous()
+            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE
+            and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= MAX_GROUP)
+
+
+def paged_decode_attention(
+    library: ctypes.CDLL,
+    q: torch.Tensor,  # [num_seqs, q_heads, head_dim]
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim], contiguous, CPU
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    context_lens: torch.Tensor,  # int32 [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, q_heads, head_dim], kv_layer's dtype
+    num_seqs, q_heads, head_dim = q.shape
+    _, _, block_size, kv_heads, _ = kv_layer.shape
+    q = q.to(kv_layer.dtype)
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()  # rows may stay apart (q is a view of the fused q/k/v output)
+    tables = block_tables.to(torch.int32)
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty((num_seqs, q_heads, head_dim), dtype=kv_layer.dtype)
+    status = library.paged_decode_attention(
+        q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        num_seqs, q_heads, kv_heads, head_dim, block_size,
+        scale, sliding_window or 0, DTYPE_CODES[kv_layer.dtype], out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"paged_decode_attention refused shape q={tuple(q.shape)} kv={tuple(kv_layer.shape)}")
+    return out
