@@ -155,7 +155,8 @@ def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra
                 async def one(prompt, max_new) -> list[int]:
                     request = model_pb2.GenerateRequest(
                         prompt_token_ids=prompt,
-                        sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True),
+                        sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
+                                                         detokenize=False),  # as vLLM runs here
                     )
                     tokens: list[int] = []
                     async for response in stub.Generate(request, timeout=900):

@@ -63,7 +63,7 @@ def completion_seed(seed: int | None, index: int) -> int | None:
 class Completion:
     index: int
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the request asked for token ids only
     generator: torch.Generator | None
     request: RequestOutput
     history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
@@ -81,13 +81,16 @@ class Completion:
             finish = Finish.EOS
         elif token in options.stop_token_ids:
             finish, matched = Finish.STOP, token
-        pushed = self.detokenizer.push([token])
-        text = pushed.text
-        if pushed.stopped:
-            finish, matched = Finish.STOP, pushed.matched
-        elif finish is None and (seq.num_output >= options.max_new_tokens or len(seq.token_ids) >= max_model_len):
+        text, stopped = "", False
+        if self.detokenizer is not None:
+            pushed = self.detokenizer.push([token])
+            text, stopped = pushed.text, pushed.stopped
+            if stopped:
+                finish, matched = Finish.STOP, pushed.matched
+        if not stopped and finish is None and (seq.num_output >= options.max_new_tokens
+                                               or len(seq.token_ids) >= max_model_len):
             finish = Finish.LENGTH
-        if finish is not None and not pushed.stopped:
+        if finish is not None and not stopped and self.detokenizer is not None:
             text += self.detokenizer.flush()
         delta = Delta(token_ids=[token], text=text, finish=finish, index=self.index, matched_stop=matched)
         if logprob is not None:
@@ -162,7 +165,8 @@ def new_request(key: int, request_id: str, prompt_token_ids: list[int], options:
         generator = None if options.greedy else make_generator(completion_seed(options.seed, index), device)
         detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.stop,
                                              include_stop_str=options.include_stop_str_in_output,
-                                             skip_special_tokens=options.skip_special_tokens)
+                                             skip_special_tokens=options.skip_special_tokens,
+                                             ) if options.detokenize else None
         request.completions.append(Completion(index, seq, detokenizer, generator, request))
     parent = request.completions[0].seq
     parent.fork_children = [completion.seq for completion in request.completions[1:]]

@@ -62,6 +62,7 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text
 
     def __post_init__(self) -> None:
         # Checks that need nothing but the options themselves; the ones that need the
@@ -92,6 +93,11 @@ class SamplingOptions:
                     f"stop[{index}] is {len(stop)} characters long; "
                     f"the limit is {MAX_STOP_STRING_CHARS}"
                 )
+        if self.stop and not self.detokenize:
+            raise InvalidRequest(
+                "stop strings are matched in the generated text, which detokenize=false turns off; "
+                "drop stop (stop_token_ids still work) or leave detokenize unset"
+            )
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be >= 0")
         if not 1 <= self.n <= MAX_COMPLETIONS:
@@ -205,6 +211,7 @@ class SamplingOptions:
             include_stop_str_in_output=sampling.include_stop_str_in_output,
             skip_special_tokens=(sampling.skip_special_tokens
                                  if sampling.HasField("skip_special_tokens") else True),
+            detokenize=sampling.detokenize if sampling.HasField("detokenize") else True,
         )
 
 

@@ -286,8 +286,10 @@ def test_a_deadline_mid_stream_is_deadline_exceeded_and_frees_the_blocks(stack):
     stub, cache, _ = stack
     request = model_pb2.GenerateRequest(prompt_token_ids=prompt_ids(20, seed=17), sampling=model_pb2.SamplingParams(
         n=2, max_new_tokens=230, ignore_eos=True))
+    # 2 x 230 tokens take longer than 0.15 s even on a fast machine (at 0.3 s a quiet one
+    # once finished them all before the deadline).
     with pytest.raises(grpc.RpcError) as error:
-        list(stub.Generate(request, timeout=0.3))
+        list(stub.Generate(request, timeout=0.15))
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "the expired request's blocks to be released")
 
@@ -318,6 +320,27 @@ def test_skip_special_tokens_off_keeps_them_in_the_text(stack):
     assert "".join(m.text for m in kept) == "</s>" and "".join(m.text for m in skipped) == ""
 
 
+def test_detokenize_off_streams_the_same_tokens_without_text(stack):
+    stub, cache, _ = stack
+    prompt = prompt_ids(12, seed=18)
+    with_text = run(stub, prompt, max_new_tokens=12, ignore_eos=True, stop_token_ids=[7])[0]
+    ids_only = run(stub, prompt, max_new_tokens=12, ignore_eos=True, stop_token_ids=[7], detokenize=False)[0]
+    assert tokens_of(ids_only) == tokens_of(with_text)
+    assert "".join(m.text for m in with_text) and not any(m.text for m in ids_only)
+    assert ids_only[-1].finish_reason == with_text[-1].finish_reason
+    assert ids_only[-1].usage.completion_tokens == len(tokens_of(ids_only))
+    wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
+
+
+def test_stop_strings_without_detokenizing_are_invalid(stack):
+    stub, cache, _ = stack
+    with pytest.raises(grpc.RpcError) as error:
+        run(stub, prompt_ids(5, seed=19), max_new_tokens=4, stop=["x"], detokenize=False)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "detokenize" in error.value.details() and "stop_token_ids still work" in error.value.details()
+    assert stats(cache).blocks_leased == 0
+
+
 # --- random parameters ---------------------------------------------------------------------
 
 in_range = st.fixed_dictionaries({}, optional={
@@ -327,6 +350,7 @@ in_range = st.fixed_dictionaries({}, optional={
     "repetition_penalty": st.floats(0.05, 5), "min_p": st.floats(0, 1), "min_tokens": st.integers(0, 4),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=5),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
+    "detokenize": st.booleans(),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3), "ignore_eos": st.booleans(),
 })
 

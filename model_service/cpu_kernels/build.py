@@ -91,6 +91,8 @@ def _build(compiler: str) -> Path:
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first call; None (with one warning) where it cannot be."""
     global _library, _load_error
+    if _library is not None:  # the hot path: every layer op asks, so no lock once loaded
+        return _library
     with _lock:
         if _library is not None or _load_error is not None:
             return _library

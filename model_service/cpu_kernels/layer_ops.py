@@ -13,8 +13,12 @@ from model_service.cpu_kernels.build import DTYPE_CODES
 def takes(*tensors: torch.Tensor) -> bool:
     """CPU tensors of one supported dtype, each row contiguous (the kernels' layouts)."""
     dtype = tensors[0].dtype
-    return all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors) \
-        and dtype in DTYPE_CODES
+    if dtype not in DTYPE_CODES:
+        return False
+    for tensor in tensors:  # a loop, not all(genexpr): this runs for every op of every layer
+        if tensor.dtype != dtype or tensor.stride(-1) != 1 or tensor.device.type != "cpu":
+            return False
+    return True
 
 
 def rms_norm(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
