@@ -6,7 +6,7 @@ CI run pays once. The callers (paged_decode.py, layer_ops.py) pass data pointers
 tensors they have checked.
 
 The shared object is cached under $PAGEDKV_KERNEL_CACHE (default ~/.cache/pagedkv/kernels),
-named by a hash of the source, the compiler, its flags and this CPU's feature flags
+named by a hash of the sources, the compiler, its flags and this CPU's feature flags
 (-march=native code must not run on another CPU that shares the cache directory). Where
 no compiler works, or PAGEDKV_CPU_KERNELS=0, `load()` returns None, with one warning,
 and the torch code serves instead.
@@ -91,7 +91,7 @@ def _build(compiler: str) -> Path:
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first call; None (with one warning) where it cannot be."""
     global _library, _load_error
-    if _library is not None:  # the hot path: every layer op asks, so no lock once loaded
+    if _library is not None or _load_error is not None:  # every layer op asks: no lock once decided
         return _library
     with _lock:
         if _library is not None or _load_error is not None:
