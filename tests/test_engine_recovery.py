@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -169,6 +170,27 @@ class HealthyCache(FakeCache):
         return result
 
 
+@contextlib.contextmanager
+def engine_on_healthy_cache(tmp_path, ttl_ms: int):
+    """A started, attached engine on the tiny model over a HealthyCache of one 2048-token
+    block; yields (engine, cache); stops the engine and frees the pool afterwards."""
+    loaded = load_model("tiny")
+    config = loaded.config
+    block_size = 2048
+    shared = pool_memory.create_shared_pool(
+        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim), torch.float32, str(tmp_path))
+    cache = HealthyCache(pool_memory.shared_handle_to_proto(shared.handle), block_size, ttl_ms=ttl_ms)
+    engine = Engine(loaded, EngineSettings(max_model_len=block_size), cache, torch.device("cpu"), torch.float32)
+    engine.start()
+    try:
+        assert engine.connected.wait(10)
+        yield engine, cache
+    finally:
+        cache.released.set()  # a heartbeat hung by the test returns
+        engine.stop(0)
+        shared.close()
+
+
 class DeadlineExceeded(grpc.RpcError):
     def code(self):
         return grpc.StatusCode.DEADLINE_EXCEEDED
@@ -182,16 +204,7 @@ def test_the_engine_stops_writing_once_its_lease_may_have_expired(tmp_path):
     paused) while a request decodes inside one block, so no lease call proves the session
     alive either. Past TTL - margin the engine must stop stepping: the cache service may
     have handed its blocks to someone else."""
-    loaded = load_model("tiny")
-    config = loaded.config
-    block_size = 2048
-    shared = pool_memory.create_shared_pool(
-        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim), torch.float32, str(tmp_path))
-    cache = HealthyCache(pool_memory.shared_handle_to_proto(shared.handle), block_size, ttl_ms=600)
-    engine = Engine(loaded, EngineSettings(max_model_len=block_size), cache, torch.device("cpu"), torch.float32)
-    engine.start()
-    try:
-        assert engine.connected.wait(10)
+    with engine_on_healthy_cache(tmp_path, ttl_ms=600) as (engine, cache):
         deltas = []
         ended = threading.Event()
         first_token = threading.Event()
@@ -214,23 +227,10 @@ def test_the_engine_stops_writing_once_its_lease_may_have_expired(tmp_path):
         assert generated < 2000, "the engine kept stepping past its lease deadline"
         # It gave the old session up and attached again.
         assert "session-0" in cache.detached
-    finally:
-        cache.released.set()
-        engine.stop(0)
-        shared.close()
 
 
 def test_stop_lets_running_requests_finish_but_accepts_no_new_ones(tmp_path):
-    loaded = load_model("tiny")
-    config = loaded.config
-    block_size = 2048
-    shared = pool_memory.create_shared_pool(
-        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim), torch.float32, str(tmp_path))
-    cache = HealthyCache(pool_memory.shared_handle_to_proto(shared.handle), block_size, ttl_ms=60_000)
-    engine = Engine(loaded, EngineSettings(max_model_len=block_size), cache, torch.device("cpu"), torch.float32)
-    engine.start()
-    try:
-        assert engine.connected.wait(10)
+    with engine_on_healthy_cache(tmp_path, ttl_ms=60_000) as (engine, _):
         deltas = []
         ended = threading.Event()
         started = threading.Event()
@@ -259,9 +259,6 @@ def test_stop_lets_running_requests_finish_but_accepts_no_new_ones(tmp_path):
         stopper.join(60)
         assert ended.is_set() and deltas[-1].finish is Finish.LENGTH and deltas[-1].error is None
         assert sum(len(d.token_ids) for d in deltas) == 1500
-    finally:
-        engine.stop(0)
-        shared.close()
 
 
 def test_a_pool_it_cannot_map_is_detached_before_the_engine_gives_up(pool_handle, tmp_path):
