@@ -153,21 +153,22 @@ def pagedkv_services(path: Path, tmp: Path, threads: int, cache, tree: Path | No
         yield run
 
 
-def run_hf_generate(model, requests) -> dict:
+def run_hf_generate(model, requests, pad_token_id: int = 0) -> dict:
+    """transformers' generate over (prompt ids, max_new_tokens) requests, 8 at a time, left-padded."""
     started = time.perf_counter()
     tokens = 0
     for start in range(0, len(requests), 8):
         batch = requests[start:start + 8]
         width = max(len(p) for p, _ in batch)
         max_new = max(n for _, n in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, (prompt, _) in enumerate(batch):
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+                           do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
         tokens += sum(n for _, n in batch)
     return {"tokens": tokens, "seconds": time.perf_counter() - started}
 

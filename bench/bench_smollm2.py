@@ -34,9 +34,10 @@ import grpc
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from processes import start_cache_service, start_model_service  # noqa: E402
+from bench_generate import run_hf_generate as generate_batches  # noqa: E402
 
 from model_service.models.embedded import embedded_model_path  # noqa: E402
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
@@ -110,24 +111,12 @@ class PagedkvRunner:
 
 
 def run_hf_generate(model, tokenizer, requests) -> dict:
+    """The chat prompts rendered by the tokenizer's template (untimed), then generate_batches."""
     prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
                for messages, _ in requests]
-    started = time.perf_counter()
-    tokens = 0
-    for start in range(0, len(requests), 8):
-        batch = list(zip(prompts[start:start + 8], (n for _, n in requests[start:start + 8])))
-        width = max(len(p) for p, _ in batch)
-        max_new = max(n for _, n in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (prompt, _) in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id or 0)
-        tokens += sum(n for _, n in batch)
-    return {"tokens": tokens, "seconds": time.perf_counter() - started, "prompt_tokens": sum(map(len, prompts))}
+    result = generate_batches(model, [(prompt, n) for prompt, (_, n) in zip(prompts, requests)],
+                              pad_token_id=tokenizer.pad_token_id or 0)
+    return {**result, "prompt_tokens": sum(map(len, prompts))}
 
 
 PAGEDKV = "pagedkv (gRPC, both services, chat messages)"
