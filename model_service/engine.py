@@ -2,18 +2,19 @@
 
 Each iteration: collect the answer to the lease call made last step, schedule, send
 the next lease call, run the forward pass while that call is on the wire, sample, and
-stream tokens out. gRPC handlers talk to it only through submit(), cancel() and
-abort(); it talks back through each request's sink. What a stream receives is built in
-output.py (detokenizing, stop matching, logprobs, the n completions of a request); the
-logits pipeline the sampler runs is logits_processing.py. A request whose deadline
-passes, queued or running, ends with DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away, every stream
+stream tokens out. Callers talk to it only through submit(), cancel() and abort()
+(admission.py keeps the ids and the queue limit they share with it); it talks back
+through each request's sink. Its record of live requests, their deadlines and the
+deltas going out is live_requests.py; what a stream receives is built in output.py
+(detokenizing, stop matching, logprobs, the n completions of a request); the logits
+pipeline the sampler runs is logits_processing.py; attaching to the cache service is
+attachment.py. A request whose deadline passes, queued or running, ends with
+DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away, every stream
 ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by itself.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import queue
 import threading
 import time
@@ -26,16 +27,18 @@ import structlog
 import torch
 
 from model_service import metrics
+from model_service.admission import Admission
+from model_service.attachment import AttachRequest, FatalAttachError, attach, detach_after_failure
 from model_service.cache_client import CacheClient, Heartbeat, LeaseDeadline
 from model_service.decode_graphs import DecodeGraphPool
 from model_service.models.loader import LoadedModel
-from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, new_request
+from model_service.live_requests import Deliver, LiveRequests
+from model_service.output import Completion, Delta, RequestOutput, Sink, new_request
 from model_service.runner import ModelRunner
 from model_service.sampling import SamplingOptions
-from model_service.scheduler import POLICIES, LeaseLost, LeaseOps, Scheduler, SchedulerLimits
+from model_service.scheduler import POLICIES, LeaseLost, LeaseOps, Scheduler
 from model_service.sequence import Finish, Sequence, Status
 from model_service.step_sampler import StepSampler
-from pagedkv import pool_memory
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
@@ -66,26 +69,16 @@ class EngineSettings:
 
 
 __all__ = ["Delta", "Engine", "EngineSettings", "Sink"]
-# Hands a step's deltas to their sinks. The default calls each sink from the engine
-# thread; a server passes one that hops to its event loop once per step, not once per token.
-Deliver = Callable[[list[tuple[Sink, Delta]]], None]
 
 
 def deliver_here(deliveries: list[tuple[Sink, Delta]]) -> None:
+    """The default Deliver: each sink called on the engine thread."""
     for sink, delta in deliveries:
         sink(delta)
 
 
 class EngineUnavailable(Exception):
     """Not attached to the cache service (starting, or it went away); try again later."""
-
-
-class QueueFull(Exception):
-    """More requests queued than --max-queued-requests."""
-
-
-class DuplicateRequest(Exception):
-    """A request id that a live request already has (Abort names requests by id)."""
 
 
 class Engine:
@@ -106,17 +99,11 @@ class Engine:
         self._sampler = StepSampler(loaded.config.vocab_size, self.eos_token_ids, device)
         self._on_serving = on_serving
         self._on_fatal = on_fatal
-        self._deliver = deliver
-        self._outbox: list[tuple[Sink, Delta]] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._arrivals = itertools.count()
-        self._live: dict[int, RequestOutput] = {}  # by key, on the engine thread
-        self._completions: dict[Sequence, Completion] = {}
-        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, key)
-        self._pending = 0  # submitted and not yet finished; read by submit() for the queue limit
-        # Request ids submitted and not yet finished, to their keys (for abort()).
-        self._live_ids: dict[str, int] = {}
-        self._pending_lock = threading.Lock()
+        self._admission = Admission(settings.max_queued_requests)
+        self._requests = LiveRequests(deliver, on_completion_end=self._completion_ended,
+                                      on_request_end=lambda request: self._admission.release(
+                                          request.request_id, request.key))
         self._stopping = threading.Event()
         self._accepting = True  # False from the moment stop() begins
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -131,6 +118,12 @@ class Engine:
             metrics.DECODE_GRAPH_MEMORY_BYTES.set(self.decode_graph_pool.memory_bytes)
             log.info("decode_graphs_reserved", buckets=self.decode_graph_pool.graphs.buckets,
                      memory_bytes=self.decode_graph_pool.memory_bytes, workspace_bytes=self.workspace_bytes)
+        self._attach_request = AttachRequest(
+            client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
+            max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
+            max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
+            scheduling_policy=settings.scheduling_policy,
+        )
         # Set while attached:
         self.session_id: str | None = None
         self.sizing = None
@@ -161,7 +154,7 @@ class Engine:
 
     @property
     def pending(self) -> int:
-        return self._pending
+        return self._admission.pending
 
     @property
     def max_total_tokens(self) -> int:
@@ -181,20 +174,7 @@ class Engine:
             raise EngineUnavailable("the model service is shutting down; retry elsewhere")
         if not self.connected.is_set():
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
-        key = next(self._arrivals)
-        with self._pending_lock:
-            if request_id in self._live_ids:
-                raise DuplicateRequest(
-                    f"request_id {request_id!r} is already queued or running; request ids must be unique "
-                    "among live requests (leave it empty to have one made)"
-                )
-            if self._pending >= self.settings.max_queued_requests:
-                raise QueueFull(
-                    f"{self._pending} requests are queued or running, the limit is "
-                    f"--max-queued-requests {self.settings.max_queued_requests}; retry later"
-                )
-            self._pending += 1
-            self._live_ids[request_id] = key
+        key = self._admission.admit(request_id)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
                               self.device, deadline, priority, arrival=key)
         for completion in request.completions:
@@ -208,8 +188,7 @@ class Engine:
 
     def abort(self, request_ids: list[str]) -> int:
         """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
-        with self._pending_lock:
-            keys = [self._live_ids[request_id] for request_id in set(request_ids) if request_id in self._live_ids]
+        keys = self._admission.keys_of(request_ids)
         if keys:
             self._inbox.put(("abort", keys))
         return len(keys)
@@ -243,72 +222,29 @@ class Engine:
 
     def _connect(self) -> None:
         """Attaches (or re-attaches) to the cache service, retrying until it answers."""
-        delay = 0.2
-        while not self._stopping.is_set():
-            sent_at = time.monotonic()
-            try:
-                reply = self.cache.attach(self.settings.client_name, self.geometry,
-                                          self.workspace_bytes, self.settings.max_model_len,
-                                          model_fingerprint=self.settings.model_fingerprint)
-                break
-            except grpc.RpcError as error:
-                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise FatalAttachError(f"the cache service refused Attach: {error.code().name}: {error.details()}")
-                log.warning("cache_unreachable", address=self.cache.address, retry_in_s=delay)
-                # A request can slip in as the connection drops (it passed submit's check
-                # just before): end it now rather than keep it until a re-attach.
-                self._fail_queued(grpc.StatusCode.UNAVAILABLE,
-                                  f"the cache service at {self.cache.address} is unreachable; retry")
-                self._flush()
-                self._stopping.wait(delay)
-                # At most 1 s between tries: a restarted cache service is re-attached to
-                # within about a second (the channel's reconnect backoff is capped alike).
-                delay = min(delay * 2, 1.0)
-        else:
+
+        def unreachable() -> None:
+            # A request can slip in as the connection drops (it passed submit's check
+            # just before): end it now rather than keep it until a re-attach.
+            self._fail_queued(grpc.StatusCode.UNAVAILABLE,
+                              f"the cache service at {self.cache.address} is unreachable; retry")
+            self._flush()
+
+        session = attach(self.cache, self._attach_request, self.loaded, self.device, self.decode_graph_pool,
+                         stopping=self._stopping, on_unreachable=unreachable,
+                         on_heartbeat_failure=lambda session_id, error: self._inbox.put(
+                             ("cache_failed", session_id, error)))
+        if session is None:
             return
-        try:
-            kv_pool = pool_memory.map_pool(reply.pool)
-        except (pool_memory.PoolMappingError, ValueError) as error:
-            # Most often a new cache service whose pool lives where this process cannot see
-            # it (a restarted cache container has a new /dev/shm). Give the session back now,
-            # not at its TTL, then exit: a restart (compose's restart policy) sees the new pool.
-            self._detach_unmapped(reply.session_id, error)
-            raise FatalAttachError(f"cannot map the cache service's KV pool: {error}") from error
-        if kv_pool.device.type != self.device.type:
-            kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
-        self.session_id = reply.session_id
-        self.sizing = reply.sizing
-        graphs = None
-        if self.decode_graph_pool is not None:
-            graphs = self.decode_graph_pool.capture(kv_pool, reply.sizing.block_size)
-            log.info("decode_graphs_captured", buckets=graphs.buckets, captures=graphs.captures,
-                     memory_bytes=self.decode_graph_pool.memory_bytes)
-        self.runner = ModelRunner(self.loaded.model, kv_pool, reply.sizing.block_size, graphs)
-        self.scheduler = Scheduler(
-            SchedulerLimits(block_size=reply.sizing.block_size, max_num_seqs=self.settings.max_num_seqs,
-                            max_batch_tokens=self.settings.max_batch_tokens),
-            blocks_available=reply.sizing.num_blocks, policy=self.settings.scheduling_policy,
-        )
-        self._lease_deadline = LeaseDeadline(reply.lease_ttl_ms / 1000, acked_at=sent_at)
-        self._heartbeat = Heartbeat(
-            self.cache, reply.session_id, reply.lease_ttl_ms / 3000,
-            on_failure=lambda session_id, error: self._inbox.put(("cache_failed", session_id, error)),
-            deadline=self._lease_deadline,
-        ).start()
+        self.session_id, self.sizing = session.session_id, session.sizing
+        self.runner, self.scheduler = session.runner, session.scheduler
+        self._lease_deadline, self._heartbeat = session.lease_deadline, session.heartbeat
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
         self._on_serving(True)
-        log.info("attached", cache=self.cache.address, session=reply.session_id[:8],
-                 num_blocks=reply.sizing.num_blocks, block_size=reply.sizing.block_size,
-                 max_total_tokens=reply.sizing.max_total_tokens)
-
-    def _detach_unmapped(self, session_id: str, error: Exception) -> None:
-        try:
-            self.cache.detach(session_id)
-            log.error("pool_unmappable_detached", session=session_id[:8], error=str(error))
-        except grpc.RpcError as detach_error:  # the session then expires at its TTL
-            log.error("pool_unmappable_detach_failed", session=session_id[:8], error=str(error),
-                      code=detach_error.code().name)
+        log.info("attached", cache=self.cache.address, session=session.session_id[:8],
+                 num_blocks=session.sizing.num_blocks, block_size=session.sizing.block_size,
+                 max_total_tokens=session.sizing.max_total_tokens)
 
     def _step(self) -> None:
         scheduler = self.scheduler
@@ -321,14 +257,13 @@ class Engine:
             metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
             ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
             for seq, reason in scheduler.apply(ops, outcomes, available):
-                completion = self._completions.get(seq)
+                completion = self._requests.completions.get(seq)
                 if completion is not None:
-                    self._end_request(completion.request, Finish.ABORTED,
-                                      error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+                    self._requests.end_request(completion.request, Finish.ABORTED,
+                                               error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
             # Forks' copy-on-write, before this step's forward pass writes into a copy.
             self.runner.copy_blocks(scheduler.take_copies())
-        if self._deadlines:
-            self._expire_deadlines()
+        self._requests.expire_deadlines()
         if not scheduler.has_work():
             return
         step = scheduler.schedule()
@@ -341,10 +276,10 @@ class Engine:
             self._inflight_ops = step.lease_ops
         if step.batch:
             self._check_lease_deadline()
-            prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._completions)
+            prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._requests.completions)
             due, logits = self.runner.execute(step.batch, prompt_logits)
             if prompt_logits:
-                self._sampler.collect_prompt_logprobs(prompt_logits, self._completions)
+                self._sampler.collect_prompt_logprobs(prompt_logits, self._requests.completions)
             for seq, new_tokens in step.batch:
                 seq.num_computed += new_tokens
             if due:
@@ -383,25 +318,21 @@ class Engine:
         kind = message[0]
         if kind == "submit":
             request: RequestOutput = message[1]
-            self._live[request.key] = request
-            for completion in request.completions:
-                self._completions[completion.seq] = completion
-                if completion.index:
-                    completion.seq.status = Status.FORK_PENDING
+            self._requests.add(request)
+            for completion in request.completions[1:]:
+                completion.seq.status = Status.FORK_PENDING
             self.scheduler.add(request.completions[0].seq)
-            if request.deadline is not None:
-                heapq.heappush(self._deadlines, (request.deadline, request.key))
             metrics.PROMPT_TOKENS.inc(request.prompt_len)
         elif kind == "cancel":
-            request = self._live.get(message[1])
+            request = self._requests.get(message[1])
             if request is not None:
-                self._end_request(request, Finish.ABORTED)
+                self._requests.end_request(request, Finish.ABORTED)
                 log.info("request_cancelled", request_id=request.request_id)
         elif kind == "abort":
             for key in message[1]:
-                request = self._live.get(key)
+                request = self._requests.get(key)
                 if request is not None:
-                    self._end_request(request, Finish.ABORTED)
+                    self._requests.end_request(request, Finish.ABORTED)
                     log.info("request_aborted", request_id=request.request_id)
         elif kind == "cache_failed":
             # Both the heartbeat and the lease call see a dying cache service; when the
@@ -410,17 +341,6 @@ class Engine:
             if message[1] == self.session_id:
                 raise CacheFailed(message[2])
 
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, key = heapq.heappop(self._deadlines)
-            request = self._live.get(key)
-            if request is not None:
-                log.info("deadline_exceeded", request_id=request.request_id)
-                self._end_request(request, Finish.ABORTED, error=(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "the request's deadline passed before it finished; its blocks are freed"))
-
     # -- sampling and output --------------------------------------------------------
 
     def _sample(self, due: list[Sequence], logits: torch.Tensor) -> None:
@@ -428,72 +348,21 @@ class Engine:
         an n-request's completion 0, its other completions sample theirs from the same
         row and are forked."""
         forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
-        completions, tokens, logprobs = self._sampler.sample(due, logits, self._completions)
+        completions, tokens, logprobs = self._sampler.sample(due, logits, self._requests.completions)
         for seq in forking:
             self.scheduler.fork(seq, seq.fork_children)
-        self._emit(completions, tokens, logprobs)
+        self._requests.emit(completions, tokens, logprobs, self.eos_token_ids, self.settings.max_model_len)
 
-    def _emit(self, completions: list[Completion], tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
-        now = time.perf_counter()
-        max_model_len = self.settings.max_model_len
-        for completion, token, logprob in zip(completions, tokens, logprobs):
-            if completion.finished:
-                continue
-            request = completion.request
-            delta = completion.on_token(token, logprob, self.eos_token_ids, max_model_len)
-            if completion.last_token_at:
-                metrics.INTER_TOKEN_SECONDS.observe(now - completion.last_token_at)
-            elif completion.index == 0:
-                metrics.TIME_TO_FIRST_TOKEN_SECONDS.observe(now - request.submitted_at)
-            completion.last_token_at = now
-            metrics.GENERATED_TOKENS.inc()
-            if delta.finish is None:
-                self._outbox.append((request.sink, request.first(delta)))
-            else:
-                self._end_completion(completion, delta.finish, delta)
-
-    def _end_completion(self, completion: Completion, finish: Finish, delta: Delta | None = None,
-                        error: tuple[grpc.StatusCode, str] | None = None) -> None:
-        """Finishes one completion: its blocks go back with the next lease call, and its
-        last delta goes out; the request ends with its last completion."""
-        if completion.finished:
-            return
-        seq = completion.seq
-        self.scheduler.finish(seq, finish)
-        self._completions.pop(seq, None)
+    def _completion_ended(self, completion: Completion, finish: Finish) -> None:
+        """Its blocks go back with the next lease call; its sampler state is dropped."""
+        self.scheduler.finish(completion.seq, finish)
         self._sampler.release(completion)
-        request = completion.request
-        if seq.index == 0:
-            request.cached_tokens = seq.cached_tokens
-        self._outbox.append((request.sink, request.finished(completion, finish, delta, error)))
-        metrics.REQUESTS.labels(finish.value).inc()
-        if request.unfinished == 0:
-            self._live.pop(request.key, None)
-            self._forget(request)
-
-    def _end_request(self, request: RequestOutput, finish: Finish,
-                     error: tuple[grpc.StatusCode, str] | None = None) -> None:
-        for completion in request.completions:
-            self._end_completion(completion, finish, error=error)
-
-    def _forget(self, request: RequestOutput) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-            if self._live_ids.get(request.request_id) == request.key:
-                del self._live_ids[request.request_id]
 
     def _flush(self) -> None:
-        if self._outbox:
-            deliveries, self._outbox = self._outbox, []
-            self._deliver(deliveries)
+        self._requests.flush()
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        for request in list(self._live.values()):
-            self._live.pop(request.key, None)
-            self._forget(request)
-            self._outbox.append((request.sink, Delta(finish=Finish.ABORTED, error=(code, message))))
-        self._completions.clear()
-        self._deadlines.clear()
+        self._requests.fail_all(code, message)
         self._sampler.reset()
 
     def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
@@ -506,12 +375,12 @@ class Engine:
             except queue.Empty:
                 return
             if queued[0] == "submit":
-                self._forget(queued[1])
-                self._outbox.append((queued[1].sink, Delta(finish=Finish.ABORTED, error=(code, message))))
+                self._admission.release(queued[1].request_id, queued[1].key)
+                self._requests.send(queued[1].sink, Delta(finish=Finish.ABORTED, error=(code, message)))
             # Cancels have nothing left to cancel; stale cache failures nothing left to fail.
 
     def _lose_cache(self, error: BaseException) -> None:
-        log.error("cache_service_lost", error=describe_error(error), requests_failed=len(self._live))
+        log.error("cache_service_lost", error=describe_error(error), requests_failed=len(self._requests))
         self.connected.clear()
         metrics.CACHE_CONNECTED.set(0)
         self._on_serving(False)
@@ -522,22 +391,10 @@ class Engine:
         self._fail_queued(grpc.StatusCode.UNAVAILABLE,
                           f"the cache service at {self.cache.address} went away; retry")
         self._inflight = self._inflight_ops = None
-        self._detach_if_reachable(error)
+        detach_after_failure(self.cache, self.session_id,
+                             error.args[0] if isinstance(error, CacheFailed) and error.args else error)
         self.scheduler = self.runner = None
         self.session_id = self.sizing = None
-
-    def _detach_if_reachable(self, error: BaseException) -> None:
-        """After a failure that was not the cache service going away (a rejected op, an
-        internal error), give the old session's leases back now rather than at its TTL."""
-        cause = error.args[0] if isinstance(error, CacheFailed) and error.args else error
-        if isinstance(cause, grpc.RpcError) and cause.code() in (grpc.StatusCode.UNAVAILABLE,
-                                                                 grpc.StatusCode.DEADLINE_EXCEEDED):
-            return
-        try:
-            reclaimed = self.cache.detach(self.session_id)
-            log.info("detached_after_failure", session=self.session_id[:8], blocks_reclaimed=reclaimed)
-        except grpc.RpcError as detach_error:  # NOT_FOUND: the service already dropped it
-            log.info("detach_after_failure_failed", code=detach_error.code().name)
 
     def _shutdown(self) -> None:
         """SIGTERM: end what is left, give every block back, detach."""
@@ -550,8 +407,8 @@ class Engine:
                 outcomes, available = self._inflight.result()
                 self.scheduler.apply(self._inflight_ops, outcomes, available)
                 self._inflight = None
-            for request in list(self._live.values()):
-                self._end_request(request, Finish.ABORTED, error=(
+            for request in self._requests:
+                self._requests.end_request(request, Finish.ABORTED, error=(
                     grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
             step_ops = self.scheduler.schedule().lease_ops  # only releases remain
             if step_ops:
@@ -572,10 +429,6 @@ class CacheFailed(Exception):
 
 class LeaseExpired(Exception):
     """The local lease deadline passed: the session may be gone at the cache service."""
-
-
-class FatalAttachError(RuntimeError):
-    """Attach was refused for a reason retrying cannot fix (geometry, auth, too little memory)."""
 
 
 def describe_error(error: BaseException) -> str:

@@ -21,7 +21,8 @@ import grpc
 import structlog
 
 from model_service import metrics
-from model_service.engine import Delta, DuplicateRequest, Engine, EngineUnavailable, QueueFull
+from model_service.admission import DuplicateRequest, QueueFull
+from model_service.engine import Delta, Engine, EngineUnavailable
 from model_service.output import TokenLogprob
 from model_service.sampling import InvalidRequest
 from model_service.sequence import Finish

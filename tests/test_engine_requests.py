@@ -215,7 +215,7 @@ def test_priority_policy_runs_the_urgent_request_first(checkpoint, tmp_path):
 
 
 def test_duplicate_live_request_id_is_refused(checkpoint, tmp_path):
-    from model_service.engine import DuplicateRequest
+    from model_service.admission import DuplicateRequest
 
     loaded, _ = checkpoint
     streams = Streams()
