@@ -25,6 +25,7 @@ from model_service.models.loader import LoadedModel
 from model_service.runner import ModelRunner
 from model_service.scheduler import Scheduler, SchedulerLimits
 from pagedkv import pool_memory
+from pagedkv.cache.v1 import cache_pb2
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
@@ -35,8 +36,9 @@ class FatalAttachError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class AttachRequest:
-    """What an engine asks the cache service for, the same at every (re-)attach."""
+class AttachSettings:
+    """What an engine attaches with, the same at every (re-)attach: what it asks the
+    cache service for, and how it schedules on the pool it gets."""
 
     client_name: str
     geometry: KvGeometry
@@ -51,14 +53,14 @@ class AttachRequest:
 @dataclass(frozen=True, slots=True)
 class Session:
     session_id: str
-    sizing: object  # the reply's SessionSizing
+    sizing: cache_pb2.SizingReport
     runner: ModelRunner
     scheduler: Scheduler
     lease_deadline: LeaseDeadline
     heartbeat: Heartbeat
 
 
-def attach(cache: CacheClient, asked: AttachRequest, loaded: LoadedModel, device: torch.device,
+def attach(cache: CacheClient, asked: AttachSettings, loaded: LoadedModel, device: torch.device,
            decode_graph_pool: DecodeGraphPool | None, *, stopping: threading.Event,
            on_unreachable: Callable[[], None],
            on_heartbeat_failure: Callable[[str, BaseException], None]) -> Session | None:

@@ -28,7 +28,7 @@ import torch
 
 from model_service import metrics
 from model_service.admission import Admission
-from model_service.attachment import AttachRequest, FatalAttachError, attach, detach_after_failure
+from model_service.attachment import AttachSettings, FatalAttachError, attach, detach_after_failure
 from model_service.cache_client import CacheClient, Heartbeat, LeaseDeadline
 from model_service.decode_graphs import DecodeGraphPool
 from model_service.models.loader import LoadedModel
@@ -118,7 +118,7 @@ class Engine:
             metrics.DECODE_GRAPH_MEMORY_BYTES.set(self.decode_graph_pool.memory_bytes)
             log.info("decode_graphs_reserved", buckets=self.decode_graph_pool.graphs.buckets,
                      memory_bytes=self.decode_graph_pool.memory_bytes, workspace_bytes=self.workspace_bytes)
-        self._attach_request = AttachRequest(
+        self._attach_settings = AttachSettings(
             client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
             max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
@@ -230,7 +230,7 @@ class Engine:
                               f"the cache service at {self.cache.address} is unreachable; retry")
             self._flush()
 
-        session = attach(self.cache, self._attach_request, self.loaded, self.device, self.decode_graph_pool,
+        session = attach(self.cache, self._attach_settings, self.loaded, self.device, self.decode_graph_pool,
                          stopping=self._stopping, on_unreachable=unreachable,
                          on_heartbeat_failure=lambda session_id, error: self._inbox.put(
                              ("cache_failed", session_id, error)))
