@@ -1,5 +1,6 @@
 """The CPU C kernels (model_service/cpu_kernels) against the torch code they replace, in
-turns in one process: each op at a model's shapes, then whole engine steps (decode at
+turns in one process: each op at a model's shapes (and greedy sampling's argmax over a
+decode batch's logits), then whole engine steps (decode at
 batch 1 and 48, one prefill) with the kernels on and off.
 
     .venv/bin/python bench/bench_cpu_kernels.py [--model smollm2|w48|PATH] [--dtype bfloat16|float32]
@@ -28,6 +29,7 @@ from bench_vs_vllm import smollm2_checkpoint  # noqa: E402
 
 from model_service import cpu_kernels  # noqa: E402
 from model_service.attention.torch_paged import decode_attention_torch  # noqa: E402
+from model_service.cpu_kernels import argmax as cpu_argmax  # noqa: E402
 from model_service.cpu_kernels import layer_ops, paged_decode  # noqa: E402
 from model_service.models import fused_ops  # noqa: E402
 from model_service.models.loader import load_model  # noqa: E402
@@ -120,6 +122,18 @@ def attention_pairs(config, dtype: torch.dtype, library) -> dict[str, tuple]:
     return pairs
 
 
+def argmax_pairs(config, dtype: torch.dtype, library) -> dict[str, tuple]:
+    """Greedy sampling's argmax over a decode batch's logits, in the lm_head's dtype: what
+    sampling.argmax_rows did before the kernel (a float32 copy, then numpy) against it."""
+    logits = torch.randn(48, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    def float_then_numpy():
+        return torch.from_numpy(logits.float().contiguous().numpy().argmax(axis=-1))
+
+    return {f"greedy argmax, 48 x {config.vocab_size} logits": (float_then_numpy,
+                                                                lambda: cpu_argmax.argmax_rows(library, logits))}
+
+
 def step_pairs(model_path: str, dtype: torch.dtype) -> dict[str, tuple]:
     """Whole runner.execute steps: the model with the C kernels, and the same weights with
     decode attention on the torch backend and the layer ops' C path turned off."""
@@ -177,6 +191,7 @@ def main() -> int:
         for rows in (1, 48, 2000):
             results.update(in_turns(op_pairs(config, dtype, rows, library), args.rounds, calls=200 if rows < 2000 else 20))
         results.update(in_turns(attention_pairs(config, dtype, library), args.rounds, calls=100))
+        results.update(in_turns(argmax_pairs(config, dtype, library), args.rounds, calls=100))
         results.update(in_turns(step_pairs(str(path), dtype), args.rounds, calls=3))
     print(f"\n{args.model}, {args.dtype}, {args.threads} threads, median of {args.rounds} rounds in turns\n")
     print("| what | torch | C kernels | torch / C |")

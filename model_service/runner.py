@@ -37,7 +37,9 @@ class ModelRunner:
                 prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] | None = None,
                 ) -> tuple[list[Sequence], torch.Tensor]:
         """Runs one step. Returns the sequences whose next token is due and their logits
-        [len(due), vocab] float32, in batch order. Does not change the sequences.
+        [len(due), vocab], in batch order, in the lm_head's dtype: a greedy argmax needs
+        no float32 copy, and sampling.sample makes one for whatever computes with them.
+        Does not change the sequences.
 
         `prompt_logits`, when given, names sequences (its keys) whose prompt positions in
         this step need logits (prompt logprobs); each gets (first position, logits
@@ -56,7 +58,7 @@ class ModelRunner:
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         index = torch.tensor([rows[i] for i in due], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = self.model.compute_logits(hidden.index_select(0, index), float32=False)
         return [batch[i][0] for i in due], logits
 
     def _prompt_logits(self, batch, hidden: torch.Tensor, rows: list[int],

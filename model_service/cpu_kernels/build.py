@@ -30,7 +30,7 @@ import torch
 log = structlog.get_logger()
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.c", "layer_ops.c")
+SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c")
 # Never -ffast-math: see csrc/cpu_math.h.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # The storage types the kernels take (cpu_math.h's enum).
@@ -45,6 +45,7 @@ SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
     "silu_mul": [_ptr, _ptr, _i32, _i32, _i32, _i32],
     "rotary_in_place": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32],
+    "argmax_rows": [_ptr, _i64, _i32, _i32, _i32, _ptr, _i32],
 }
 RETURNS = {"paged_decode_attention": ctypes.c_int}
 

@@ -134,9 +134,11 @@ class LlamaForCausalLM(nn.Module):
             hidden, pending = layer(hidden, pending, rotary, kv_pool[layer_index], meta)
         return self.norm.add_and_norm(hidden, pending)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] (only the rows whose next token is wanted) -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # hidden: [N, hidden] (only the rows whose next token is wanted) -> [N, vocab], float32
+        # or (float32=False) in the lm_head's dtype, for a caller that converts only when needed
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
 
 def default_attention(backend: str = "auto") -> AttentionFn:

@@ -1,0 +1,58 @@
+"""StepSampler with logits in the model's dtype (the runner hands bfloat16 models'
+logits over as they are): a greedy batch takes its argmax from them directly, and
+whatever computes with them (logit_bias, logprobs) does so in float32."""
+
+from __future__ import annotations
+
+import torch
+
+from model_service.output import new_request
+from model_service.sampling import SamplingOptions
+from model_service.step_sampler import StepSampler
+
+VOCAB = 500
+
+
+def due_rows(options: list[SamplingOptions]):
+    completions = {}
+    for key, option in enumerate(options):
+        request = new_request(key, f"r{key}", [1, 2, 3], option, sink=lambda delta: None, tokenizer=None,
+                              device=torch.device("cpu"), deadline=None, priority=0, arrival=key)
+        completion = request.completions[0]
+        completions[completion.seq] = completion
+    return list(completions), completions
+
+
+def bf16_logits(rows: int) -> torch.Tensor:
+    return (torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(rows)) * 3).to(torch.bfloat16)
+
+
+def test_greedy_rows_take_the_argmax_of_bfloat16_logits():
+    logits = bf16_logits(6)
+    logits[2, [7, 300]] = 40.0  # a tie: the first index, as torch.argmax
+    due, completions = due_rows([SamplingOptions(max_new_tokens=4, detokenize=False)] * 6)
+    _, tokens, logprobs = StepSampler(VOCAB, [], torch.device("cpu")).sample(due, logits, completions)
+    assert tokens == logits.float().argmax(dim=-1).tolist() and tokens[2] == 7
+    assert logprobs == [None] * 6
+
+
+def test_adjustments_to_bfloat16_logits_are_made_in_float32():
+    # Tokens 7 and 9 tie at 10.0; a logit_bias of 0.01 on 9 decides it in float32, while in
+    # bfloat16 (spacing 0.0625 near 10) 10.0 + 0.01 rounds back to 10.0 and 7 would win.
+    logits = torch.zeros(2, VOCAB, dtype=torch.bfloat16)
+    logits[:, [7, 9]] = 10.0
+    options = [SamplingOptions(max_new_tokens=4, detokenize=False, logit_bias=((9, 0.01),)),
+               SamplingOptions(max_new_tokens=4, detokenize=False)]
+    due, completions = due_rows(options)
+    _, tokens, _ = StepSampler(VOCAB, [], torch.device("cpu")).sample(due, logits, completions)
+    assert tokens == [9, 7]
+
+
+def test_logprobs_of_bfloat16_logits_are_float32_log_softmax():
+    logits = bf16_logits(3)
+    due, completions = due_rows([SamplingOptions(max_new_tokens=4, detokenize=False, logprobs=2)] * 3)
+    _, tokens, logprobs = StepSampler(VOCAB, [], torch.device("cpu")).sample(due, logits, completions)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for row, (token, logprob) in enumerate(zip(tokens, logprobs)):
+        assert logprob.token_id == token
+        assert abs(logprob.logprob - expected[row, token].item()) < 1e-5  # bfloat16's would be ~1e-2 off
