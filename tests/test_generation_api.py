@@ -286,11 +286,19 @@ def test_a_deadline_mid_stream_is_deadline_exceeded_and_frees_the_blocks(stack):
     stub, cache, _ = stack
     request = model_pb2.GenerateRequest(prompt_token_ids=prompt_ids(20, seed=17), sampling=model_pb2.SamplingParams(
         n=2, max_new_tokens=230, ignore_eos=True))
-    # 2 x 230 tokens take longer than 0.15 s even on a fast machine (at 0.3 s a quiet one
-    # once finished them all before the deadline).
-    with pytest.raises(grpc.RpcError) as error:
-        list(stub.Generate(request, timeout=0.15))
-    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # 2 x 230 tokens took longer than 0.15 s on these machines (at 0.3 s a quiet one once
+    # finished them all before the deadline); one that is faster still is asked again
+    # with a third of the deadline.
+    finished_in_time = []
+    for timeout_s in (0.15, 0.05, 0.02):
+        try:
+            list(stub.Generate(request, timeout=timeout_s))
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+            break
+        finished_in_time.append(timeout_s)
+    else:
+        pytest.fail(f"2 x 230 tokens came back within every deadline tried: {finished_in_time} s")
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "the expired request's blocks to be released")
 
 
