@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_service import cpu_kernels
 from model_service.cpu_kernels import argmax as cpu_argmax
 from model_service.cpu_kernels import layer_ops
 from model_service.logits_processing import LogitsAdjustments, TokenHistory, apply_min_p
@@ -323,7 +322,7 @@ def sample(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value (the first one on ties, as torch.argmax), int64."""
     if logits.device.type == "cpu":
-        library = cpu_kernels.load() if logits.dim() == 2 and logits.shape[1] and layer_ops.takes(logits) else None
+        library = layer_ops.library_for(logits) if logits.dim() == 2 and logits.shape[1] else None
         if library is not None:  # in the logits' own dtype: no float32 copy (cpu_kernels/argmax.py)
             return cpu_argmax.argmax_rows(library, logits)
         # torch's CPU argmax over a [48, 32000] batch takes ~1.7 ms, numpy's ~0.2 ms on this

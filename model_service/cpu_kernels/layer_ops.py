@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from model_service.cpu_kernels.build import DTYPE_CODES
+from model_service.cpu_kernels.build import DTYPE_CODES, load
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -19,6 +19,13 @@ def takes(*tensors: torch.Tensor) -> bool:
         if tensor.dtype != dtype or tensor.stride(-1) != 1 or tensor.device.type != "cpu":
             return False
     return True
+
+
+def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernel library when the kernels take these tensors (see takes), else None."""
+    if tensors[0].device.type != "cpu" or not takes(*tensors):
+        return None
+    return load()
 
 
 def rms_norm(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -34,12 +34,6 @@ static inline __attribute__((always_inline)) f32x16 load16_as_f32(const void *ba
     return __builtin_convertvector(h, f32x16);
 }
 
-static inline __attribute__((always_inline)) float load1_as_f32(const void *base, int64_t i, int dtype) {
-    if (dtype == DTYPE_F32) return ((const float *)base)[i];
-    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
-    return (float)((const _Float16 *)base)[i];
-}
-
 /* Whether value a at index ia beats the best so far, b at ib (ib < 0: none yet). */
 static inline int beats(float a, int64_t ia, float b, int64_t ib) {
     if (ib < 0) return 1;
@@ -68,7 +62,7 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
             index = best_at[lane];
         }
     for (; i < cols; i++) { /* the tail: indices after every lane's */
-        const float v = load1_as_f32(x, offset + i, dtype);
+        const float v = load1(x, offset + i, dtype);
         if (beats(v, i, value, index)) {
             value = v;
             index = i;

@@ -27,6 +27,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(bits >> 16);
 }
 
+/* Element i at base, as float32 (exact), and back (rounded to nearest even). */
+static inline __attribute__((always_inline)) float load1(const void *base, int64_t i, int dtype) {
+    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
+    if (dtype == DTYPE_F16) return (float)((const _Float16 *)base)[i];
+    return ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store1(void *base, int64_t i, float x, int dtype) {
+    if (dtype == DTYPE_BF16) ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else if (dtype == DTYPE_F16) ((_Float16 *)base)[i] = (_Float16)x;
+    else ((float *)base)[i] = x;
+}
+
 /* Row i of length n (elements) at base, converted to float32 into dst. */
 static inline void load_row(float *restrict dst, const void *base, int64_t offset, int n, int dtype) {
     if (dtype == DTYPE_F32) {

@@ -21,18 +21,6 @@ static inline __attribute__((always_inline)) float round_to(float x, int dtype) 
     return x;
 }
 
-static inline __attribute__((always_inline)) float load1(const void *base, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
-    if (dtype == DTYPE_F16) return (float)((const _Float16 *)base)[i];
-    return ((const float *)base)[i];
-}
-
-static inline __attribute__((always_inline)) void store1(void *base, int64_t i, float x, int dtype) {
-    if (dtype == DTYPE_BF16) ((uint16_t *)base)[i] = f32_to_bf16(x);
-    else if (dtype == DTYPE_F16) ((_Float16 *)base)[i] = (_Float16)x;
-    else ((float *)base)[i] = x;
-}
-
 /* Calls BODY with dtype a compile-time constant, so each case vectorizes on its own. */
 #define FOR_DTYPE(dtype, BODY)                 \
     switch (dtype) {                           \
