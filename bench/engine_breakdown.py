@@ -40,6 +40,7 @@ from model_service.models.loader import load_model  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
 from model_service.runner import ModelRunner  # noqa: E402
 from model_service.sampling import SamplingOptions  # noqa: E402
+from model_service.torch_threads import run_in_passing_thread  # noqa: E402
 
 # seconds spent inside each kind of call, and one (batch size, tokens, seconds) per step
 time_in: collections.Counter[str] = collections.Counter()
@@ -95,7 +96,8 @@ def main() -> int:
         tmp = Path(tmp)
         path = {"w48": lambda: write_w48_checkpoint(tmp / "w48"), "smollm2": smollm2_checkpoint}.get(
             args.model, lambda: Path(args.model))()
-        loaded = load_model(str(path), dtype, "cpu")
+        # As the model service does: no OpenMP pool left behind in this thread (torch_threads.py).
+        loaded = run_in_passing_thread(lambda: load_model(str(path), dtype, "cpu"))
         requests = workload() if args.workload == "w48" else single_stream(loaded.config.vocab_size)
         instrument(loaded.config.vocab_size)
         with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache:

@@ -107,6 +107,9 @@ class Engine:
         self._stopping = threading.Event()
         self._accepting = True  # False from the moment stop() begins
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # The count the caller set (--threads); a new thread would start from libgomp's
+        # default (every core) until its first torch op, and the C kernels ask it first.
+        self._torch_threads = torch.get_num_threads()
         # Decode graphs are captured once now, before the first Attach, so that their
         # memory is reserved when the cache service sizes the pool, and reported with
         # the workspace; every Attach recaptures them into the same memory pool.
@@ -196,6 +199,8 @@ class Engine:
     # -- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        # This thread's OpenMP pool is the process's only one (torch_threads.py).
+        torch.set_num_threads(self._torch_threads)
         try:
             while not self._stopping.is_set():
                 if not self.connected.is_set():

@@ -18,6 +18,7 @@ from model_service.models.config import ModelLoadError
 from model_service.models.fingerprint import checkpoint_fingerprint
 from model_service.models.loader import load_model
 from model_service.runner import measure_workspace
+from model_service.torch_threads import run_in_passing_thread
 from model_service.generation import GenerationService, deliver_on_loop
 from model_service.openai_http.app import create_app
 from model_service.openai_http.server import HttpServer
@@ -107,7 +108,10 @@ async def serve(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype, device, attention_backend=args.attention_backend)
+    # Start-up's parallel torch work runs in threads that end, so that the engine thread's
+    # OpenMP pool is the only one left (torch_threads.py).
+    loaded = run_in_passing_thread(lambda: load_model(args.model, dtype, device,
+                                                      attention_backend=args.attention_backend))
     if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
         # Built (or found in its cache) now, not in the first request; a failed build
         # was logged and leaves decode attention on the torch path.
@@ -124,8 +128,9 @@ async def serve(args: argparse.Namespace) -> int:
     # The warmup runs before Attach, so before the pool's block size is known: any block
     # size gives the same activations, only the scratch pool's shape differs.
     warmup_tokens = min(args.max_batch_prefill_tokens, max_model_len)
-    workspace = measure_workspace(loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim),
-                                  dtype, device, block_size=16, num_tokens=warmup_tokens)
+    workspace = run_in_passing_thread(lambda: measure_workspace(
+        loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim), dtype, device,
+        block_size=16, num_tokens=warmup_tokens))
     log.info("model_loaded", model=loaded.model_id, architecture=config.architecture, dtype=str(dtype).removeprefix("torch."),
              device=str(device), max_model_len=max_model_len, workspace_bytes=workspace)
 

@@ -1,0 +1,40 @@
+"""One OpenMP thread pool in the model service, the engine thread's, not one per thread.
+
+libgomp (torch's OpenMP, which the C kernels share) keeps a pool of worker threads for
+every thread that has started a parallel region, for as long as that thread lives. Once
+the workers of all pools outnumber the CPUs, it switches every pool to "throttled"
+waiting: between parallel regions a worker spins about 100 times, then sleeps on a futex
+until the next region wakes it. Loading the model and measuring the warmup in the main
+thread, then stepping in the engine thread, made two pools of 2 on 2 cores, and a decode
+step (about 500 regions: every linear and every kernel call) paid a sleep and a wake-up
+for each: 73,000 voluntary context switches in a W48 run of SmolLM2 instead of 2,000,
+and the engine's CPU use at 1.4-1.6 of its 2 threads (BENCHMARKS.md, "One OpenMP pool").
+
+So the start-up work that runs parallel torch ops goes through `run_in_passing_thread`:
+a thread that exits when the work is done, taking its pool with it; the engine thread's
+pool is then the only one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def run_in_passing_thread(work: Callable[[], T]) -> T:
+    """work() in a new thread that ends afterwards (its OpenMP pool ends with it), at the
+    calling thread's torch thread count; returns its result or raises its exception."""
+    threads = torch.get_num_threads()
+
+    def run() -> T:
+        torch.set_num_threads(threads)
+        return work()
+
+    # Leaving the `with` joins the executor's one thread, so it has exited on return.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="startup-compute") as executor:
+        return executor.submit(run).result()
