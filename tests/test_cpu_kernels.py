@@ -60,6 +60,23 @@ def test_kernel_block_sizes_and_windows(block_size, window):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("group", [1, 4, 5, 8, 16])  # the AVX-512 case goes in passes of up to 4 heads
+@pytest.mark.parametrize(("block_size", "window"), [(16, None), (8, 300), (32, 77)])
+def test_kernel_over_several_spans_of_keys(dtype, head_dim, group, block_size, window):
+    """Contexts past the AVX-512 case's 256-key span (its softmax folds spans together),
+    short ones, and windows that start mid-block."""
+    q, kv_layer, tables, lens = random_decode_step(4, 2 * group, 2, head_dim, block_size, 700, dtype, seed=group)
+    lens[1], lens[2] = 256, 17
+    library = cpu_kernels.load()
+
+    out = paged_decode.paged_decode_attention(library, q, kv_layer, tables, lens, head_dim**-0.5, sliding_window=window)
+
+    expected = decode_attention_torch(q, kv_layer, tables, lens, head_dim**-0.5, sliding_window=window)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_empty_context_gives_zeros_not_nan():
     q, kv_layer, tables, lens = random_decode_step(3, 4, 2, 64, 16, 20, torch.float32)
     lens[1] = 0  # a padded batch entry
@@ -80,6 +97,12 @@ def test_shapes_past_the_kernel_limits_take_the_torch_path():
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **env})
+
+
+def test_the_avx512_case_is_built_where_the_cpu_has_avx512():
+    """So that on such a CPU the tests above check it (and elsewhere the portable kernel)."""
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert cpu_kernels.load().paged_decode_avx512() == int("avx512f" in flags)
 
 
 def test_built_once_then_found_in_the_cache(tmp_path):

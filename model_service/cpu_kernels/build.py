@@ -46,8 +46,9 @@ SIGNATURES = {
     "silu_mul": [_ptr, _ptr, _i32, _i32, _i32, _i32],
     "rotary_in_place": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32],
     "argmax_rows": [_ptr, _i64, _i32, _i32, _i32, _ptr, _i32],
+    "paged_decode_avx512": [],
 }
-RETURNS = {"paged_decode_attention": ctypes.c_int}
+RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes.c_int}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -115,6 +116,7 @@ def load() -> ctypes.CDLL | None:
             function.argtypes = argtypes
             function.restype = RETURNS.get(name)
         _library = library
+        log.info("cpu kernels loaded", decode_attention="avx512" if library.paged_decode_avx512() else "portable")
         return library
 
 

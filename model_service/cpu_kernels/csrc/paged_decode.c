@@ -21,6 +21,8 @@
 #define MAX_GROUP 64
 #define MAX_BLOCK_SIZE 256
 
+#include "paged_decode_avx512.h"
+
 /* One (sequence, kv head): its `group` query heads against its visible keys. Always
  * inlined into attend_specialized's cases, so head_dim and dtype are constants there and
  * the row loops unroll into straight vector code. */
@@ -102,11 +104,26 @@ static void attend_specialized(const void *q, const void *k_cache, const void *v
                                int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
                                int block_size, float scale, int dtype, void *out, int64_t out_offset,
                                int64_t q_offset) {
+#ifdef HAVE_ATTEND_AVX512
+    if (attend_avx512_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
+                           block_size, scale, dtype, out, out_offset, q_offset))
+        return;
+#endif
     switch (dtype) {
     case DTYPE_F32: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32) }
     case DTYPE_BF16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_BF16) }
     default: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F16) }
     }
+}
+
+/* 1 where the AVX-512 case (paged_decode_avx512.h) was built in, else 0: for the log
+ * line and the tests. */
+int paged_decode_avx512(void) {
+#ifdef HAVE_ATTEND_AVX512
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Returns 0, or a nonzero code for shapes past the fixed limits (checked by the caller
