@@ -1,18 +1,20 @@
 /* The AVX-512 case of paged decode attention (included by paged_decode.c), for the shapes
  * serving spends its time on: float32 or bfloat16 K/V, head_dim 32 or 64, any number of
  * query heads per kv head. (At head_dim 128 it measured no faster: 4 heads' accumulators
- * and q rows no longer fit in the 32 vector registers.) Same contract and float32 arithmetic as attend_one, in three
- * passes over spans of up to SPAN keys instead of one pass a block:
+ * and q rows no longer fit in the 32 vector registers.) Same contract and float32
+ * arithmetic as attend_one, in three passes over spans of up to SPAN keys instead of one
+ * pass a block:
  *   1. q.k for every key of the span, 16 keys at a time, their partial dot products
  *      reduced together (sum_lanes_16);
  *   2. the softmax of those scores, folded into the running max and sum (the online
  *      softmax of flash attention, once a span: once per sequence up to SPAN keys);
  *   3. p.v over the span's keys into accumulators held in registers (group and head_dim
  *      are constants in each case, so acc[][] is a set of named vectors).
- * attend_one's block-at-a-time softmax put a chain of dependent steps (max, exp, sum,
- * rescale, then the V accumulation) between one block's keys and the next, and most of
- * its time went to waiting on that chain. Measured one thread, batch 48, contexts 100-200
- * (BENCHMARKS.md, "Decode attention in spans"): 1.3-1.7x, the ratio moving with the machine.
+ * attend_one's block-at-a-time softmax puts a chain of dependent steps (max, exp, sum,
+ * rescale, then the V accumulation) between one block's keys and the next. Measured one
+ * thread, batch 48, contexts 100-200, in turns (BENCHMARKS.md, "Decode attention in
+ * spans", bench/decode_attention_ab.c): 1.3-1.5x a key at the W48 Llama's and SmolLM2's
+ * shapes.
  * Scores are scaled after the dot product (attend_one scales q first): the two differ by
  * float32 rounding.
  *
@@ -62,29 +64,29 @@ static inline __attribute__((always_inline)) __m512 load16_f32(const void *base,
 }
 
 /* Key positions in order, each one's row offset in the pool: one division to start,
- * then a slot count (a division a key costs more than the key's arithmetic). */
+ * then a slot count (a division a key costs more than the key's arithmetic). A block's
+ * table entry is read when its first key is asked for, never before: past a sequence's
+ * last block the table may end. */
 typedef struct {
     const int32_t *table;
-    int block_size, slot;
     int64_t block_base, token_stride, head_offset;
-    int block;
+    int block, block_size, slot;
 } KeyWalk;
 
 static inline __attribute__((always_inline)) KeyWalk key_walk(const int32_t *table, int position, int block_size,
                                                             int64_t token_stride, int64_t head_offset) {
-    KeyWalk w = {table, block_size, position % block_size, 0, token_stride, head_offset, position / block_size};
-    w.block_base = (int64_t)table[w.block] * block_size * token_stride + head_offset;
-    return w;
+    KeyWalk walk = {table, 0, token_stride, head_offset, position / block_size, block_size, position % block_size};
+    walk.block_base = (int64_t)table[walk.block] * block_size * token_stride + head_offset;
+    return walk;
 }
 
-static inline __attribute__((always_inline)) int64_t key_next(KeyWalk *w) {
-    const int64_t row = w->block_base + w->slot * w->token_stride;
-    if (++w->slot == w->block_size) {
-        w->slot = 0;
-        w->block++;
-        w->block_base = (int64_t)w->table[w->block] * w->block_size * w->token_stride + w->head_offset;
+static inline __attribute__((always_inline)) int64_t key_next(KeyWalk *walk) {
+    if (walk->slot == walk->block_size) {
+        walk->slot = 0;
+        walk->block++;
+        walk->block_base = (int64_t)walk->table[walk->block] * walk->block_size * walk->token_stride + walk->head_offset;
     }
-    return row;
+    return walk->block_base + (walk->slot++) * walk->token_stride;
 }
 
 static inline __attribute__((always_inline)) void attend_avx512(
