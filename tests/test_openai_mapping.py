@@ -132,3 +132,30 @@ def test_finish_reasons_name_every_proto_reason():
 
     named = {value for name, value in model_pb2.FinishReason.items() if name != "FINISH_REASON_UNSPECIFIED"}
     assert set(FINISH_REASON) == named
+
+
+class PieceTokenizer:
+    """decode() of fixed pieces: token 1 is "ab", 2 is "c", 3 is "def"."""
+
+    PIECES = {1: "ab", 2: "c", 3: "def"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize("as_token_ids", [False, True], ids=["token texts", "token_id:N names"])
+def test_completion_text_offsets_follow_the_text_of_a_message_of_several_tokens(as_token_ids):
+    """A client that falls behind gets several tokens in one message: each token's offset
+    is after the decoded text of those before it in the message, whatever their names."""
+    from model_service.openai_http.logprobs import TokenNames, completion_logprobs, merge_completion_logprobs
+
+    names = TokenNames(PieceTokenizer(), as_token_ids=as_token_ids)
+    entries = [model_pb2.TokenLogprob(token_id=i, logprob=-0.5) for i in (1, 2, 3)]
+    first = completion_logprobs(entries, names, 10, len("abcdef"))
+    assert first["text_offset"] == [10, 12, 13]
+    assert first["tokens"] == (["token_id:1", "token_id:2", "token_id:3"] if as_token_ids else ["ab", "c", "def"])
+    # The detokenizer held back the end of the message's text: no offset past what was sent.
+    held = completion_logprobs(entries[:2] + entries[:1], names, 16, len("ab"))
+    assert held["text_offset"] == [16, 18, 18]
+    merged = merge_completion_logprobs([first, held])
+    assert merged["text_offset"] == sorted(merged["text_offset"])

@@ -19,12 +19,15 @@ class TokenNames:
     def __init__(self, tokenizer: Tokenizer, as_token_ids: bool = False) -> None:
         self._tokenizer = tokenizer
         self._as_token_ids = as_token_ids
+        self.text = lru_cache(maxsize=65536)(self._text)
         self.name = lru_cache(maxsize=65536)(self._name)
 
-    def _name(self, token_id: int) -> str:
-        if self._as_token_ids:
-            return f"token_id:{token_id}"
+    def _text(self, token_id: int) -> str:
+        """The token's own decoded text (special tokens included)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_token_ids else self.text(token_id)
 
     def bytes(self, token_id: int) -> list[int]:
         decode_bytes = getattr(self._tokenizer, "decode_bytes", None)
@@ -50,17 +53,21 @@ def chat_logprobs(entries: Iterable[model_pb2.TokenLogprob], names: TokenNames) 
 
 
 def completion_logprobs(entries: Iterable[model_pb2.TokenLogprob], names: TokenNames,
-                        text_offset: int) -> dict[str, list]:
-    """Completions' logprobs object for these entries; text_offset is where the first
-    token's text starts within the choice's text."""
+                        text_offset: int, text_length: int) -> dict[str, list]:
+    """Completions' logprobs object for the entries of one message whose text (text_length
+    characters) starts at text_offset within the choice's text. Each token's text_offset
+    is where its text starts: the message's first token at the message's start, each later
+    one after the decoded text of those before it (not after their names, which may be
+    "token_id:N"), never past the message's end (the detokenizer may hold back part of a
+    character). Offsets thus only grow, however many tokens a message carries."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    end = text_offset + text_length
     for entry in entries:
-        name = names.name(entry.token_id)
-        tokens.append(name)
+        tokens.append(names.name(entry.token_id))
         token_logprobs.append(entry.logprob)
         top_logprobs.append({names.name(top.token_id): top.logprob for top in entry.top})
-        offsets.append(text_offset)
-        text_offset += len(name)
+        offsets.append(min(text_offset, end))
+        text_offset += len(names.text(entry.token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 

@@ -182,7 +182,7 @@ class CompletionEndpoint(Endpoint):
         self._streamed_length: dict[int, int] = {}  # choice index -> characters sent
 
     def _logprobs(self, response, text_offset):
-        return completion_logprobs(response.logprobs, self.names, text_offset)
+        return completion_logprobs(response.logprobs, self.names, text_offset, len(response.text))
 
     def _choice_body(self, index: int, choice: Choice) -> dict[str, Any]:
         return {
