@@ -35,6 +35,12 @@ class FatalAttachError(RuntimeError):
     """Attach was refused for a reason retrying cannot fix (geometry, auth, too little memory)."""
 
 
+# With leasing ahead on, a finished sequence's release may wait this long for a lease call
+# that goes out anyway (top-ups come every block_size steps or so): a release alone would
+# be a call of its own, and at 48 streams one finishes nearly every other step.
+RELEASE_HOLD_S = 0.1
+
+
 @dataclass(frozen=True, slots=True)
 class AttachSettings:
     """What an engine attaches with, the same at every (re-)attach: what it asks the
@@ -48,6 +54,8 @@ class AttachSettings:
     max_num_seqs: int
     max_batch_tokens: int
     scheduling_policy: str
+    # Blocks a decoding sequence is leased ahead of need (scheduler.py, top-ups).
+    lease_ahead_blocks: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +111,9 @@ def attach(cache: CacheClient, asked: AttachSettings, loaded: LoadedModel, devic
                  memory_bytes=decode_graph_pool.memory_bytes)
     scheduler = Scheduler(
         SchedulerLimits(block_size=block_size, max_num_seqs=asked.max_num_seqs,
-                        max_batch_tokens=asked.max_batch_tokens),
+                        max_batch_tokens=asked.max_batch_tokens,
+                        lookahead_tokens=asked.lease_ahead_blocks * block_size, max_model_len=asked.max_model_len,
+                        release_hold_s=RELEASE_HOLD_S if asked.lease_ahead_blocks else 0.0),
         blocks_available=reply.sizing.num_blocks, policy=asked.scheduling_policy,
     )
     lease_deadline = LeaseDeadline(reply.lease_ttl_ms / 1000, acked_at=sent_at)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from model_service.scheduler import LeaseOps, LeaseOutcome
+from model_service.lease_ops import LeaseOps, LeaseOutcome
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry
 from pagedkv.serving import bearer_metadata, message_options
@@ -109,6 +109,10 @@ def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
             num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else (),
             cache_salt=seq.cache_salt))
         for seq in ops.allocations
+    )
+    proto_ops.extend(
+        cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=seq.lease_id, num_tokens=tokens))
+        for seq, tokens in ops.top_ups
     )
     return proto_ops
 

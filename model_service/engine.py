@@ -36,7 +36,8 @@ from model_service.live_requests import Deliver, LiveRequests
 from model_service.output import Completion, Delta, RequestOutput, Sink, new_request
 from model_service.runner import ModelRunner
 from model_service.sampling import SamplingOptions
-from model_service.scheduler import POLICIES, LeaseLost, LeaseOps, Scheduler
+from model_service.lease_ops import LeaseLost, LeaseOps
+from model_service.scheduler import POLICIES, Scheduler
 from model_service.sequence import Finish, Sequence, Status
 from model_service.step_sampler import StepSampler
 from pagedkv.kv_geometry import KvGeometry
@@ -58,11 +59,15 @@ class EngineSettings:
     scheduling_policy: str = "fcfs"
     # The checkpoint's content hash (models/fingerprint.py): its prefix cache is its own.
     model_fingerprint: str = ""
+    # Blocks a decoding sequence is leased ahead of need, in calls that go out anyway.
+    lease_ahead_blocks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lease_ahead_blocks < 0:
+            raise ValueError(f"--lease-ahead-blocks must be 0 or more, got {self.lease_ahead_blocks}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
@@ -125,7 +130,7 @@ class Engine:
             client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
             max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
-            scheduling_policy=settings.scheduling_policy,
+            scheduling_policy=settings.scheduling_policy, lease_ahead_blocks=settings.lease_ahead_blocks,
         )
         # Set while attached:
         self.session_id: str | None = None
@@ -279,6 +284,8 @@ class Engine:
             self._inflight_sent_at = time.monotonic()
             self._inflight = self.cache.lease(self.session_id, step.lease_ops)
             self._inflight_ops = step.lease_ops
+            metrics.LEASE_CALLS.inc()
+            metrics.LEASE_TOP_UPS.inc(len(step.lease_ops.top_ups))
         if step.batch:
             self._check_lease_deadline()
             prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._requests.completions)

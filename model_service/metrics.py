@@ -24,6 +24,11 @@ INTER_TOKEN_SECONDS = Histogram(
 LEASE_WAIT_SECONDS = Counter(
     "pagedkv_model_lease_wait_seconds", "Engine time spent waiting on the cache service's lease replies"
 )
+LEASE_CALLS = Counter("pagedkv_model_lease_calls", "Lease calls sent to the cache service (at most one a step)")
+LEASE_TOP_UPS = Counter(
+    "pagedkv_model_lease_top_ups",
+    "Extends asked ahead of need (--lease-ahead-blocks) in lease calls that went out anyway",
+)
 ENGINE_STEP_SECONDS = Counter(
     "pagedkv_model_engine_step_seconds", "Engine time spent in steps (forward passes, sampling and lease waits)"
 )

@@ -12,6 +12,14 @@ what finished, was cancelled or was preempted. The cache service is the authorit
 free blocks; `blocks_available` from its last reply is only used to avoid asking for
 what cannot be had.
 
+A call that goes out anyway also leases decoding sequences up to `lookahead_tokens`
+ahead of need (top-ups), while the pool has room to spare and nobody waits for it, so
+that the next call is due only when the first of them runs out, not whenever any of them
+crosses a block boundary. With 48 streams and 16-token blocks that is about one call
+every 16 steps instead of nearly every step; each call costs the engine more than its
+wait, because the cache service's and the gRPC threads' work takes a core from the
+engine's OpenMP threads while its forward pass runs (BENCHMARKS.md, "Fewer lease calls").
+
 Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
 (priority, arrival) and preempts the lowest priority (largest number), newest first.
 
@@ -28,8 +36,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from model_service.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
 from model_service.sequence import Finish, Sequence, Status
 
 
@@ -40,66 +49,24 @@ class SchedulerLimits:
     max_num_seqs: int
     # Tokens through the model in one step: one per decoding sequence plus prefill chunks.
     max_batch_tokens: int
+    # How far ahead of its next token a decoding sequence is leased by top-ups; 0: never.
+    lookahead_tokens: int = 0
+    # No sequence grows past this many tokens (the engine ends it there); 0: no limit.
+    max_model_len: int = 0
+    # How long the release of a sequence that finished normally may wait for a call that
+    # goes out anyway, while others run and nobody waits for blocks; 0: the next step's.
+    release_hold_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    lease_id: int
-    # Tokens whose K/V are in the released blocks: their full blocks become prefix cache.
-    cached_token_ids: tuple[int, ...]
-    # Blocks in the released table: an estimate of what the release frees.
-    num_blocks: int = 0
+        for name in ("lookahead_tokens", "max_model_len", "release_hold_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
 
 
 POLICIES = ("fcfs", "priority")
-
-
-@dataclass(frozen=True, slots=True)
-class ForkRequest:
-    # The parent's lease and how many tokens of it are written, taken when the fork was
-    # asked for: the parent may finish (and be released, after the fork, in the same call).
-    parent_lease_id: int
-    parent_tokens: int
-    child: Sequence
-
-
-@dataclass(slots=True)
-class LeaseOps:
-    """One lease call's ops, in the order the cache service applies them. Forks come
-    first: a parent released in the same call still has its blocks when they fork."""
-
-    forks: list[ForkRequest] = field(default_factory=list)
-    releases: list[Release] = field(default_factory=list)
-    extends: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to hold)
-    allocations: list[Sequence] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.forks or self.releases or self.extends or self.allocations)
-
-    def __len__(self) -> int:
-        return len(self.forks) + len(self.releases) + len(self.extends) + len(self.allocations)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseOutcome:
-    """The cache service's answer to one op, stripped of protobuf."""
-
-    ok: bool
-    code: str = "OK"  # OK, NO_FREE_BLOCKS, NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT
-    message: str = ""
-    lease_id: int = 0
-    block_ids: tuple[int, ...] = ()
-    cached_tokens: int = 0
-    copy: tuple[int, int] | None = None  # fork: (src_block, dst_block) to copy
-
-
-class LeaseLost(RuntimeError):
-    """The cache service no longer knows our session or a sequence: re-attach."""
 
 
 @dataclass(slots=True)
@@ -133,6 +100,8 @@ class Scheduler:
         self._allocating_children = 0  # completions that will fork from sequences allocating
         self.blocks_available = blocks_available
         self._releases: list[Release] = []
+        self._releases_since = 0.0  # when the oldest of them was queued
+        self._release_now = False  # one of them frees blocks someone is short of
         self._forks: list[ForkRequest] = []
         self._copies: list[tuple[int, int]] = []
         self.preemptions = 0
@@ -151,7 +120,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self._release(seq)
+            # A cancel or an abort frees its blocks with the next step's call, as promised.
+            self._release(seq, urgent=reason is Finish.ABORTED)
         # ALLOCATING, FORKING: released when the op's result arrives (see apply).
         # FORK_PENDING: holds nothing; a fork asked for it is dropped (see schedule).
         seq.status = Status.FINISHED
@@ -193,12 +163,24 @@ class Scheduler:
         pending_children = sum(len(seq.fork_children) for seq in self.running) + self._allocating_children
         return len(self.running) + self.allocating + len(self._forks) + pending_children
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, urgent: bool) -> None:
         if seq.lease_id is not None:
-            self._releases.append(
-                Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]), len(seq.block_table))
-            )
+            self._queue_release(Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]),
+                                        len(seq.block_table)), urgent)
         seq.drop_blocks()
+
+    def _queue_release(self, release: Release, urgent: bool) -> None:
+        if not self._releases:
+            self._releases_since = self._clock()
+        self._releases.append(release)
+        self._release_now = self._release_now or urgent
+
+    def _hold_releases(self) -> bool:
+        """Whether this step's call, which has nothing else to carry, can wait: only
+        releases of sequences that finished normally, queued within release_hold_s, while
+        others run (a call will go out soon) and nobody waits for blocks."""
+        return bool(self._releases and not self._release_now and self.running and not self.waiting
+                    and self._clock() - self._releases_since < self.limits.release_hold_s)
 
     def preempt(self, seq: Sequence) -> None:
         """Gives a running sequence's blocks back and queues it first for recompute.
@@ -207,7 +189,7 @@ class Scheduler:
         the meantime the recompute finds them and costs little.
         """
         self.running.remove(seq)
-        self._release(seq)
+        self._release(seq, urgent=True)  # the pool is short: that is why it was preempted
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -230,7 +212,7 @@ class Scheduler:
                 if outcome.copy is not None:
                     self._copies.append(outcome.copy)
                 if child.status is Status.FINISHED:  # ended while its fork was in flight
-                    self._releases.append(Release(outcome.lease_id, ()))
+                    self._queue_release(Release(outcome.lease_id, ()), urgent=True)
                     continue
                 child.lease_id = outcome.lease_id
                 child.block_table = list(outcome.block_ids)
@@ -260,7 +242,7 @@ class Scheduler:
             if outcome.ok:
                 seq.lease_id = outcome.lease_id
                 if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
-                    self._releases.append(Release(outcome.lease_id, ()))
+                    self._queue_release(Release(outcome.lease_id, ()), urgent=True)
                     seq.lease_id = None
                     continue
                 seq.block_table = list(outcome.block_ids)
@@ -281,6 +263,10 @@ class Scheduler:
                 self._retry_refused_at = self._clock() + self._retry_refused_wait
             else:
                 failed.append((seq, f"{outcome.code}: {outcome.message}"))
+        for seq, _ in ops.top_ups:
+            outcome = next(results)
+            if outcome.ok:  # refused: the sequence asks again when it needs the block
+                seq.block_table.extend(outcome.block_ids)
         # Back to the front, in their original order: first come, first served.
         self.waiting.extendleft(reversed(requeue))
         return failed
@@ -306,8 +292,7 @@ class Scheduler:
                 batch.append((seq, chunk))
                 budget -= chunk
 
-        ops = LeaseOps(releases=self._releases)
-        self._releases = []
+        ops = LeaseOps()
         for fork in self._forks:
             if fork.child.status is Status.FINISHED:
                 continue
@@ -326,12 +311,45 @@ class Scheduler:
             if seq.starved or (id(seq) not in in_batch and seq.capacity(block_size) < len(seq.token_ids)):
                 ops.extends.append((seq, len(seq.token_ids)))
         # An estimate: shared blocks free nothing; the service's count comes with its reply.
-        freed = sum(release.num_blocks for release in ops.releases)
+        freed = sum(release.num_blocks for release in self._releases)
         available = self.blocks_available + freed - sum(
             blocks_for(tokens, block_size) - len(seq.block_table) for seq, tokens in ops.extends
         )
-        self._admit(ops, available)
+        available = self._admit(ops, available)
+        if ops or not self._hold_releases():
+            ops.releases, self._releases, self._release_now = self._releases, [], False
+        if ops:
+            self._top_up(ops, batch, available)
         return Step(batch=batch, lease_ops=ops, preempted=preempted)
+
+    def _top_up(self, ops: LeaseOps, batch: list[tuple[Sequence, int]], available: int) -> None:
+        """Adds top-ups to a call that goes out anyway: each decoding sequence held to
+        `lookahead_tokens` past its next token (never past the most it can grow to), while
+        nobody waits for blocks, and all of them together at most half of what is free."""
+        lookahead = self.limits.lookahead_tokens
+        if not lookahead or self.waiting:
+            return
+        block_size = self.limits.block_size
+        held = {id(seq): blocks_for(tokens, block_size) for seq, tokens in ops.extends}
+        spare = available // 2
+        for seq, new_tokens in batch:
+            if new_tokens != 1:
+                continue  # a prefill chunk: its table covers the prompt already
+            target = min(seq.num_computed + 2 + lookahead, self._longest(seq))
+            have = held.get(id(seq), len(seq.block_table))
+            more = min(blocks_for(target, block_size) - have, spare)
+            if more <= 0:
+                continue
+            spare -= more
+            ops.top_ups.append((seq, min(target, (have + more) * block_size)))
+            if not spare:
+                return
+
+    def _longest(self, seq: Sequence) -> int:
+        """The most tokens a sequence can hold: its prompt and every token it may still
+        sample, within max_model_len."""
+        longest = seq.prompt_len + seq.options.max_new_tokens if seq.options is not None else len(seq.token_ids) + 1
+        return min(longest, self.limits.max_model_len) if self.limits.max_model_len else longest
 
     def _relieve_starvation(self) -> list[Sequence]:
         """A sequence with no block for its next token frees room by preempting the newest."""
@@ -344,7 +362,8 @@ class Scheduler:
             preempted.append(victim)
         return preempted
 
-    def _admit(self, ops: LeaseOps, available: int) -> None:
+    def _admit(self, ops: LeaseOps, available: int) -> int:
+        """Admits waiting sequences while seats and blocks last; returns the blocks left."""
         block_size = self.limits.block_size
         prompt_tokens = 0
         seats = self.seats_taken()
@@ -370,7 +389,5 @@ class Scheduler:
             ops.allocations.append(seq)
             available -= needed
             prompt_tokens += len(seq.token_ids)
+        return available
 
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "preemption takes the lowest priority, newest first")
     add_flag(parser, "--max-batch-prefill-tokens", default=2048, type=int,
              help="tokens through the model in one step; the warmup pass runs at this size")
+    add_flag(parser, "--lease-ahead-blocks", default=1, type=int,
+             help="blocks a decoding sequence is leased ahead of its next token, in lease calls that go out "
+                  "anyway, while the pool has room and nothing waits for it: one call every block_size steps "
+                  "or so instead of nearly every step at many streams; 0 leases only what the next step needs")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
              help="queued plus running requests beyond which Generate answers RESOURCE_EXHAUSTED")
     add_flag(parser, "--max-concurrent-streams", default=1024, type=int,
@@ -139,7 +143,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
-        model_fingerprint=fingerprint,
+        model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),
     )

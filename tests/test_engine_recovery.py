@@ -14,7 +14,7 @@ import torch
 from model_service.engine import Engine, EngineSettings, EngineUnavailable
 from model_service.models.loader import load_model
 from model_service.sampling import SamplingOptions
-from model_service.scheduler import LeaseLost, LeaseOutcome
+from model_service.lease_ops import LeaseLost, LeaseOutcome
 from model_service.sequence import Finish
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2

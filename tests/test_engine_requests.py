@@ -13,6 +13,7 @@ import torch
 from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service
+from prometheus_client import REGISTRY
 
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineSettings
@@ -101,7 +102,8 @@ def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
     loaded, reference = checkpoint
     streams = Streams()
     with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
-        engine = start_engine(loaded, cache.address, streams)
+        # Leasing ahead off: the count below is of what the completions need, exactly.
+        engine = start_engine(loaded, cache.address, streams, lease_ahead_blocks=0)
         try:
             prompt = prompt_ids(40, seed=1)  # 2 full blocks and 8 tokens of a third
             # Hold once every completion has 2 tokens: the forks are done, none has finished.
@@ -232,3 +234,38 @@ def test_duplicate_live_request_id_is_refused(checkpoint, tmp_path):
             wait_for(lambda: streams.finished("same"), 30, "the request to end")
         finally:
             engine.stop(grace_s=0)
+
+
+def test_leasing_ahead_makes_fewer_lease_calls_for_the_same_tokens(checkpoint, tmp_path):
+    """Eight streams against the real cache service, with --lease-ahead-blocks 0 and 1:
+    the same greedy tokens, every block back at the end, and with top-ups well under half
+    the lease calls (without, some stream crosses a block boundary nearly every step)."""
+    loaded, _ = checkpoint
+    prompts = [prompt_ids(5 + 3 * i, seed=10 + i) for i in range(8)]
+    runs = {}
+    for ahead in (0, 1):
+        streams = Streams()
+        (tmp_path / str(ahead)).mkdir()
+        with start_cache_service(tmp_path / str(ahead), "--kv-cache-bytes", "8MiB") as cache:
+            engine = start_engine(loaded, cache.address, streams, lease_ahead_blocks=ahead)
+            try:
+                calls_before, top_ups_before = lease_counters()
+                for i, prompt in enumerate(prompts):
+                    engine.submit(f"r{i}", prompt, greedy(48), streams.sink(f"r{i}"))
+                wait_for(lambda: all(streams.finished(f"r{i}") for i in range(8)), 60, "every stream to finish")
+                wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+                calls, top_ups = lease_counters()
+                runs[ahead] = ([streams.tokens(f"r{i}") for i in range(8)], calls - calls_before,
+                               top_ups - top_ups_before)
+            finally:
+                engine.stop(grace_s=0)
+    (tokens_exact, calls_exact, top_ups_exact), (tokens_ahead, calls_ahead, top_ups_ahead) = runs[0], runs[1]
+    assert tokens_ahead == tokens_exact and all(len(t) == 48 for t in tokens_ahead)
+    assert top_ups_exact == 0 < top_ups_ahead
+    assert calls_ahead * 2 < calls_exact, (calls_ahead, calls_exact)
+
+
+def lease_counters() -> tuple[float, float]:
+    """The engine's lease calls and top-ups so far (this process's Prometheus registry)."""
+    value = REGISTRY.get_sample_value
+    return value("pagedkv_model_lease_calls_total") or 0.0, value("pagedkv_model_lease_top_ups_total") or 0.0

@@ -8,7 +8,8 @@ from collections import deque
 import pytest
 
 from model_service.sampling import SamplingOptions
-from model_service.scheduler import LeaseLost, LeaseOutcome, Scheduler, SchedulerLimits, blocks_for
+from model_service.lease_ops import LeaseLost, LeaseOutcome, blocks_for
+from model_service.scheduler import Scheduler, SchedulerLimits
 from model_service.sequence import Finish, Sequence, Status
 
 BLOCK = 4
@@ -24,6 +25,8 @@ class FakeCache:
         self.ids = itertools.count(1)
         self.calls = 0
         self.forks = 0
+        self.top_ups = 0
+        self.refuse_top_ups = False
 
     def answer(self, ops) -> tuple[list[LeaseOutcome], int]:
         self.calls += 1
@@ -55,14 +58,7 @@ class FakeCache:
                     self.free.append(block)
             outcomes.append(LeaseOutcome(ok=True))
         for seq, tokens in ops.extends:
-            table = self.tables[seq.lease_id]
-            more = blocks_for(tokens, BLOCK) - len(table)
-            if more > len(self.free):
-                outcomes.append(LeaseOutcome(ok=False, code="NO_FREE_BLOCKS"))
-                continue
-            new = [self.free.pop() for _ in range(more)]
-            table.extend(new)
-            outcomes.append(LeaseOutcome(ok=True, block_ids=tuple(new)))
+            outcomes.append(self._extend(seq, tokens))
         for seq in ops.allocations:
             need = blocks_for(len(seq.token_ids), BLOCK)
             if need > len(self.free):
@@ -71,7 +67,20 @@ class FakeCache:
             lease_id = next(self.ids)
             self.tables[lease_id] = [self.free.pop() for _ in range(need)]
             outcomes.append(LeaseOutcome(ok=True, lease_id=lease_id, block_ids=tuple(self.tables[lease_id])))
+        for seq, tokens in ops.top_ups:
+            self.top_ups += 1
+            outcomes.append(self._extend(seq, tokens) if not self.refuse_top_ups
+                            else LeaseOutcome(ok=False, code="NO_FREE_BLOCKS"))
         return outcomes, len(self.free)
+
+    def _extend(self, seq, tokens) -> LeaseOutcome:
+        table = self.tables[seq.lease_id]
+        more = blocks_for(tokens, BLOCK) - len(table)
+        if more > len(self.free):
+            return LeaseOutcome(ok=False, code="NO_FREE_BLOCKS")
+        new = [self.free.pop() for _ in range(more)]
+        table.extend(new)
+        return LeaseOutcome(ok=True, block_ids=tuple(new))
 
 
 def make_seq(arrival: int, prompt_len: int, max_new: int = 8, priority: int = 0, index: int = 0) -> Sequence:
@@ -225,6 +234,150 @@ def test_an_unexpected_lease_failure_means_the_session_is_lost():
     ops = pending[0]
     with pytest.raises(LeaseLost, match="NOT_FOUND"):
         scheduler.apply(ops, [LeaseOutcome(ok=False, code="NOT_FOUND", message="gone")] * len(ops), 0)
+
+
+# --- leasing ahead of need, and releases that wait for a call that goes out anyway -----
+
+
+def ahead_limits(lookahead: int, hold_s: float = 0.0, max_num_seqs: int = 8, max_model_len: int = 0) -> SchedulerLimits:
+    return SchedulerLimits(block_size=BLOCK, max_num_seqs=max_num_seqs, max_batch_tokens=64,
+                           lookahead_tokens=lookahead, max_model_len=max_model_len, release_hold_s=hold_s)
+
+
+def test_leasing_ahead_cuts_the_lease_calls_of_many_decoding_streams():
+    calls = {}
+    for lookahead in (0, 2 * BLOCK):
+        scheduler = Scheduler(ahead_limits(lookahead), 400)
+        cache = FakeCache(400)
+        seqs = [make_seq(i, prompt_len=3 + i, max_new=40) for i in range(8)]  # boundaries staggered
+        for seq in seqs:
+            scheduler.add(seq)
+        drive(scheduler, cache)  # run_step fails any step that writes past its table
+        assert all(s.status is Status.FINISHED and s.num_output == 40 for s in seqs)
+        assert not cache.tables and len(cache.free) == 400
+        calls[lookahead] = cache.calls
+        assert (cache.top_ups > 0) == (lookahead > 0)
+    # Without: someone crosses a block boundary nearly every step. With: a call is due
+    # only when the first of them runs out of what it was leased ahead.
+    assert calls[2 * BLOCK] * 3 < calls[0], calls
+
+
+def test_top_ups_never_reach_past_what_a_sequence_can_grow_to():
+    scheduler = Scheduler(ahead_limits(10 * BLOCK, max_model_len=14), 100)
+    cache = FakeCache(100)
+    short, capped = make_seq(0, prompt_len=5, max_new=6), make_seq(1, prompt_len=6, max_new=30)
+    scheduler.add(short)
+    scheduler.add(capped)
+    targets: dict[str, int] = {}
+    for step in drive(scheduler, cache):
+        for seq, tokens in step.lease_ops.top_ups:
+            targets[seq.request_id] = max(tokens, targets.get(seq.request_id, 0))
+    assert targets == {"r0": 11, "r1": 14}, targets  # prompt + max_new; max_model_len
+
+
+def each_step(scheduler: Scheduler, cache: FakeCache, max_steps: int = 500):
+    """Like drive(), but yields each step as it is scheduled, before the fake cache answers
+    it, so that a test can look at the state the scheduler decided in."""
+    pending = None
+    for _ in range(max_steps):
+        if not scheduler.has_work() and pending is None:
+            return
+        if pending is not None:
+            scheduler.apply(pending[0], *pending[1])
+            pending = None
+        step = scheduler.schedule()
+        yield step
+        pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
+        scheduler.take_copies()
+        for seq, new_tokens in step.batch:
+            seq.num_computed += new_tokens
+            if seq.num_computed == len(seq.token_ids):
+                seq.token_ids.append(7)
+                if seq.num_output >= seq.options.max_new_tokens:
+                    scheduler.finish(seq, Finish.LENGTH)
+    raise AssertionError("the scheduler did not finish its work")
+
+
+def test_no_top_ups_while_a_sequence_waits_for_a_seat():
+    scheduler = Scheduler(ahead_limits(4 * BLOCK, max_num_seqs=1), 100)
+    cache = FakeCache(100)
+    first, second = make_seq(0, prompt_len=5, max_new=20), make_seq(1, prompt_len=5, max_new=20)
+    scheduler.add(first)
+    scheduler.add(second)
+    with_top_ups = [second.status for step in each_step(scheduler, cache) if step.lease_ops.top_ups]
+    assert with_top_ups and Status.WAITING not in with_top_ups
+    assert first.status is second.status is Status.FINISHED
+
+
+def test_top_ups_take_at_most_half_of_the_free_blocks():
+    scheduler = Scheduler(ahead_limits(8 * BLOCK), 12)
+    cache = FakeCache(12)
+    seq = make_seq(0, prompt_len=5, max_new=40)  # could grow to all 12 blocks
+    scheduler.add(seq)
+    asked = []
+    for step in each_step(scheduler, cache):
+        ops = step.lease_ops
+        needed = {id(s): blocks_for(tokens, BLOCK) for s, tokens in ops.extends}
+        free = len(cache.free) - sum(needed[id(s)] - len(s.block_table) for s, _ in ops.extends)
+        for topped, tokens in ops.top_ups:
+            asked.append((blocks_for(tokens, BLOCK) - needed.get(id(topped), len(topped.block_table)), free))
+    assert asked and all(more <= free // 2 for more, free in asked), asked
+    assert seq.status is Status.FINISHED and seq.num_output == 40 and len(cache.free) == 12
+
+
+def test_a_refused_top_up_leaves_the_sequence_to_ask_when_it_needs_the_block():
+    scheduler = Scheduler(ahead_limits(2 * BLOCK), 100)
+    cache = FakeCache(100)
+    cache.refuse_top_ups = True  # another session took the blocks meanwhile
+    seqs = [make_seq(i, prompt_len=3 + i, max_new=20) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    drive(scheduler, cache)
+    assert cache.top_ups > 0 and scheduler.preemptions == 0
+    assert all(s.status is Status.FINISHED and s.num_output == 20 for s in seqs)
+    assert not cache.tables
+
+
+def held_release_run(finish_reason: Finish, advance_s: float):
+    """A short sequence finishes while a long one decodes; returns the steps after that."""
+    now = [0.0]
+    scheduler = Scheduler(ahead_limits(0, hold_s=0.1), 100, clock=lambda: now[0])
+    cache = FakeCache(100)
+    short, long = make_seq(0, prompt_len=4, max_new=50), make_seq(1, prompt_len=6, max_new=40)
+    scheduler.add(short)
+    scheduler.add(long)
+    pending = None
+    while short.num_output < 3:
+        _, pending = run_step(scheduler, cache, pending)
+    scheduler.finish(short, finish_reason)
+    steps = []
+    for _ in range(200):
+        if not scheduler.has_work() and pending is None:
+            break
+        now[0] += advance_s
+        step, pending = run_step(scheduler, cache, pending)
+        steps.append(step)
+    assert not cache.tables and long.status is Status.FINISHED
+    return steps, short
+
+
+def test_a_finished_sequence_s_release_waits_for_a_call_that_goes_out_anyway():
+    steps, short = held_release_run(Finish.LENGTH, advance_s=0.0)  # the clock stands still
+    carrying = [i for i, step in enumerate(steps) if step.lease_ops.releases]
+    first = steps[carrying[0]].lease_ops
+    assert [r.lease_id for r in first.releases] and first.extends, "it rode on the other's extend"
+    assert carrying[0] > 0, "not a call of its own in the next step"
+
+
+def test_a_held_release_goes_alone_once_its_hold_has_passed():
+    steps, _ = held_release_run(Finish.LENGTH, advance_s=0.06)  # the second step is past 0.1 s
+    carrying = [i for i, step in enumerate(steps) if step.lease_ops.releases]
+    assert carrying[0] == 1 and not steps[1].lease_ops.extends
+
+
+def test_a_cancelled_sequence_s_blocks_go_back_with_the_next_step_s_call():
+    steps, _ = held_release_run(Finish.ABORTED, advance_s=0.0)
+    assert steps[0].lease_ops.releases
 
 
 def test_limits_validate():
