@@ -11,7 +11,10 @@ new prompt tokens (same lengths), so neither engine's prefix cache can help.
     never a dependency of the project), offline `LLM.generate` with token ids in and out,
     prefix caching off, in a child process (bench/vllm_worker.py) that stays loaded.
   - pagedkv: both services as real processes; the requests go over gRPC from one asyncio
-    client in this process, timed at the client.
+    client in this process, timed at the client. It streams every token in a message of
+    its own unless --stream-interval says otherwise (SamplingParams.stream_interval: the
+    first token at once, then that many a message; vLLM's LLM.generate streams nothing
+    and returns whole completions, which a large interval comes near).
 
 The engines take turns within each round (who goes first alternates), 2 threads each;
 the table shows median tokens/s and the median of the per-round ratios. Also printed:
@@ -20,7 +23,7 @@ bfloat16 rounding lets long random-model continuations drift), and the share of 
 step time pagedkv spent waiting on the cache service.
 
     .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--models w48,smollm2]
-        [--dtypes float32,bfloat16] [--workloads w48,single]
+        [--dtypes float32,bfloat16] [--workloads w48,single] [--stream-interval 1]
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ class VllmWorker:
 
 
 @contextlib.contextmanager
-def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra: list[str]):
+def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra: list[str],
+                     stream_interval: int = 1):
     with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache, \
             start_model_service(tmp, cache.address, "--model", str(model_dir), "--dtype", dtype,
                                 "--threads", str(threads), "--max-num-seqs", "64",
@@ -156,7 +160,8 @@ def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra
                     request = model_pb2.GenerateRequest(
                         prompt_token_ids=prompt,
                         sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
-                                                         detokenize=False),  # as vLLM runs here
+                                                         detokenize=False,  # as vLLM runs here
+                                                         stream_interval=stream_interval),
                     )
                     tokens: list[int] = []
                     async for response in stub.Generate(request, timeout=900):
@@ -194,6 +199,8 @@ def main() -> int:
     parser.add_argument("--models", default="w48,smollm2")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--workloads", default="w48,single")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="pagedkv's SamplingParams.stream_interval: tokens a streamed message gathers")
     parser.add_argument("--pagedkv-flag", action="append", default=[],
                         help="extra model-service flag, e.g. --pagedkv-flag=--compile=off (repeatable)")
     args = parser.parse_args()
@@ -215,7 +222,8 @@ def main() -> int:
                 shapes = {"w48": workload(), "single": single_stream(vocab)}
                 vllm = VllmWorker(python, model_dir, dtype, tmp / f"vllm-{model_key}-{dtype}.log")
                 try:
-                    with pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag) as pagedkv:
+                    with pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag,
+                                          args.stream_interval) as pagedkv:
                         for engine in (vllm.run, pagedkv):  # warm up, on prompts no round uses
                             engine(redraw(shapes["w48"][:4], -1, vocab))
                         rows: dict[str, dict[str, list[dict]]] = {w: {"vllm": [], "pagedkv": []} for w in workloads}
@@ -243,7 +251,8 @@ def main() -> int:
                     })
 
     load = os.getloadavg()
-    print(f"\n{args.rounds} rounds, {args.threads} threads; load average at the end "
+    print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv stream_interval {args.stream_interval}; "
+          f"load average at the end "
           f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
           "| same greedy outputs | cache wait, max |")

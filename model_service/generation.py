@@ -23,7 +23,7 @@ import structlog
 from model_service import metrics
 from model_service.admission import DuplicateRequest, QueueFull
 from model_service.engine import Delta, Engine, EngineUnavailable
-from model_service.output import TokenLogprob
+from model_service.output import TokenLogprob, joined
 from model_service.sampling import InvalidRequest
 from model_service.sequence import Finish
 from model_service.validation import GenerateLimits, PoolTooSmall, validate_generate_request
@@ -56,7 +56,7 @@ class GenerationService:
     """ModelService's calls as plain async code over one engine, shared by every front door."""
 
     def __init__(self, engine: Engine, *, default_max_new_tokens: int, max_prompt_tokens: int,
-                 max_concurrent_streams: int = 0) -> None:
+                 max_concurrent_streams: int = 0, stream_interval: int = 1) -> None:
         self.engine = engine
         self.limits = GenerateLimits(
             vocab_size=engine.loaded.config.vocab_size,
@@ -64,6 +64,7 @@ class GenerationService:
             max_prompt_tokens=max_prompt_tokens,
             default_max_new_tokens=default_max_new_tokens,
             max_completions=engine.settings.max_num_seqs,
+            stream_interval=stream_interval,
         )
         self.max_concurrent_streams = max_concurrent_streams  # 0: no limit
         # Generate streams in progress, whichever door they came in by; event loop only.
@@ -256,16 +257,5 @@ def merge(first: Delta, deltas: asyncio.Queue) -> tuple[Delta, Delta | None]:
             return following, None
         if following.index != merged.index:
             return merged, following
-        merged = Delta(
-            token_ids=merged.token_ids + following.token_ids,
-            text=merged.text + following.text,
-            finish=following.finish,
-            prompt_tokens=following.prompt_tokens,
-            completion_tokens=following.completion_tokens,
-            cached_tokens=following.cached_tokens,
-            index=merged.index,
-            logprobs=merged.logprobs + following.logprobs,
-            prompt_logprobs=merged.prompt_logprobs,
-            matched_stop=following.matched_stop,
-        )
+        merged = joined(merged, following)
     return merged, None

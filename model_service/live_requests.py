@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from model_service import metrics
-from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob
+from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, joined
 from model_service.sequence import Finish, Sequence
 
 # Hands a step's deltas to their sinks. The engine's default calls each sink on the engine
@@ -72,10 +72,14 @@ class LiveRequests:
                 metrics.TIME_TO_FIRST_TOKEN_SECONDS.observe(now - request.submitted_at)
             completion.last_token_at = now
             metrics.GENERATED_TOKENS.inc()
-            if delta.finish is None:
-                self._outbox.append((request.sink, request.first(delta)))
-            else:
+            if completion.held is not None:
+                delta, completion.held = joined(completion.held, delta), None
+            if delta.finish is not None:
                 self.end_completion(completion, delta.finish, delta)
+            elif len(delta.token_ids) < request.options.stream_interval and completion.seq.num_output > 1:
+                completion.held = delta  # the first token goes at once, later ones by stream_interval
+            else:
+                self._outbox.append((request.sink, request.first(delta)))
 
     def end_completion(self, completion: Completion, finish: Finish, delta: Delta | None = None,
                        error: ErrorStatus | None = None) -> None:
@@ -83,6 +87,9 @@ class LiveRequests:
         last completion."""
         if completion.finished:
             return
+        if completion.held is not None:  # held back for stream_interval: out with the end
+            delta = completion.held if delta is None else joined(completion.held, delta)
+            completion.held = None
         seq = completion.seq
         self._on_completion_end(completion, finish)
         self.completions.pop(seq, None)
@@ -117,6 +124,10 @@ class LiveRequests:
         for request in list(self._by_key.values()):
             self._by_key.pop(request.key, None)
             self._on_request_end(request)
+            for completion in request.completions:  # what stream_interval held, before the error
+                if completion.held is not None:
+                    self.send(request.sink, request.first(completion.held))
+                    completion.held = None
             self.send(request.sink, Delta(finish=Finish.ABORTED, error=(code, message)))
         self.completions.clear()
         self._deadlines.clear()

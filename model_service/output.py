@@ -51,6 +51,25 @@ class Delta:
 Sink = Callable[[Delta], None]
 
 
+def joined(first: Delta, following: Delta) -> Delta:
+    """Two consecutive deltas of one completion as one: tokens, text and logprobs in
+    order; what only a stream's first delta carries (prompt logprobs) from `first`, what
+    only its last carries (finish, usage, matched stop, error) from `following`."""
+    return Delta(
+        token_ids=first.token_ids + following.token_ids,
+        text=first.text + following.text,
+        finish=following.finish,
+        prompt_tokens=following.prompt_tokens,
+        completion_tokens=following.completion_tokens,
+        cached_tokens=following.cached_tokens,
+        error=following.error,
+        index=first.index,
+        logprobs=first.logprobs + following.logprobs,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else following.prompt_logprobs,
+        matched_stop=following.matched_stop,
+    )
+
+
 def completion_seed(seed: int | None, index: int) -> int | None:
     """Completion i's seed, from (seed, i): completion 0 keeps the request's seed, so n = 1
     draws exactly as before; the others are spread by a 64-bit odd constant (golden ratio)."""
@@ -69,6 +88,8 @@ class Completion:
     history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
     last_token_at: float = 0.0
     finished: bool = False
+    # Tokens not sent yet: fewer than the request's stream_interval since the last message.
+    held: Delta | None = None
 
     def on_token(self, token: int, logprob: TokenLogprob | None, eos_token_ids: frozenset[int],
                  max_model_len: int) -> Delta:

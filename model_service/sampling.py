@@ -65,6 +65,8 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text
+    # New tokens a streamed message may hold back for; 1: every token at once.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         # Checks that need nothing but the options themselves; the ones that need the
@@ -102,6 +104,8 @@ class SamplingOptions:
             )
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be >= 0")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise InvalidRequest(f"stream_interval must be a positive integer, got {self.stream_interval}")
         if not 1 <= self.n <= MAX_COMPLETIONS:
             raise InvalidRequest(f"n must be in [0, {MAX_COMPLETIONS}] (0 and 1: one completion), got {self.n}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -153,6 +157,7 @@ class SamplingOptions:
         max_model_len: int,
         vocab_size: int,
         default_max_new_tokens: int,
+        min_stream_interval: int = 1,
     ) -> SamplingOptions:
         room = max_model_len - prompt_tokens
         if sampling.HasField("max_new_tokens"):
@@ -214,6 +219,7 @@ class SamplingOptions:
             skip_special_tokens=(sampling.skip_special_tokens
                                  if sampling.HasField("skip_special_tokens") else True),
             detokenize=sampling.detokenize if sampling.HasField("detokenize") else True,
+            stream_interval=max(sampling.stream_interval, min_stream_interval),  # 0: the service's
         )
 
 

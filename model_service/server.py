@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="open Generate streams (validating, queued, running or draining) beyond which Generate "
                   "answers RESOURCE_EXHAUSTED; 0 disables the limit")
     add_flag(parser, "--max-prompt-tokens", default=None, type=int, help="longest prompt accepted (default: max-model-len - 1)")
+    add_flag(parser, "--stream-interval", default=1, type=int,
+             help="how many new tokens of a completion are gathered into one streamed message (gRPC and HTTP); "
+                  "a request's SamplingParams.stream_interval may raise it, not lower it; a completion's first "
+                  "token and last message go out at once (vLLM's --stream-interval)")
     add_flag(parser, "--default-max-new-tokens", default=256, type=int, help="max_new_tokens when a request leaves it unset")
     add_flag(parser, "--attention-backend", default="auto", choices=list(BACKENDS),
              help="auto: Triton kernels on CUDA, the C kernel on CPU (built at start), PyTorch where neither loads")
@@ -108,6 +112,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--http-port must be a port, 0 (pick a free one) or -1 (no HTTP), got {args.http_port}")
     if args.max_concurrent_streams < 0:
         raise ValueError(f"--max-concurrent-streams must be 0 (no limit) or more, got {args.max_concurrent_streams}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be 1 (every token at once) or more, got {args.stream_interval}")
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
@@ -164,7 +170,8 @@ async def serve(args: argparse.Namespace) -> int:
                     deliver=deliver_on_loop(loop))
     generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
                                    max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
-                                   max_concurrent_streams=args.max_concurrent_streams)
+                                   max_concurrent_streams=args.max_concurrent_streams,
+                                   stream_interval=args.stream_interval)
     servicer = ModelServicer(generation)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))

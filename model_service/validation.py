@@ -43,6 +43,8 @@ class GenerateLimits:
     max_total_tokens: int = 0
     # Most completions (n) one request may ask for: --max-num-seqs, as they run at once.
     max_completions: int = MAX_COMPLETIONS
+    # --stream-interval: the least a request's stream_interval can be.
+    stream_interval: int = 1
 
 
 def validate_generate_request(
@@ -78,6 +80,7 @@ def validate_generate_request(
         max_model_len=limits.max_model_len,
         vocab_size=vocab_size,
         default_max_new_tokens=limits.default_max_new_tokens,
+        min_stream_interval=limits.stream_interval,
     )
     most = min(MAX_COMPLETIONS, limits.max_completions)
     if options.n > most:

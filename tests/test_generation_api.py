@@ -340,6 +340,25 @@ def test_detokenize_off_streams_the_same_tokens_without_text(stack):
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
 
 
+def test_stream_interval_sends_the_same_completions_in_fewer_messages(stack):
+    stub, cache, _ = stack
+    prompt = prompt_ids(10, seed=19)
+    sampling = dict(max_new_tokens=40, ignore_eos=True, n=2, logprobs=2)
+    every_token = run(stub, prompt, **sampling)
+    batched = run(stub, prompt, stream_interval=8, **sampling)
+    for index in (0, 1):
+        messages = batched[index]
+        assert tokens_of(messages) == tokens_of(every_token[index]) and len(tokens_of(messages)) == 40
+        assert "".join(m.text for m in messages) == "".join(m.text for m in every_token[index])
+        assert [e.token_id for m in messages for e in m.logprobs] == tokens_of(messages)
+        assert messages[-1].finish_reason == every_token[index][-1].finish_reason
+        assert messages[-1].usage.completion_tokens == 40
+        # The first token at once, then 8 at a time (a client that falls behind can only
+        # get fewer, larger messages): at most 1 + ceil(39 / 8) = 6.
+        assert 2 <= len(messages) <= 6, [len(m.token_ids) for m in messages]
+    wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
+
+
 def test_stop_strings_without_detokenizing_are_invalid(stack):
     stub, cache, _ = stack
     with pytest.raises(grpc.RpcError) as error:

@@ -1,0 +1,80 @@
+"""stream_interval on the engine side: how LiveRequests holds a completion's tokens back
+and lets them go (every stream_interval tokens, the first at once, the rest with the
+end, whatever ends it), and how a request's interval meets the service's."""
+
+from __future__ import annotations
+
+import grpc
+
+from model_service.live_requests import LiveRequests
+from model_service.output import Delta, new_request
+from model_service.sampling import SamplingOptions
+from model_service.sequence import Finish
+from pagedkv.model.v1 import model_pb2
+
+
+def live(interval: int, max_new_tokens: int = 20):
+    """A request of token ids only (no tokenizer) and the deltas its stream gets."""
+    delivered: list[Delta] = []
+    requests = LiveRequests(lambda deliveries: delivered.extend(delta for _, delta in deliveries),
+                            on_completion_end=lambda completion, finish: None,
+                            on_request_end=lambda request: None)
+    options = SamplingOptions(max_new_tokens=max_new_tokens, ignore_eos=True, detokenize=False,
+                              stream_interval=interval)
+    request = new_request(1, "r", [5, 6, 7], options, sink=None, tokenizer=None, device="cpu", deadline=None,
+                          priority=0, arrival=0)
+    requests.add(request)
+    return requests, request, delivered
+
+
+def step(requests: LiveRequests, request, token: int) -> None:
+    """One engine step: the completion samples `token`, the step's deltas go out."""
+    requests.emit([request.completions[0]], [token], [None], frozenset(), max_model_len=100)
+    requests.flush()
+
+
+def test_tokens_go_out_every_interval_the_first_at_once_the_rest_with_the_end():
+    requests, request, delivered = live(interval=4, max_new_tokens=10)
+    for token in range(100, 110):
+        step(requests, request, token)
+    assert [d.token_ids for d in delivered] == [[100], [101, 102, 103, 104], [105, 106, 107, 108], [109]]
+    assert delivered[-1].finish is Finish.LENGTH and delivered[-1].completion_tokens == 10
+
+
+def test_held_tokens_go_out_with_an_abort():
+    requests, request, delivered = live(interval=8)
+    for token in range(100, 104):
+        step(requests, request, token)
+    assert [d.token_ids for d in delivered] == [[100]]
+    requests.end_request(request, Finish.ABORTED)
+    requests.flush()
+    assert delivered[-1].token_ids == [101, 102, 103] and delivered[-1].finish is Finish.ABORTED
+
+
+def test_held_tokens_go_out_before_an_error():
+    requests, request, delivered = live(interval=8)
+    for token in range(100, 103):
+        step(requests, request, token)
+    requests.fail_all(grpc.StatusCode.UNAVAILABLE, "the cache service went away")
+    requests.flush()
+    assert [d.token_ids for d in delivered] == [[100], [101, 102], []]
+    assert delivered[-1].error == (grpc.StatusCode.UNAVAILABLE, "the cache service went away")
+
+
+def test_interval_one_sends_every_token_in_its_own_message():
+    requests, request, delivered = live(interval=1, max_new_tokens=5)
+    for token in range(100, 105):
+        step(requests, request, token)
+    assert [d.token_ids for d in delivered] == [[100], [101], [102], [103], [104]]
+
+
+def test_a_request_s_interval_is_raised_to_the_service_s_never_lowered():
+    def interval(asked: int, service: int) -> int:
+        return SamplingOptions.from_proto(model_pb2.SamplingParams(max_new_tokens=4, stream_interval=asked),
+                                          prompt_tokens=3, max_model_len=64, vocab_size=100,
+                                          default_max_new_tokens=8, min_stream_interval=service).stream_interval
+
+    assert interval(0, 1) == 1  # unset: every token
+    assert interval(0, 4) == 4  # unset: the service's
+    assert interval(2, 4) == 4
+    assert interval(9, 4) == 9
