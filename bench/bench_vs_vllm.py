@@ -15,6 +15,10 @@ new prompt tokens (same lengths), so neither engine's prefix cache can help.
     its own unless --stream-interval says otherwise (SamplingParams.stream_interval: the
     first token at once, then that many a message; vLLM's LLM.generate streams nothing
     and returns whole completions, which a large interval comes near).
+    With --pagedkv-path engine, the engine runs in this process instead (inprocess_engine.py,
+    against a real cache service process), its tokens going to callbacks: the same
+    comparison without the gRPC server and its streams, so the two tables together say
+    what serving costs.
 
 The engines take turns within each round (who goes first alternates), 2 threads each;
 the table shows median tokens/s and the median of the per-round ratios. Also printed:
@@ -24,6 +28,7 @@ step time pagedkv spent waiting on the cache service.
 
     .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--models w48,smollm2]
         [--dtypes float32,bfloat16] [--workloads w48,single] [--stream-interval 1]
+        [--pagedkv-path grpc|engine]
 """
 
 from __future__ import annotations
@@ -184,6 +189,18 @@ def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra
         yield run
 
 
+@contextlib.contextmanager
+def pagedkv_engine(model_dir: Path, dtype: str, tmp: Path, threads: int):
+    """The engine alone, in this process: run(requests) as pagedkv_services gives it."""
+    import torch
+    from inprocess_engine import engine_in_process, load_in_passing_thread
+
+    torch.set_num_threads(threads)
+    loaded = load_in_passing_thread(model_dir, getattr(torch, dtype))
+    with engine_in_process(loaded, getattr(torch, dtype), tmp, MAX_MODEL_LEN) as run:
+        yield run
+
+
 def rate(row: dict) -> float:
     return row["tokens"] / row["seconds"]
 
@@ -201,9 +218,13 @@ def main() -> int:
     parser.add_argument("--workloads", default="w48,single")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="pagedkv's SamplingParams.stream_interval: tokens a streamed message gathers")
+    parser.add_argument("--pagedkv-path", choices=["grpc", "engine"], default="grpc",
+                        help="grpc: both services as processes, a gRPC client; engine: the engine in this process")
     parser.add_argument("--pagedkv-flag", action="append", default=[],
                         help="extra model-service flag, e.g. --pagedkv-flag=--compile=off (repeatable)")
     args = parser.parse_args()
+    if args.pagedkv_path == "engine" and (args.pagedkv_flag or args.stream_interval != 1):
+        parser.error("--pagedkv-flag and --stream-interval are model-service settings: only with --pagedkv-path grpc")
     python = ensure_vllm_venv()
     models = args.models.split(",")
     workloads = args.workloads.split(",")
@@ -222,8 +243,10 @@ def main() -> int:
                 shapes = {"w48": workload(), "single": single_stream(vocab)}
                 vllm = VllmWorker(python, model_dir, dtype, tmp / f"vllm-{model_key}-{dtype}.log")
                 try:
-                    with pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag,
-                                          args.stream_interval) as pagedkv:
+                    pagedkv_path = (pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag,
+                                                     args.stream_interval) if args.pagedkv_path == "grpc"
+                                    else pagedkv_engine(model_dir, dtype, tmp, args.threads))
+                    with pagedkv_path as pagedkv:
                         for engine in (vllm.run, pagedkv):  # warm up, on prompts no round uses
                             engine(redraw(shapes["w48"][:4], -1, vocab))
                         rows: dict[str, dict[str, list[dict]]] = {w: {"vllm": [], "pagedkv": []} for w in workloads}
@@ -251,7 +274,8 @@ def main() -> int:
                     })
 
     load = os.getloadavg()
-    print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv stream_interval {args.stream_interval}; "
+    print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, "
+          f"stream_interval {args.stream_interval}; "
           f"load average at the end "
           f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "

@@ -3,10 +3,11 @@ streaming or a client.
 
 The same checkpoints and workloads as bench_vs_vllm.py (the W48 random Llama or SmolLM2,
 float32 or bfloat16; W48 or one stream of 128 tokens); a real cache service process
-leases the blocks, but the engine runs in this process and its tokens go to plain
-callbacks. Reports the wall time, engine steps by kind (prefill, decode by batch size),
-and the time inside the layer linears, the lm_head and paged attention (K/V write,
-gather and SDPA), measured by timing those calls (CPU work is synchronous).
+leases the blocks, but the engine runs in this process (inprocess_engine.py) and its
+tokens, ids only as bench_vs_vllm.py asks for them, go to plain callbacks. Reports the
+wall time, engine steps by kind (prefill, decode by batch size), and the time inside the
+layer linears, the lm_head and paged attention (K/V write, gather and SDPA), measured by
+timing those calls (CPU work is synchronous).
 
     .venv/bin/python bench/engine_breakdown.py [--threads 2] [--model w48|smollm2|PATH]
         [--dtype float32|bfloat16] [--workload w48|single]
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,16 +30,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from bench_generate import workload, write_w48_checkpoint  # noqa: E402
 from bench_vs_vllm import single_stream, smollm2_checkpoint  # noqa: E402
-from processes import start_cache_service  # noqa: E402
+from inprocess_engine import engine_in_process, load_in_passing_thread  # noqa: E402
 
 from model_service.attention.backend import PagedAttention  # noqa: E402
-from model_service.cache_client import CacheClient  # noqa: E402
-from model_service.engine import Engine, EngineSettings  # noqa: E402
-from model_service.models.loader import load_model  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
 from model_service.runner import ModelRunner  # noqa: E402
-from model_service.sampling import SamplingOptions  # noqa: E402
-from model_service.torch_threads import run_in_passing_thread  # noqa: E402
 
 # seconds spent inside each kind of call, and one (batch size, tokens, seconds) per step
 time_in: collections.Counter[str] = collections.Counter()
@@ -96,37 +90,14 @@ def main() -> int:
         tmp = Path(tmp)
         path = {"w48": lambda: write_w48_checkpoint(tmp / "w48"), "smollm2": smollm2_checkpoint}.get(
             args.model, lambda: Path(args.model))()
-        # As the model service does: no OpenMP pool left behind in this thread (torch_threads.py).
-        loaded = run_in_passing_thread(lambda: load_model(str(path), dtype, "cpu"))
+        loaded = load_in_passing_thread(path, dtype)
         requests = workload() if args.workload == "w48" else single_stream(loaded.config.vocab_size)
         instrument(loaded.config.vocab_size)
-        with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache:
-            settings = EngineSettings(max_model_len=1024, max_batch_tokens=2048, max_num_seqs=64)
-            engine = Engine(loaded, settings, CacheClient(cache.address), torch.device("cpu"), dtype)
-            engine.start()
-            if not engine.connected.wait(30):
-                raise SystemExit("the engine did not attach to the cache service")
-            finished = threading.Semaphore(0)
-
-            def sink(delta) -> None:
-                if delta.finish is not None or delta.error is not None:
-                    finished.release()
-
-            request_ids = itertools.count()
-
-            def run(items) -> float:
-                started = time.perf_counter()
-                for prompt, max_new in items:
-                    engine.submit(f"bench-{next(request_ids)}", prompt, SamplingOptions(max_new_tokens=max_new, ignore_eos=True), sink)
-                for _ in items:
-                    finished.acquire()
-                return time.perf_counter() - started
-
+        with engine_in_process(loaded, dtype, tmp) as run:
             run([(requests[0][0][::-1], 2)])  # warm up, with a prompt the workload does not use
             time_in.clear()
             steps.clear()
-            wall = run(requests)
-            engine.stop(5)
+            wall = run(requests)["seconds"]
 
     new_tokens = sum(n for _, n in requests)
     forward = sum(seconds for _, _, seconds in steps)

@@ -32,11 +32,11 @@ from model_service.attachment import AttachSettings, FatalAttachError, attach, d
 from model_service.cache_client import CacheClient, Heartbeat, LeaseDeadline
 from model_service.decode_graphs import DecodeGraphPool
 from model_service.models.loader import LoadedModel
+from model_service.lease_ops import LeaseLost, LeaseOps
 from model_service.live_requests import Deliver, LiveRequests
 from model_service.output import Completion, Delta, RequestOutput, Sink, new_request
 from model_service.runner import ModelRunner
 from model_service.sampling import SamplingOptions
-from model_service.lease_ops import LeaseLost, LeaseOps
 from model_service.scheduler import POLICIES, Scheduler
 from model_service.sequence import Finish, Sequence, Status
 from model_service.step_sampler import StepSampler

@@ -12,13 +12,10 @@ what finished, was cancelled or was preempted. The cache service is the authorit
 free blocks; `blocks_available` from its last reply is only used to avoid asking for
 what cannot be had.
 
-A call that goes out anyway also leases decoding sequences up to `lookahead_tokens`
-ahead of need (top-ups), while the pool has room to spare and nobody waits for it, so
-that the next call is due only when the first of them runs out, not whenever any of them
-crosses a block boundary. With 48 streams and 16-token blocks that is about one call
-every 16 steps instead of nearly every step; each call costs the engine more than its
-wait, because the cache service's and the gRPC threads' work takes a core from the
-engine's OpenMP threads while its forward pass runs (BENCHMARKS.md, "Fewer lease calls").
+A call that goes out anyway also leases decoding sequences `lookahead_tokens` ahead of
+need, and a normally finished sequence's release may wait up to `release_hold_s` for such
+a call (lease_ahead.py): about one call every block_size steps at 48 streams, instead of
+nearly one a step.
 
 Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
 (priority, arrival) and preempts the lowest priority (largest number), newest first.
@@ -38,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from model_service.lease_ahead import PendingReleases, top_ups
 from model_service.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
 from model_service.sequence import Finish, Sequence, Status
 
@@ -99,9 +97,7 @@ class Scheduler:
         self.allocating: int = 0  # allocate and fork ops in flight
         self._allocating_children = 0  # completions that will fork from sequences allocating
         self.blocks_available = blocks_available
-        self._releases: list[Release] = []
-        self._releases_since = 0.0  # when the oldest of them was queued
-        self._release_now = False  # one of them frees blocks someone is short of
+        self._releases = PendingReleases(limits.release_hold_s, clock)
         self._forks: list[ForkRequest] = []
         self._copies: list[tuple[int, int]] = []
         self.preemptions = 0
@@ -165,22 +161,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence, urgent: bool) -> None:
         if seq.lease_id is not None:
-            self._queue_release(Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]),
-                                        len(seq.block_table)), urgent)
+            self._releases.add(Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]),
+                                       len(seq.block_table)), urgent)
         seq.drop_blocks()
-
-    def _queue_release(self, release: Release, urgent: bool) -> None:
-        if not self._releases:
-            self._releases_since = self._clock()
-        self._releases.append(release)
-        self._release_now = self._release_now or urgent
-
-    def _hold_releases(self) -> bool:
-        """Whether this step's call, which has nothing else to carry, can wait: only
-        releases of sequences that finished normally, queued within release_hold_s, while
-        others run (a call will go out soon) and nobody waits for blocks."""
-        return bool(self._releases and not self._release_now and self.running and not self.waiting
-                    and self._clock() - self._releases_since < self.limits.release_hold_s)
 
     def preempt(self, seq: Sequence) -> None:
         """Gives a running sequence's blocks back and queues it first for recompute.
@@ -212,7 +195,7 @@ class Scheduler:
                 if outcome.copy is not None:
                     self._copies.append(outcome.copy)
                 if child.status is Status.FINISHED:  # ended while its fork was in flight
-                    self._queue_release(Release(outcome.lease_id, ()), urgent=True)
+                    self._releases.add(Release(outcome.lease_id, ()), urgent=True)
                     continue
                 child.lease_id = outcome.lease_id
                 child.block_table = list(outcome.block_ids)
@@ -242,7 +225,7 @@ class Scheduler:
             if outcome.ok:
                 seq.lease_id = outcome.lease_id
                 if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
-                    self._queue_release(Release(outcome.lease_id, ()), urgent=True)
+                    self._releases.add(Release(outcome.lease_id, ()), urgent=True)
                     seq.lease_id = None
                     continue
                 seq.block_table = list(outcome.block_ids)
@@ -310,46 +293,17 @@ class Scheduler:
             # Starved, or forked with a table that ends where the prompt does.
             if seq.starved or (id(seq) not in in_batch and seq.capacity(block_size) < len(seq.token_ids)):
                 ops.extends.append((seq, len(seq.token_ids)))
-        # An estimate: shared blocks free nothing; the service's count comes with its reply.
-        freed = sum(release.num_blocks for release in self._releases)
-        available = self.blocks_available + freed - sum(
+        # An estimate; the service's count comes with its reply.
+        available = self.blocks_available + self._releases.blocks() - sum(
             blocks_for(tokens, block_size) - len(seq.block_table) for seq, tokens in ops.extends
         )
         available = self._admit(ops, available)
-        if ops or not self._hold_releases():
-            ops.releases, self._releases, self._release_now = self._releases, [], False
-        if ops:
-            self._top_up(ops, batch, available)
+        if ops or not self._releases.may_wait(others_run=bool(self.running), someone_waits=bool(self.waiting)):
+            ops.releases = self._releases.take()
+        if ops and self.limits.lookahead_tokens and not self.waiting:  # no blocks ahead while others wait
+            ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
+                                  self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted)
-
-    def _top_up(self, ops: LeaseOps, batch: list[tuple[Sequence, int]], available: int) -> None:
-        """Adds top-ups to a call that goes out anyway: each decoding sequence held to
-        `lookahead_tokens` past its next token (never past the most it can grow to), while
-        nobody waits for blocks, and all of them together at most half of what is free."""
-        lookahead = self.limits.lookahead_tokens
-        if not lookahead or self.waiting:
-            return
-        block_size = self.limits.block_size
-        held = {id(seq): blocks_for(tokens, block_size) for seq, tokens in ops.extends}
-        spare = available // 2
-        for seq, new_tokens in batch:
-            if new_tokens != 1:
-                continue  # a prefill chunk: its table covers the prompt already
-            target = min(seq.num_computed + 2 + lookahead, self._longest(seq))
-            have = held.get(id(seq), len(seq.block_table))
-            more = min(blocks_for(target, block_size) - have, spare)
-            if more <= 0:
-                continue
-            spare -= more
-            ops.top_ups.append((seq, min(target, (have + more) * block_size)))
-            if not spare:
-                return
-
-    def _longest(self, seq: Sequence) -> int:
-        """The most tokens a sequence can hold: its prompt and every token it may still
-        sample, within max_model_len."""
-        longest = seq.prompt_len + seq.options.max_new_tokens if seq.options is not None else len(seq.token_ids) + 1
-        return min(longest, self.limits.max_model_len) if self.limits.max_model_len else longest
 
     def _relieve_starvation(self) -> list[Sequence]:
         """A sequence with no block for its next token frees room by preempting the newest."""

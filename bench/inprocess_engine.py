@@ -1,0 +1,73 @@
+"""The engine in this process, against a real cache service process, driven as a client
+drives the model service: submit requests, collect their tokens, wait for every one to
+end. For benchmarks that leave the gRPC server and its streams out (bench_vs_vllm.py
+--pagedkv-path engine, engine_breakdown.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import torch
+from processes import start_cache_service
+from prometheus_client import REGISTRY
+
+from model_service.cache_client import CacheClient
+from model_service.engine import Engine, EngineSettings
+from model_service.models.loader import load_model
+from model_service.sampling import SamplingOptions
+from model_service.torch_threads import run_in_passing_thread
+
+LEASE_WAIT, ENGINE_STEP = "pagedkv_model_lease_wait_seconds_total", "pagedkv_model_engine_step_seconds_total"
+
+
+def load_in_passing_thread(model_dir: Path, dtype: torch.dtype):
+    """As the model service loads: no OpenMP pool left behind in this thread (torch_threads.py)."""
+    return run_in_passing_thread(lambda: load_model(str(model_dir), dtype, "cpu"))
+
+
+@contextlib.contextmanager
+def engine_in_process(loaded, dtype: torch.dtype, tmp: Path, max_model_len: int = 1024):
+    """Yields run(requests) -> {"tokens", "seconds", "outputs", "lease_wait_share"}, each
+    request a (prompt token ids, max_new_tokens) pair, greedy with eos ignored."""
+    with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache:
+        settings = EngineSettings(max_model_len=max_model_len, max_batch_tokens=2048, max_num_seqs=64)
+        engine = Engine(loaded, settings, CacheClient(cache.address), torch.device("cpu"), dtype)
+        engine.start()
+        if not engine.connected.wait(30):
+            raise SystemExit("the engine did not attach to the cache service")
+        request_ids = itertools.count()
+
+        def run(requests) -> dict:
+            finished = threading.Semaphore(0)
+            outputs: list[list[int]] = [[] for _ in requests]
+
+            def sink_for(tokens: list[int]):
+                def sink(delta) -> None:
+                    tokens.extend(delta.token_ids)
+                    if delta.finish is not None or delta.error is not None:
+                        finished.release()
+                return sink
+
+            wait_before, step_before = REGISTRY.get_sample_value(LEASE_WAIT), REGISTRY.get_sample_value(ENGINE_STEP)
+            started = time.perf_counter()
+            for (prompt, max_new), tokens in zip(requests, outputs):
+                engine.submit(f"bench-{next(request_ids)}", prompt,
+                              SamplingOptions(max_new_tokens=max_new, ignore_eos=True, detokenize=False),
+                              sink_for(tokens))
+            for _ in requests:
+                finished.acquire()
+            seconds = time.perf_counter() - started
+            step = REGISTRY.get_sample_value(ENGINE_STEP) - step_before
+            wait = REGISTRY.get_sample_value(LEASE_WAIT) - wait_before
+            return {"tokens": sum(len(t) for t in outputs), "seconds": seconds, "outputs": outputs,
+                    "lease_wait_share": wait / step if step else 0.0}
+
+        try:
+            yield run
+        finally:
+            engine.stop(5)
