@@ -97,12 +97,15 @@ def make_family(arrival: int, prompt_len: int, n: int, max_new: int = 8) -> list
     return family
 
 
-def run_step(scheduler: Scheduler, cache: FakeCache, pending):
-    """One engine iteration without a model: apply last step's answers, schedule, 'compute'."""
+def run_step(scheduler: Scheduler, cache: FakeCache, pending, observe=None):
+    """One engine iteration without a model: apply last step's answers, schedule, 'compute'.
+    `observe(step)` sees each step as scheduled, before the fake cache answers its call."""
     if pending is not None:
         ops, answer = pending
         scheduler.apply(ops, *answer)
     step = scheduler.schedule()
+    if observe is not None:
+        observe(step)
     pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
     scheduler.take_copies()
     for seq, new_tokens in step.batch:
@@ -120,12 +123,12 @@ def run_step(scheduler: Scheduler, cache: FakeCache, pending):
     return step, pending
 
 
-def drive(scheduler, cache, max_steps=500):
+def drive(scheduler, cache, max_steps=500, observe=None):
     pending, steps = None, []
     for _ in range(max_steps):
         if not scheduler.has_work() and pending is None:
             return steps
-        step, pending = run_step(scheduler, cache, pending)
+        step, pending = run_step(scheduler, cache, pending, observe)
         steps.append(step)
     raise AssertionError("the scheduler did not finish its work")
 
@@ -275,36 +278,19 @@ def test_top_ups_never_reach_past_what_a_sequence_can_grow_to():
     assert targets == {"r0": 11, "r1": 14}, targets  # prompt + max_new; max_model_len
 
 
-def each_step(scheduler: Scheduler, cache: FakeCache, max_steps: int = 500):
-    """Like drive(), but yields each step as it is scheduled, before the fake cache answers
-    it, so that a test can look at the state the scheduler decided in."""
-    pending = None
-    for _ in range(max_steps):
-        if not scheduler.has_work() and pending is None:
-            return
-        if pending is not None:
-            scheduler.apply(pending[0], *pending[1])
-            pending = None
-        step = scheduler.schedule()
-        yield step
-        pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
-        scheduler.take_copies()
-        for seq, new_tokens in step.batch:
-            seq.num_computed += new_tokens
-            if seq.num_computed == len(seq.token_ids):
-                seq.token_ids.append(7)
-                if seq.num_output >= seq.options.max_new_tokens:
-                    scheduler.finish(seq, Finish.LENGTH)
-    raise AssertionError("the scheduler did not finish its work")
-
-
 def test_no_top_ups_while_a_sequence_waits_for_a_seat():
     scheduler = Scheduler(ahead_limits(4 * BLOCK, max_num_seqs=1), 100)
     cache = FakeCache(100)
     first, second = make_seq(0, prompt_len=5, max_new=20), make_seq(1, prompt_len=5, max_new=20)
     scheduler.add(first)
     scheduler.add(second)
-    with_top_ups = [second.status for step in each_step(scheduler, cache) if step.lease_ops.top_ups]
+    with_top_ups = []  # the second's status at each call that leases ahead
+
+    def observe(step) -> None:
+        if step.lease_ops.top_ups:
+            with_top_ups.append(second.status)
+
+    drive(scheduler, cache, observe=observe)
     assert with_top_ups and Status.WAITING not in with_top_ups
     assert first.status is second.status is Status.FINISHED
 
@@ -315,12 +301,15 @@ def test_top_ups_take_at_most_half_of_the_free_blocks():
     seq = make_seq(0, prompt_len=5, max_new=40)  # could grow to all 12 blocks
     scheduler.add(seq)
     asked = []
-    for step in each_step(scheduler, cache):
+
+    def observe(step) -> None:
         ops = step.lease_ops
         needed = {id(s): blocks_for(tokens, BLOCK) for s, tokens in ops.extends}
         free = len(cache.free) - sum(needed[id(s)] - len(s.block_table) for s, _ in ops.extends)
         for topped, tokens in ops.top_ups:
             asked.append((blocks_for(tokens, BLOCK) - needed.get(id(topped), len(topped.block_table)), free))
+
+    drive(scheduler, cache, observe=observe)
     assert asked and all(more <= free // 2 for more, free in asked), asked
     assert seq.status is Status.FINISHED and seq.num_output == 40 and len(cache.free) == 12
 
