@@ -65,7 +65,7 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text
-    # New tokens a streamed message may hold back for; 1: every token at once.
+    # Tokens of a completion gathered into one streamed message (its first goes at once); 1: each alone.
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
