@@ -196,8 +196,9 @@ def pagedkv_engine(model_dir: Path, dtype: str, tmp: Path, threads: int):
     from inprocess_engine import engine_in_process, load_in_passing_thread
 
     torch.set_num_threads(threads)
-    loaded = load_in_passing_thread(model_dir, getattr(torch, dtype))
-    with engine_in_process(loaded, getattr(torch, dtype), tmp, MAX_MODEL_LEN) as run:
+    torch_dtype = getattr(torch, dtype)
+    loaded = load_in_passing_thread(model_dir, torch_dtype)
+    with engine_in_process(loaded, torch_dtype, tmp, MAX_MODEL_LEN) as run:
         yield run
 
 
@@ -275,9 +276,7 @@ def main() -> int:
 
     load = os.getloadavg()
     print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, "
-          f"stream_interval {args.stream_interval}; "
-          f"load average at the end "
-          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+          f"stream_interval {args.stream_interval}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
           "| same greedy outputs | cache wait, max |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
