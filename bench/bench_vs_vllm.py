@@ -13,8 +13,9 @@ new prompt tokens (same lengths), so neither engine's prefix cache can help.
   - pagedkv: both services as real processes; the requests go over gRPC from one asyncio
     client in this process, timed at the client. It streams every token in a message of
     its own unless --stream-interval says otherwise (SamplingParams.stream_interval: the
-    first token at once, then that many a message; vLLM's LLM.generate streams nothing
-    and returns whole completions, which a large interval comes near).
+    first token at once, then that many a message). vLLM's LLM.generate streams nothing
+    and returns whole completions; --no-stream asks pagedkv for the same
+    (GenerateRequest.stream = false: one message a completion, when it ends).
     With --pagedkv-path engine, the engine runs in this process instead (inprocess_engine.py,
     against a real cache service process), its tokens going to callbacks: the same
     comparison without the gRPC server and its streams, so the two tables together say
@@ -27,7 +28,7 @@ bfloat16 rounding lets long random-model continuations drift), and the share of 
 step time pagedkv spent waiting on the cache service.
 
     .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--models w48,smollm2]
-        [--dtypes float32,bfloat16] [--workloads w48,single] [--stream-interval 1]
+        [--dtypes float32,bfloat16] [--workloads w48,single] [--stream-interval 1] [--no-stream]
         [--pagedkv-path grpc|engine]
 """
 
@@ -150,7 +151,7 @@ class VllmWorker:
 
 @contextlib.contextmanager
 def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra: list[str],
-                     stream_interval: int = 1):
+                     stream_interval: int = 1, stream: bool = True):
     with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache, \
             start_model_service(tmp, cache.address, "--model", str(model_dir), "--dtype", dtype,
                                 "--threads", str(threads), "--max-num-seqs", "64",
@@ -163,7 +164,7 @@ def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra
 
                 async def one(prompt, max_new) -> list[int]:
                     request = model_pb2.GenerateRequest(
-                        prompt_token_ids=prompt,
+                        prompt_token_ids=prompt, stream=None if stream else False,
                         sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
                                                          detokenize=False,  # as vLLM runs here
                                                          stream_interval=stream_interval),
@@ -219,13 +220,17 @@ def main() -> int:
     parser.add_argument("--workloads", default="w48,single")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="pagedkv's SamplingParams.stream_interval: tokens a streamed message gathers")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="pagedkv's GenerateRequest.stream = false: each completion whole in one message, "
+                             "as LLM.generate returns it")
     parser.add_argument("--pagedkv-path", choices=["grpc", "engine"], default="grpc",
                         help="grpc: both services as processes, a gRPC client; engine: the engine in this process")
     parser.add_argument("--pagedkv-flag", action="append", default=[],
                         help="extra model-service flag, e.g. --pagedkv-flag=--compile=off (repeatable)")
     args = parser.parse_args()
-    if args.pagedkv_path == "engine" and (args.pagedkv_flag or args.stream_interval != 1):
-        parser.error("--pagedkv-flag and --stream-interval are model-service settings: only with --pagedkv-path grpc")
+    if args.pagedkv_path == "engine" and (args.pagedkv_flag or args.stream_interval != 1 or args.no_stream):
+        parser.error("--pagedkv-flag, --stream-interval and --no-stream are model-service settings: "
+                     "only with --pagedkv-path grpc")
     python = ensure_vllm_venv()
     models = args.models.split(",")
     workloads = args.workloads.split(",")
@@ -245,7 +250,8 @@ def main() -> int:
                 vllm = VllmWorker(python, model_dir, dtype, tmp / f"vllm-{model_key}-{dtype}.log")
                 try:
                     pagedkv_path = (pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag,
-                                                     args.stream_interval) if args.pagedkv_path == "grpc"
+                                                     args.stream_interval, not args.no_stream)
+                                    if args.pagedkv_path == "grpc"
                                     else pagedkv_engine(model_dir, dtype, tmp, args.threads))
                     with pagedkv_path as pagedkv:
                         for engine in (vllm.run, pagedkv):  # warm up, on prompts no round uses
@@ -276,7 +282,8 @@ def main() -> int:
 
     load = os.getloadavg()
     print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, "
-          f"stream_interval {args.stream_interval}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+          f"{'whole completions (stream false)' if args.no_stream else f'stream_interval {args.stream_interval}'}; "
+          f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
           "| same greedy outputs | cache wait, max |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the matched stop string at the end of the text")
     parser.add_argument("--keep-special-tokens", action="store_true",
                         help="leave special tokens (eos, chat markers) in the text")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="ask for each completion whole, in one message when it ends (GenerateRequest.stream)")
     parser.add_argument("--priority", type=int, default=0,
                         help="lower runs first when the service runs --scheduling-policy priority")
     parser.add_argument("--abort", action="append", metavar="REQUEST_ID",
@@ -151,20 +153,17 @@ def build_request(args: argparse.Namespace) -> model_pb2.GenerateRequest:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    request = model_pb2.GenerateRequest(request_id=args.request_id, sampling=sampling, priority=args.priority)
     if args.chat or args.system is not None:
-        system = [] if args.system is None else [model_pb2.ChatMessage(role="system", content=args.system)]
-        return model_pb2.GenerateRequest(
-            request_id=args.request_id,
-            messages=[*system, model_pb2.ChatMessage(role="user", content=args.prompt or "")],
-            sampling=sampling,
-        )
-    return model_pb2.GenerateRequest(
-        request_id=args.request_id,
-        prompt=args.prompt or "",
-        prompt_token_ids=args.token_ids or [],
-        sampling=sampling,
-        priority=args.priority,
-    )
+        if args.system is not None:
+            request.messages.add(role="system", content=args.system)
+        request.messages.add(role="user", content=args.prompt or "")
+    else:
+        request.prompt = args.prompt or ""
+        request.prompt_token_ids.extend(args.token_ids or [])
+    if args.no_stream:
+        request.stream = False
+    return request
 
 
 def open_channel(address: str, tls_ca: str | None) -> grpc.Channel:

@@ -23,7 +23,7 @@ import structlog
 from model_service import metrics
 from model_service.admission import DuplicateRequest, QueueFull
 from model_service.engine import Delta, Engine, EngineUnavailable
-from model_service.output import TokenLogprob, joined
+from model_service.output import TokenLogprob, join_into
 from model_service.sampling import InvalidRequest
 from model_service.sequence import Finish
 from model_service.validation import GenerateLimits, PoolTooSmall, validate_generate_request
@@ -257,5 +257,5 @@ def merge(first: Delta, deltas: asyncio.Queue) -> tuple[Delta, Delta | None]:
             return following, None
         if following.index != merged.index:
             return merged, following
-        merged = joined(merged, following)
+        merged = join_into(merged, following)
     return merged, None

@@ -18,7 +18,8 @@ import grpc
 import structlog
 
 from model_service import metrics
-from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, joined
+from model_service.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, join_into
+from model_service.sampling import SamplingOptions
 from model_service.sequence import Finish, Sequence
 
 # Hands a step's deltas to their sinks. The engine's default calls each sink on the engine
@@ -27,6 +28,15 @@ Deliver = Callable[[list[tuple[Sink, Delta]]], None]
 ErrorStatus = tuple[grpc.StatusCode, str]
 
 log = structlog.get_logger()
+
+
+def holds_back(options: SamplingOptions, unsent: Delta, generated: int) -> bool:
+    """Whether a completion's unsent tokens wait for more: all of them when the request
+    does not stream; otherwise fewer than its stream_interval, except its first token,
+    which goes at once (time to first token is what a streaming client watches)."""
+    if not options.stream:
+        return True
+    return len(unsent.token_ids) < options.stream_interval and generated > 1
 
 
 class LiveRequests:
@@ -73,11 +83,11 @@ class LiveRequests:
             completion.last_token_at = now
             metrics.GENERATED_TOKENS.inc()
             if completion.held is not None:
-                delta, completion.held = joined(completion.held, delta), None
+                delta, completion.held = join_into(completion.held, delta), None
             if delta.finish is not None:
                 self.end_completion(completion, delta.finish, delta)
-            elif len(delta.token_ids) < request.options.stream_interval and completion.seq.num_output > 1:
-                completion.held = delta  # the first token goes at once, later ones by stream_interval
+            elif holds_back(request.options, delta, completion.seq.num_output):
+                completion.held = delta
             else:
                 self._outbox.append((request.sink, request.first(delta)))
 
@@ -87,8 +97,8 @@ class LiveRequests:
         last completion."""
         if completion.finished:
             return
-        if completion.held is not None:  # held back for stream_interval: out with the end
-            delta = completion.held if delta is None else joined(completion.held, delta)
+        if completion.held is not None:  # held back (stream_interval, or no streaming): out with the end
+            delta = completion.held if delta is None else join_into(completion.held, delta)
             completion.held = None
         seq = completion.seq
         self._on_completion_end(completion, finish)
@@ -124,7 +134,7 @@ class LiveRequests:
         for request in list(self._by_key.values()):
             self._by_key.pop(request.key, None)
             self._on_request_end(request)
-            for completion in request.completions:  # what stream_interval held, before the error
+            for completion in request.completions:  # what was held back, before the error
                 if completion.held is not None:
                     self.send(request.sink, request.first(completion.held))
                     completion.held = None

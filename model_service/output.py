@@ -51,23 +51,24 @@ class Delta:
 Sink = Callable[[Delta], None]
 
 
-def joined(first: Delta, following: Delta) -> Delta:
-    """Two consecutive deltas of one completion as one: tokens, text and logprobs in
-    order; what only a stream's first delta carries (prompt logprobs) from `first`, what
-    only its last carries (finish, usage, matched stop, error) from `following`."""
-    return Delta(
-        token_ids=first.token_ids + following.token_ids,
-        text=first.text + following.text,
-        finish=following.finish,
-        prompt_tokens=following.prompt_tokens,
-        completion_tokens=following.completion_tokens,
-        cached_tokens=following.cached_tokens,
-        error=following.error,
-        index=first.index,
-        logprobs=first.logprobs + following.logprobs,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else following.prompt_logprobs,
-        matched_stop=following.matched_stop,
-    )
+def join_into(first: Delta, following: Delta) -> Delta:
+    """Appends `following`, the next delta of the same completion, to `first` and returns
+    `first`: tokens, text and logprobs in order; what only a stream's first delta carries
+    (prompt logprobs) stays `first`'s, what only its last carries (finish, usage, matched
+    stop, error) comes from `following`. In place, so that a completion held back whole
+    (no streaming) costs time linear in its length. Neither delta may have been delivered."""
+    first.token_ids.extend(following.token_ids)
+    first.text += following.text
+    first.logprobs.extend(following.logprobs)
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = following.prompt_logprobs
+    first.finish = following.finish
+    first.prompt_tokens = following.prompt_tokens
+    first.completion_tokens = following.completion_tokens
+    first.cached_tokens = following.cached_tokens
+    first.error = following.error
+    first.matched_stop = following.matched_stop
+    return first
 
 
 def completion_seed(seed: int | None, index: int) -> int | None:
@@ -88,7 +89,7 @@ class Completion:
     history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
     last_token_at: float = 0.0
     finished: bool = False
-    # Tokens not sent yet: fewer than the request's stream_interval since the last message.
+    # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).
     held: Delta | None = None
 
     def on_token(self, token: int, logprob: TokenLogprob | None, eos_token_ids: frozenset[int],

@@ -67,6 +67,8 @@ class SamplingOptions:
     detokenize: bool = True  # False: token ids only, no text
     # Tokens of a completion gathered into one streamed message (its first goes at once); 1: each alone.
     stream_interval: int = 1
+    # False: no streaming, each completion whole in one message when it ends (GenerateRequest.stream).
+    stream: bool = True
 
     def __post_init__(self) -> None:
         # Checks that need nothing but the options themselves; the ones that need the
@@ -158,6 +160,7 @@ class SamplingOptions:
         vocab_size: int,
         default_max_new_tokens: int,
         min_stream_interval: int = 1,
+        stream: bool = True,
     ) -> SamplingOptions:
         room = max_model_len - prompt_tokens
         if sampling.HasField("max_new_tokens"):
@@ -220,6 +223,7 @@ class SamplingOptions:
                                  if sampling.HasField("skip_special_tokens") else True),
             detokenize=sampling.detokenize if sampling.HasField("detokenize") else True,
             stream_interval=max(sampling.stream_interval, min_stream_interval),  # 0: the service's
+            stream=stream,
         )
 
 

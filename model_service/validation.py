@@ -81,6 +81,7 @@ def validate_generate_request(
         vocab_size=vocab_size,
         default_max_new_tokens=limits.default_max_new_tokens,
         min_stream_interval=limits.stream_interval,
+        stream=request.stream if request.HasField("stream") else True,
     )
     most = min(MAX_COMPLETIONS, limits.max_completions)
     if options.n > most:

@@ -133,6 +133,15 @@ def test_unset_generation_api_flags_leave_the_service_defaults(fake, capsys):
     for name in ("logprobs", "prompt_logprobs", "repetition_penalty", "skip_special_tokens"):
         assert not sampling.HasField(name), name
     assert sampling.n == 0 and not sampling.logit_bias
+    assert not service.requests[0].HasField("stream")  # unset: the service streams
+
+
+def test_no_stream_asks_for_whole_completions(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["Hi", "--no-stream", "--address", address]) == 0
+    request = service.requests[0]
+    assert request.HasField("stream") and not request.stream
 
 
 def test_n_completions_and_logprobs_are_printed_per_completion(fake, capsys):
@@ -179,6 +188,13 @@ def test_system_puts_a_system_message_first_and_implies_chat(fake, capsys):
     assert [(m.role, m.content) for m in request.messages] == [
         ("system", "Answer in French."), ("user", "Capital of France?")]
     assert request.prompt == ""
+
+
+def test_chat_requests_keep_their_priority(fake, capsys):
+    service, address = fake
+    service.responses = STREAM
+    assert client.main(["--chat", "Hi", "--priority", "3", "--address", address]) == 0
+    assert service.requests[0].priority == 3
 
 
 def test_json_prints_one_line_per_message(fake, capsys):

@@ -41,9 +41,9 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(stub, prompt, timeout=60, request_id="", **sampling) -> dict[int, list[model_pb2.GenerateResponse]]:
-    """Every message of one Generate call, by completion index."""
-    request = model_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+def run(stub, prompt, timeout=60, request_id="", stream=None, **sampling) -> dict[int, list[model_pb2.GenerateResponse]]:
+    """Every message of one Generate call, by completion index (stream: GenerateRequest.stream, None: unset)."""
+    request = model_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, stream=stream,
                                         sampling=model_pb2.SamplingParams(**sampling))
     by_index: dict[int, list[model_pb2.GenerateResponse]] = {}
     for response in stub.Generate(request, timeout=timeout):
@@ -356,6 +356,27 @@ def test_stream_interval_sends_the_same_completions_in_fewer_messages(stack):
         # The first token at once, then 8 at a time (a client that falls behind can only
         # get fewer, larger messages): at most 1 + ceil(39 / 8) = 6.
         assert 2 <= len(messages) <= 6, [len(m.token_ids) for m in messages]
+    wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
+
+
+def test_without_streaming_each_completion_comes_whole_in_one_message(stack):
+    stub, cache, _ = stack
+    prompt = prompt_ids(10, seed=23)
+    sampling = dict(max_new_tokens=24, ignore_eos=True, n=2, logprobs=1, prompt_logprobs=1)
+    streamed = run(stub, prompt, **sampling)
+    whole = run(stub, prompt, stream=False, **sampling)
+    assert sorted(whole) == [0, 1] and all(len(messages) == 1 for messages in whole.values())
+    for index in (0, 1):
+        (message,) = whole[index]
+        assert list(message.token_ids) == tokens_of(streamed[index]) and len(message.token_ids) == 24
+        assert message.text == "".join(m.text for m in streamed[index]) and message.text
+        assert [e.token_id for e in message.logprobs] == list(message.token_ids)
+        assert message.finish_reason == model_pb2.FINISH_REASON_LENGTH and message.usage.completion_tokens == 24
+    # Prompt logprobs in the stream's first message, here the only one of whichever came first.
+    first_streamed = next(m for messages in streamed.values() for m in messages if m.prompt_logprobs)
+    (carrier,) = [m for messages in whole.values() for m in messages if m.prompt_logprobs]
+    assert [e.token_id for e in carrier.prompt_logprobs] == [e.token_id for e in first_streamed.prompt_logprobs]
+    assert sum(m.usage.prompt_tokens for messages in whole.values() for m in messages) == 10
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
 
 

@@ -52,6 +52,16 @@ def test_openai_defaults_differ_from_proto_zero_values_where_openai_s_do():
     assert request.sampling.top_k == 0
 
 
+def test_a_whole_answer_asks_the_engine_not_to_stream():
+    for build, body in ((to_generate.completion_requests, CompletionRequest(model="m", prompt="hi")),
+                        (lambda b, i: [to_generate.chat_request(b, i)],
+                         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))):
+        [whole] = build(body, "id")
+        [streamed] = build(body.model_copy(update={"stream": True}), "id")
+        assert whole.HasField("stream") and not whole.stream  # one message a completion
+        assert not streamed.HasField("stream")  # every token as it comes
+
+
 def test_chat_messages_logprobs_and_template_kwargs():
     body = ChatCompletionRequest(
         model="m", messages=[{"role": "system", "content": "Be brief."},

@@ -1,26 +1,30 @@
-"""stream_interval on the engine side: how LiveRequests holds a completion's tokens back
-and lets them go (every stream_interval tokens, the first at once, the rest with the
-end, whatever ends it), and how a request's interval meets the service's."""
+"""stream_interval and stream=false on the engine side: how LiveRequests holds a
+completion's tokens back and lets them go (every stream_interval tokens, the first at
+once, the rest with the end, whatever ends it; without streaming all of them with the
+end), and how a request's interval meets the service's."""
 
 from __future__ import annotations
 
 import grpc
 
 from model_service.live_requests import LiveRequests
-from model_service.output import Delta, new_request
+from model_service.output import Delta, TokenLogprob, new_request
 from model_service.sampling import SamplingOptions
 from model_service.sequence import Finish
+from model_service.validation import GenerateLimits, validate_generate_request
 from pagedkv.model.v1 import model_pb2
 
+LIMITS = GenerateLimits(vocab_size=100, max_model_len=64, max_prompt_tokens=32, default_max_new_tokens=8)
 
-def live(interval: int, max_new_tokens: int = 20):
+
+def live(interval: int = 1, max_new_tokens: int = 20, stream: bool = True, n: int = 1, prompt_logprobs=None):
     """A request of token ids only (no tokenizer) and the deltas its stream gets."""
     delivered: list[Delta] = []
     requests = LiveRequests(lambda deliveries: delivered.extend(delta for _, delta in deliveries),
                             on_completion_end=lambda completion, finish: None,
                             on_request_end=lambda request: None)
     options = SamplingOptions(max_new_tokens=max_new_tokens, ignore_eos=True, detokenize=False,
-                              stream_interval=interval)
+                              stream_interval=interval, stream=stream, n=n, prompt_logprobs=prompt_logprobs)
     request = new_request(1, "r", [5, 6, 7], options, sink=None, tokenizer=None, device="cpu", deadline=None,
                           priority=0, arrival=0)
     requests.add(request)
@@ -28,8 +32,9 @@ def live(interval: int, max_new_tokens: int = 20):
 
 
 def step(requests: LiveRequests, request, token: int) -> None:
-    """One engine step: the completion samples `token`, the step's deltas go out."""
-    requests.emit([request.completions[0]], [token], [None], frozenset(), max_model_len=100)
+    """One engine step: each completion samples `token`, the step's deltas go out."""
+    completions = request.completions
+    requests.emit(completions, [token] * len(completions), [None] * len(completions), frozenset(), max_model_len=100)
     requests.flush()
 
 
@@ -78,3 +83,36 @@ def test_a_request_s_interval_is_raised_to_the_service_s_never_lowered():
     assert interval(0, 4) == 4  # unset: the service's
     assert interval(2, 4) == 4
     assert interval(9, 4) == 9
+
+
+def test_without_streaming_each_completion_comes_whole_in_one_message():
+    requests, request, delivered = live(max_new_tokens=6, stream=False, n=2, prompt_logprobs=0)
+    request.prompt_logprobs = [TokenLogprob(6, -1.0), TokenLogprob(7, -2.0)]
+    for token in range(100, 105):
+        step(requests, request, token)
+    assert delivered == []  # not even the first token
+    step(requests, request, 105)
+    assert [(d.index, d.token_ids, d.finish) for d in delivered] == [
+        (0, [100, 101, 102, 103, 104, 105], Finish.LENGTH), (1, [100, 101, 102, 103, 104, 105], Finish.LENGTH)]
+    assert delivered[0].prompt_logprobs == request.prompt_logprobs and delivered[1].prompt_logprobs is None
+    assert [d.completion_tokens for d in delivered] == [6, 6] and delivered[1].prompt_tokens == 3
+
+
+def test_without_streaming_an_abort_sends_what_was_made():
+    requests, request, delivered = live(stream=False)
+    for token in range(100, 103):
+        step(requests, request, token)
+    requests.end_request(request, Finish.ABORTED)
+    requests.flush()
+    assert [(d.token_ids, d.finish) for d in delivered] == [([100, 101, 102], Finish.ABORTED)]
+
+
+def test_stream_comes_from_the_request_and_is_on_unless_set_false():
+    def stream(**fields) -> bool:
+        request = model_pb2.GenerateRequest(prompt_token_ids=[1, 2], sampling=model_pb2.SamplingParams(
+            max_new_tokens=4), **fields)
+        return validate_generate_request(request, LIMITS, tokenizer=None)[1].stream
+
+    assert stream() is True
+    assert stream(stream=True) is True
+    assert stream(stream=False) is False

@@ -99,6 +99,8 @@ def _fill(request: model_pb2.GenerateRequest, body: GenerationFields, max_tokens
         _set(sampling, "top_k", 0 if body.top_k == -1 else body.top_k, "top_k")
     if body.stop_token_ids:
         _set(sampling, "stop_token_ids", body.stop_token_ids, "stop_token_ids")
+    if not body.stream:
+        request.stream = False  # the answer is whole: one message a completion, not one a token
     sampling.ignore_eos = body.ignore_eos
     sampling.include_stop_str_in_output = body.include_stop_str_in_output
     if body.cache_salt:
