@@ -234,7 +234,7 @@ def main() -> int:
                         help="offline: LLM.generate in its process; grpc: vLLM's own gRPC server (AsyncLLM), "
                              "streaming as pagedkv does (--no-stream, --stream-interval apply to both)")
     parser.add_argument("--pagedkv-flag", action="append", default=[],
-                        help="extra model-service flag, e.g. --pagedkv-flag=--compile=off (repeatable)")
+                        help="extra model-service flag, e.g. --pagedkv-flag=--lease-ahead-blocks=0 (repeatable)")
     args = parser.parse_args()
     if args.pagedkv_path == "engine" and (args.pagedkv_flag or args.stream_interval != 1 or args.no_stream):
         parser.error("--pagedkv-flag, --stream-interval and --no-stream are model-service settings: "
