@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from processes import free_port
+
+from pagedkv.health_probe import check
 
 BENCH = Path(__file__).resolve().parent
 STUBS = BENCH / ".cache" / "vllm-grpc-stubs"
@@ -55,12 +56,6 @@ def stubs(python: Path):
     return importlib.import_module("vllm_engine_pb2"), importlib.import_module("vllm_engine_pb2_grpc")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class VllmGrpcServer:
     """run(requests) -> {"tokens", "seconds", "outputs"}, as VllmWorker.run gives it."""
 
@@ -86,15 +81,11 @@ class VllmGrpcServer:
     def _wait_serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     self.fail("exited at start-up")
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+                if check(channel) == "SERVING":
+                    return
                 time.sleep(0.5)
         self.fail(f"was not SERVING within {timeout_s:.0f} s")
 
