@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cache_service.block_event_log import BlockEventLog
 from cache_service.block_pool import Block, BlockPool
 from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace
 
@@ -107,8 +108,10 @@ class _Sequence:
 
 class Ledger:
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash,
-                 limits: SessionLimits = SessionLimits()) -> None:
+                 limits: SessionLimits = SessionLimits(), events: BlockEventLog | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size, hash_fn)
+        # Told what the prefix cache gains and loses, for KV events (None: events are off).
+        self.events = events
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.limits = limits
@@ -160,9 +163,9 @@ class Ledger:
         self._check_limits(owner, 1, needed, f"a sequence of {num_tokens} tokens")
         if hits:
             pool.acquire(hits)
-            blocks = hits + pool.take(fresh)
+            blocks = hits + self._take(fresh)
         else:
-            blocks = pool.take(fresh)
+            blocks = self._take(fresh)
         cached_tokens = len(hits) * block_size
         self._prefix_queries += prompt_len
         self._prefix_hits += cached_tokens
@@ -186,7 +189,7 @@ class Ledger:
                 f"only {self.pool.num_free} of {self.num_blocks} are free or evictable"
             )
         self._check_limits(owner, 0, more, f"extending sequence {sequence_id} to {num_tokens} tokens")
-        new_blocks = self.pool.take(more)
+        new_blocks = self._take(more)
         sequence.blocks += new_blocks
         sequence.num_tokens = num_tokens
         self._owner_blocks[owner] += len(new_blocks)
@@ -223,7 +226,7 @@ class Ledger:
         pool.acquire(shared)
         copy = None
         if partial:
-            new_block = pool.take(1)[0]
+            new_block = self._take(1)[0]
             copy = (parent.blocks[full].block_id, new_block.block_id)
             blocks = shared + [new_block]
         else:
@@ -249,7 +252,10 @@ class Ledger:
                 f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
             )
         if cache_prefix and token_ids:
-            self.pool.register(sequence.blocks, token_ids, sequence.namespace)
+            registered = self.pool.register(sequence.blocks, token_ids, sequence.namespace)
+            if self.events is not None:
+                fingerprint, salt = sequence.namespace
+                self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered)
         self._forget(owner, sequence_id)
         self.pool.free(sequence.blocks)
         return len(sequence.blocks)
@@ -374,6 +380,12 @@ class Ledger:
         if sequence.owner != owner:
             raise NotOwner(f"sequence {sequence_id} belongs to session {sequence.owner!r}, not {owner!r}")
         return sequence
+
+    def _take(self, count: int) -> list[Block]:
+        taken = self.pool.take(count)
+        if self.events is not None:
+            self.events.taken(taken)  # the registered ones among them are evicted
+        return taken
 
     def _check_limits(self, owner: str, new_sequences: int, new_blocks: int, what: str) -> None:
         sequences, blocks = self.owner_usage(owner)

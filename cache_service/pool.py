@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from cache_service.block_event_log import BlockEventLog
+from cache_service.kv_event_publisher import KvEventPublisher
 from cache_service.ledger import Ledger, SessionLimits
 from cache_service.sessions import Session, Sessions
 from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
@@ -81,8 +83,10 @@ RELEASE_CHUNK_BLOCKS = 8192
 
 
 class KvPool:
-    def __init__(self, settings: PoolSettings, clock=time.monotonic) -> None:
+    def __init__(self, settings: PoolSettings, clock=time.monotonic,
+                 kv_events: KvEventPublisher | None = None) -> None:
         self.settings = settings
+        self.kv_events = kv_events
         self._clock = clock
         self.sessions = Sessions(settings.lease_ttl_ms / 1000, clock)
         # Expired sessions whose blocks wait out the reclaim grace: (release at, session).
@@ -96,7 +100,7 @@ class KvPool:
     # -- sessions -------------------------------------------------------------------
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
-               model_fingerprint: str = "") -> Attachment:
+               model_fingerprint: str = "", served_model_name: str = "") -> Attachment:
         # 0: the client did not say (DESIGN.md's Attach has no max_model_len); the pool
         # must then hold at least one block.
         max_model_len = max_model_len or self.settings.block_size
@@ -109,8 +113,9 @@ class KvPool:
             )
         else:
             self._check_fits(max_model_len)
-        session = self.sessions.open(client_name, model_fingerprint)
-        log.info("session_attached", session=session.owner, client=client_name, model_fingerprint=model_fingerprint)
+        session = self.sessions.open(client_name, model_fingerprint, served_model_name)
+        log.info("session_attached", session=session.owner, client=client_name, model_fingerprint=model_fingerprint,
+                 served_model_name=served_model_name)
         return Attachment(session, self.sizing, self._handle_for_attach())
 
     def _handle_for_attach(self) -> cache_pb2.PoolHandle:
@@ -197,10 +202,22 @@ class KvPool:
             self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
         self.sizing = sizing
-        self.ledger = Ledger(sizing.num_blocks, sizing.block_size, limits=self.settings.session_limits)
+        events = BlockEventLog(sizing.block_size) if self.kv_events is not None else None
+        self.ledger = Ledger(sizing.num_blocks, sizing.block_size, limits=self.settings.session_limits, events=events)
+        if events is not None:
+            events.cleared()  # subscribers forget whatever an earlier pool of this endpoint held
+            self.publish_kv_events()
         log.info("pool_created", geometry=describe(geometry), num_blocks=sizing.num_blocks,
                  block_size=sizing.block_size, bytes_per_block=sizing.bytes_per_block,
                  max_total_tokens=sizing.max_total_tokens, limited_by=sizing.limited_by)
+
+    def publish_kv_events(self) -> None:
+        """Sends what the prefix cache gained and lost since the last call, as one batch."""
+        if self.kv_events is None or self.ledger is None:
+            return
+        events = self.ledger.events.drain()
+        if events:
+            self.kv_events.publish(events)
 
     def _check_fits(self, max_model_len: int) -> None:
         needed = -(-max_model_len // self.sizing.block_size)

@@ -8,6 +8,7 @@ import asyncio
 import structlog
 
 from cache_service import metrics
+from cache_service.kv_event_publisher import KvEventPublisher, replay_forever
 from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.pool import KvPool, PoolSettings
 from cache_service.servicer import CacheServicer
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
              help="block-table entries one session may hold at once (a fork's shared blocks count again); "
                   "an op past it fails with LIMIT_EXCEEDED")
     add_flag(parser, "--shm-dir", default="/dev/shm", help="CPU: where the pool's shared-memory file lives")
+    add_flag(parser, "--kv-events-endpoint", default=None,
+             help="publish vLLM-format KV events (BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket "
+                  "bound here, e.g. tcp://*:5557, for prefix-aware routers such as vllm-router's kv_aware policy")
+    add_flag(parser, "--kv-events-replay-endpoint", default=None,
+             help="also bind a ZMQ ROUTER socket here (e.g. tcp://*:5558) from which a subscriber replays missed "
+                  "event batches from a seq on")
     add_flag(parser, "--grace-s", default=5.0, type=float, help="seconds in-flight calls get on SIGTERM")
     return parser
 
@@ -74,10 +81,11 @@ async def serve(args: argparse.Namespace) -> None:
         session_limits=SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks),
         reclaim_grace_ms=args.reclaim_grace_ms,
     )
+    kv_events = kv_event_publisher(args)
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)
     if removed:
         log.warning("stale_pools_removed", files=removed)
-    pool = KvPool(settings)
+    pool = KvPool(settings, kv_events=kv_events)
     metrics.register_pool(pool)
     servicer = CacheServicer(pool)
     server = GrpcServer(
@@ -85,16 +93,30 @@ async def serve(args: argparse.Namespace) -> None:
         [SERVICE_NAME],
         lambda grpc_server: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, grpc_server),
     )
-    reaper = None
+    tasks = []
     try:
         await server.start()
-        reaper = asyncio.create_task(reap_forever(pool))
+        tasks.append(asyncio.create_task(reap_forever(pool)))
+        if kv_events is not None:
+            tasks.append(asyncio.create_task(replay_forever(kv_events)))
         await server.set_serving(True)
         await serve_until_signal(server, grace_s=args.grace_s)
     finally:
-        if reaper is not None:
-            reaper.cancel()
+        for task in tasks:
+            task.cancel()
         pool.close()
+        if kv_events is not None:
+            kv_events.close()
+
+
+def kv_event_publisher(args: argparse.Namespace) -> KvEventPublisher | None:
+    if not args.kv_events_endpoint:
+        if args.kv_events_replay_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint: it replays what that publishes")
+        return None
+    publisher = KvEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+    log.info("kv_events_publishing", endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
+    return publisher
 
 
 def main(argv: list[str]) -> int:

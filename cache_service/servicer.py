@@ -19,6 +19,7 @@ from pagedkv.kv_geometry import KvGeometry
 MAX_OPS_PER_CALL = 65536
 # A fingerprint is a hash and a salt a tenant key: both short. Each live sequence keeps its salt.
 MAX_FINGERPRINT_CHARS = 256
+MAX_SERVED_MODEL_NAME_CHARS = 256
 MAX_SALT_CHARS = 256
 
 # Most specific first: SizingError is a ValueError.
@@ -58,9 +59,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if len(request.model_fingerprint) > MAX_FINGERPRINT_CHARS:
                 raise ValueError(f"model_fingerprint is {len(request.model_fingerprint)} characters; "
                                  f"at most {MAX_FINGERPRINT_CHARS}")
+            if len(request.served_model_name) > MAX_SERVED_MODEL_NAME_CHARS:
+                raise ValueError(f"served_model_name is {len(request.served_model_name)} characters; "
+                                 f"at most {MAX_SERVED_MODEL_NAME_CHARS}")
             attachment = self.pool.attach(
                 request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len,
-                request.model_fingerprint,
+                request.model_fingerprint, request.served_model_name,
             )
         except (ValueError, GeometryMismatch) as error:
             await abort_for(context, error)
@@ -97,6 +101,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             await abort_for(context, error)
         results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
         count_ops(request.ops, results)
+        self.pool.publish_kv_events()  # one batch per call at most
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
         return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
 

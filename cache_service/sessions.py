@@ -29,6 +29,8 @@ class Session:
     # The checkpoint the session serves (AttachRequest.model_fingerprint): its sequences
     # read and feed only that model's prefix cache.
     model_fingerprint: str = ""
+    # The name its clients call the model by (AttachRequest.served_model_name), for logs and events.
+    served_model_name: str = ""
 
 
 class Sessions:
@@ -43,10 +45,10 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, client_name: str, model_fingerprint: str = "") -> Session:
+    def open(self, client_name: str, model_fingerprint: str = "", served_model_name: str = "") -> Session:
         # Unguessable: a session id is the capability to touch that session's blocks.
         session = Session(secrets.token_hex(16), client_name, self._clock(), f"{client_name}#{next(self._opened)}",
-                          model_fingerprint)
+                          model_fingerprint, served_model_name)
         self._sessions[session.session_id] = session
         return session
 

@@ -1,0 +1,70 @@
+"""vLLM's KV event wire format: the events a router reads to learn what each worker caches.
+
+A batch is a msgpack array ``[ts, events, data_parallel_rank]``; each event is a msgpack
+map tagged ``"type"`` with the event's name (``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``), with the fields of vLLM 0.32's ``vllm/distributed/kv_events.py``.
+Every field is written, None included, so a consumer that expects a key finds it.
+Hashes are the low 64 bits of vLLM's block digests (``vllm_block_hash.external``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# vLLM's names for where a block lives: the device pool is "GPU" on any device; the
+# host and disk tiers will be "CPU" and "STORAGE".
+MEDIUM_GPU = "GPU"
+# pagedkv's pool is one KV cache group of full attention (vLLM's spec kind for it).
+FULL_ATTENTION = "full_attention"
+
+
+class BlockStored(msgspec.Struct, tag=True, tag_field="type"):
+    """Blocks newly in the cache, in chain order; ``parent_block_hash`` precedes the first."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    # One entry per block: the extra keys its hash covered (the cache_salt, first block only).
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = 0
+    kv_cache_spec_kind: str | None = FULL_ATTENTION
+
+
+class BlockRemoved(msgspec.Struct, tag=True, tag_field="type"):
+    """Blocks no longer in the cache (evicted for reuse)."""
+
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+    group_idx: int | None = 0
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type"):
+    """Forget everything this worker reported before (a new pool starts empty)."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[KvEvent]
+    data_parallel_rank: int | None = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(EventBatch)
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """As a consumer decodes a payload frame (tests and tools)."""
+    return _decoder.decode(payload)

@@ -1,0 +1,227 @@
+"""KV events in vLLM's format: block hashes, what the ledger reports, and the cache service's sockets.
+
+Events are read as a router reads them: msgpack decoded with msgspec (cache_service.kv_events.decode_batch
+is a plain msgspec decoder) and, for the wire, the raw ZMQ frames of a SUB socket and a replay request.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import zmq
+
+from cache_helpers import allocate, attach, cache_stub, lease, release
+from cache_service.block_event_log import BlockEventLog
+from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from cache_service.ledger import Ledger
+from cache_service.server import build_parser, kv_event_publisher
+from cache_service.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
+from processes import free_port, start_cache_service
+
+BS = 16
+# Computed by vLLM 0.32's own code (its sha256_cbor block hashes, seed "vllm-none-hash").
+NONE_HASH = "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+TOKENS_1_16 = ("cd7c51bc5a8fc8643f383a2b9e01522fba7473c669e9270c7b0bf7bf7fd01682", 8866452693264111234)
+TOKENS_17_32 = ("2533ea50426b36e9e4d68296cac6bce8cf602e46957d0fe40b368b33d87bf3bf", 807986237951177663)
+SALTED_1_16 = ("d4fdd9f3dab139eafd01550f43781481256e9531b59b55ea4656df8f49124fcf", 5068484237151326159)
+ROOT = none_hash(DEFAULT_SEED)
+
+
+def test_block_hashes_are_vllms(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert none_hash().hex() == NONE_HASH
+    first, second = chain(range(1, 33), BS)
+    assert (first.hex(), external(first)) == TOKENS_1_16
+    assert (second.hex(), external(second)) == TOKENS_17_32
+    salted = chain(range(1, 17), BS, cache_salt="tenant-a")[0]
+    assert (salted.hex(), external(salted)) == SALTED_1_16
+    # The salt enters the first block only, and every later block through the chain.
+    assert chain(range(1, 33), BS, cache_salt="tenant-a")[1] != second
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert none_hash() == sha256_cbor("0") != ROOT
+
+
+def ledger_with_events(num_blocks: int) -> tuple[Ledger, BlockEventLog]:
+    events = BlockEventLog(BS, root=ROOT)
+    return Ledger(num_blocks, BS, events=events), events
+
+
+def cache(ledger: Ledger, tokens, namespace=("", ""), num_tokens: int | None = None) -> int:
+    """Allocates a sequence for ``tokens`` and releases it into the prefix cache; returns its cached tokens."""
+    allocation = ledger.allocate("owner", num_tokens or len(tokens), tokens, namespace)
+    ledger.release("owner", allocation.sequence_id, cache_prefix=True, token_ids=tokens)
+    return allocation.cached_tokens
+
+
+def as_consumer(events) -> list:
+    """The events after a msgpack round trip, as a router decodes them."""
+    return decode_batch(msgspec.msgpack.encode([0.0, events, 0])).events
+
+
+def test_registration_stores_the_chain_and_extension_names_its_parent():
+    ledger, events = ledger_with_events(16)
+    tokens = list(range(1, 41))  # two full blocks and a partial one
+    cache(ledger, tokens)
+    [stored] = as_consumer(events.drain())
+    hashes = [external(digest) for digest in chain(tokens, BS, root=ROOT)]
+    assert stored == BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:32], block_size=BS,
+                                 extra_keys=[None, None])
+    assert hashes[:2] == [TOKENS_1_16[1], TOKENS_17_32[1]]
+    # A longer prompt reuses both blocks and stores only its two new ones, chained to the second.
+    longer = list(range(1, 65))
+    assert cache(ledger, longer) == 32
+    [stored] = as_consumer(events.drain())
+    longer_hashes = [external(digest) for digest in chain(longer, BS, root=ROOT)]
+    assert stored.block_hashes == longer_hashes[2:]
+    assert stored.parent_block_hash == hashes[1]
+    assert stored.token_ids == longer[32:64]
+    # Caching the same prompt again stores nothing: no duplicate event.
+    cache(ledger, longer)
+    assert events.drain() == []
+
+
+def test_eviction_removes_and_a_new_pool_clears():
+    ledger, events = ledger_with_events(4)
+    tokens = list(range(100, 132))
+    cache(ledger, tokens)
+    [stored] = events.drain()
+    # Four fresh blocks: the two cached ones are evicted for it.
+    ledger.allocate("owner", 4 * BS)
+    [removed] = as_consumer(events.drain())
+    assert isinstance(removed, BlockRemoved)
+    assert sorted(removed.block_hashes) == sorted(stored.block_hashes)
+    assert (removed.medium, removed.group_idx) == ("GPU", 0)
+    events.cleared()
+    assert as_consumer(events.drain()) == [AllBlocksCleared()]
+
+
+def test_salted_chain_carries_the_salt_in_its_first_block():
+    ledger, events = ledger_with_events(16)
+    tokens = list(range(1, 33))
+    cache(ledger, tokens, namespace=("", "tenant-a"))
+    cache(ledger, tokens)
+    salted, plain = as_consumer(events.drain())
+    assert salted.block_hashes[0] == SALTED_1_16[1]
+    assert salted.block_hashes[1] == external(chain(tokens, BS, "tenant-a", root=ROOT)[1])
+    assert salted.extra_keys == [[["cache_salt", "tenant-a"]], None]
+    assert plain.block_hashes == [TOKENS_1_16[1], TOKENS_17_32[1]]
+
+
+def test_one_hash_for_two_models_until_the_last_copy_goes():
+    # Two models of one pool cache the same tokens: one hash for the router, removed with the last copy.
+    ledger, events = ledger_with_events(4)
+    tokens = list(range(1, 17))
+    cache(ledger, tokens, namespace=("model-a", ""))
+    cache(ledger, tokens, namespace=("model-b", ""))
+    [stored] = events.drain()
+    assert stored.block_hashes == [TOKENS_1_16[1]]
+    held = ledger.allocate("owner", 3 * BS)  # takes the two plain free blocks and one copy
+    assert events.drain() == []
+    ledger.allocate("owner", BS)  # takes the other copy
+    assert events.drain() == [BlockRemoved(block_hashes=[TOKENS_1_16[1]])]
+    assert len(held.block_ids) == 3
+
+
+def test_what_a_consumer_knows_mirrors_the_prefix_cache():
+    # Random prompts over few tokens (shared prefixes, evictions, re-registrations) on a small pool.
+    rng = random.Random(24)
+    ledger, events = ledger_with_events(12)
+    known: set[int] = set()
+    for step in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 80))]
+        salt = rng.choice(["", "", "s"])
+        cache(ledger, tokens, namespace=("", salt), num_tokens=len(tokens) + rng.randrange(0, 40))
+        for event in as_consumer(events.drain()):
+            if isinstance(event, BlockStored):
+                assert known.isdisjoint(event.block_hashes), f"step {step}: stored twice"
+                known.update(event.block_hashes)
+            else:
+                assert known.issuperset(event.block_hashes), f"step {step}: removed what was never stored"
+                known.difference_update(event.block_hashes)
+        registered = sum(block.block_hash is not None for block in ledger.pool.blocks)
+        assert len(known) == registered == events.registered_blocks(), f"step {step}"
+        ledger.check_invariants()
+
+
+# ---------------------------------------------------------------- the cache service's sockets
+
+
+def replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
+    """Asks the replay socket for every batch from ``start_seq`` on, as a vLLM subscriber does:
+    a DEALER sends the seq behind an empty delimiter and reads (seq, payload) replies up to seq -1."""
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(endpoint)
+        sock.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        batches = []
+        while True:
+            delimiter, seq_bytes, payload = sock.recv_multipart()
+            assert delimiter == b""
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                return batches
+            batches.append((seq, payload))
+
+
+def test_cache_service_publishes_and_replays(tmp_path):
+    pub, rep = free_port(), free_port()
+    endpoint, replay_endpoint = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", "--max-blocks", "4",
+                             "--kv-events-endpoint", endpoint, "--kv-events-replay-endpoint", replay_endpoint,
+                             env={"PYTHONHASHSEED": "0"}) as service:
+        subscriber = zmq.Context.instance().socket(zmq.SUB)
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        subscriber.connect(endpoint)
+        stub = cache_stub(service.address)
+        session = attach(stub).session_id  # creates the pool: AllBlocksCleared
+        tokens = list(range(1, 41))
+        [allocated] = lease(stub, session, allocate(48, tokens)).results
+        lease(stub, session, release(allocated.sequence_id, cache_prefix=True, token_ids=tokens))
+        lease(stub, session, allocate(64))  # evicts both cached blocks
+
+        batches = replay(replay_endpoint, 0)
+        assert [seq for seq, _ in batches] == [0, 1, 2]
+        decoded = [decode_batch(payload) for _, payload in batches]
+        assert decoded[0].events == [AllBlocksCleared()]
+        [stored] = decoded[1].events
+        root = sha256_cbor("0")  # the service's PYTHONHASHSEED
+        hashes = [external(digest) for digest in chain(tokens, BS, root=root)]
+        assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (hashes, None, tokens[:32])
+        [removed] = decoded[2].events
+        assert isinstance(removed, BlockRemoved) and sorted(removed.block_hashes) == sorted(hashes)
+        assert all(batch.data_parallel_rank == 0 and batch.ts > 0 for batch in decoded)
+        assert [seq for seq, _ in replay(replay_endpoint, 2)] == [2]
+        assert replay(replay_endpoint, 3) == []
+
+        # The live stream: the subscription may join after the first batches (ZMQ's slow
+        # joiner), so keep caching new prompts until one arrives, then check its frames.
+        poller = zmq.Poller()
+        poller.register(subscriber, zmq.POLLIN)
+        frames = None
+        for attempt in range(50):
+            prompt = [1000 + attempt] * BS
+            [allocated] = lease(stub, session, allocate(BS, prompt)).results
+            lease(stub, session, release(allocated.sequence_id, cache_prefix=True, token_ids=prompt))
+            if poller.poll(200):
+                frames = subscriber.recv_multipart()
+                break
+        assert frames is not None, "the SUB socket received nothing"
+        topic, seq_bytes, payload = frames
+        assert topic == b"" and len(seq_bytes) == 8
+        seq = int.from_bytes(seq_bytes, "big")
+        assert dict(replay(replay_endpoint, seq))[seq] == payload  # the same batch on both sockets
+        subscriber.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], "needs --kv-events-endpoint"),
+    (["--kv-events-endpoint", "nowhere"], "cannot bind the KV events socket"),
+])
+def test_bad_kv_event_flags_are_refused_with_a_message(args, message):
+    # A ValueError at start-up: `python -m cache_service` prints it and exits 2 (run_server_main).
+    with pytest.raises(ValueError, match=message):
+        kv_event_publisher(build_parser().parse_args(args))
