@@ -32,10 +32,10 @@ from model_service.attention.torch_paged import decode_attention_torch  # noqa: 
 from model_service.cpu_kernels import argmax as cpu_argmax  # noqa: E402
 from model_service.cpu_kernels import layer_ops, paged_decode  # noqa: E402
 from model_service.models import fused_ops  # noqa: E402
-from model_service.models.loader import load_model  # noqa: E402
+from model_service.loading.loader import load_model  # noqa: E402
 from model_service.models.rope import apply_rotary  # noqa: E402
-from model_service.runner import ModelRunner  # noqa: E402
-from model_service.sequence import Sequence  # noqa: E402
+from model_service.worker.runner import ModelRunner  # noqa: E402
+from model_service.sched.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
 

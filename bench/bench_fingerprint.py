@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model_service.models.fingerprint import checkpoint_fingerprint
+from model_service.loading.fingerprint import checkpoint_fingerprint
 
 
 def write_checkpoint(directory: Path, gib: float) -> int:

@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 from processes import start_cache_service, start_model_service  # noqa: E402
 from bench_generate import run_hf_generate as generate_batches  # noqa: E402
 
-from model_service.models.embedded import embedded_model_path  # noqa: E402
+from model_service.loading.embedded import embedded_model_path  # noqa: E402
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
 
 NUM_REQUESTS = 48

@@ -34,7 +34,7 @@ from inprocess_engine import engine_in_process, load_in_passing_thread  # noqa: 
 
 from model_service.attention.backend import PagedAttention  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
-from model_service.runner import ModelRunner  # noqa: E402
+from model_service.worker.runner import ModelRunner  # noqa: E402
 
 # seconds spent inside each kind of call, and one (batch size, tokens, seconds) per step
 time_in: collections.Counter[str] = collections.Counter()

@@ -151,7 +151,7 @@ def decode_bandwidth(args) -> None:
 def _tiny_cuda_model():
     import torch
 
-    from model_service.models.tiny import build_tiny_model
+    from model_service.loading.tiny import build_tiny_model
 
     return build_tiny_model(torch.bfloat16, "cuda", attention_backend="triton")
 
@@ -178,7 +178,7 @@ def graph_memory(args) -> None:
 
     import torch
 
-    from model_service.decode_graphs import DecodeGraphPool, DecodeGraphs, batch_buckets, cuda_graph_capture
+    from model_service.worker.decode_graphs import DecodeGraphPool, DecodeGraphs, batch_buckets, cuda_graph_capture
 
     model = _mid_cuda_model()
     config = model.config
@@ -236,9 +236,9 @@ def graph_memory(args) -> None:
 def decode_graphs_do_not_recapture(args) -> None:
     import torch
 
-    from model_service.decode_graphs import DecodeGraphs, cuda_graph_capture
-    from model_service.runner import ModelRunner
-    from model_service.sequence import Sequence
+    from model_service.worker.decode_graphs import DecodeGraphs, cuda_graph_capture
+    from model_service.worker.runner import ModelRunner
+    from model_service.sched.sequence import Sequence
 
     model = _tiny_cuda_model()
     config = model.config
@@ -278,7 +278,7 @@ def model_vs_transformers(args) -> None:
     from paged_runner import PagedRunner
     from transformers import AutoModelForCausalLM
 
-    from model_service.models.loader import load_model
+    from model_service.loading.loader import load_model
 
     with tempfile.TemporaryDirectory() as directory:
         for kind in ("llama", "mistral"):

@@ -16,11 +16,11 @@ import torch
 from processes import start_cache_service
 from prometheus_client import REGISTRY
 
-from model_service.cache_client import CacheClient
-from model_service.engine import Engine, EngineSettings
-from model_service.models.loader import load_model
-from model_service.sampling import SamplingOptions
-from model_service.torch_threads import run_in_passing_thread
+from model_service.cache.client import CacheClient
+from model_service.engine.loop import Engine, EngineSettings
+from model_service.loading.loader import load_model
+from model_service.sample.sampling import SamplingOptions
+from model_service.worker.torch_threads import run_in_passing_thread
 
 LEASE_WAIT, ENGINE_STEP = "pagedkv_model_lease_wait_seconds_total", "pagedkv_model_engine_step_seconds_total"
 

@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model_service.detokenizer import IncrementalDetokenizer  # noqa: E402
-from model_service.output import Completion, RequestOutput  # noqa: E402
-from model_service.sampling import SamplingOptions, sample  # noqa: E402
-from model_service.sequence import Sequence  # noqa: E402
-from model_service.step_sampler import StepSampler  # noqa: E402
+from model_service.text.detokenizer import IncrementalDetokenizer  # noqa: E402
+from model_service.engine.output import Completion, RequestOutput  # noqa: E402
+from model_service.sample.sampling import SamplingOptions, sample  # noqa: E402
+from model_service.sched.sequence import Sequence  # noqa: E402
+from model_service.sample.step_sampler import StepSampler  # noqa: E402
 
 BATCH, VOCAB = 48, 32000
 

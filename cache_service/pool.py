@@ -101,7 +101,7 @@ class KvPool:
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
                model_fingerprint: str = "", served_model_name: str = "") -> Attachment:
-        # 0: the client did not say (DESIGN.md's Attach has no max_model_len); the pool
+        # 0: the client did not say (Attach's max_model_len is optional); the pool
         # must then hold at least one block.
         max_model_len = max_model_len or self.settings.block_size
         if self.geometry is None:

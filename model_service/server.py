@@ -12,17 +12,17 @@ import torch
 
 from model_service import cpu_kernels
 from model_service.attention.backend import BACKENDS, load_triton_kernels
-from model_service.cache_client import CacheClient
-from model_service.engine import Engine, EngineSettings
-from model_service.models.config import ModelLoadError
-from model_service.models.fingerprint import checkpoint_fingerprint
-from model_service.models.loader import load_model
-from model_service.runner import measure_workspace
-from model_service.torch_threads import run_in_passing_thread
-from model_service.generation import GenerationService, deliver_on_loop
-from model_service.openai_http.app import create_app
-from model_service.openai_http.server import HttpServer
-from model_service.servicer import ModelServicer
+from model_service.cache.client import CacheClient
+from model_service.engine.loop import Engine, EngineSettings
+from model_service.errors import ModelLoadError
+from model_service.loading.fingerprint import checkpoint_fingerprint
+from model_service.loading.loader import load_model
+from model_service.worker.runner import measure_workspace
+from model_service.worker.torch_threads import run_in_passing_thread
+from model_service.api.generation import GenerationService, deliver_on_loop
+from model_service.api.openai_http.app import create_app
+from model_service.api.openai_http.server import HttpServer
+from model_service.api.servicer import ModelServicer
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal

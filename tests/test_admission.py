@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from model_service.admission import Admission, DuplicateRequest, QueueFull
+from model_service.engine.admission import Admission, DuplicateRequest, QueueFull
 
 
 def test_keys_come_in_arrival_order_and_ids_free_on_release():

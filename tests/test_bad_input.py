@@ -3,7 +3,7 @@
 Each row sends one bad request and checks the status code and a phrase of the message
 that says what to change; then that the service still serves (a good request succeeds),
 that nothing leaked (GetStats: 0 blocks leased) and that no traceback reached the log.
-Rows follow DESIGN.md's error table, plus the limits a hostile client could push on.
+Rows follow the error table in README.md ("Errors"), plus the limits a hostile client could push on.
 
 The services run once for the module, with --auth-token on (so every row but the
 UNAUTHENTICATED ones also goes through the auth interceptor) and small limits:
@@ -402,7 +402,7 @@ def test_attach_with_an_overlong_model_fingerprint_is_invalid_argument(stack, se
 
 
 def test_attach_without_max_model_len_is_served(stack, sessions):
-    """DESIGN.md's Attach names no max_model_len: a client that leaves it 0 gets a session."""
+    """Attach's max_model_len is optional: a client that leaves it 0 gets a session."""
     reply = attach(stack["cache_stub"], "old-client", metadata=AUTH, max_model_len=0)
     assert reply.session_id and reply.sizing.num_blocks == NUM_BLOCKS  # the live pool, as made by the first Attach
     stack["cache_stub"].Detach(cache_pb2.DetachRequest(session_id=reply.session_id), timeout=10, metadata=AUTH)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from model_service.attention.backend import PagedAttention
-from model_service.decode_graphs import DecodeGraphPool, DecodeGraphs, batch_buckets
-from model_service.models.tiny import build_tiny_model
-from model_service.runner import ModelRunner
-from model_service.sequence import Sequence
+from model_service.worker.decode_graphs import DecodeGraphPool, DecodeGraphs, batch_buckets
+from model_service.loading.tiny import build_tiny_model
+from model_service.worker.runner import ModelRunner
+from model_service.sched.sequence import Sequence
 
 BLOCK_SIZE = 16
 

@@ -5,8 +5,8 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_service.detokenizer import DetokenizedDelta, IncrementalDetokenizer
-from model_service.tokenizer import ByteTokenizer, HFTokenizer
+from model_service.text.detokenizer import DetokenizedDelta, IncrementalDetokenizer
+from model_service.text.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class BytewiseTokenizer:

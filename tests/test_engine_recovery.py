@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch
 
-from model_service.engine import Engine, EngineSettings, EngineUnavailable
-from model_service.models.loader import load_model
-from model_service.sampling import SamplingOptions
-from model_service.lease_ops import LeaseLost, LeaseOutcome
-from model_service.sequence import Finish
+from model_service.engine.loop import Engine, EngineSettings, EngineUnavailable
+from model_service.loading.loader import load_model
+from model_service.sample.sampling import SamplingOptions
+from model_service.sched.lease_ops import LeaseLost, LeaseOutcome
+from model_service.sched.sequence import Finish
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2
 

@@ -15,11 +15,11 @@ from hf_checkpoints import write_checkpoint
 from processes import start_cache_service
 from prometheus_client import REGISTRY
 
-from model_service.cache_client import CacheClient
-from model_service.engine import Engine, EngineSettings
-from model_service.models.loader import load_model
-from model_service.sampling import SamplingOptions
-from model_service.sequence import Finish
+from model_service.cache.client import CacheClient
+from model_service.engine.loop import Engine, EngineSettings
+from model_service.loading.loader import load_model
+from model_service.sample.sampling import SamplingOptions
+from model_service.sched.sequence import Finish
 
 BLOCK = 16
 
@@ -217,7 +217,7 @@ def test_priority_policy_runs_the_urgent_request_first(checkpoint, tmp_path):
 
 
 def test_duplicate_live_request_id_is_refused(checkpoint, tmp_path):
-    from model_service.admission import DuplicateRequest
+    from model_service.engine.admission import DuplicateRequest
 
     loaded, _ = checkpoint
     streams = Streams()

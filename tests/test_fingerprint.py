@@ -7,8 +7,8 @@ import shutil
 import pytest
 from hf_checkpoints import write_checkpoint
 
-from model_service.models.config import ModelLoadError
-from model_service.models.fingerprint import checkpoint_fingerprint
+from model_service.errors import ModelLoadError
+from model_service.loading.fingerprint import checkpoint_fingerprint
 
 
 @pytest.fixture(scope="module")

@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 
 from cache_service.ledger import Ledger
 from cache_service.servicer import apply_op
-from model_service.models.tiny import tiny_config
-from model_service.tokenizer import ByteTokenizer
-from model_service.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, InvalidRequest, sample
-from model_service.validation import (
+from model_service.loading.tiny import tiny_config
+from model_service.text.tokenizer import ByteTokenizer
+from model_service.sample.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, InvalidRequest, sample
+from model_service.api.validation import (
     MAX_REQUEST_ID_CHARS, GenerateLimits, PoolTooSmall, validate_generate_request,
 )
 from pagedkv.cache.v1 import cache_pb2
@@ -113,7 +113,7 @@ def generate_limits(draw) -> GenerateLimits:
 
 
 def expected_refusal(request: model_pb2.GenerateRequest, limits: GenerateLimits) -> str | None:
-    """The rules of DESIGN.md's error table for the fields the strategies draw, restated
+    """The rules of the error table in README.md ("Errors") for the fields the strategies draw, restated
     apart from the validator: "invalid" (INVALID_ARGUMENT), "pool" (RESOURCE_EXHAUSTED:
     larger than the whole pool), or None (valid)."""
     sampling = request.sampling

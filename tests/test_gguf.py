@@ -15,9 +15,9 @@ from processes import start_cache_service, start_model_service
 from paged_runner import PagedRunner
 from test_model_vs_transformers import reference_logits
 
-from model_service.models.config import ModelLoadError
-from model_service.models.gguf_weights import unpermute_rope_rows
-from model_service.models.loader import load_model
+from model_service.errors import ModelLoadError
+from model_service.loading.gguf_weights import unpermute_rope_rows
+from model_service.loading.loader import load_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Grüße 🙂"
 NEW_TOKENS = 8

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from model_service.logits_processing import (
+from model_service.sample.logits_processing import (
     RowAdjustment,
     TokenHistory,
     apply_logit_bias,
@@ -20,7 +20,7 @@ from model_service.logits_processing import (
     prepare,
     suppress_tokens,
 )
-from model_service.sampling import SamplingOptions, make_generator, sample
+from model_service.sample.sampling import SamplingOptions, make_generator, sample
 
 VOCAB = 50
 

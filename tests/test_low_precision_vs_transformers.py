@@ -19,7 +19,7 @@ from low_precision import agreeing_prefix, assert_close_in_dtype, reference_gree
 from paged_runner import PagedRunner
 from processes import start_cache_service, start_model_service
 
-from model_service.models.loader import load_model
+from model_service.loading.loader import load_model
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 KINDS = ["llama", "mistral", "qwen2"]  # mistral: sliding window 7, shorter than the sequences

@@ -12,11 +12,12 @@ from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
 from model_service.attention.metadata import AttentionMetadata
-from model_service.models.config import ModelConfig, ModelLoadError
-from model_service.models.loader import load_model
+from model_service.errors import ModelLoadError
+from model_service.models.config import ModelConfig
+from model_service.loading.loader import load_model
 from model_service.models.rope import inverse_frequencies
-from model_service.models.tiny import build_tiny_model, tiny_config
-from model_service.tokenizer import ByteTokenizer, HFTokenizer
+from model_service.loading.tiny import build_tiny_model, tiny_config
+from model_service.text.tokenizer import ByteTokenizer, HFTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from hf_checkpoints import CHECKPOINT_KINDS, write_checkpoint
 from paged_runner import BLOCK_SIZE, PagedRunner
 
-from model_service.models.loader import load_model
+from model_service.loading.loader import load_model
 
 ATOL = 1e-4
 RTOL = 1e-4

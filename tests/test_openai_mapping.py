@@ -9,11 +9,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from model_service.generation import GenerateError
-from model_service.openai_http import to_generate
-from model_service.openai_http.errors import ApiError, from_generate_error
-from model_service.openai_http.protocol import ChatCompletionRequest, CompletionRequest
-from model_service.openai_http.unsupported import refuse_unsupported
+from model_service.api.generation import GenerateError
+from model_service.api.openai_http import to_generate
+from model_service.api.openai_http.errors import ApiError, from_generate_error
+from model_service.api.openai_http.protocol import ChatCompletionRequest, CompletionRequest
+from model_service.api.openai_http.unsupported import refuse_unsupported
 from pagedkv.model.v1 import model_pb2
 
 
@@ -138,7 +138,7 @@ def test_generate_errors_map_to_http_statuses(code, retry_later, status):
 
 
 def test_finish_reasons_name_every_proto_reason():
-    from model_service.openai_http.responses import FINISH_REASON
+    from model_service.api.openai_http.responses import FINISH_REASON
 
     named = {value for name, value in model_pb2.FinishReason.items() if name != "FINISH_REASON_UNSPECIFIED"}
     assert set(FINISH_REASON) == named
@@ -157,7 +157,7 @@ class PieceTokenizer:
 def test_completion_text_offsets_follow_the_text_of_a_message_of_several_tokens(as_token_ids):
     """A client that falls behind gets several tokens in one message: each token's offset
     is after the decoded text of those before it in the message, whatever their names."""
-    from model_service.openai_http.logprobs import TokenNames, completion_logprobs, merge_completion_logprobs
+    from model_service.api.openai_http.logprobs import TokenNames, completion_logprobs, merge_completion_logprobs
 
     names = TokenNames(PieceTokenizer(), as_token_ids=as_token_ids)
     entries = [model_pb2.TokenLogprob(token_id=i, logprob=-0.5) for i in (1, 2, 3)]

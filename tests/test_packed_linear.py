@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hf_checkpoints import write_checkpoint
 from torch import nn
 
-from model_service.models.loader import load_model
+from model_service.loading.loader import load_model
 from model_service.models.packed_linear import PackedLinear, pack_linears, packing_supported
 
 needs_packing = pytest.mark.skipif(not packing_supported("cpu", torch.bfloat16),

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from model_service.sampling import (
+from model_service.sample.sampling import (
     InvalidRequest,
     SamplingOptions,
     argmax_rows,

@@ -7,10 +7,10 @@ from collections import deque
 
 import pytest
 
-from model_service.sampling import SamplingOptions
-from model_service.lease_ops import LeaseLost, LeaseOutcome, blocks_for
-from model_service.scheduler import Scheduler, SchedulerLimits
-from model_service.sequence import Finish, Sequence, Status
+from model_service.sample.sampling import SamplingOptions
+from model_service.sched.lease_ops import LeaseLost, LeaseOutcome, blocks_for
+from model_service.sched.scheduler import Scheduler, SchedulerLimits
+from model_service.sched.sequence import Finish, Sequence, Status
 
 BLOCK = 4
 

@@ -19,7 +19,7 @@ from google.protobuf import struct_pb2
 from processes import start_cache_service, start_model_service
 from test_smollm2_tokenizer import CONVERSATIONS
 
-from model_service.models.embedded import embedded_model_path
+from model_service.loading.embedded import embedded_model_path
 from pagedkv.stack import example_arguments
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from model_service.chat_template import ChatTemplate
-from model_service.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from model_service.models.config import ModelLoadError
-from model_service.models.embedded import embedded_model_path
-from model_service.models.gguf_config import config_from_gguf
-from model_service.models.gguf_file import GGUFFile
-from model_service.models.gguf_tokenizer import tokenizer_from_gguf
+from model_service.text.chat_template import ChatTemplate
+from model_service.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from model_service.errors import ModelLoadError
+from model_service.loading.embedded import embedded_model_path
+from model_service.loading.gguf_config import config_from_gguf
+from model_service.loading.gguf_file import GGUFFile
+from model_service.loading.gguf_tokenizer import tokenizer_from_gguf
 
 CORPUS = [
     "Hello, world! How are you today?",
@@ -145,7 +145,7 @@ def test_second_template_renders_as_transformers(smollm2, reference, messages):
 
 
 def test_template_refusal_is_reported_with_its_message():
-    from model_service.chat_template import ChatTemplateError
+    from model_service.text.chat_template import ChatTemplateError
 
     template = ChatTemplate(SECOND_TEMPLATE, bos_token="<s>", eos_token="</s>")
     with pytest.raises(ChatTemplateError, match="Conversation roles must alternate"):
@@ -153,7 +153,7 @@ def test_template_refusal_is_reported_with_its_message():
 
 
 def test_template_sandbox_refuses_python_internals():
-    from model_service.chat_template import ChatTemplateError
+    from model_service.text.chat_template import ChatTemplateError
 
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(ChatTemplateError, match="refused"):

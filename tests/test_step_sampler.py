@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from model_service.output import new_request
-from model_service.sampling import SamplingOptions
-from model_service.step_sampler import StepSampler
+from model_service.engine.output import new_request
+from model_service.sample.sampling import SamplingOptions
+from model_service.sample.step_sampler import StepSampler
 
 VOCAB = 500
 

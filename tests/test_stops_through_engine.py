@@ -21,8 +21,8 @@ from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import BOS_ID, EOS_ID, EXTRA_ID, write_checkpoint
 from processes import start_cache_service, start_model_service
 
-from model_service.detokenizer import IncrementalDetokenizer
-from model_service.tokenizer import HFTokenizer
+from model_service.text.detokenizer import IncrementalDetokenizer
+from model_service.text.tokenizer import HFTokenizer
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 PROMPT = [BOS_ID, 30, 31, 32, 33]

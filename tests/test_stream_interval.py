@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import grpc
 
-from model_service.live_requests import LiveRequests
-from model_service.output import Delta, TokenLogprob, new_request
-from model_service.sampling import SamplingOptions
-from model_service.sequence import Finish
-from model_service.validation import GenerateLimits, validate_generate_request
+from model_service.engine.live_requests import LiveRequests
+from model_service.engine.output import Delta, TokenLogprob, new_request
+from model_service.sample.sampling import SamplingOptions
+from model_service.sched.sequence import Finish
+from model_service.api.validation import GenerateLimits, validate_generate_request
 from pagedkv.model.v1 import model_pb2
 
 LIMITS = GenerateLimits(vocab_size=100, max_model_len=64, max_prompt_tokens=32, default_max_new_tokens=8)

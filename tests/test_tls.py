@@ -17,7 +17,7 @@ import pytest
 import torch
 from processes import start_cache_service, start_model_service
 
-from model_service.cache_client import CacheClient
+from model_service.cache.client import CacheClient
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.health_probe import check
 from pagedkv.kv_geometry import KvGeometry

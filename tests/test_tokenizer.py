@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 
-from model_service.models.config import ModelLoadError
-from model_service.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from model_service.errors import ModelLoadError
+from model_service.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TEXTS = ["hello world", "Grüße, naïve café", "日本語のテキスト", "emoji 🙂 and 👩‍👩‍👧", ""]
 

@@ -1,4 +1,4 @@
-"""run_in_passing_thread (model_service/torch_threads.py): the work's result or its
+"""run_in_passing_thread (model_service/worker/torch_threads.py): the work's result or its
 exception, in a thread that is gone afterwards; and what it is for: no second OpenMP pool,
 so the engine thread's workers keep spinning between parallel regions instead of sleeping
 and being woken for each one."""
@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from model_service.torch_threads import run_in_passing_thread
+from model_service.worker.torch_threads import run_in_passing_thread
 
 
 def test_returns_the_result_from_another_thread_that_has_ended():
@@ -51,7 +51,7 @@ def test_runs_at_the_caller_s_thread_count():
 # during those regions. A worker that sleeps between regions switches once per region.
 WAKE_UPS = textwrap.dedent("""
     import os, resource, sys, threading, torch
-    from model_service.torch_threads import run_in_passing_thread
+    from model_service.worker.torch_threads import run_in_passing_thread
     cores = len(os.sched_getaffinity(0))  # the CPUs libgomp counts
     torch.set_num_threads(cores)
     startup = lambda: torch.ones(4_000_000).mul(2.0).sum()  # parallel regions, as loading a model runs

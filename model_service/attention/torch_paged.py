@@ -1,10 +1,10 @@
 """Paged attention in plain PyTorch: runs on any device; the CPU hot path.
 
-Layout (DESIGN.md "Pool layout"): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim],
+Layout (README.md, "Pool layout"): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim],
 K at index 0 and V at index 1; slot s of block b is flat slot b * block_size + s.
 
 Decode gathers a sequence's blocks and runs one SDPA call with the group's q heads laid out
-as query rows of their shared kv head ([B, kv_heads, group, D]). Measured at the PERF.md decode
+as query rows of their shared kv head ([B, kv_heads, group, D]). Measured at the W48 decode
 shape (batch 48, context ~336, 4 KV heads, group 2, head_dim 32, fp32, 2 threads), per layer:
   repeat_interleave K/V + SDPA       ~9.5 ms
   grouped einsum                     ~5.1 ms

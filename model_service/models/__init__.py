@@ -1,6 +1,4 @@
-"""Llama-family models over the paged KV pool: config, weights, the tiny model, loading.
+"""The networks: Llama-family decoders over the paged KV pool, their config, RoPE and fused ops.
 
-Import from the modules themselves (models.config, models.llama, models.loader): this
-package imports nothing, so model_service.tokenizer (which needs models.config) and
-models.tiny (which needs the tokenizer) can each be imported first.
+Where a model comes from (checkpoints, GGUF files, the tiny model) is model_service.loading.
 """

@@ -13,13 +13,11 @@ from typing import Any
 
 import structlog
 
+from model_service.errors import ModelLoadError
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-class ModelLoadError(Exception):
-    """A checkpoint that cannot be served: missing files, an unsupported architecture, bad tensors."""
 
 
 @dataclass(frozen=True, slots=True)

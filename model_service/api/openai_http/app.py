@@ -1,0 +1,158 @@
+"""The FastAPI app: routes, bearer auth, and the run of one body through GenerationService.
+
+Each POST body becomes GenerateRequests (to_generate) that go through the same
+GenerationService.start() as a gRPC Generate call; the results come back as one JSON
+object or as Server-Sent Events. However the response ends (done, failed, client gone),
+every request it started is closed, so its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import format_sse_event
+
+from model_service.api.generation import GenerateError, GenerationService
+from model_service.api.openai_http import to_generate
+from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
+from model_service.api.openai_http.logprobs import TokenNames
+from model_service.api.openai_http.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndpoint, Endpoint
+from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
+from model_service.api.openai_http.unsupported import refuse_unsupported
+
+DONE = format_sse_event(data_str="[DONE]")
+# nginx's status for "the client closed the request": nobody reads it, the log does.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def create_app(generation: GenerationService, *, served_model_name: str | None = None,
+               auth_token: str | None = None) -> FastAPI:
+    app = FastAPI(title="pagedkv model service", summary="OpenAI-compatible API", docs_url=None, redoc_url=None)
+    install_handlers(app)
+    loaded = generation.engine.loaded
+    model_name = served_model_name or loaded.model_id
+    created = int(time.time())
+    token_names = TokenNames(loaded.tokenizer)
+    token_ids_as_names = TokenNames(loaded.tokenizer, as_token_ids=True)
+    expected_authorization = f"Bearer {auth_token}".encode() if auth_token else None
+
+    def authorize(request: Request) -> None:
+        if expected_authorization is None:
+            return
+        presented = request.headers.get("authorization", "").encode()
+        # Constant-time comparison: the token is a secret.
+        if not hmac.compare_digest(presented, expected_authorization):
+            reason = "missing Authorization header" if not presented else "wrong token"
+            raise ApiError(401, f"{reason}: send 'Authorization: Bearer <token>' matching the server's "
+                           "--auth-token (the openai client's api_key)", code="invalid_api_key")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv",
+                "root": loaded.model_id, "parent": None, "max_model_len": generation.engine.settings.max_model_len}
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server serves {model_name!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if generation.engine.connected.is_set():
+            return Response(status_code=200)
+        return ApiError(503, "not attached to the cache service; generation is unavailable until it is back",
+                        code="unavailable").response()
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        refuse_unsupported(body)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = [to_generate.chat_request(body, _request_id(body, request, response_id))]
+        endpoint = ChatEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs)
+        return await run(body, requests, endpoint, request)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        refuse_unsupported(body)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = to_generate.completion_requests(body, _request_id(body, request, response_id))
+        endpoint = CompletionEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs is not None)
+        return await run(body, requests, endpoint, request)
+
+    def _names(body: GenerationFields) -> TokenNames:
+        return token_ids_as_names if body.return_tokens_as_token_ids else token_names
+
+    async def run(body: GenerationFields, requests, endpoint: Endpoint, request: Request) -> Response:
+        running = Running(generation, requests)  # GenerateError: the handler answers it
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(events(endpoint, running, len(requests) * body.n, include_usage), on_end=running.close)
+        try:
+            return await collect(endpoint, running, request)
+        finally:
+            running.close()
+
+    return app
+
+
+def _request_id(body: GenerationFields, request: Request, response_id: str) -> str:
+    return body.request_id or request.headers.get("x-request-id") or response_id
+
+
+async def collect(endpoint: Endpoint, running: Running, request: Request) -> Response:
+    """The whole answer; a client that hangs up first cancels its requests at once."""
+
+    async def gather() -> None:
+        async for prompt_index, response in running.results():
+            endpoint.add(prompt_index, response)
+
+    gathering = asyncio.ensure_future(gather())
+    hang_up = asyncio.ensure_future(until_disconnected(request.receive))
+    try:
+        await asyncio.wait([gathering, hang_up], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hang_up.cancel()
+    if not gathering.done():
+        gathering.cancel()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    gathering.result()  # a GenerateError goes to its handler
+    return JSONResponse(endpoint.body())
+
+
+async def events(endpoint: Endpoint, running: Running, num_choices: int, include_usage: bool):
+    """The SSE events of a streamed answer, as OpenAI sends them: chunks, the usage chunk
+    when asked for, `[DONE]`. An error after the first event is sent as an error event."""
+    for choices in endpoint.first_chunks(num_choices):
+        yield sse(endpoint.chunk(choices, with_usage_field=include_usage))
+    try:
+        async for prompt_index, response in running.results():
+            for choices in endpoint.stream_choices(prompt_index, response):
+                yield sse(endpoint.chunk(choices, with_usage_field=include_usage))
+    except GenerateError as error:
+        yield sse(from_generate_error(error).body())
+    else:
+        if include_usage:
+            yield sse(endpoint.chunk([], usage=endpoint.usage.body()))
+    yield DONE
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return format_sse_event(data_str=json.dumps(payload, ensure_ascii=False, separators=(",", ":")))

@@ -1,0 +1,130 @@
+"""OpenAI request bodies -> GenerateRequests, field by field, with OpenAI's semantics.
+
+Nothing here judges a value (that is validation.py's job, behind both front doors); it
+only moves fields across, fills in OpenAI's defaults where they differ from the proto's
+zero values (temperature 1.0), and refuses what cannot even be put into the proto (a
+negative seed into a uint64, a logit_bias key that is not a token id).
+"""
+
+from __future__ import annotations
+
+from model_service.api.openai_http.errors import ApiError
+from model_service.api.openai_http.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from pagedkv.model.v1 import model_pb2
+
+# OpenAI samples at temperature 1 unless told otherwise; the proto's zero value is greedy.
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str) -> model_pb2.GenerateRequest:
+    request = model_pb2.GenerateRequest(request_id=request_id)
+    for index, message in enumerate(body.messages):
+        request.messages.add(role=message.role, content=_message_text(message.content, index))
+    if body.chat_template_kwargs:
+        request.chat_template_kwargs.update(body.chat_template_kwargs)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    _fill(request, body, max_tokens, param)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    if body.logprobs:
+        _set(request.sampling, "logprobs", body.top_logprobs or 0, "top_logprobs")
+    return request
+
+
+def completion_requests(body: CompletionRequest, request_id: str) -> list[model_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt of the body (a batch of prompts is several)."""
+    prompts = _prompts(body.prompt)
+    requests = []
+    for index, prompt in enumerate(prompts):
+        request = model_pb2.GenerateRequest(request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}")
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            _set(request, "prompt_token_ids", prompt, "prompt")
+        _fill(request, body, body.max_tokens, "max_tokens")
+        if body.logprobs is not None:
+            _set(request.sampling, "logprobs", body.logprobs, "logprobs")
+        requests.append(request)
+    return requests
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is an empty list: send a string, strings, or token ids", param="prompt",
+                       code="invalid_value")
+    if all(isinstance(item, int) for item in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _message_text(content: str | list[dict] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part_index, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"messages[{index}].content[{part_index}] of type {part.get('type')!r} is not "
+                           "supported by this server: only text parts ({'type': 'text', 'text': ...})",
+                           param=f"messages.{index}.content.{part_index}", code="unsupported_parameter")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _fill(request: model_pb2.GenerateRequest, body: GenerationFields, max_tokens: int | None, max_param: str) -> None:
+    sampling = request.sampling
+    if max_tokens is not None:
+        _set(sampling, "max_new_tokens", max_tokens, max_param)
+    _set(sampling, "temperature", OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+         "temperature")
+    if body.top_p is not None:
+        _set(sampling, "top_p", body.top_p, "top_p")
+    if body.n != 1:
+        _set(sampling, "n", body.n, "n")
+    if body.stop is not None:
+        sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.seed is not None:
+        _set(sampling, "seed", body.seed, "seed")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                 "skip_special_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            _set(sampling, name, value, name)
+    if body.logit_bias:
+        sampling.logit_bias.update({_token_id(key): bias for key, bias in body.logit_bias.items()})
+    if body.top_k is not None:
+        # vLLM's -1 and the proto's 0 both mean "no top-k".
+        _set(sampling, "top_k", 0 if body.top_k == -1 else body.top_k, "top_k")
+    if body.stop_token_ids:
+        _set(sampling, "stop_token_ids", body.stop_token_ids, "stop_token_ids")
+    if not body.stream:
+        request.stream = False  # the answer is whole: one message a completion, not one a token
+    sampling.ignore_eos = body.ignore_eos
+    sampling.include_stop_str_in_output = body.include_stop_str_in_output
+    if body.cache_salt:
+        request.cache_salt = body.cache_salt
+    _set(request, "priority", body.priority, "priority")
+
+
+def _token_id(key: str) -> int:
+    try:
+        token_id = int(key)
+    except ValueError:
+        token_id = -1
+    if token_id < 0 or token_id >= 2**32:
+        raise ApiError(400, f"logit_bias key {key!r} is not a token id (a non-negative integer as a string)",
+                       param="logit_bias", code="invalid_value")
+    return token_id
+
+
+def _set(message, field: str, value, param: str) -> None:
+    """Sets a proto field, turning a value its type cannot hold into a 400 naming `param`."""
+    try:
+        if isinstance(value, list):
+            getattr(message, field).extend(value)
+        else:
+            setattr(message, field, value)
+    except (ValueError, TypeError) as error:
+        raise ApiError(400, f"{param}={value!r} is out of range: {error}", param=param, code="invalid_value") from None

@@ -1,0 +1,36 @@
+"""ModelService over gRPC: the gRPC front door of model_service.api.generation.
+
+It only translates: calls go to the GenerationService, a GenerateError becomes the call's
+status. Validation and the engine live behind GenerationService, shared with the HTTP door.
+"""
+
+from __future__ import annotations
+
+import time
+
+from model_service.api.generation import GenerateError, GenerationService
+from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+
+
+class ModelServicer(model_pb2_grpc.ModelServiceServicer):
+    def __init__(self, generation: GenerationService) -> None:
+        self.generation = generation
+
+    async def GetModelInfo(self, request, context):
+        return self.generation.model_info()
+
+    async def Generate(self, request, context):
+        # The call's deadline holds inside the engine too (DEADLINE_EXCEEDED, blocks freed).
+        remaining_s = context.time_remaining()
+        deadline = time.monotonic() + remaining_s if remaining_s is not None else None
+        responses = self.generation.generate(request, deadline=deadline)
+        try:
+            async for response in responses:
+                yield response
+        except GenerateError as error:
+            await context.abort(error.code, error.message)
+        finally:
+            await responses.aclose()  # its own finally cancels the request, if it still runs
+
+    async def Abort(self, request, context):
+        return model_pb2.AbortResponse(aborted=self.generation.abort(list(request.request_ids)))

@@ -1,0 +1,205 @@
+"""The model service's side of the cache service: attach, heartbeat, batched leases.
+
+The gRPC boundary of the engine: LeaseOps from the scheduler go out as one Lease call,
+answers come back as plain LeaseOutcome values. lease() returns a future, so the engine
+can run a forward pass while the call is on the wire.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import structlog
+
+from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
+from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
+from pagedkv.kv_geometry import KvGeometry
+from pagedkv.serving import bearer_metadata, message_options
+
+log = structlog.get_logger()
+
+STATUS_PREFIX = "LEASE_STATUS_"
+
+# gRPC's default reconnect backoff starts at 1 s and grows to 120 s, and while a channel
+# waits out its backoff every call fails at once without trying to connect. After a
+# cache service restart the engine's Attach retries would then keep failing for many
+# seconds against a server that is already listening. Capping the backoff at 1 s makes
+# re-attach follow the cache service's return within about a second.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class CacheClient:
+    def __init__(self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024, timeout_s: float = 10.0) -> None:
+        self.address = address
+        options = message_options(max_message_bytes) + RECONNECT_OPTIONS
+        if tls_ca:
+            credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-sender")
+        self.metadata = bearer_metadata(auth_token)
+        self.timeout_s = timeout_s
+
+    def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
+               max_model_len: int, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
+        request = cache_pb2.AttachRequest(
+            client_name=client_name, geometry=geometry.to_proto(),
+            workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
+        )
+        return self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
+
+    def heartbeat(self, session_id: str, timeout_s: float | None = None) -> None:
+        self.stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=session_id),
+                            timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+
+    def detach(self, session_id: str) -> int:
+        reply = self.stub.Detach(cache_pb2.DetachRequest(session_id=session_id),
+                                 timeout=self.timeout_s, metadata=self.metadata)
+        return reply.blocks_reclaimed
+
+    def stats(self) -> cache_pb2.CacheStats:
+        return self.stub.GetStats(cache_pb2.GetStatsRequest(), timeout=self.timeout_s, metadata=self.metadata)
+
+    def lease(self, session_id: str, ops: LeaseOps) -> Future:
+        """Sends ops as one Lease call; the future yields (outcomes, blocks_available).
+
+        The call runs blocking on one long-lived sender thread: grpc's own .future() starts
+        a polling thread whenever none is running, which between engine steps is nearly
+        every call, and a thread start costs more than the call on loopback.
+        """
+        request = cache_pb2.LeaseRequest(session_id=session_id, ops=to_proto_ops(ops))
+        return self._sender.submit(self._lease_blocking, request)
+
+    def _lease_blocking(self, request: cache_pb2.LeaseRequest) -> tuple[list[LeaseOutcome], int]:
+        reply = self.stub.Lease(request, timeout=self.timeout_s, metadata=self.metadata)
+        return [outcome_from_proto(r) for r in reply.results], reply.blocks_available
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
+
+
+def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
+    proto_ops = [
+        cache_pb2.LeaseOp(fork=cache_pb2.ForkOp(sequence_id=fork.parent_lease_id, num_tokens=fork.parent_tokens))
+        for fork in ops.forks
+    ]
+    proto_ops.extend(
+        cache_pb2.LeaseOp(release=cache_pb2.ReleaseOp(
+            sequence_id=release.lease_id, cache_prefix=True, token_ids=release.cached_token_ids))
+        for release in ops.releases
+    )
+    proto_ops.extend(
+        cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=seq.lease_id, num_tokens=tokens))
+        for seq, tokens in ops.extends
+    )
+    proto_ops.extend(
+        cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(
+            num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else (),
+            cache_salt=seq.cache_salt))
+        for seq in ops.allocations
+    )
+    proto_ops.extend(
+        cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=seq.lease_id, num_tokens=tokens))
+        for seq, tokens in ops.top_ups
+    )
+    return proto_ops
+
+
+def outcome_from_proto(result: cache_pb2.LeaseResult) -> LeaseOutcome:
+    code = cache_pb2.LeaseStatus.Name(result.status).removeprefix(STATUS_PREFIX)
+    return LeaseOutcome(
+        ok=result.status == cache_pb2.LEASE_STATUS_OK,
+        code=code,
+        message=result.message,
+        lease_id=result.sequence_id,
+        block_ids=tuple(result.block_ids),
+        cached_tokens=result.cached_tokens,
+        copy=(result.copy.src_block, result.copy.dst_block) if result.HasField("copy") else None,
+    )
+
+
+class LeaseDeadline:
+    """The engine's local view of when its session may expire at the cache service.
+
+    The service expires a session TTL after the last call it received from it. A call
+    the engine sent at time t and saw answered was received after t, so the session
+    lives at least until t + TTL; past t + TTL - margin the engine must assume it may be
+    gone (its blocks handed to another session) and stop writing K/V. The margin covers
+    the forward pass that is already running when the deadline passes.
+    """
+
+    def __init__(self, ttl_s: float, acked_at: float, clock=time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.margin_s = ttl_s / 4
+        self._clock = clock
+        self._acked_at = acked_at
+        self._lock = threading.Lock()
+
+    def acked(self, sent_at: float) -> None:
+        """A call sent at `sent_at` (this clock) was answered: the session lived then."""
+        with self._lock:
+            if sent_at > self._acked_at:
+                self._acked_at = sent_at
+
+    def remaining_s(self) -> float:
+        return self._acked_at + self.ttl_s - self.margin_s - self._clock()
+
+    def expired(self) -> bool:
+        return self.remaining_s() <= 0
+
+
+class Heartbeat:
+    """Keeps a session alive from its own thread, so a long forward pass never lets it lapse.
+
+    Each call's deadline is below the TTL: a call still unanswered after that says
+    nothing the lease deadline does not already track, so it is abandoned and the next
+    one sent on schedule, and the engine fences itself once no call got through for
+    TTL - margin. Any other failure (NOT_FOUND: expired; UNAVAILABLE: gone) ends the session.
+    """
+
+    def __init__(self, client: CacheClient, session_id: str, interval_s: float, on_failure,
+                 deadline: LeaseDeadline | None = None) -> None:
+        self._client = client
+        self._session_id = session_id
+        self._interval_s = interval_s
+        self._on_failure = on_failure
+        self._deadline = deadline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cache-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            sent_at = time.monotonic()
+            try:
+                self._client.heartbeat(self._session_id, timeout_s=self._interval_s)
+            except grpc.RpcError as error:
+                if self._stop.is_set():
+                    return
+                log.warning("heartbeat_failed", code=error.code().name, details=error.details())
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._deadline is not None:
+                    continue
+                # The session id goes with the failure: by the time the engine reads it,
+                # it may have re-attached, and this failure must not end the new session.
+                self._on_failure(self._session_id, error)
+                return
+            if self._deadline is not None:
+                self._deadline.acked(sent_at)

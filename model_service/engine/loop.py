@@ -1,0 +1,451 @@
+"""The engine: one thread that runs the continuous-batching loop.
+
+Each iteration: collect the answer to the lease call made last step, schedule, send
+the next lease call, run the forward pass while that call is on the wire, sample, and
+stream tokens out. Callers talk to it only through submit(), cancel() and abort()
+(admission.py keeps the ids and the queue limit they share with it); it talks back
+through each request's sink. Its record of live requests, their deadlines and the
+deltas going out is live_requests.py; what a stream receives is built in output.py
+(detokenizing, stop matching, logprobs, the n completions of a request); the logits
+pipeline the sampler runs is logits_processing.py; attaching to the cache service is
+attachment.py. A request whose deadline passes, queued or running, ends with
+DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away, every stream
+ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+
+from model_service import metrics
+from model_service.engine.admission import Admission
+from model_service.cache.attachment import AttachSettings, FatalAttachError, attach, detach_after_failure
+from model_service.cache.client import CacheClient, Heartbeat, LeaseDeadline
+from model_service.worker.decode_graphs import DecodeGraphPool
+from model_service.loading.loader import LoadedModel
+from model_service.sched.lease_ops import LeaseLost, LeaseOps
+from model_service.engine.live_requests import Deliver, LiveRequests
+from model_service.engine.output import Completion, Delta, RequestOutput, Sink, new_request
+from model_service.worker.runner import ModelRunner
+from model_service.sample.sampling import SamplingOptions
+from model_service.sched.scheduler import POLICIES, Scheduler
+from model_service.sched.sequence import Finish, Sequence, Status
+from model_service.sample.step_sampler import StepSampler
+from pagedkv.kv_geometry import KvGeometry
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_queued_requests: int = 256
+    client_name: str = "model_service"
+    workspace_bytes: int = 0
+    # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
+    cuda_graphs: bool = False
+    # fcfs, or priority (GenerateRequest.priority, lower first).
+    scheduling_policy: str = "fcfs"
+    # The checkpoint's content hash (loading/fingerprint.py): its prefix cache is its own.
+    model_fingerprint: str = ""
+    # Blocks a decoding sequence is leased ahead of need, in calls that go out anyway.
+    lease_ahead_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lease_ahead_blocks < 0:
+            raise ValueError(f"--lease-ahead-blocks must be 0 or more, got {self.lease_ahead_blocks}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+
+
+__all__ = ["Delta", "Engine", "EngineSettings", "Sink"]
+
+
+def deliver_here(deliveries: list[tuple[Sink, Delta]]) -> None:
+    """The default Deliver: each sink called on the engine thread."""
+    for sink, delta in deliveries:
+        sink(delta)
+
+
+class EngineUnavailable(Exception):
+    """Not attached to the cache service (starting, or it went away); try again later."""
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings, cache: CacheClient,
+                 device: torch.device, dtype: torch.dtype,
+                 on_serving: Callable[[bool], None] = lambda serving: None,
+                 on_fatal: Callable[[BaseException], None] = lambda error: None,
+                 deliver: Deliver = deliver_here) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.cache = cache
+        self.device = device
+        self.geometry = KvGeometry(
+            num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim, dtype=dtype, device=str(device),
+        )
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self._sampler = StepSampler(loaded.config.vocab_size, self.eos_token_ids, device)
+        self._on_serving = on_serving
+        self._on_fatal = on_fatal
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._admission = Admission(settings.max_queued_requests)
+        self._requests = LiveRequests(deliver, on_completion_end=self._completion_ended,
+                                      on_request_end=lambda request: self._admission.release(
+                                          request.request_id, request.key))
+        self._stopping = threading.Event()
+        self._accepting = True  # False from the moment stop() begins
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # The count the caller set (--threads); a new thread would start from libgomp's
+        # default (every core) until its first torch op, and the C kernels ask it first.
+        self._torch_threads = torch.get_num_threads()
+        # Decode graphs are captured once now, before the first Attach, so that their
+        # memory is reserved when the cache service sizes the pool, and reported with
+        # the workspace; every Attach recaptures them into the same memory pool.
+        self.decode_graph_pool: DecodeGraphPool | None = None
+        self.workspace_bytes = settings.workspace_bytes
+        if settings.cuda_graphs:
+            self.decode_graph_pool = DecodeGraphPool(loaded.model, settings.max_num_seqs, settings.max_model_len)
+            self.workspace_bytes += self.decode_graph_pool.memory_bytes
+            metrics.DECODE_GRAPH_MEMORY_BYTES.set(self.decode_graph_pool.memory_bytes)
+            log.info("decode_graphs_reserved", buckets=self.decode_graph_pool.graphs.buckets,
+                     memory_bytes=self.decode_graph_pool.memory_bytes, workspace_bytes=self.workspace_bytes)
+        self._attach_settings = AttachSettings(
+            client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
+            max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
+            max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
+            scheduling_policy=settings.scheduling_policy, lease_ahead_blocks=settings.lease_ahead_blocks,
+        )
+        # Set while attached:
+        self.session_id: str | None = None
+        self.sizing = None
+        self.scheduler: Scheduler | None = None
+        self.runner: ModelRunner | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._inflight: Future | None = None
+        self._inflight_ops: LeaseOps | None = None
+        self._inflight_sent_at = 0.0
+        self._lease_deadline: LeaseDeadline | None = None
+        self.connected = threading.Event()
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Lets running requests finish for up to grace_s, ends the rest with UNAVAILABLE,
+        releases every lease and detaches. Blocking: call from a worker thread."""
+        self._accepting = False  # the grace is for requests already in, not for new ones
+        deadline = time.monotonic() + grace_s
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stopping.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=max(grace_s, 5.0))
+
+    @property
+    def pending(self) -> int:
+        return self._admission.pending
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.sizing.max_total_tokens if self.sizing is not None else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.sizing.block_size if self.sizing is not None else 0
+
+    # -- the gRPC side ----------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
+               deadline: float | None = None, priority: int = 0, cache_salt: str = "") -> int:
+        """Queues a validated request; returns the key that cancel() takes. `deadline` is a
+        time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise)."""
+        if not self._accepting or self._stopping.is_set():
+            raise EngineUnavailable("the model service is shutting down; retry elsewhere")
+        if not self.connected.is_set():
+            raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
+        key = self._admission.admit(request_id)
+        request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
+                              self.device, deadline, priority, arrival=key)
+        for completion in request.completions:
+            completion.seq.cache_salt = cache_salt  # forks inherit it at the cache service too
+        self._inbox.put(("submit", request))
+        return key
+
+    def cancel(self, key: int) -> None:
+        """The client went away: free the request's blocks with the next lease call."""
+        self._inbox.put(("cancel", key))
+
+    def abort(self, request_ids: list[str]) -> int:
+        """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
+        keys = self._admission.keys_of(request_ids)
+        if keys:
+            self._inbox.put(("abort", keys))
+        return len(keys)
+
+    # -- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        # This thread's OpenMP pool is the process's only one (torch_threads.py).
+        torch.set_num_threads(self._torch_threads)
+        try:
+            while not self._stopping.is_set():
+                if not self.connected.is_set():
+                    self._connect()
+                    continue
+                try:
+                    self._step()
+                except (grpc.RpcError, LeaseLost, CacheFailed, LeaseExpired) as error:
+                    self._lose_cache(error)
+                finally:
+                    self._flush()
+            self._shutdown()
+            self._flush()
+        except FatalAttachError as error:
+            log.error("attach_refused", error=str(error))
+            self._on_fatal(error)
+        except Exception as error:
+            log.exception("engine_crashed")
+            self._fail_all(grpc.StatusCode.INTERNAL, "the engine stopped on an internal error; see the service log")
+            self._flush()
+            self.connected.clear()
+            self._on_serving(False)
+            self._on_fatal(error)
+
+    def _connect(self) -> None:
+        """Attaches (or re-attaches) to the cache service, retrying until it answers."""
+
+        def unreachable() -> None:
+            # A request can slip in as the connection drops (it passed submit's check
+            # just before): end it now rather than keep it until a re-attach.
+            self._fail_queued(grpc.StatusCode.UNAVAILABLE,
+                              f"the cache service at {self.cache.address} is unreachable; retry")
+            self._flush()
+
+        session = attach(self.cache, self._attach_settings, self.loaded, self.device, self.decode_graph_pool,
+                         stopping=self._stopping, on_unreachable=unreachable,
+                         on_heartbeat_failure=lambda session_id, error: self._inbox.put(
+                             ("cache_failed", session_id, error)))
+        if session is None:
+            return
+        self.session_id, self.sizing = session.session_id, session.sizing
+        self.runner, self.scheduler = session.runner, session.scheduler
+        self._lease_deadline, self._heartbeat = session.lease_deadline, session.heartbeat
+        self.connected.set()
+        metrics.CACHE_CONNECTED.set(1)
+        self._on_serving(True)
+        log.info("attached", cache=self.cache.address, session=session.session_id[:8],
+                 num_blocks=session.sizing.num_blocks, block_size=session.sizing.block_size,
+                 max_total_tokens=session.sizing.max_total_tokens)
+
+    def _step(self) -> None:
+        scheduler = self.scheduler
+        idle = not scheduler.has_work() and self._inflight is None
+        self._drain_inbox(block=idle)
+        started = time.perf_counter()
+        if self._inflight is not None:
+            outcomes, available = self._inflight.result()
+            self._lease_deadline.acked(self._inflight_sent_at)
+            metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
+            ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
+            for seq, reason in scheduler.apply(ops, outcomes, available):
+                completion = self._requests.completions.get(seq)
+                if completion is not None:
+                    self._requests.end_request(completion.request, Finish.ABORTED,
+                                               error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+            # Forks' copy-on-write, before this step's forward pass writes into a copy.
+            self.runner.copy_blocks(scheduler.take_copies())
+        self._requests.expire_deadlines()
+        if not scheduler.has_work():
+            return
+        step = scheduler.schedule()
+        if step.preempted:
+            metrics.PREEMPTIONS.inc(len(step.preempted))
+            log.info("preempted", requests=[s.request_id for s in step.preempted])
+        if step.lease_ops:
+            self._inflight_sent_at = time.monotonic()
+            self._inflight = self.cache.lease(self.session_id, step.lease_ops)
+            self._inflight_ops = step.lease_ops
+            metrics.LEASE_CALLS.inc()
+            metrics.LEASE_TOP_UPS.inc(len(step.lease_ops.top_ups))
+        if step.batch:
+            self._check_lease_deadline()
+            prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._requests.completions)
+            due, logits = self.runner.execute(step.batch, prompt_logits)
+            if prompt_logits:
+                self._sampler.collect_prompt_logprobs(prompt_logits, self._requests.completions)
+            for seq, new_tokens in step.batch:
+                seq.num_computed += new_tokens
+            if due:
+                self._sample(due, logits)
+        elif self._inflight is None:
+            # Nothing runnable and nothing asked: wait for an event instead of spinning.
+            self._drain_inbox(block=True, timeout_s=0.05)
+        metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
+        metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
+        metrics.RUNNING.set(len(scheduler.running))
+
+    def _check_lease_deadline(self) -> None:
+        """Fenced writes: no forward pass (which writes K/V into leased blocks) once the
+        session may have expired at the cache service, whose blocks may then be someone else's."""
+        if self._lease_deadline.expired():
+            log.error("lease_deadline_passed", session=self.session_id[:8], ttl_s=self._lease_deadline.ttl_s)
+            raise LeaseExpired(
+                f"no heartbeat or lease call answered for {self._lease_deadline.ttl_s - self._lease_deadline.margin_s:.2f} s "
+                f"(lease TTL {self._lease_deadline.ttl_s:g} s less a margin): the session may have expired, so "
+                "this engine stopped writing into its blocks"
+            )
+
+    def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> None:
+        try:
+            message = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "submit":
+            request: RequestOutput = message[1]
+            self._requests.add(request)
+            for completion in request.completions[1:]:
+                completion.seq.status = Status.FORK_PENDING
+            self.scheduler.add(request.completions[0].seq)
+            metrics.PROMPT_TOKENS.inc(request.prompt_len)
+        elif kind == "cancel":
+            request = self._requests.get(message[1])
+            if request is not None:
+                self._requests.end_request(request, Finish.ABORTED)
+                log.info("request_cancelled", request_id=request.request_id)
+        elif kind == "abort":
+            for key in message[1]:
+                request = self._requests.get(key)
+                if request is not None:
+                    self._requests.end_request(request, Finish.ABORTED)
+                    log.info("request_aborted", request_id=request.request_id)
+        elif kind == "cache_failed":
+            # Both the heartbeat and the lease call see a dying cache service; when the
+            # lease call got there first the engine has re-attached since, and a failure
+            # of the old session says nothing about the new one.
+            if message[1] == self.session_id:
+                raise CacheFailed(message[2])
+
+    # -- sampling and output --------------------------------------------------------
+
+    def _sample(self, due: list[Sequence], logits: torch.Tensor) -> None:
+        """Samples every due sequence's next token and streams it. At the first token of
+        an n-request's completion 0, its other completions sample theirs from the same
+        row and are forked."""
+        forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
+        completions, tokens, logprobs = self._sampler.sample(due, logits, self._requests.completions)
+        for seq in forking:
+            self.scheduler.fork(seq, seq.fork_children)
+        self._requests.emit(completions, tokens, logprobs, self.eos_token_ids, self.settings.max_model_len)
+
+    def _completion_ended(self, completion: Completion, finish: Finish) -> None:
+        """Its blocks go back with the next lease call; its sampler state is dropped."""
+        self.scheduler.finish(completion.seq, finish)
+        self._sampler.release(completion)
+
+    def _flush(self) -> None:
+        self._requests.flush()
+
+    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        self._requests.fail_all(code, message)
+        self._sampler.reset()
+
+    def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
+        """Fails requests still in the inbox. Without this a request submitted just before
+        the cache service went away would wait, stream open, for a re-attach that may
+        never come (or until SIGTERM), instead of ending with a status."""
+        while True:
+            try:
+                queued = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if queued[0] == "submit":
+                self._admission.release(queued[1].request_id, queued[1].key)
+                self._requests.send(queued[1].sink, Delta(finish=Finish.ABORTED, error=(code, message)))
+            # Cancels have nothing left to cancel; stale cache failures nothing left to fail.
+
+    def _lose_cache(self, error: BaseException) -> None:
+        log.error("cache_service_lost", error=describe_error(error), requests_failed=len(self._requests))
+        self.connected.clear()
+        metrics.CACHE_CONNECTED.set(0)
+        self._on_serving(False)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._fail_all(grpc.StatusCode.UNAVAILABLE,
+                       f"the cache service at {self.cache.address} went away mid-request ({describe_error(error)}); retry")
+        self._fail_queued(grpc.StatusCode.UNAVAILABLE,
+                          f"the cache service at {self.cache.address} went away; retry")
+        self._inflight = self._inflight_ops = None
+        detach_after_failure(self.cache, self.session_id,
+                             error.args[0] if isinstance(error, CacheFailed) and error.args else error)
+        self.scheduler = self.runner = None
+        self.session_id = self.sizing = None
+
+    def _shutdown(self) -> None:
+        """SIGTERM: end what is left, give every block back, detach."""
+        self._fail_queued(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere")
+        if not self.connected.is_set():
+            self._fail_all(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down")
+            return
+        try:
+            if self._inflight is not None:
+                outcomes, available = self._inflight.result()
+                self.scheduler.apply(self._inflight_ops, outcomes, available)
+                self._inflight = None
+            for request in self._requests:
+                self._requests.end_request(request, Finish.ABORTED, error=(
+                    grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
+            step_ops = self.scheduler.schedule().lease_ops  # only releases remain
+            if step_ops:
+                self.cache.lease(self.session_id, step_ops).result()
+            self.cache.detach(self.session_id)
+            log.info("detached", session=self.session_id[:8])
+        except (grpc.RpcError, LeaseLost) as error:
+            log.warning("detach_failed", error=describe_error(error))
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+            self.connected.clear()
+
+
+class CacheFailed(Exception):
+    """The heartbeat thread saw the cache service fail."""
+
+
+class LeaseExpired(Exception):
+    """The local lease deadline passed: the session may be gone at the cache service."""
+
+
+def describe_error(error: BaseException) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    if isinstance(error, CacheFailed) and error.args and isinstance(error.args[0], grpc.RpcError):
+        return describe_error(error.args[0])
+    return str(error)

@@ -1,0 +1,197 @@
+"""Output processing: what a request's stream receives, built from sampled tokens.
+
+A request has n completions (`Completion`), each with its own sequence, detokenizer,
+generator and stop matching; `RequestOutput` holds them together with what belongs to
+the request once: its sink, its prompt logprobs and its usage. Plain Python on the
+engine thread: the tensors behind logprobs are turned into `TokenLogprob` values by
+`logprobs.token_logprobs` before they get here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from model_service.text.detokenizer import IncrementalDetokenizer
+from model_service.sample.sampling import SamplingOptions, make_generator
+from model_service.sched.sequence import Finish, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely tokens, (token_id, logprob), by logprob descending.
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class Delta:
+    """What a request's stream receives: new tokens and text of one completion, and at
+    the end its reason."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # (grpc.StatusCode, message) when the request ends with an error status.
+    error: tuple[grpc.StatusCode, str] | None = None
+    index: int = 0  # which of the n completions
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # the request's first delta only
+    matched_stop: str | int | None = None  # last delta of a completion ended by STOP
+
+
+Sink = Callable[[Delta], None]
+
+
+def join_into(first: Delta, following: Delta) -> Delta:
+    """Appends `following`, the next delta of the same completion, to `first` and returns
+    `first`: tokens, text and logprobs in order; what only a stream's first delta carries
+    (prompt logprobs) stays `first`'s, what only its last carries (finish, usage, matched
+    stop, error) comes from `following`. In place, so that a completion held back whole
+    (no streaming) costs time linear in its length. Neither delta may have been delivered."""
+    first.token_ids.extend(following.token_ids)
+    first.text += following.text
+    first.logprobs.extend(following.logprobs)
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = following.prompt_logprobs
+    first.finish = following.finish
+    first.prompt_tokens = following.prompt_tokens
+    first.completion_tokens = following.completion_tokens
+    first.cached_tokens = following.cached_tokens
+    first.error = following.error
+    first.matched_stop = following.matched_stop
+    return first
+
+
+def completion_seed(seed: int | None, index: int) -> int | None:
+    """Completion i's seed, from (seed, i): completion 0 keeps the request's seed, so n = 1
+    draws exactly as before; the others are spread by a 64-bit odd constant (golden ratio)."""
+    if seed is None:
+        return None
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+@dataclass(eq=False, slots=True)
+class Completion:
+    index: int
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None  # None: the request asked for token ids only
+    generator: torch.Generator | None
+    request: RequestOutput
+    history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
+    last_token_at: float = 0.0
+    finished: bool = False
+    # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).
+    held: Delta | None = None
+
+    def on_token(self, token: int, logprob: TokenLogprob | None, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> Delta:
+        """Appends a sampled token; returns its delta, with finish set when it ended the completion."""
+        seq = self.seq
+        seq.token_ids.append(token)
+        options = seq.options
+        finish = matched = None
+        if token in eos_token_ids and not options.ignore_eos:
+            finish = Finish.EOS
+        elif token in options.stop_token_ids:
+            finish, matched = Finish.STOP, token
+        text, stopped = "", False
+        if self.detokenizer is not None:
+            pushed = self.detokenizer.push([token])
+            text, stopped = pushed.text, pushed.stopped
+            if stopped:
+                finish, matched = Finish.STOP, pushed.matched
+        if not stopped and finish is None and (seq.num_output >= options.max_new_tokens
+                                               or len(seq.token_ids) >= max_model_len):
+            finish = Finish.LENGTH
+        if finish is not None and not stopped and self.detokenizer is not None:
+            text += self.detokenizer.flush()
+        delta = Delta(token_ids=[token], text=text, finish=finish, index=self.index, matched_stop=matched)
+        if logprob is not None:
+            delta.logprobs.append(logprob)
+        return delta
+
+
+@dataclass(eq=False, slots=True)
+class RequestOutput:
+    """One request: its n completions and what they share."""
+
+    key: int
+    request_id: str
+    sink: Sink
+    options: SamplingOptions
+    prompt_len: int
+    submitted_at: float
+    deadline: float | None  # time.monotonic() by which the request must end, or None
+    completions: list[Completion] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_delta_sent: bool = False
+    unfinished: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.options.prompt_logprobs is not None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return len(self.prompt_logprobs) >= self.prompt_len - 1
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def first(self, delta: Delta) -> Delta:
+        """Stamps the stream's first delta with the prompt logprobs."""
+        if not self.first_delta_sent:
+            self.first_delta_sent = True
+            if self.wants_prompt_logprobs:
+                delta.prompt_logprobs = list(self.prompt_logprobs)
+        return delta
+
+    def finished(self, completion: Completion, finish: Finish, delta: Delta | None = None,
+                 error: tuple[grpc.StatusCode, str] | None = None) -> Delta:
+        """The last delta of a completion. Usage: each completion's own completion_tokens;
+        prompt_tokens and cached_tokens only in the request's last one, so that summing the
+        usage of the n last messages counts the prompt once."""
+        completion.finished = True
+        self.unfinished -= 1
+        delta = delta or Delta(index=completion.index)
+        delta.finish = finish
+        delta.error = error
+        delta.completion_tokens = completion.seq.num_output
+        if self.unfinished == 0:
+            delta.prompt_tokens = self.prompt_len
+            delta.cached_tokens = self.cached_tokens
+        return self.first(delta)
+
+
+def new_request(key: int, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink,
+                tokenizer, device: torch.device, deadline: float | None, priority: int,
+                arrival: int) -> RequestOutput:
+    """A request and its n completions' sequences; completion 0's sequence prefills the
+    prompt, the others wait to fork from it (Sequence.fork_children)."""
+    request = RequestOutput(key=key, request_id=request_id, sink=sink, options=options,
+                            prompt_len=len(prompt_token_ids), submitted_at=time.perf_counter(),
+                            deadline=deadline, unfinished=options.n)
+    for index in range(options.n):
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
+                       options=options, arrival=arrival, index=index, priority=priority)
+        generator = None if options.greedy else make_generator(completion_seed(options.seed, index), device)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.stop,
+                                             include_stop_str=options.include_stop_str_in_output,
+                                             skip_special_tokens=options.skip_special_tokens,
+                                             ) if options.detokenize else None
+        request.completions.append(Completion(index, seq, detokenizer, generator, request))
+    parent = request.completions[0].seq
+    parent.fork_children = [completion.seq for completion in request.completions[1:]]
+    # Prompt logprobs need every prompt position computed, not found in the prefix cache.
+    parent.reuse_prefix = not request.wants_prompt_logprobs
+    return request

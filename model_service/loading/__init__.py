@@ -1,0 +1,1 @@
+"""Where a model comes from: Hugging Face safetensors, GGUF files, the embedded SmolLM2, the tiny model; and its fingerprint."""

@@ -1,0 +1,32 @@
+"""Logprobs of chosen tokens and their top alternatives, from the model's raw logits.
+
+Raw means before penalties, logit_bias, temperature, min_p, top-k and top-p (vLLM's
+default `raw_logprobs`): the log-softmax of what the model said, in float32. One pass
+for all rows that asked, whatever their top counts; each row keeps its own count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from model_service.engine.output import TokenLogprob
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]) -> list[TokenLogprob]:
+    """logits [R, V], token_ids [R] (the token chosen at each row), tops[r] alternatives
+    for row r → one TokenLogprob a row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, token_ids.view(-1, 1).to(logprobs.device)).squeeze(1).tolist()
+    most = max(tops, default=0)
+    if most:
+        # topk sorts descending; among equal logprobs it may order ids either way.
+        values, ids = torch.topk(logprobs, most, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    ids_list = token_ids.tolist()
+    out = []
+    for row, top in enumerate(tops):
+        alternatives = tuple(zip(ids[row][:top], values[row][:top])) if top else ()
+        out.append(TokenLogprob(ids_list[row], chosen[row], alternatives))
+    return out

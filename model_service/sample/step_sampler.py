@@ -1,0 +1,130 @@
+"""One engine step's sampling: which rows, which adjustments, which logprobs.
+
+The engine hands over the sequences whose next token is due and their logits; this
+picks the rows (the first token of an n-request's completion 0 is also its other
+completions' first-token row), builds the logits adjustments only when a row uses one,
+samples, and computes the raw logprobs the rows asked for. It also collects prompt
+logprobs from the prefill chunks that need them. It owns the device-side token history
+the penalties read; the engine owns the requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence as Seq
+
+import torch
+
+from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
+from model_service.sample.logprobs import token_logprobs
+from model_service.engine.output import Completion, TokenLogprob
+from model_service.sample.sampling import sample
+from model_service.sched.sequence import Sequence
+
+
+class StepSampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Collection[int], device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = device
+        self.history: TokenHistory | None = None  # made when a request first needs a penalty
+
+    def sample(self, due: list[Sequence], logits: torch.Tensor, completions: Mapping[Sequence, Completion],
+               ) -> tuple[list[Completion], list[int], list[TokenLogprob | None]]:
+        """Next tokens of the due sequences (and of the completions that fork from them at
+        this step): (completions, their tokens, their logprobs or None), in row order."""
+        forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
+        if forking:
+            # Each child samples its first token from a copy of its parent's row, right after it.
+            rows, ordered = [], []
+            for row, seq in enumerate(due):
+                family = [seq, *seq.fork_children] if seq.fork_children and seq.num_output == 0 else [seq]
+                rows.extend([row] * len(family))
+                ordered.extend(family)
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            due = ordered
+        chosen = [completions[seq] for seq in due]
+        options = [completion.seq.options for completion in chosen]
+        adjustments = None
+        if any(o.adjusts_logits for o in options):  # else the plain sampler: greedy is one argmax
+            adjustments = prepare([self._adjustment(c) for c in chosen], logits.device)
+        token_tensor = sample(logits, options, [c.generator for c in chosen], adjustments, self.history)
+        tokens = token_tensor.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(chosen)
+        asked = [row for row, o in enumerate(options) if o.logprobs is not None]
+        if asked:
+            tops = [options[row].logprobs for row in asked]
+            if len(asked) == len(options):
+                found = token_logprobs(logits, token_tensor, tops)
+            else:
+                index = torch.tensor(asked, device=logits.device)
+                found = token_logprobs(logits.index_select(0, index),
+                                       token_tensor.to(logits.device).index_select(0, index), tops)
+            for row, logprob in zip(asked, found):
+                logprobs[row] = logprob
+        counted = [(c.history_slot, token) for c, token in zip(chosen, tokens) if c.history_slot is not None]
+        if counted:
+            self.history.record([slot for slot, _ in counted], [token for _, token in counted])
+        return chosen, tokens, logprobs
+
+    def release(self, completion: Completion) -> None:
+        """A completion ended: its token history row is free again."""
+        if completion.history_slot is not None:
+            self.history.close(completion.history_slot)
+            completion.history_slot = None
+
+    def reset(self) -> None:
+        """Every request is gone (the cache service was lost)."""
+        self.history = None
+
+    def _adjustment(self, completion: Completion) -> RowAdjustment | None:
+        seq = completion.seq
+        options = seq.options
+        if not options.adjusts_logits:
+            return None
+        if options.uses_history and completion.history_slot is None:
+            if self.history is None:
+                self.history = TokenHistory(self.vocab_size, self.device)
+            # At its first token: the history holds the prompt (seen) and no counts.
+            completion.history_slot = self.history.open(seq.token_ids)
+        suppressed: tuple[int, ...] = ()
+        if seq.num_output < options.min_tokens:
+            ends = set(options.stop_token_ids)
+            if not options.ignore_eos:
+                ends |= self.eos_token_ids
+            suppressed = tuple(sorted(ends))
+        return RowAdjustment(
+            history_slot=completion.history_slot, repetition_penalty=options.repetition_penalty,
+            presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+            logit_bias=options.logit_bias, suppressed_token_ids=suppressed,
+        )
+
+    # -- prompt logprobs ---------------------------------------------------------------
+
+    @staticmethod
+    def prompt_logits_wanted(batch: Seq[tuple[Sequence, int]],
+                             completions: Mapping[Sequence, Completion]) -> dict | None:
+        """The runner's `prompt_logits` argument for this batch, or None when no
+        prefill chunk in it has prompt logprobs to compute."""
+        wanted = None
+        for seq, _ in batch:
+            if seq.index == 0 and not seq.reuse_prefix and seq.num_computed < seq.prompt_len - 1:
+                completion = completions.get(seq)
+                if completion is not None and not completion.request.prompt_logprobs_done:
+                    wanted = wanted or {}
+                    wanted[seq] = None
+        return wanted
+
+    @staticmethod
+    def collect_prompt_logprobs(prompt_logits: dict, completions: Mapping[Sequence, Completion]) -> None:
+        for seq, (start, logits) in prompt_logits.items():
+            request = completions[seq].request
+            # Entry i is prompt token i + 1's; after a preemption the recompute passes
+            # positions already collected.
+            skip = max(len(request.prompt_logprobs) - start, 0)
+            if skip >= logits.shape[0]:
+                continue
+            targets = torch.tensor(seq.token_ids[start + 1 + skip:start + 1 + logits.shape[0]])
+            request.prompt_logprobs.extend(
+                token_logprobs(logits[skip:], targets, [request.options.prompt_logprobs] * len(targets)))
+            if request.prompt_logprobs_done:
+                seq.reuse_prefix = True  # a recompute may take cached blocks again

@@ -1,0 +1,347 @@
+"""Continuous batching: who runs this step, who is admitted, who is preempted.
+
+Pure Python, no tensors and no gRPC. The engine calls, once per step:
+
+    scheduler.apply(ops, outcomes, blocks_available)  # results of the lease call made last step
+    step = scheduler.schedule()                        # this step's batch + next step's lease ops
+
+The lease ops of step t are sent while step t's forward pass runs, so they provide what
+step t+1 needs: blocks for the next token of every sequence in this batch (only when it
+crosses a block boundary), block tables for newly admitted sequences, and releases of
+what finished, was cancelled or was preempted. The cache service is the authority on
+free blocks; `blocks_available` from its last reply is only used to avoid asking for
+what cannot be had.
+
+A call that goes out anyway also leases decoding sequences `lookahead_tokens` ahead of
+need, and a normally finished sequence's release may wait up to `release_hold_s` for such
+a call (lease_ahead.py): about one call every block_size steps at 48 streams, instead of
+nearly one a step.
+
+Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
+(priority, arrival) and preempts the lowest priority (largest number), newest first.
+
+A request with n completions is admitted as its completion 0, holding seats for all n.
+Once completion 0 has prefilled the prompt and sampled its first token (the engine
+samples the others' first tokens from the same logits row), `fork` queues one fork op
+per other completion: each shares the prompt's full blocks (ref counted) and gets a copy
+of the partial last one, which the engine makes (`take_copies`) before the next forward
+pass. A completion that cannot fork (no block, or completion 0 gone) is queued as an
+ordinary sequence and recomputes its prompt; its own preemption works the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from model_service.sched.lease_ahead import PendingReleases, top_ups
+from model_service.sched.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
+from model_service.sched.sequence import Finish, Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    block_size: int
+    # Sequences running or being admitted at once.
+    max_num_seqs: int
+    # Tokens through the model in one step: one per decoding sequence plus prefill chunks.
+    max_batch_tokens: int
+    # How far ahead of its next token a decoding sequence is leased by top-ups; 0: never.
+    lookahead_tokens: int = 0
+    # No sequence grows past this many tokens (the engine ends it there); 0: no limit.
+    max_model_len: int = 0
+    # How long the release of a sequence that finished normally may wait for a call that
+    # goes out anyway, while others run and nobody waits for blocks; 0: the next step's.
+    release_hold_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lookahead_tokens", "max_model_len", "release_hold_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class Step:
+    # (sequence, new tokens this step); decodes first, then prefill chunks.
+    batch: list[tuple[Sequence, int]]
+    lease_ops: LeaseOps
+    preempted: list[Sequence]
+
+
+# When nothing runs, an allocation the service refused is asked again only after this
+# wait, doubling up to the cap: the blocks it lacks come back only when another
+# session releases some, and asking every step would send thousands of calls a second.
+RETRY_REFUSED_MIN_S = 0.01
+RETRY_REFUSED_MAX_S = 0.5
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
+                 clock=time.monotonic) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.limits = limits
+        self.policy = policy
+        self._clock = clock
+        self._retry_refused_at = 0.0
+        self._retry_refused_wait = 0.0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.allocating: int = 0  # allocate and fork ops in flight
+        self._allocating_children = 0  # completions that will fork from sequences allocating
+        self.blocks_available = blocks_available
+        self._releases = PendingReleases(limits.release_hold_s, clock)
+        self._forks: list[ForkRequest] = []
+        self._copies: list[tuple[int, int]] = []
+        self.preemptions = 0
+
+    # -- requests come and go -------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: Finish) -> None:
+        """Ends a sequence in any state; its blocks are released with the next lease call."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            # A cancel or an abort frees its blocks with the next step's call, as promised.
+            self._release(seq, urgent=reason is Finish.ABORTED)
+        # ALLOCATING, FORKING: released when the op's result arrives (see apply).
+        # FORK_PENDING: holds nothing; a fork asked for it is dropped (see schedule).
+        seq.status = Status.FINISHED
+        seq.finish = reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._releases or self.allocating or self._forks)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Completion 0 sampled its first token (and its children theirs): fork its
+        blocks for them with the next lease call."""
+        parent.fork_children = []
+        for child in children:
+            if child.status is Status.FINISHED:
+                continue
+            if parent.lease_id is None:
+                self._queue_unforked(child)
+            else:
+                self._forks.append(ForkRequest(parent.lease_id, parent.num_computed, child))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src_block, dst_block) copies the last lease call's forks need, to make before
+        the next forward pass writes into the copies."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _queue_unforked(self, child: Sequence) -> None:
+        child.status = Status.WAITING
+        self.waiting.appendleft(child)
+
+    def _order(self, seq: Sequence) -> tuple[int, int, int]:
+        """Who goes first: admission takes the smallest, preemption the largest."""
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival, seq.index)
+        return (0, seq.arrival, seq.index)
+
+    def seats_taken(self) -> int:
+        """Sequences running or on their way, and the completions that will fork from them."""
+        pending_children = sum(len(seq.fork_children) for seq in self.running) + self._allocating_children
+        return len(self.running) + self.allocating + len(self._forks) + pending_children
+
+    def _release(self, seq: Sequence, urgent: bool) -> None:
+        if seq.lease_id is not None:
+            self._releases.add(Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]),
+                                       len(seq.block_table)), urgent)
+        seq.drop_blocks()
+
+    def preempt(self, seq: Sequence) -> None:
+        """Gives a running sequence's blocks back and queues it first for recompute.
+
+        Its computed tokens are released as prefix cache, so unless they are evicted in
+        the meantime the recompute finds them and costs little.
+        """
+        self.running.remove(seq)
+        self._release(seq, urgent=True)  # the pool is short: that is why it was preempted
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- lease results ---------------------------------------------------------------
+
+    def apply(self, ops: LeaseOps, outcomes: list[LeaseOutcome], blocks_available: int) -> list[tuple[Sequence, str]]:
+        """Applies a lease call's results; returns sequences that can never be served."""
+        if len(outcomes) != len(ops):
+            raise LeaseLost(f"the cache service answered {len(outcomes)} ops of {len(ops)}")
+        self.blocks_available = blocks_available
+        failed: list[tuple[Sequence, str]] = []
+        results = iter(outcomes)
+        for fork in ops.forks:
+            outcome = next(results)
+            self.allocating -= 1
+            child = fork.child
+            if outcome.ok:
+                if outcome.copy is not None:
+                    self._copies.append(outcome.copy)
+                if child.status is Status.FINISHED:  # ended while its fork was in flight
+                    self._releases.add(Release(outcome.lease_id, ()), urgent=True)
+                    continue
+                child.lease_id = outcome.lease_id
+                child.block_table = list(outcome.block_ids)
+                child.num_computed = fork.parent_tokens
+                child.admitted_once = True
+                child.status = Status.RUNNING
+                self.running.append(child)
+            elif child.status is not Status.FINISHED:
+                # No block for the copy, or the parent's lease is gone: recompute instead.
+                self._queue_unforked(child)
+        for _release in ops.releases:
+            next(results)  # a release of a lease the service already reclaimed is harmless
+        for seq, _ in ops.extends:
+            outcome = next(results)
+            if outcome.ok:
+                seq.block_table.extend(outcome.block_ids)
+                seq.starved = False
+            elif outcome.code == "NO_FREE_BLOCKS":
+                seq.starved = True
+            else:
+                raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
+        requeue: list[Sequence] = []
+        for seq in ops.allocations:
+            outcome = next(results)
+            self.allocating -= 1
+            self._allocating_children -= len(seq.fork_children)
+            if outcome.ok:
+                seq.lease_id = outcome.lease_id
+                if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
+                    self._releases.add(Release(outcome.lease_id, ()), urgent=True)
+                    seq.lease_id = None
+                    continue
+                seq.block_table = list(outcome.block_ids)
+                seq.num_computed = outcome.cached_tokens
+                if not seq.admitted_once:
+                    seq.cached_tokens = outcome.cached_tokens
+                    seq.admitted_once = True
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                self._retry_refused_wait = 0.0
+            elif seq.status is Status.FINISHED:
+                continue
+            elif outcome.code == "NO_FREE_BLOCKS":
+                seq.status = Status.WAITING
+                requeue.append(seq)
+                self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
+                                               RETRY_REFUSED_MAX_S)
+                self._retry_refused_at = self._clock() + self._retry_refused_wait
+            else:
+                failed.append((seq, f"{outcome.code}: {outcome.message}"))
+        for seq, _ in ops.top_ups:
+            outcome = next(results)
+            if outcome.ok:  # refused: the sequence asks again when it needs the block
+                seq.block_table.extend(outcome.block_ids)
+        # Back to the front, in their original order: first come, first served.
+        self.waiting.extendleft(reversed(requeue))
+        return failed
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        block_size = self.limits.block_size
+        preempted = self._relieve_starvation()
+
+        budget = self.limits.max_batch_tokens
+        batch: list[tuple[Sequence, int]] = []
+        decodes = [s for s in self.running
+                   if s.num_uncomputed == 1 and not s.starved and s.capacity(block_size) > s.num_computed]
+        for seq in decodes[:budget]:
+            batch.append((seq, 1))
+        budget -= len(batch)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed > 1:
+                chunk = min(seq.num_uncomputed, budget)
+                batch.append((seq, chunk))
+                budget -= chunk
+
+        ops = LeaseOps()
+        for fork in self._forks:
+            if fork.child.status is Status.FINISHED:
+                continue
+            fork.child.status = Status.FORKING
+            self.allocating += 1
+            ops.forks.append(fork)
+        self._forks = []
+        in_batch = {id(seq) for seq, _ in batch}
+        for seq, new_tokens in batch:
+            # After this step, the next one writes position num_computed + new_tokens.
+            needed = seq.num_computed + new_tokens + 1
+            if needed > seq.capacity(block_size):
+                ops.extends.append((seq, needed))
+        for seq in self.running:
+            # Starved, or forked with a table that ends where the prompt does.
+            if seq.starved or (id(seq) not in in_batch and seq.capacity(block_size) < len(seq.token_ids)):
+                ops.extends.append((seq, len(seq.token_ids)))
+        # An estimate; the service's count comes with its reply.
+        available = self.blocks_available + self._releases.blocks() - sum(
+            blocks_for(tokens, block_size) - len(seq.block_table) for seq, tokens in ops.extends
+        )
+        available = self._admit(ops, available)
+        if ops or not self._releases.may_wait(others_run=bool(self.running), someone_waits=bool(self.waiting)):
+            ops.releases = self._releases.take()
+        if ops and self.limits.lookahead_tokens and not self.waiting:  # no blocks ahead while others wait
+            ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
+                                  self.limits.max_model_len)
+        return Step(batch=batch, lease_ops=ops, preempted=preempted)
+
+    def _relieve_starvation(self) -> list[Sequence]:
+        """A sequence with no block for its next token frees room by preempting the newest."""
+        preempted: list[Sequence] = []
+        for seq in [s for s in self.running if s.starved]:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted already, as someone's victim
+            victim = max(self.running, key=self._order)
+            self.preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _admit(self, ops: LeaseOps, available: int) -> int:
+        """Admits waiting sequences while seats and blocks last; returns the blocks left."""
+        block_size = self.limits.block_size
+        prompt_tokens = 0
+        seats = self.seats_taken()
+        while self.waiting:
+            seq = self.waiting[0] if self.policy == "fcfs" else min(self.waiting, key=self._order)
+            busy = bool(self.running or self.allocating or ops.allocations)
+            wanted = 1 + len(seq.fork_children)
+            # An n-request bigger than --max-num-seqs runs alone rather than never.
+            if seats + wanted > self.limits.max_num_seqs and (busy or seats):
+                break
+            needed = blocks_for(len(seq.token_ids), block_size)
+            # When nothing else runs, ask anyway: cached blocks may be evictable, and the
+            # service's reply corrects our count; but not again right after a refusal.
+            if needed > available and (busy or self._clock() < self._retry_refused_at):
+                break
+            if prompt_tokens and prompt_tokens + len(seq.token_ids) > self.limits.max_batch_tokens:
+                break
+            self.waiting.remove(seq)
+            seq.status = Status.ALLOCATING
+            self.allocating += 1
+            seats += wanted
+            self._allocating_children += len(seq.fork_children)
+            ops.allocations.append(seq)
+            available -= needed
+            prompt_tokens += len(seq.token_ids)
+        return available
+

@@ -1,0 +1,82 @@
+"""One request's state as the engine sees it: tokens, blocks, and where it stands."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from model_service.sample.sampling import SamplingOptions
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    ALLOCATING = "allocating"  # an allocate op is in flight to the cache service
+    RUNNING = "running"  # holds a block table; prefilling or decoding
+    # Completion i > 0 of an n-request: waits for completion 0 to prefill the prompt and
+    # sample its first token, then forks completion 0's blocks (a fork op in flight: FORKING).
+    FORK_PENDING = "fork_pending"
+    FORKING = "forking"
+    FINISHED = "finished"
+
+
+class Finish(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    # Prompt followed by generated tokens; token_ids[:prompt_len] is the prompt.
+    token_ids: list[int]
+    prompt_len: int
+    options: SamplingOptions
+    # Order of arrival (shared by the n completions of a request): the newest running
+    # sequence is the one preempted.
+    arrival: int
+    # Which of its request's n completions this is.
+    index: int = 0
+    # Lower runs first under the priority policy (GenerateRequest.priority).
+    priority: int = 0
+    status: Status = Status.WAITING
+    # The cache service's id of this sequence's lease; None while it holds no blocks.
+    lease_id: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the pool (computed, or found in the prefix cache).
+    num_computed: int = 0
+    # Prompt tokens the prefix cache supplied at first admission (usage.cached_tokens).
+    cached_tokens: int = 0
+    admitted_once: bool = False
+    # Set when the cache service had no block for this sequence's next token.
+    starved: bool = False
+    preemptions: int = 0
+    finish: Finish | None = None
+    # Completion 0 of an n-request: the other completions, to fork once the prompt is in
+    # the pool and this sequence's first token is sampled (they sample theirs from the same row).
+    fork_children: list[Sequence] = field(default_factory=list)
+    # Ask the cache service for cached prefix blocks at allocation (off while prompt
+    # logprobs are still to compute: a cached position has no logits).
+    reuse_prefix: bool = True
+    # GenerateRequest.cache_salt: only sequences of the same salt share cached blocks.
+    cache_salt: str = ""
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model: a prompt (chunk) or the last sampled token."""
+        return len(self.token_ids) - self.num_computed
+
+    def capacity(self, block_size: int) -> int:
+        return len(self.block_table) * block_size
+
+    def drop_blocks(self) -> None:
+        """Forget the lease (released, or lost with the cache service); recompute from scratch."""
+        self.lease_id = None
+        self.block_table = []
+        self.num_computed = 0
+        self.starved = False

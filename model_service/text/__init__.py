@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, incremental detokenization with stop strings, chat templates."""

@@ -1,0 +1,164 @@
+"""The model runner: the only part of the model service that touches the device.
+
+It turns a scheduled batch (sequences and how many new tokens each runs) into the
+tensors of one forward pass over the shared pool, and returns logits for the sequences
+whose next token is due. It owns no KV memory: the pool tensor is mapped from the cache
+service, and which blocks a sequence may use comes from its leased block table.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Sequence as Seq
+
+import torch
+
+from model_service.attention.metadata import AttentionMetadata
+from model_service.worker.decode_graphs import DecodeGraphs
+from model_service.models.llama import LlamaForCausalLM, last_token_indices
+from model_service.sched.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_pool: torch.Tensor, block_size: int,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
+        # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        if kv_pool.shape[3] != block_size:
+            raise ValueError(f"pool block size {kv_pool.shape[3]} != {block_size}")
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+        self.device = kv_pool.device
+        self.decode_graphs = decode_graphs
+
+    @torch.inference_mode()
+    def execute(self, batch: Seq[tuple[Sequence, int]],
+                prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] | None = None,
+                ) -> tuple[list[Sequence], torch.Tensor]:
+        """Runs one step. Returns the sequences whose next token is due and their logits
+        [len(due), vocab], in batch order, in the lm_head's dtype: a greedy argmax needs
+        no float32 copy, and sampling.sample makes one for whatever computes with them.
+        Does not change the sequences.
+
+        `prompt_logits`, when given, names sequences (its keys) whose prompt positions in
+        this step need logits (prompt logprobs); each gets (first position, logits
+        [k, vocab]) for the positions of its chunk that predict a prompt token."""
+        if not prompt_logits and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            # One token a sequence: a captured graph of this batch's bucket replays the step.
+            hidden = self.decode_graphs.run(batch)  # [len(batch), hidden]
+            rows = list(range(len(batch)))
+        else:
+            input_ids, positions, meta = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
+            rows = last_token_indices(meta.query_lens)
+            if prompt_logits:
+                self._prompt_logits(batch, hidden, rows, prompt_logits)
+        due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
+        if not due:
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        index = torch.tensor([rows[i] for i in due], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index), float32=False)
+        return [batch[i][0] for i in due], logits
+
+    def _prompt_logits(self, batch, hidden: torch.Tensor, rows: list[int],
+                       wanted: dict[Sequence, tuple[int, torch.Tensor]]) -> None:
+        for (seq, new_tokens), last_row in zip(batch, rows):
+            if seq not in wanted:
+                continue
+            start = seq.num_computed
+            # Position p predicts token p + 1; the prompt's last position predicts the
+            # first generated token (sampled, not a prompt logprob).
+            end = min(start + new_tokens, seq.prompt_len - 1)
+            if end <= start:
+                del wanted[seq]
+                continue
+            first_row = last_row - new_tokens + 1
+            wanted[seq] = (start, self.model.compute_logits(hidden[first_row:first_row + end - start]))
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
+        """Copy-on-write after forks: each (src, dst) block's K/V, every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_pool.index_copy_(2, dst, self.kv_pool.index_select(2, src))
+
+    def prepare(self, batch: Seq[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        num_decode = 0
+        for seq, new_tokens in batch:
+            start = seq.num_computed
+            end = start + new_tokens
+            if end > seq.capacity(block_size):
+                raise RuntimeError(
+                    f"request {seq.request_id}: {end} tokens scheduled but its table holds {seq.capacity(block_size)}"
+                )
+            if new_tokens == 1 and num_decode == len(query_lens):
+                num_decode += 1  # decodes lead the batch
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            query_lens.append(new_tokens)
+            context_lens.append(end)
+        # Exactly as wide as the longest table: on CPU, padding is gathered and costs time.
+        width = max(len(seq.block_table) for seq, _ in batch)
+        rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+        tables = torch.tensor(rows, dtype=torch.int32)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=tables.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_lens=tuple(query_lens),
+            context_lens_host=tuple(context_lens),
+            num_decode_seqs=num_decode,
+            block_size=block_size,
+            step_memo={},
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        return ids, pos, meta
+
+
+def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ...], dtype: torch.dtype,
+                      device: torch.device, block_size: int, num_tokens: int) -> int:
+    """Runs one prefill of num_tokens tokens into a scratch pool; returns the activation
+    workspace it needed, in bytes (the scratch pool itself not counted).
+
+    CUDA: the caching allocator keeps that memory reserved afterwards, so the cache
+    service's reading of free memory already leaves room for it. CPU: the growth of the
+    process's peak resident set, reported for the record.
+    """
+    num_blocks = -(-num_tokens // block_size)
+    scratch = torch.zeros((kv_shape_per_block[0], 2, num_blocks, block_size, *kv_shape_per_block[1:]),
+                          dtype=dtype, device=device)
+    sequence = Sequence(request_id="warmup", token_ids=[0] * num_tokens, prompt_len=num_tokens,
+                        options=None, arrival=-1, block_table=list(range(num_blocks)))
+    runner = ModelRunner(model, scratch, block_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        runner.execute([(sequence, num_tokens)])
+        torch.cuda.synchronize(device)
+        workspace = torch.cuda.max_memory_allocated(device) - before
+    else:
+        before = peak_rss_bytes()
+        runner.execute([(sequence, num_tokens)])
+        workspace = max(peak_rss_bytes() - before, 0)
+    del runner, scratch
+    return workspace
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
