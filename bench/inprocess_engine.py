@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from model_service.cache.client import CacheClient
 from model_service.engine.loop import Engine, EngineSettings
 from model_service.loading.loader import load_model
-from model_service.sample.sampling import SamplingOptions
+from model_service.sample.params import SamplingOptions
 from model_service.worker.torch_threads import run_in_passing_thread
 
 LEASE_WAIT, ENGINE_STEP = "pagedkv_model_lease_wait_seconds_total", "pagedkv_model_engine_step_seconds_total"

@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model_service.text.detokenizer import IncrementalDetokenizer  # noqa: E402
 from model_service.engine.output import Completion, RequestOutput  # noqa: E402
-from model_service.sample.sampling import SamplingOptions, sample  # noqa: E402
+from model_service.sample.params import SamplingOptions  # noqa: E402
+from model_service.sample.sampler import sample  # noqa: E402
 from model_service.sched.sequence import Sequence  # noqa: E402
-from model_service.sample.step_sampler import StepSampler  # noqa: E402
+from model_service.engine.step_sampler import StepSampler  # noqa: E402
 
 BATCH, VOCAB = 48, 32000
 

@@ -13,7 +13,7 @@ import torch
 
 from model_service.engine.loop import Engine, EngineSettings, EngineUnavailable
 from model_service.loading.loader import load_model
-from model_service.sample.sampling import SamplingOptions
+from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOutcome
 from model_service.sched.sequence import Finish
 from pagedkv import pool_memory

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from model_service.cache.client import CacheClient
 from model_service.engine.loop import Engine, EngineSettings
 from model_service.loading.loader import load_model
-from model_service.sample.sampling import SamplingOptions
+from model_service.sample.params import SamplingOptions
 from model_service.sched.sequence import Finish
 
 BLOCK = 16

@@ -30,7 +30,8 @@ from cache_service.ledger import Ledger
 from cache_service.servicer import apply_op
 from model_service.loading.tiny import tiny_config
 from model_service.text.tokenizer import ByteTokenizer
-from model_service.sample.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, InvalidRequest, sample
+from model_service.sample.params import InvalidRequest, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS
+from model_service.sample.sampler import sample
 from model_service.api.validation import (
     MAX_REQUEST_ID_CHARS, GenerateLimits, PoolTooSmall, validate_generate_request,
 )

@@ -20,7 +20,8 @@ from model_service.sample.logits_processing import (
     prepare,
     suppress_tokens,
 )
-from model_service.sample.sampling import SamplingOptions, make_generator, sample
+from model_service.sample.params import SamplingOptions
+from model_service.sample.sampler import make_generator, sample
 
 VOCAB = 50
 

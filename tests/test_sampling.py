@@ -3,13 +3,9 @@ import math
 import pytest
 import torch
 
-from model_service.sample.sampling import (
-    InvalidRequest,
-    SamplingOptions,
-    argmax_rows,
-    make_generator,
-    sample,
-)
+from model_service.sample.params import InvalidRequest, SamplingOptions
+from model_service.api.sampling_proto import options_from_proto
+from model_service.sample.sampler import argmax_rows, make_generator, sample
 from pagedkv.model.v1 import model_pb2
 
 VOCAB = 64
@@ -20,7 +16,7 @@ def random_logits(batch: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor
 
 
 def from_proto(prompt_tokens=10, max_model_len=128, vocab_size=VOCAB, default=32, **fields):
-    return SamplingOptions.from_proto(
+    return options_from_proto(
         model_pb2.SamplingParams(**fields),
         prompt_tokens=prompt_tokens,
         max_model_len=max_model_len,

@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from model_service.sample.sampling import SamplingOptions
+from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOutcome, blocks_for
 from model_service.sched.scheduler import Scheduler, SchedulerLimits
 from model_service.sched.sequence import Finish, Sequence, Status

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from model_service.engine.output import new_request
-from model_service.sample.sampling import SamplingOptions
-from model_service.sample.step_sampler import StepSampler
+from model_service.sample.params import SamplingOptions
+from model_service.engine.step_sampler import StepSampler
 
 VOCAB = 500
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 import grpc
 
 from model_service.engine.live_requests import LiveRequests
-from model_service.engine.output import Delta, TokenLogprob, new_request
-from model_service.sample.sampling import SamplingOptions
+from model_service.engine.deltas import Delta
+from model_service.sample.logprobs import TokenLogprob
+from model_service.engine.output import new_request
+from model_service.sample.params import SamplingOptions
+from model_service.api.sampling_proto import options_from_proto
 from model_service.sched.sequence import Finish
 from model_service.api.validation import GenerateLimits, validate_generate_request
 from pagedkv.model.v1 import model_pb2
@@ -75,7 +78,7 @@ def test_interval_one_sends_every_token_in_its_own_message():
 
 def test_a_request_s_interval_is_raised_to_the_service_s_never_lowered():
     def interval(asked: int, service: int) -> int:
-        return SamplingOptions.from_proto(model_pb2.SamplingParams(max_new_tokens=4, stream_interval=asked),
+        return options_from_proto(model_pb2.SamplingParams(max_new_tokens=4, stream_interval=asked),
                                           prompt_tokens=3, max_model_len=64, vocab_size=100,
                                           default_max_new_tokens=8, min_stream_interval=service).stream_interval
 

@@ -23,8 +23,9 @@ import structlog
 from model_service import metrics
 from model_service.engine.admission import DuplicateRequest, QueueFull
 from model_service.engine.loop import Delta, Engine, EngineUnavailable
-from model_service.engine.output import TokenLogprob, join_into
-from model_service.sample.sampling import InvalidRequest
+from model_service.engine.deltas import join_into
+from model_service.sample.logprobs import TokenLogprob
+from model_service.sample.params import InvalidRequest
 from model_service.sched.sequence import Finish
 from model_service.api.validation import GenerateLimits, PoolTooSmall, validate_generate_request
 from pagedkv.model.v1 import model_pb2

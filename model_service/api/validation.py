@@ -14,7 +14,8 @@ from typing import Any
 from google.protobuf import json_format
 
 from model_service.text.chat_template import KNOWN_ROLES, ChatTemplate, ChatTemplateError
-from model_service.sample.sampling import MAX_COMPLETIONS, InvalidRequest, SamplingOptions
+from model_service.sample.params import InvalidRequest, MAX_COMPLETIONS, SamplingOptions
+from model_service.api.sampling_proto import options_from_proto
 from model_service.text.tokenizer import Tokenizer
 from pagedkv.model.v1 import model_pb2
 
@@ -74,7 +75,7 @@ def validate_generate_request(
             f"the prompt has {len(prompt_token_ids)} tokens; this service accepts at most "
             f"{limits.max_prompt_tokens} (--max-prompt-tokens)"
         )
-    options = SamplingOptions.from_proto(
+    options = options_from_proto(
         request.sampling,
         prompt_tokens=len(prompt_token_ids),
         max_model_len=limits.max_model_len,

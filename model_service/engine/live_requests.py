@@ -18,8 +18,10 @@ import grpc
 import structlog
 
 from model_service import metrics
-from model_service.engine.output import Completion, Delta, RequestOutput, Sink, TokenLogprob, join_into
-from model_service.sample.sampling import SamplingOptions
+from model_service.engine.deltas import Delta, Sink, join_into
+from model_service.sample.logprobs import TokenLogprob
+from model_service.engine.output import Completion, RequestOutput
+from model_service.sample.params import SamplingOptions
 from model_service.sched.sequence import Finish, Sequence
 
 # Hands a step's deltas to their sinks. The engine's default calls each sink on the engine

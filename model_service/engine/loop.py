@@ -34,12 +34,13 @@ from model_service.worker.decode_graphs import DecodeGraphPool
 from model_service.loading.loader import LoadedModel
 from model_service.sched.lease_ops import LeaseLost, LeaseOps
 from model_service.engine.live_requests import Deliver, LiveRequests
-from model_service.engine.output import Completion, Delta, RequestOutput, Sink, new_request
+from model_service.engine.deltas import Delta, Sink
+from model_service.engine.output import Completion, RequestOutput, new_request
 from model_service.worker.runner import ModelRunner
-from model_service.sample.sampling import SamplingOptions
+from model_service.sample.params import SamplingOptions
 from model_service.sched.scheduler import POLICIES, Scheduler
 from model_service.sched.sequence import Finish, Sequence, Status
-from model_service.sample.step_sampler import StepSampler
+from model_service.engine.step_sampler import StepSampler
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()

@@ -10,65 +10,17 @@ engine thread: the tensors behind logprobs are turned into `TokenLogprob` values
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from model_service.text.detokenizer import IncrementalDetokenizer
-from model_service.sample.sampling import SamplingOptions, make_generator
+from model_service.sample.params import SamplingOptions
+from model_service.sample.sampler import make_generator
+from model_service.engine.deltas import Delta, Sink
+from model_service.sample.logprobs import TokenLogprob
 from model_service.sched.sequence import Finish, Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    # The most likely tokens, (token_id, logprob), by logprob descending.
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(slots=True)
-class Delta:
-    """What a request's stream receives: new tokens and text of one completion, and at
-    the end its reason."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # (grpc.StatusCode, message) when the request ends with an error status.
-    error: tuple[grpc.StatusCode, str] | None = None
-    index: int = 0  # which of the n completions
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
-    prompt_logprobs: list[TokenLogprob] | None = None  # the request's first delta only
-    matched_stop: str | int | None = None  # last delta of a completion ended by STOP
-
-
-Sink = Callable[[Delta], None]
-
-
-def join_into(first: Delta, following: Delta) -> Delta:
-    """Appends `following`, the next delta of the same completion, to `first` and returns
-    `first`: tokens, text and logprobs in order; what only a stream's first delta carries
-    (prompt logprobs) stays `first`'s, what only its last carries (finish, usage, matched
-    stop, error) comes from `following`. In place, so that a completion held back whole
-    (no streaming) costs time linear in its length. Neither delta may have been delivered."""
-    first.token_ids.extend(following.token_ids)
-    first.text += following.text
-    first.logprobs.extend(following.logprobs)
-    if first.prompt_logprobs is None:
-        first.prompt_logprobs = following.prompt_logprobs
-    first.finish = following.finish
-    first.prompt_tokens = following.prompt_tokens
-    first.completion_tokens = following.completion_tokens
-    first.cached_tokens = following.cached_tokens
-    first.error = following.error
-    first.matched_stop = following.matched_stop
-    return first
 
 
 def completion_seed(seed: int | None, index: int) -> int | None:

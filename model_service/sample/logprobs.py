@@ -8,10 +8,18 @@ for all rows that asked, whatever their top counts; each row keeps its own count
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from model_service.engine.output import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely tokens, (token_id, logprob), by logprob descending.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]) -> list[TokenLogprob]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from model_service.sample.sampling import SamplingOptions
+from model_service.sample.params import SamplingOptions
 
 
 class Status(enum.Enum):

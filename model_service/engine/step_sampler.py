@@ -16,8 +16,9 @@ import torch
 
 from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
 from model_service.sample.logprobs import token_logprobs
-from model_service.engine.output import Completion, TokenLogprob
-from model_service.sample.sampling import sample
+from model_service.sample.logprobs import TokenLogprob
+from model_service.engine.output import Completion
+from model_service.sample.sampler import sample
 from model_service.sched.sequence import Sequence
 
 
