@@ -150,6 +150,7 @@ async def serve(args: argparse.Namespace) -> int:
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks,
+        served_model_name=args.served_model_name or loaded.model_id,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 
 import grpc
@@ -327,6 +328,18 @@ def test_wrong_or_missing_token_is_401(model, api_key):
     assert ("wrong token" if api_key else "missing Authorization") in error.value.message
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions/render", "/v1/chat/completions/render"])
+def test_router_endpoints_need_the_token_too(model, path):
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": PROMPT}
+    body = json.dumps({"model": MODEL, **prompt}).encode()
+    request = urllib.request.Request(model.http_url.removesuffix("/v1") + path, data=body,
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=60)
+    assert error.value.code == 401
+    assert json.loads(error.value.read())["error"]["code"] == "invalid_api_key"
 
 
 def test_unknown_model_is_404(client):

@@ -180,3 +180,78 @@ def test_chat_n_2_streams_both_choices(client):
                            if c.choices and c.choices[0].index == choice.index)
         assert streamed == choice.message.content
     assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 12
+
+
+# ---------------------------------------------------------------- what routers ask: /tokenize and render
+
+
+def post(services, path: str, body: dict) -> tuple[int, object]:
+    import urllib.error
+    import urllib.request
+
+    base = services[1].http_url.removesuffix("/v1")
+    request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+# What vllm-router 0.1.17 writes into the chat bodies it renders and forwards.
+ROUTER_FIELDS = {"stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+                 "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+                 "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_tokenize_answers_in_vllms_schema(services, checkpoint):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    status, body = post(services, "/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})
+    assert status == 200
+    assert body["tokens"] == tokenizer(prompt).input_ids and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0
+    assert "".join(body["token_strs"][1:]) == tokenizer.decode(body["tokens"][1:])
+    status, body = post(services, "/tokenize", {"prompt": prompt, "add_special_tokens": False})
+    assert body["tokens"] == tokenizer(prompt, add_special_tokens=False).input_ids and body["token_strs"] is None
+    status, body = post(services, "/tokenize", {"model": MODEL, "messages": MESSAGES})
+    assert status == 200 and body["tokens"] == template_ids(checkpoint, MESSAGES)
+
+
+def test_render_gives_the_token_ids_generation_runs(client, services, checkpoint):
+    ids = template_ids(checkpoint, MESSAGES)
+    status, chat = post(services, "/v1/chat/completions/render",
+                        {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0.5, **ROUTER_FIELDS})
+    assert status == 200 and chat["token_ids"] == ids and chat["model"] == MODEL
+    assert chat["request_id"].startswith("chatcmpl-")
+    assert chat["sampling_params"]["max_tokens"] == 3 and chat["sampling_params"]["temperature"] == 0.5
+    # The body the router then forwards generates over those same ids.
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                            extra_body={k: v for k, v in ROUTER_FIELDS.items() if k != "logprobs"})
+    assert answer.usage.prompt_tokens == len(ids)
+    status, rendered = post(services, "/v1/completions/render",
+                            {"model": MODEL, "prompt": ["one prompt", "another"], "max_tokens": 2})
+    assert status == 200 and len(rendered) == 2
+    assert rendered[0]["token_ids"] == post(services, "/tokenize", {"prompt": "one prompt"})[1]["tokens"]
+    status, [as_ids] = post(services, "/v1/completions/render", {"model": MODEL, "prompt": [5, 6, 7]})
+    assert status == 200 and as_ids["token_ids"] == [5, 6, 7] and as_ids["request_id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize("path, body, status, in_message", [
+    ("/v1/completions/render", {"prompt": "x", "max_tokens": 10**6}, 400, "max_model_len"),
+    ("/v1/completions/render", {"prompt": [10**7], "max_tokens": 1}, 400, "vocab_size"),
+    ("/v1/completions/render", {"prompt": "", "max_tokens": 1}, 400, "empty"),
+    ("/v1/chat/completions/render", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "known roles"),
+    ("/v1/chat/completions/render", {"messages": MESSAGES, "return_hidden_states": True}, 400, "not supported"),
+    ("/v1/chat/completions/render", {"messages": MESSAGES, "model": "gpt-4o"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "does not exist"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "not supported"),
+    ("/tokenize", {"prompt": "x", "max_tokens": 3}, 400, "max_tokens"),
+])
+def test_render_and_tokenize_refuse_as_generation_does(services, path, body, status, in_message):
+    answer_status, answer = post(services, path, {"model": MODEL, **body})
+    assert answer_status == status, answer
+    assert in_message in answer["error"]["message"]

@@ -25,9 +25,9 @@ from model_service.engine.admission import DuplicateRequest, QueueFull
 from model_service.engine.loop import Delta, Engine, EngineUnavailable
 from model_service.engine.deltas import join_into
 from model_service.sample.logprobs import TokenLogprob
-from model_service.sample.params import InvalidRequest
+from model_service.sample.params import InvalidRequest, SamplingOptions
 from model_service.sched.sequence import Finish
-from model_service.api.validation import GenerateLimits, PoolTooSmall, validate_generate_request
+from model_service.api.validation import GenerateLimits, PoolTooSmall, tokenize_prompt, validate_generate_request
 from pagedkv.model.v1 import model_pb2
 
 FINISH_REASON = {
@@ -128,6 +128,26 @@ class GenerationService:
             return self.start(request, deadline)
         validated = await asyncio.to_thread(self._validate, request)
         return self.start(request, deadline, validated)
+
+    async def render(self, request: model_pb2.GenerateRequest) -> tuple[list[int], SamplingOptions]:
+        """What start() would submit for ``request``, validated as start() validates it,
+        without submitting anything (POST /v1/completions/render). Raises GenerateError."""
+        if request.prompt or request.messages:
+            return await asyncio.to_thread(self._validate, request)
+        return self._validate(request)
+
+    async def tokenize(self, request: model_pb2.GenerateRequest, add_special_tokens: bool | None = None) -> list[int]:
+        """The token ids of ``request``'s prompt (POST /tokenize); its length is not checked."""
+        loaded = self.engine.loaded
+
+        def run() -> list[int]:
+            try:
+                return tokenize_prompt(request, self._limits(), loaded.tokenizer, loaded.chat_template,
+                                       add_special_tokens)
+            except InvalidRequest as error:
+                raise rejected(grpc.StatusCode.INVALID_ARGUMENT, error) from None
+
+        return await asyncio.to_thread(run) if request.prompt or request.messages else run()
 
     def _validate(self, request: model_pb2.GenerateRequest):
         try:

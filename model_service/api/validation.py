@@ -101,6 +101,24 @@ def validate_generate_request(
     return prompt_token_ids, options
 
 
+def tokenize_prompt(
+    request: model_pb2.GenerateRequest, limits: GenerateLimits, tokenizer: Tokenizer,
+    chat_template: ChatTemplate | None = None, add_special_tokens: bool | None = None,
+) -> list[int]:
+    """The prompt's token ids with the checks of its form (one form, the byte limit, roles,
+    template kwargs, token ids in the vocabulary) but not of its length: POST /tokenize
+    answers how long a prompt is, with max_model_len beside it."""
+    if request.prompt:
+        check_prompt_bytes(request.prompt, limits)
+    prompt_token_ids = prompt_token_ids_of(request, tokenizer, chat_template, add_special_tokens)
+    out_of_range = [t for t in prompt_token_ids if t >= limits.vocab_size]
+    if out_of_range:
+        raise InvalidRequest(
+            f"{len(out_of_range)} prompt token ids are >= vocab_size {limits.vocab_size} (first: {out_of_range[0]})"
+        )
+    return prompt_token_ids
+
+
 def check_prompt_bytes(prompt: str, limits: GenerateLimits) -> None:
     """Refuses, before tokenizing, a text prompt too long in bytes to ever fit."""
     max_bytes = limits.max_prompt_tokens * MAX_PROMPT_BYTES_PER_TOKEN
@@ -116,11 +134,13 @@ def check_prompt_bytes(prompt: str, limits: GenerateLimits) -> None:
 
 
 def prompt_token_ids_of(
-    request: model_pb2.GenerateRequest, tokenizer: Tokenizer, chat_template: ChatTemplate | None
+    request: model_pb2.GenerateRequest, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+    add_special_tokens: bool | None = None,
 ) -> list[int]:
     """The request's one prompt form as token ids: text (tokenized with the tokenizer's
     special tokens, BOS for Llama), ids as given, or messages rendered by the chat template
-    (whose text already holds every special token the model expects: none are added)."""
+    (whose text already holds every special token the model expects: none are added).
+    ``add_special_tokens`` overrides those defaults (POST /tokenize's parameter)."""
     forms = [name for name, given in (("prompt", bool(request.prompt)),
                                       ("prompt_token_ids", bool(request.prompt_token_ids)),
                                       ("messages", bool(request.messages))) if given]
@@ -129,10 +149,10 @@ def prompt_token_ids_of(
     if request.HasField("chat_template_kwargs") and forms != ["messages"]:
         raise InvalidRequest("chat_template_kwargs apply to messages only; this request sets no messages")
     if request.prompt:
-        prompt_token_ids = tokenizer.encode(request.prompt)
+        prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
     elif request.messages:
         text = render_messages(request, chat_template)
-        prompt_token_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_token_ids = tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
     else:
         prompt_token_ids = list(request.prompt_token_ids)
     if not prompt_token_ids:

@@ -56,6 +56,7 @@ class AttachSettings:
     scheduling_policy: str
     # Blocks a decoding sequence is leased ahead of need (scheduler.py, top-ups).
     lease_ahead_blocks: int = 1
+    served_model_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,8 @@ def attach(cache: CacheClient, asked: AttachSettings, loaded: LoadedModel, devic
         sent_at = time.monotonic()
         try:
             reply = cache.attach(asked.client_name, asked.geometry, asked.workspace_bytes, asked.max_model_len,
-                                 model_fingerprint=asked.model_fingerprint)
+                                 model_fingerprint=asked.model_fingerprint,
+                                 served_model_name=asked.served_model_name)
             break
         except grpc.RpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

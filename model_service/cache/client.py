@@ -52,10 +52,12 @@ class CacheClient:
         self.timeout_s = timeout_s
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
-               max_model_len: int, model_fingerprint: str = "") -> cache_pb2.AttachResponse:
+               max_model_len: int, model_fingerprint: str = "",
+               served_model_name: str = "") -> cache_pb2.AttachResponse:
         request = cache_pb2.AttachRequest(
             client_name=client_name, geometry=geometry.to_proto(),
             workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
+            served_model_name=served_model_name,
         )
         return self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
 

@@ -60,6 +60,9 @@ class EngineSettings:
     scheduling_policy: str = "fcfs"
     # The checkpoint's content hash (loading/fingerprint.py): its prefix cache is its own.
     model_fingerprint: str = ""
+    # The name clients call the model by (--served-model-name, else the model id): sent in
+    # Attach so the cache service's logs say which model a session serves.
+    served_model_name: str = ""
     # Blocks a decoding sequence is leased ahead of need, in calls that go out anyway.
     lease_ahead_blocks: int = 1
 
@@ -130,6 +133,7 @@ class Engine:
         self._attach_settings = AttachSettings(
             client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
+            served_model_name=settings.served_model_name,
             max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
             scheduling_policy=settings.scheduling_policy, lease_ahead_blocks=settings.lease_ahead_blocks,
         )

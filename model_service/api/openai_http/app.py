@@ -20,10 +20,16 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
 from model_service.api.generation import GenerateError, GenerationService
-from model_service.api.openai_http import to_generate
+from model_service.api.openai_http import render, to_generate
 from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
 from model_service.api.openai_http.logprobs import TokenNames
-from model_service.api.openai_http.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from model_service.api.openai_http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndpoint, Endpoint
 from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
 from model_service.api.openai_http.unsupported import refuse_unsupported
@@ -96,6 +102,29 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         requests = to_generate.completion_requests(body, _request_id(body, request, response_id))
         endpoint = CompletionEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs is not None)
         return await run(body, requests, endpoint, request)
+
+    # What routers ask before routing (render.py): the token ids a request would run with.
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(body.model)
+        token_ids = await generation.tokenize(render.tokenize_request(body), body.add_special_tokens)
+        return render.tokenize_body(token_ids, generation.engine.settings.max_model_len,
+                                    token_names if body.return_token_strs else None)
+
+    @app.post("/v1/completions/render", dependencies=[Depends(authorize)])
+    async def completions_render(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
+        check_model(body.model)
+        refuse_unsupported(body)
+        requests = to_generate.completion_requests(body, _request_id(body, request, f"cmpl-{uuid.uuid4().hex}"))
+        return [render.rendered(one, model_name, *await generation.render(one), body) for one in requests]
+
+    @app.post("/v1/chat/completions/render", dependencies=[Depends(authorize)])
+    async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+        check_model(body.model)
+        refuse_unsupported(body)
+        one = to_generate.chat_request(body, _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"))
+        return render.rendered(one, model_name, *await generation.render(one), body)
 
     def _names(body: GenerationFields) -> TokenNames:
         return token_ids_as_names if body.return_tokens_as_token_ids else token_names

@@ -62,6 +62,17 @@ class GenerationFields(Body):
     # Logprob entries name tokens as "token_id:N" instead of their text.
     return_tokens_as_token_ids: bool = False
 
+    # What vllm-router writes into every body it renders or forwards (SGLang's names, at
+    # their defaults): no_stop_trim is include_stop_str_in_output; hidden states are not
+    # returned (only false passes); reasoning is never split from the content here, so
+    # the reasoning switches change nothing (include_reasoning false, which would drop it,
+    # is refused).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
+
     # Accepted and ignored: they change nothing about the output (user: an end-user id
     # for OpenAI's abuse tracking).
     user: str | None = None
@@ -111,6 +122,29 @@ class ChatCompletionRequest(GenerationFields):
     web_search_options: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+
+
+class TokenizeCompletionRequest(Body):
+    """POST /tokenize with a text prompt (vLLM's schema)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Body):
+    """POST /tokenize with messages, rendered by the chat template (vLLM's schema)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    # The template's text already holds the special tokens: none are added unless asked.
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 class CompletionRequest(GenerationFields):

@@ -9,7 +9,7 @@ negative seed into a uint64, a logit_bias key that is not a token id).
 from __future__ import annotations
 
 from model_service.api.openai_http.errors import ApiError
-from model_service.api.openai_http.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from model_service.api.openai_http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from pagedkv.model.v1 import model_pb2
 
 # OpenAI samples at temperature 1 unless told otherwise; the proto's zero value is greedy.
@@ -18,10 +18,7 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> model_pb2.GenerateRequest:
     request = model_pb2.GenerateRequest(request_id=request_id)
-    for index, message in enumerate(body.messages):
-        request.messages.add(role=message.role, content=_message_text(message.content, index))
-    if body.chat_template_kwargs:
-        request.chat_template_kwargs.update(body.chat_template_kwargs)
+    add_messages(request, body.messages, body.chat_template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _fill(request, body, max_tokens, param)
@@ -30,6 +27,14 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> model_pb2.Gene
     if body.logprobs:
         _set(request.sampling, "logprobs", body.top_logprobs or 0, "top_logprobs")
     return request
+
+
+def add_messages(request: model_pb2.GenerateRequest, messages: list[ChatMessage],
+                 chat_template_kwargs: dict | None) -> None:
+    for index, message in enumerate(messages):
+        request.messages.add(role=message.role, content=_message_text(message.content, index))
+    if chat_template_kwargs:
+        request.chat_template_kwargs.update(chat_template_kwargs)
 
 
 def completion_requests(body: CompletionRequest, request_id: str) -> list[model_pb2.GenerateRequest]:
@@ -102,7 +107,7 @@ def _fill(request: model_pb2.GenerateRequest, body: GenerationFields, max_tokens
     if not body.stream:
         request.stream = False  # the answer is whole: one message a completion, not one a token
     sampling.ignore_eos = body.ignore_eos
-    sampling.include_stop_str_in_output = body.include_stop_str_in_output
+    sampling.include_stop_str_in_output = body.include_stop_str_in_output or body.no_stop_trim
     if body.cache_salt:
         request.cache_salt = body.cache_salt
     _set(request, "priority", body.priority, "priority")

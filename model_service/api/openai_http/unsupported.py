@@ -12,6 +12,11 @@ from model_service.api.openai_http.protocol import ChatCompletionRequest, Comple
 
 
 def refuse_unsupported(body: GenerationFields) -> None:
+    if body.return_hidden_states:
+        raise not_supported("return_hidden_states", "hidden states are not returned")
+    if body.include_reasoning is False:
+        raise not_supported("include_reasoning", "reasoning is not parsed out of the content, so it cannot be "
+                            "left out")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         raise not_supported("stream_options.continuous_usage_stats", "usage comes in the last chunk "
                             "(stream_options.include_usage)")
