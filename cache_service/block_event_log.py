@@ -11,6 +11,9 @@ needs nothing from the block pool's internals:
   blocks after those already cached and stops at the first it cannot register.
 - Only those are hashed; a block registered earlier keeps its digest here, so a
   release that extends a cached prefix hashes its new blocks only (~11 µs each).
+- The KV tiers (``cache_service/tiers``) report their copies with ``tier_stored`` and
+  ``tier_removed`` under the key the pool block had: a demotion is a ``BlockStored`` with
+  medium "CPU" (host) or "STORAGE" (disk), the pool's eviction its usual "GPU" removal.
 
 The router sees one set of hashes per worker, without the model: two models of one
 pool caching the same tokens store one hash, so a hash is published when its first copy
@@ -95,6 +98,19 @@ class BlockEventLog:
                 removed.append(published)
         if removed:
             self._pending.append(BlockRemoved(block_hashes=removed))
+
+    def key_of(self, block_id: int) -> Key | None:
+        """The key of a registered pool block (None if events never saw it registered)."""
+        return self._by_block.get(block_id)
+
+    def tier_stored(self, key: Key, token_ids: Sequence[int], medium: str) -> None:
+        """A copy of the block of ``key`` is now in a KV tier (``medium`` "CPU" or "STORAGE")."""
+        self._pending.append(BlockStored(block_hashes=[external(key[1])], parent_block_hash=None,
+                                         token_ids=list(token_ids), block_size=self.block_size, medium=medium))
+
+    def tier_removed(self, key: Key, medium: str) -> None:
+        """The KV tier ``medium`` no longer holds the block of ``key``."""
+        self._pending.append(BlockRemoved(block_hashes=[external(key[1])], medium=medium))
 
     def drain(self) -> list[KvEvent]:
         """The events since the last drain, oldest first."""

@@ -18,7 +18,7 @@ lazy: a cached block keeps its hash entry until the moment it is taken for reuse
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace, namespace_root
 
@@ -209,7 +209,7 @@ class BlockPool:
         return hits
 
     def register(self, blocks: Sequence[Block], token_ids: Sequence[int],
-                 namespace: Namespace = DEFAULT_NAMESPACE) -> int:
+                 namespace: Namespace = DEFAULT_NAMESPACE, elsewhere: Callable[[int], object] | None = None) -> int:
         """Register the full blocks of a sequence holding ``token_ids`` in ``namespace``'s prefix cache.
 
         ``blocks[i]`` holds tokens ``[i * block_size, (i + 1) * block_size)``. When an
@@ -218,6 +218,11 @@ class BlockPool:
         stops at the first block that cannot be registered (a hash collision with another
         prefix, or a block already registered with other contents), since nothing after it
         could be found. Returns how many blocks were newly registered.
+
+        ``elsewhere`` (the KV tiers' index, when there are tiers) is asked for a hash the
+        pool does not hold: an entry of the same identity (parent, tokens, namespace) lends
+        the block its ``reg_id``, so chains that continue in a tier still match; an entry of
+        another identity is a collision and stops registration, as in the pool.
         """
         block_size = self.block_size
         count = min(len(token_ids) // block_size, len(blocks))
@@ -237,11 +242,19 @@ class BlockPool:
             if canonical is None:
                 if block.block_hash is not None or block.ref_count == 0:
                     break  # registered under another hash: it holds other tokens than claimed
-                self._last_reg_id += 1
+                other = elsewhere(parent_hash) if elsewhere is not None else None
+                if other is None:
+                    self._last_reg_id += 1
+                    reg_id = self._last_reg_id
+                elif (other.parent_reg != parent_reg or other.token_ids != chunk
+                      or (parent_reg == 0 and other.namespace != namespace)):
+                    break  # hash collision with a block kept in a tier
+                else:
+                    reg_id = other.reg_id
                 block.block_hash = parent_hash
                 block.token_ids = chunk
                 block.parent_reg = parent_reg
-                block.reg_id = self._last_reg_id
+                block.reg_id = reg_id
                 block.namespace = namespace
                 cached[parent_hash] = block
                 registered += 1
@@ -251,6 +264,25 @@ class BlockPool:
                 break  # hash collision with another namespace's first block
             parent_reg = canonical.reg_id if canonical is not None else block.reg_id
         return registered
+
+    def adopt(self, block: Block, block_hash: int, token_ids: tuple[int, ...], parent_reg: int, reg_id: int,
+              namespace: Namespace) -> None:
+        """Register a leased block whose contents were just copied in from a KV tier, under
+        the identity the tier kept (a promotion): the chain through it matches as before."""
+        if block.ref_count == 0 or block.block_hash is not None or block_hash in self.cached:
+            raise AssertionError(f"adopt of {block!r} under hash {block_hash}: only an unregistered leased block "
+                                 "and a hash the pool does not hold")
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        block.parent_reg = parent_reg
+        block.reg_id = reg_id
+        block.namespace = namespace
+        self.cached[block_hash] = block
+
+    def new_reg_id(self) -> int:
+        """A registration id no block has had (the tiers number what they load from disk)."""
+        self._last_reg_id += 1
+        return self._last_reg_id
 
     # ---------------------------------------------------------------- checks
 

@@ -16,6 +16,8 @@ import msgspec
 # vLLM's names for where a block lives: the device pool is "GPU" on any device; the
 # host and disk tiers will be "CPU" and "STORAGE".
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 # pagedkv's pool is one KV cache group of full attention (vLLM's spec kind for it).
 FULL_ATTENTION = "full_attention"
 

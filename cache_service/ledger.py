@@ -17,10 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cache_service.block_event_log import BlockEventLog
 from cache_service.block_pool import Block, BlockPool
 from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace
+
+if TYPE_CHECKING:
+    from cache_service.tiers.kv_tiers import KvTiers
+    from cache_service.tiers.tier_index import TierEntry
 
 
 class LeaseError(Exception):
@@ -76,6 +81,9 @@ class Allocation:
     sequence_id: int
     block_ids: list[int]
     cached_tokens: int  # leading prompt tokens whose K/V the reused blocks already hold
+    # The parts of cached_tokens promoted from the host and disk tiers (copied in before the reply).
+    cached_tokens_host: int = 0
+    cached_tokens_disk: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +130,9 @@ class Ledger:
         self._last_sequence_id = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        # The host and disk tiers (cache_service/tiers), when the service has them: set
+        # once, right after construction, by the pool.
+        self.tiers: KvTiers | None = None
 
     # ---------------------------------------------------------------- leasing
 
@@ -144,9 +155,17 @@ class Ledger:
                 "lease at least as many tokens as the prompt has"
             )
         needed = (num_tokens + block_size - 1) // block_size
+        tiers = self.tiers
         hits: list[Block] = []
+        entries: list[TierEntry] = []
         if prompt_len > block_size:
-            hits = pool.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace)
+            if tiers is None:
+                hits = pool.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace)
+            else:
+                chain, payloads = tiers.prepare(tiers.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace))
+                hits = [hit for hit in chain if type(hit) is Block]
+                if len(hits) < len(chain):
+                    entries = [hit for hit in chain if type(hit) is not Block]
         fresh = needed - len(hits)
         revived = 0
         for block in hits:
@@ -161,7 +180,18 @@ class Ledger:
         # After the pool's own check: what the pool cannot hold is NO_FREE_BLOCKS (the
         # engine waits), whatever the session holds.
         self._check_limits(owner, 1, needed, f"a sequence of {num_tokens} tokens")
-        if hits:
+        cached_host = cached_disk = 0
+        if entries:
+            # The chain interleaves pool blocks and tier entries: each entry gets a fresh
+            # block in its place, with its K/V copied in before anyone can see it.
+            pool.acquire(hits)
+            taken = self._take(fresh)
+            promoted = taken[:len(entries)]
+            fresh_blocks = iter(promoted)
+            blocks = [hit if type(hit) is Block else next(fresh_blocks) for hit in chain] + taken[len(entries):]
+            cached_host, cached_disk = tiers.promote(entries, payloads, promoted)
+            hits = chain
+        elif hits:
             pool.acquire(hits)
             blocks = hits + self._take(fresh)
         else:
@@ -172,7 +202,7 @@ class Ledger:
         self._last_sequence_id += 1
         sequence_id = self._last_sequence_id
         self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace))
-        return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens)
+        return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens, cached_host, cached_disk)
 
     def extend(self, owner: str, sequence_id: int, num_tokens: int) -> list[int]:
         """Grow a sequence to ``num_tokens`` tokens; returns only the newly appended block ids."""
@@ -252,10 +282,14 @@ class Ledger:
                 f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
             )
         if cache_prefix and token_ids:
-            registered = self.pool.register(sequence.blocks, token_ids, sequence.namespace)
+            tiers = self.tiers
+            registered = self.pool.register(sequence.blocks, token_ids, sequence.namespace,
+                                            tiers.index.get if tiers is not None else None)
             if self.events is not None:
                 fingerprint, salt = sequence.namespace
                 self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered)
+            if tiers is not None:
+                tiers.registered(sequence.blocks[:len(token_ids) // self.block_size])
         self._forget(owner, sequence_id)
         self.pool.free(sequence.blocks)
         return len(sequence.blocks)
@@ -327,8 +361,10 @@ class Ledger:
         return [block.block_id for block in sequence.blocks]
 
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken invariant of the ledger or the pool."""
+        """Raise AssertionError naming the first broken invariant of the ledger, the pool or the tiers."""
         self.pool.check_invariants()
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         block_size = self.block_size
         table_count = [0] * self.num_blocks
         for sequence_id, sequence in self._sequences.items():

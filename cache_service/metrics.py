@@ -54,6 +54,41 @@ class PoolCollector:
                                   value=stats.prefix_hits)
         yield GaugeMetricFamily("pagedkv_cache_prefix_hit_rate", "Prefix hit tokens over queried tokens",
                                 value=stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
+        yield from tier_metrics(pool)
+
+
+def tier_metrics(pool):
+    """The KV tiers' blocks and traffic, labelled by tier (host, disk), as GetStats's TierStats."""
+    from cache_service.servicer import tier_stats  # the servicer imports this module
+
+    rows = tier_stats(pool)
+    if not rows:
+        return
+    blocks = GaugeMetricFamily("pagedkv_cache_tier_blocks", "KV tier blocks by state", labels=["tier", "state"])
+    for row in rows:
+        for state in ("total", "cached", "free"):
+            blocks.add_metric([row["tier"], state], row[f"blocks_{state}"])
+    yield blocks
+    counters = (
+        ("hit_tokens", "pagedkv_cache_tier_hit_tokens", "Prompt tokens allocations got from the tier"),
+        ("demotions", "pagedkv_cache_tier_demotions", "Blocks copied into the tier"),
+        ("promotions", "pagedkv_cache_tier_promotions", "Blocks copied out of the tier into the pool"),
+        ("bytes_in", "pagedkv_cache_tier_bytes_in", "Bytes copied into the tier"),
+        ("bytes_out", "pagedkv_cache_tier_bytes_out", "Bytes copied out of the tier into the pool"),
+        ("seconds_in", "pagedkv_cache_tier_copy_in_seconds", "Seconds spent copying into the tier"),
+        ("seconds_out", "pagedkv_cache_tier_copy_out_seconds", "Seconds spent copying out of the tier"),
+        ("evictions", "pagedkv_cache_tier_evictions", "Blocks the tier dropped for room"),
+        ("errors", "pagedkv_cache_tier_errors", "Failed tier writes and reads (skipped, never a failed request)"),
+    )
+    for key, name, help_text in counters:
+        family = CounterMetricFamily(name, help_text, labels=["tier"])
+        for row in rows:
+            family.add_metric([row["tier"]], row[key])
+        yield family
+    used = GaugeMetricFamily("pagedkv_cache_tier_bytes_used", "Bytes the tier's blocks take", labels=["tier"])
+    for row in rows:
+        used.add_metric([row["tier"]], row["bytes_used"])
+    yield used
 
 
 def register_pool(pool) -> None:

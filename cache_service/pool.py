@@ -21,6 +21,9 @@ from cache_service.kv_event_publisher import KvEventPublisher
 from cache_service.ledger import Ledger, SessionLimits
 from cache_service.sessions import Session, Sessions
 from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
+from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
+from cache_service.tiers.kv_tiers import KvTiers
+from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.kv_geometry import KvGeometry
@@ -52,6 +55,8 @@ class PoolSettings:
     # get them: its model service may still be finishing a forward pass it started
     # before its local lease deadline (README, "Fenced writes").
     reclaim_grace_ms: int = 5000
+    # The host and disk tiers beyond the pool (off by default).
+    tiers: TierSettings = field(default_factory=TierSettings)
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:
@@ -96,6 +101,8 @@ class KvPool:
         self.ledger: Ledger | None = None
         self._shared_handle: cache_pb2.PoolHandle | None = None
         self._memory: pool_memory.SharedPool | torch.Tensor | None = None
+        self.tiers: KvTiers | None = None
+        self._tier_task: asyncio.Task | None = None
 
     # -- sessions -------------------------------------------------------------------
 
@@ -204,12 +211,32 @@ class KvPool:
         self.sizing = sizing
         events = BlockEventLog(sizing.block_size) if self.kv_events is not None else None
         self.ledger = Ledger(sizing.num_blocks, sizing.block_size, limits=self.settings.session_limits, events=events)
+        if self.settings.tiers.enabled:
+            self._create_tiers(geometry, sizing)
         if events is not None:
             events.cleared()  # subscribers forget whatever an earlier pool of this endpoint held
             self.publish_kv_events()
         log.info("pool_created", geometry=describe(geometry), num_blocks=sizing.num_blocks,
                  block_size=sizing.block_size, bytes_per_block=sizing.bytes_per_block,
                  max_total_tokens=sizing.max_total_tokens, limited_by=sizing.limited_by)
+
+    def _create_tiers(self, geometry: KvGeometry, sizing: SizingReport) -> None:
+        tier_settings = self.settings.tiers
+        disk_geometry = DiskGeometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, sizing.block_size,
+                                     geometry.dtype)
+        sizing.add_tiers(tier_settings.host_cache_bytes, tier_settings.disk_cache_bytes,
+                         file_bytes(disk_geometry, ("", "")) if tier_settings.disk_cache_dir else 0)
+        tensor = self._memory.tensor if isinstance(self._memory, pool_memory.SharedPool) else self._memory
+        self.tiers = KvTiers(self.ledger.pool, tensor, tier_settings, sizing.bytes_per_block, disk_geometry,
+                             events=self.ledger.events)
+        self.ledger.tiers = self.tiers
+        try:
+            self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run())
+        except RuntimeError:
+            self._tier_task = None  # no event loop (unit tests): the caller runs demotions itself
+        log.info("kv_tiers_created", host_blocks=sizing.host_blocks, host_cache_bytes=sizing.host_cache_bytes,
+                 disk_blocks=sizing.disk_blocks, disk_cache_dir=tier_settings.disk_cache_dir,
+                 disk_blocks_restored=self.tiers.index.count("disk"))
 
     def publish_kv_events(self) -> None:
         """Sends what the prefix cache gained and lost since the last call, as one batch."""
@@ -229,6 +256,8 @@ class KvPool:
 
     def close(self) -> None:
         """Unlinks the shared-memory file; the pool must never outlive the service."""
+        if self._tier_task is not None:
+            self._tier_task.cancel()
         if isinstance(self._memory, pool_memory.SharedPool):
             self._memory.close()
         self._memory = None

@@ -12,6 +12,7 @@ from cache_service.kv_event_publisher import KvEventPublisher, replay_forever
 from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.pool import KvPool, PoolSettings
 from cache_service.servicer import CacheServicer
+from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.flags import add_flag, add_server_flags
@@ -55,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--kv-events-replay-endpoint", default=None,
              help="also bind a ZMQ ROUTER socket here (e.g. tcp://*:5558) from which a subscriber replays missed "
                   "event batches from a seq on")
+    add_flag(parser, "--host-cache-bytes", default=0, type=parse_bytes,
+             help="host-memory KV tier beyond the pool, e.g. 8GiB: evicted prefix blocks are kept there and copied "
+                  "back on a hit (0: off; CUDA: pinned memory; CPU: memory apart from the pool's budget)")
+    add_flag(parser, "--disk-cache-dir", default=None,
+             help="disk KV tier: blocks pushed out of the host tier (or the pool, without one) are written here, "
+                  "one 0600 file a block, and found again after a restart of the cache service (same KV geometry)")
+    add_flag(parser, "--disk-cache-bytes", default=0, type=parse_bytes,
+             help="how much of --disk-cache-dir the disk tier may fill, e.g. 100GiB")
     add_flag(parser, "--grace-s", default=5.0, type=float, help="seconds in-flight calls get on SIGTERM")
     return parser
 
@@ -80,6 +89,8 @@ async def serve(args: argparse.Namespace) -> None:
         shm_dir=args.shm_dir,
         session_limits=SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks),
         reclaim_grace_ms=args.reclaim_grace_ms,
+        tiers=TierSettings(host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
+                           disk_cache_bytes=args.disk_cache_bytes),
     )
     kv_events = kv_event_publisher(args)
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)

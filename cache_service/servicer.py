@@ -130,6 +130,7 @@ def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp, model_fingerprin
             result = cache_pb2.LeaseResult(
                 status=cache_pb2.LEASE_STATUS_OK, sequence_id=allocation.sequence_id,
                 block_ids=allocation.block_ids, cached_tokens=allocation.cached_tokens,
+                cached_tokens_host=allocation.cached_tokens_host, cached_tokens_disk=allocation.cached_tokens_disk,
             )
         elif kind == "extend":
             appended = ledger.extend(owner, op.extend.sequence_id, op.extend.num_tokens)
@@ -184,4 +185,27 @@ def stats_proto(pool: KvPool) -> cache_pb2.CacheStats:
         prefix_queries=stats.prefix_queries,
         prefix_hits=stats.prefix_hits,
         bytes_reserved=pool.sizing.pool_bytes,
+        tiers=[cache_pb2.TierStats(**values) for values in tier_stats(pool)],
     )
+
+
+def tier_stats(pool: KvPool) -> list[dict]:
+    """Each configured tier's TierStats fields (GetStats and /metrics read the same)."""
+    tiers = pool.tiers
+    if tiers is None:
+        return []
+    out = []
+    for tier, configured in (("host", tiers.host is not None), ("disk", tiers.disk is not None)):
+        if not configured:
+            continue
+        counters = tiers.counters[tier]
+        total = tiers.blocks_total(tier)
+        cached = tiers.index.count(tier)
+        out.append(dict(
+            tier=tier, blocks_total=total, blocks_cached=cached, blocks_free=max(total - cached, 0),
+            hit_tokens=counters.hit_tokens, demotions=counters.demotions, promotions=counters.promotions,
+            bytes_in=counters.bytes_in, bytes_out=counters.bytes_out, seconds_in=counters.seconds_in,
+            seconds_out=counters.seconds_out, evictions=counters.evictions, errors=counters.errors,
+            bytes_used=tiers.disk.used_bytes if tier == "disk" else cached * tiers.bytes_per_block,
+        ))
+    return out

@@ -68,6 +68,26 @@ class SizingReport:
     max_model_len: int
     max_full_length_sequences: float
     explanation: list[str] = field(default_factory=list)
+    # The KV tiers beyond the pool (cache_service/tiers), outside its budget; 0: none.
+    host_cache_bytes: int = 0
+    host_blocks: int = 0
+    disk_cache_bytes: int = 0
+    disk_blocks: int = 0
+
+    def add_tiers(self, host_cache_bytes: int, disk_cache_bytes: int, disk_file_bytes: int) -> None:
+        """Sizes the host and disk tiers in whole blocks and says how, after the pool's terms."""
+        self.host_cache_bytes = host_cache_bytes
+        self.host_blocks = host_cache_bytes // self.bytes_per_block
+        self.disk_cache_bytes = disk_cache_bytes
+        self.disk_blocks = disk_cache_bytes // disk_file_bytes if disk_file_bytes else 0
+        if host_cache_bytes:
+            self.explanation.append(
+                f"host tier = floor(host_cache_bytes {format_bytes(host_cache_bytes)} / bytes_per_block) = "
+                f"{self.host_blocks:,} blocks (--host-cache-bytes; host memory apart from the pool's budget)")
+        if disk_cache_bytes:
+            self.explanation.append(
+                f"disk tier = floor(disk_cache_bytes {format_bytes(disk_cache_bytes)} / {disk_file_bytes:,} bytes a "
+                f"block file (the block and its header)) = {self.disk_blocks:,} blocks (--disk-cache-bytes)")
 
     def to_proto(self) -> cache_pb2.SizingReport:
         values = asdict(self)
@@ -107,6 +127,10 @@ class SizingReport:
             ("max_full_length_sequences", f"{self.max_full_length_sequences:.2f}", ""),
             ("limited_by", self.limited_by, ""),
         ]
+        if self.host_cache_bytes:
+            rows.append(("host_blocks", f"{self.host_blocks:,}", format_bytes(self.host_cache_bytes)))
+        if self.disk_cache_bytes:
+            rows.append(("disk_blocks", f"{self.disk_blocks:,}", format_bytes(self.disk_cache_bytes)))
         name_width = max(len(name) for name, _, _ in rows)
         value_width = max(len(value) for _, value, _ in rows)
         lines = [f"{name:<{name_width}}  {value:>{value_width}}  {note}".rstrip() for name, value, note in rows]

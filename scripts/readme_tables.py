@@ -109,10 +109,24 @@ class _FakeLedger:
                                sequences=0, prefix_queries=0, prefix_hits=0)
 
 
+def _tiers():
+    """A one-block host tier, so the collector yields the tier series too."""
+    import torch
+
+    from cache_service.block_pool import BlockPool
+    from cache_service.tiers.disk_tier import DiskGeometry
+    from cache_service.tiers.kv_tiers import KvTiers
+    from cache_service.tiers.settings import TierSettings
+
+    geometry = DiskGeometry(1, 1, 1, 1, torch.float32)
+    return KvTiers(BlockPool(1, 1), torch.zeros(1, 2, 1, 1, 1, 1), TierSettings(host_cache_bytes=geometry.payload_bytes),
+                   geometry.payload_bytes, geometry)
+
+
 def _pool_collector_families() -> list:
     from cache_service.metrics import PoolCollector
 
-    pool = SimpleNamespace(sessions={}, ledger=_FakeLedger(), sizing=SimpleNamespace(pool_bytes=0))
+    pool = SimpleNamespace(sessions={}, ledger=_FakeLedger(), sizing=SimpleNamespace(pool_bytes=0), tiers=_tiers())
     families = []
     for family in PoolCollector(pool).collect():
         labels = sorted({key for sample in family.samples for key in sample.labels})

@@ -444,3 +444,101 @@ def test_the_model_reaches_the_limits():
         machine.allocate("a", [1], [], False)
     machine.allocate("a", [1], [], False)
     assert machine.limit_refusals == 1
+
+
+class TieredLedgerMachine(LedgerMachine):
+    """The same machine with a host tier of 5 blocks and a disk tier behind it: demotions
+    and disk writes are rules of their own, run between any others, and a prefix hit may
+    promote blocks from either tier. The simulated K/V lives in a real tensor (each slot an
+    id of what the K/V is a function of), so a promotion that copies the wrong bytes, or
+    another prefix's, fails the same checks as a wrong pool block."""
+
+    HOST_SLOTS = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        import torch
+
+        from cache_service.tiers.disk_tier import DiskGeometry
+        from cache_service.tiers.kv_tiers import KvTiers
+        from cache_service.tiers.settings import TierSettings
+
+        self.disk_dir = tempfile.TemporaryDirectory(prefix="tiered-ledger-")
+        self.names: list = [None]
+        self.name_ids: dict = {None: 0}
+        self.tensor = torch.zeros(1, 2, NUM_BLOCKS, BLOCK_SIZE, 1, 1, dtype=torch.int64)
+        geometry = DiskGeometry(1, 1, 1, BLOCK_SIZE, torch.int64)
+        self.tiers = KvTiers(self.ledger.pool, self.tensor, TierSettings(
+            host_cache_bytes=self.HOST_SLOTS * geometry.payload_bytes, disk_cache_dir=self.disk_dir.name,
+            disk_cache_bytes=8 * (geometry.payload_bytes + 200)), geometry.payload_bytes, geometry)
+        self.ledger.tiers = self.tiers
+        self.promoted = 0
+        allocate = self.ledger.allocate
+
+        def allocate_reading_promotions(*args, **kwargs):
+            # A promoted block's K/V is whatever the tier copied into the pool tensor.
+            allocation = allocate(*args, **kwargs)
+            tiered = allocation.cached_tokens_host + allocation.cached_tokens_disk
+            self.promoted += tiered
+            for block in allocation.block_ids[: allocation.cached_tokens // BLOCK_SIZE]:
+                self.kv[block] = [self.names[int(value)] for value in self.tensor[0, 0, block, :, 0, 0]]
+            return allocation
+
+        self.ledger.allocate = allocate_reading_promotions
+
+    def teardown(self) -> None:
+        self.disk_dir.cleanup()
+
+    @rule(count=st.integers(1, 6))
+    def demote(self, count):
+        self.tiers.demote_some(count)
+
+    @rule()
+    def write_a_block_to_disk(self):
+        import asyncio
+
+        asyncio.run(self.tiers.write_some())
+
+    @invariant()
+    def the_pool_tensor_holds_the_simulated_kv(self):
+        for block in range(NUM_BLOCKS):
+            for slot, held in enumerate(self.kv[block]):
+                if held not in self.name_ids:
+                    self.name_ids[held] = len(self.names)
+                    self.names.append(held)
+                self.tensor[0, 0, block, slot, 0, 0] = self.name_ids[held]
+
+
+class CollidingTieredLedgerMachine(TieredLedgerMachine):
+    hash_fn = staticmethod(lambda key: hash(key) & 3)
+
+
+TestTieredLedgerStateful = TieredLedgerMachine.TestCase
+# Fewer examples than the pool-only machines: each step here also copies tensors and files.
+TIERED_SETTINGS = settings(SETTINGS, max_examples=30)
+TestTieredLedgerStateful.settings = TIERED_SETTINGS
+TestCollidingTieredLedgerStateful = CollidingTieredLedgerMachine.TestCase
+TestCollidingTieredLedgerStateful.settings = TIERED_SETTINGS
+
+
+def test_the_tiered_model_promotes():
+    """Guard against a vacuous run: a cached prefix evicted from the pool comes back from a tier."""
+    machine = TieredLedgerMachine()
+    machine.the_pool_tensor_holds_the_simulated_kv()
+    prompt = CHUNKS[0] + CHUNKS[1] + [2]
+    first = machine.allocate("a", prompt, [], True)
+    machine.release(first, True, 30)
+    machine.the_pool_tensor_holds_the_simulated_kv()
+    machine.demote(6)
+    half = [2] * (NUM_BLOCKS // 2 * BLOCK_SIZE)  # two sessions' worth of the whole pool: every cached block goes
+    evictors = [machine.allocate(owner, [], half, False) for owner in ("a", "c")]
+    for evictor in evictors:
+        machine.release(evictor, False, 0)
+    assert machine.ledger.pool.num_cached == 0
+    second = machine.allocate("b", prompt, [2], True)
+    assert machine.promoted == 2 * BLOCK_SIZE
+    machine.every_live_sequence_reads_its_own_tokens()
+    machine.ledger.release("b", second)
+    machine.teardown()

@@ -252,6 +252,7 @@ def to_response(delta: Delta, request_id: str) -> model_pb2.GenerateResponse:
         response.usage.prompt_tokens = delta.prompt_tokens
         response.usage.completion_tokens = delta.completion_tokens
         response.usage.cached_tokens = delta.cached_tokens
+        response.usage.cached_tokens_host, response.usage.cached_tokens_disk = delta.cached_tokens_tiers
         if isinstance(delta.matched_stop, str):
             response.matched_stop_str = delta.matched_stop
         elif delta.matched_stop is not None:

@@ -128,6 +128,7 @@ def outcome_from_proto(result: cache_pb2.LeaseResult) -> LeaseOutcome:
         lease_id=result.sequence_id,
         block_ids=tuple(result.block_ids),
         cached_tokens=result.cached_tokens,
+        cached_tokens_tiers=(result.cached_tokens_host, result.cached_tokens_disk),
         copy=(result.copy.src_block, result.copy.dst_block) if result.HasField("copy") else None,
     )
 

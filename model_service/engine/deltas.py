@@ -26,6 +26,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: from the host, the disk tier
     # (grpc.StatusCode, message) when the request ends with an error status.
     error: tuple[grpc.StatusCode, str] | None = None
     index: int = 0  # which of the n completions
@@ -52,6 +53,7 @@ def join_into(first: Delta, following: Delta) -> Delta:
     first.prompt_tokens = following.prompt_tokens
     first.completion_tokens = following.completion_tokens
     first.cached_tokens = following.cached_tokens
+    first.cached_tokens_tiers = following.cached_tokens_tiers
     first.error = following.error
     first.matched_stop = following.matched_stop
     return first

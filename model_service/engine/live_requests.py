@@ -108,6 +108,7 @@ class LiveRequests:
         request = completion.request
         if seq.index == 0:
             request.cached_tokens = seq.cached_tokens
+            request.cached_tokens_tiers = seq.cached_tokens_tiers
         self._outbox.append((request.sink, request.finished(completion, finish, delta, error)))
         metrics.REQUESTS.labels(finish.value).inc()
         if request.unfinished == 0:

@@ -88,6 +88,7 @@ class RequestOutput:
     first_delta_sent: bool = False
     unfinished: int = 0
     cached_tokens: int = 0
+    cached_tokens_tiers: tuple[int, int] = (0, 0)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -122,6 +123,7 @@ class RequestOutput:
         if self.unfinished == 0:
             delta.prompt_tokens = self.prompt_len
             delta.cached_tokens = self.cached_tokens
+            delta.cached_tokens_tiers = self.cached_tokens_tiers
         return self.first(delta)
 
 

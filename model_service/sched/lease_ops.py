@@ -64,6 +64,7 @@ class LeaseOutcome:
     lease_id: int = 0
     block_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
+    cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: promoted from the host, the disk tier
     copy: tuple[int, int] | None = None  # fork: (src_block, dst_block) to copy
 
 

@@ -232,6 +232,7 @@ class Scheduler:
                 seq.num_computed = outcome.cached_tokens
                 if not seq.admitted_once:
                     seq.cached_tokens = outcome.cached_tokens
+                    seq.cached_tokens_tiers = outcome.cached_tokens_tiers
                     seq.admitted_once = True
                 seq.status = Status.RUNNING
                 self.running.append(seq)

@@ -48,6 +48,7 @@ class Sequence:
     num_computed: int = 0
     # Prompt tokens the prefix cache supplied at first admission (usage.cached_tokens).
     cached_tokens: int = 0
+    cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: from the host, the disk tier
     admitted_once: bool = False
     # Set when the cache service had no block for this sequence's next token.
     starved: bool = False

@@ -40,11 +40,15 @@ class Usage:
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    # Of cached_tokens, per prompt: promoted from the cache service's host and disk tiers.
+    cached_tiers: dict[int, tuple[int, int]] = field(default_factory=dict)
     completion_tokens: int = 0
 
     def add(self, prompt_index: int, response: model_pb2.GenerateResponse) -> None:
         usage = response.usage
         self.prompt_tokens[prompt_index] = max(self.prompt_tokens.get(prompt_index, 0), usage.prompt_tokens)
+        if usage.cached_tokens >= self.cached_tokens.get(prompt_index, 0):
+            self.cached_tiers[prompt_index] = (usage.cached_tokens_host, usage.cached_tokens_disk)
         self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), usage.cached_tokens)
         self.completion_tokens += usage.completion_tokens
 
@@ -54,7 +58,11 @@ class Usage:
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+            "prompt_tokens_details": {
+                "cached_tokens": sum(self.cached_tokens.values()),
+                "cached_tokens_host": sum(host for host, _ in self.cached_tiers.values()),
+                "cached_tokens_disk": sum(disk for _, disk in self.cached_tiers.values()),
+            },
         }
 
 

@@ -212,7 +212,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
 
 class LeaseResult(_message.Message):
-    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released")
+    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released", "cached_tokens_host", "cached_tokens_disk")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,8 @@ class LeaseResult(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     status: LeaseStatus
     message: str
     sequence_id: int
@@ -227,7 +229,9 @@ class LeaseResult(_message.Message):
     cached_tokens: int
     copy: BlockCopy
     blocks_released: int
-    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ...) -> None: ...
+    cached_tokens_host: int
+    cached_tokens_disk: int
+    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("results", "blocks_available")
@@ -242,7 +246,7 @@ class GetSizingRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SizingReport(_message.Message):
-    __slots__ = ("block_size", "bytes_per_block", "num_blocks", "max_total_tokens", "device", "dtype", "memory_total_bytes", "memory_free_bytes", "memory_fraction", "workspace_bytes", "headroom", "limited_by", "budget_bytes", "pool_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len", "max_full_length_sequences", "explanation")
+    __slots__ = ("block_size", "bytes_per_block", "num_blocks", "max_total_tokens", "device", "dtype", "memory_total_bytes", "memory_free_bytes", "memory_fraction", "workspace_bytes", "headroom", "limited_by", "budget_bytes", "pool_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len", "max_full_length_sequences", "explanation", "host_cache_bytes", "host_blocks", "disk_cache_bytes", "disk_blocks")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +268,10 @@ class SizingReport(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_FULL_LENGTH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     bytes_per_block: int
     num_blocks: int
@@ -285,14 +293,18 @@ class SizingReport(_message.Message):
     max_model_len: int
     max_full_length_sequences: float
     explanation: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., workspace_bytes: _Optional[int] = ..., headroom: _Optional[float] = ..., limited_by: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_full_length_sequences: _Optional[float] = ..., explanation: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_cache_bytes: int
+    host_blocks: int
+    disk_cache_bytes: int
+    disk_blocks: int
+    def __init__(self, block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., workspace_bytes: _Optional[int] = ..., headroom: _Optional[float] = ..., limited_by: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_full_length_sequences: _Optional[float] = ..., explanation: _Optional[_Iterable[str]] = ..., host_cache_bytes: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_cache_bytes: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved")
+    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved", "tiers")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +314,7 @@ class CacheStats(_message.Message):
     PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     blocks_leased: int
@@ -311,4 +324,37 @@ class CacheStats(_message.Message):
     prefix_queries: int
     prefix_hits: int
     bytes_reserved: int
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "blocks_total", "blocks_cached", "blocks_free", "hit_tokens", "demotions", "promotions", "bytes_in", "bytes_out", "seconds_in", "seconds_out", "evictions", "errors", "bytes_used")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_IN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_OUT_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks_total: int
+    blocks_cached: int
+    blocks_free: int
+    hit_tokens: int
+    demotions: int
+    promotions: int
+    bytes_in: int
+    bytes_out: int
+    seconds_in: float
+    seconds_out: float
+    evictions: int
+    errors: int
+    bytes_used: int
+    def __init__(self, tier: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., seconds_in: _Optional[float] = ..., seconds_out: _Optional[float] = ..., evictions: _Optional[int] = ..., errors: _Optional[int] = ..., bytes_used: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""KV tiers beyond the device pool: host memory and disk, under the pool's prefix-index rules."""

@@ -1,0 +1,360 @@
+"""The KV tiers beyond the device pool: demotion behind the Lease calls, promotion inside them.
+
+Demotion is write-behind. A release that registers blocks in the prefix cache queues
+them; a background task copies queued blocks into the host tier a chunk per event-loop
+turn (or, without a host tier, stages them for the disk), and host blocks pushed out
+for room are written to disk in a worker thread. A registered block's K/V never changes
+while it stays registered (only full blocks are registered, and nobody writes into a
+full block), so a copy made any time before eviction is the block; the task checks the
+block still has the registration it was queued with before copying it. Eviction in the
+pool (``BlockPool.take``) then needs no copy and no hook: the pool drops its entry and
+the tier's stays. A Lease call never waits for a demotion.
+
+Promotion happens inside the Lease call, synchronously, bounded by PROMOTE_MAX_BLOCKS
+per allocate (the rest of the prompt is recomputed). Why not asynchronously: the reply's
+``cached_tokens`` may count a block only once its bytes are in the pool, and doing the copy
+before the reply keeps that true with no new state in the model service (a sequence
+waiting on a copy, a second round trip); a host block is one memcpy (tens of µs), far
+less than prefilling its tokens again. Disk reads are checked (checksum, header) before
+the ledger changes anything, so a bad file shortens the hit and never fails the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+
+import structlog
+import torch
+
+from cache_service.block_event_log import BlockEventLog
+from cache_service.block_pool import Block, BlockPool
+from cache_service.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+from cache_service.prefix_hash import Namespace, namespace_root
+from cache_service.tiers.counters import TierCounters
+from cache_service.tiers.disk_tier import BadBlockFile, BlockRecord, DiskFull, DiskGeometry, DiskTier, file_bytes
+from cache_service.tiers.host_tier import HostTier
+from cache_service.tiers.restore import restore_disk_index
+from cache_service.tiers.settings import TierSettings
+from cache_service.tiers.tier_index import DISK, HOST, ROOT_PARENT, TierEntry, TierIndex, chain_digest
+
+log = structlog.get_logger()
+
+# Blocks one allocate may promote; past it the prompt's remaining tokens are recomputed.
+PROMOTE_MAX_BLOCKS = 256
+# Blocks copied to the host tier per event-loop turn: a Lease call waits behind at most one chunk.
+DEMOTE_CHUNK_BLOCKS = 16
+# A full disk is retried after this long; demotions to disk stop meanwhile.
+DISK_FULL_BACKOFF_S = 30.0
+# Digests of recently demoted blocks, so a child finds its parent's while the parent is still on its way to disk.
+RECENT_DIGESTS = 65536
+
+
+class KvTiers:
+    def __init__(self, pool: BlockPool, pool_tensor: torch.Tensor, settings: TierSettings,
+                 bytes_per_block: int, geometry: DiskGeometry, clock=time.monotonic,
+                 events: BlockEventLog | None = None) -> None:
+        self.pool = pool
+        self.pool_tensor = pool_tensor
+        self.settings = settings
+        self.bytes_per_block = bytes_per_block
+        self.clock = clock
+        self.events = events  # told of tier copies stored and removed, for KV events (None: off)
+        self.index = TierIndex()
+        host_slots = settings.host_cache_bytes // bytes_per_block
+        self.host = HostTier(pool_tensor, host_slots) if host_slots else None
+        self.disk = (DiskTier(settings.disk_cache_dir, settings.disk_cache_bytes, geometry)
+                     if settings.disk_cache_dir else None)
+        self.counters = {HOST: TierCounters(), DISK: TierCounters()}
+        self.missed_demotions = 0  # queued blocks evicted (or re-registered) before their copy
+        self.queue: deque[tuple[int, int]] = deque(maxlen=max(pool.num_blocks, 1024))  # (block id, reg_id)
+        self.disk_queue: deque[tuple[TierEntry, torch.Tensor]] = deque()
+        self.disk_full_until = 0.0
+        self.writing = 0  # disk writes in flight
+        self._recent: OrderedDict[int, bytes | None] = OrderedDict()
+        self._wake = asyncio.Event()
+        if self.disk is not None:
+            restore_disk_index(self.disk, self.index, pool)
+
+    # -- hooks the ledger calls ----------------------------------------------------------
+
+    def lookup(self, token_ids, max_blocks: int, namespace: Namespace) -> list[Block | TierEntry]:
+        """The longest chain of ``token_ids``'s full blocks in the pool or a tier, up to
+        ``max_blocks``, under the pool's exact-hit rules (see ``BlockPool.lookup``)."""
+        pool = self.pool
+        block_size = pool.block_size
+        max_blocks = min(max_blocks, len(token_ids) // block_size)
+        tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
+        hash_fn = pool.hash_fn
+        device_get, tier_get = pool.cached.get, self.index.entries.get
+        parent_hash = namespace_root(namespace, hash_fn)
+        parent_reg = 0
+        hits: list[Block | TierEntry] = []
+        for index in range(max(max_blocks, 0)):
+            chunk = tokens[index * block_size : (index + 1) * block_size]
+            parent_hash = hash_fn((parent_hash, chunk))
+            hit = device_get(parent_hash)
+            if hit is None or hit.parent_reg != parent_reg or hit.token_ids != chunk or (
+                    parent_reg == 0 and hit.namespace != namespace):
+                hit = tier_get(parent_hash)
+                if hit is None or not hit.matches(parent_reg, chunk, namespace):
+                    break
+            hits.append(hit)
+            parent_reg = hit.reg_id
+        return hits
+
+    def prepare(self, hits: list[Block | TierEntry]) -> tuple[list[Block | TierEntry], list[int | torch.Tensor]]:
+        """Cuts ``hits`` to what can be promoted now and reads the disk blocks among them.
+
+        Returns the hits kept and, per tier entry kept, its host slot or its K/V read from
+        disk. Changes no ledger state: the caller may still refuse the allocation.
+        """
+        kept: list[Block | TierEntry] = []
+        payloads: list[int | torch.Tensor] = []
+        for hit in hits:
+            if type(hit) is TierEntry:
+                if len(payloads) == PROMOTE_MAX_BLOCKS:
+                    break
+                if hit.host_slot is not None:
+                    payloads.append(hit.host_slot)
+                else:
+                    started = self.clock()
+                    try:
+                        payloads.append(self.disk.read(self._record(hit)))
+                    except BadBlockFile as error:
+                        log.warning("disk_cache_file_skipped", path=str(self.disk.path(hit.digest)), reason=str(error))
+                        self.counters[DISK].errors += 1
+                        self._forget_disk(hit)
+                        break
+                    self.counters[DISK].seconds_out += self.clock() - started
+            kept.append(hit)
+        return kept, payloads
+
+    def promote(self, entries: list[TierEntry], payloads: list[int | torch.Tensor], blocks: list[Block]) -> tuple[int, int]:
+        """Copies promoted entries into their new device blocks and registers them under
+        the entries' identity; returns (host tokens, disk tokens) the allocate got."""
+        pool = self.pool
+        host_slots, host_ids = [], []
+        disk_count = 0
+        started = self.clock()
+        for entry, payload, block in zip(entries, payloads, blocks):
+            if type(payload) is int:
+                host_slots.append(payload)
+                host_ids.append(block.block_id)
+            else:
+                self.pool_tensor[:, :, block.block_id].copy_(payload)
+                disk_count += 1
+        if host_slots:
+            self.host.load(host_slots, self.pool_tensor, host_ids)
+        elapsed = self.clock() - started
+        for entry, block in zip(entries, blocks):
+            if entry.block_hash not in pool.cached:
+                pool.adopt(block, entry.block_hash, entry.token_ids, entry.parent_reg, entry.reg_id, entry.namespace)
+            self.index.touch(entry)
+        block_size = pool.block_size
+        for tier, count in ((HOST, len(host_slots)), (DISK, disk_count)):
+            if count:
+                counters = self.counters[tier]
+                counters.promotions += count
+                counters.hit_tokens += count * block_size
+                counters.bytes_out += count * self.bytes_per_block
+                if tier == HOST:
+                    counters.seconds_out += elapsed * count / len(blocks)
+        return len(host_slots) * block_size, disk_count * block_size
+
+    def registered(self, blocks: list[Block]) -> None:
+        """A release left ``blocks`` (a sequence's full blocks) in the prefix cache: queue the
+        registered ones for demotion, parents before children."""
+        queue = self.queue
+        for block in blocks:
+            if block.block_hash is not None:
+                queue.append((block.block_id, block.reg_id))
+        if queue:
+            self._wake.set()
+
+    # -- demotion, off the Lease path ----------------------------------------------------
+
+    async def run(self) -> None:
+        """The background task: demote a chunk, write a block to disk, yield; sleep when idle."""
+        while True:
+            if not self.queue and not self.disk_queue:
+                self._wake.clear()
+                await self._wake.wait()
+            self.demote_some(DEMOTE_CHUNK_BLOCKS)
+            await self.write_some()
+            await asyncio.sleep(0)
+
+    def demote_some(self, limit: int) -> int:
+        """Copies up to ``limit`` queued blocks to the next tier (host, or staged for disk)."""
+        if self.host is not None:
+            limit = min(limit, self.host.num_slots)
+        pool, index = self.pool, self.index
+        batch: list[tuple[Block, TierEntry]] = []
+        while self.queue and len(batch) < limit:
+            block_id, reg_id = self.queue.popleft()
+            block = pool.blocks[block_id]
+            if block.block_hash is None or block.reg_id != reg_id:
+                self.missed_demotions += 1
+                continue
+            known = index.get(block.block_hash)
+            if known is not None:
+                if known.reg_id == reg_id:
+                    index.touch(known)
+                continue  # another identity under this hash (a collision): the tier keeps its own
+            parent_digest = ROOT_PARENT if block.parent_reg == 0 else self._digest_of(block.parent_reg)
+            digest = None if parent_digest is None else chain_digest(parent_digest, block.namespace, block.token_ids)
+            self._remember(reg_id, digest)
+            entry = TierEntry(block.block_hash, block.token_ids, block.parent_reg, reg_id, block.namespace, digest,
+                              parent_digest)
+            if self.events is not None:
+                entry.event_key = self.events.key_of(block_id)
+            batch.append((block, entry))
+        if not batch:
+            return 0
+        if self.host is not None:
+            slots = [self._host_slot() for _ in batch]
+            started = self.clock()
+            self.host.store(self.pool_tensor, [block.block_id for block, _ in batch], slots)
+            counters = self.counters[HOST]
+            counters.seconds_in += self.clock() - started
+            counters.demotions += len(batch)
+            counters.bytes_in += len(batch) * self.bytes_per_block
+            for (_, entry), slot in zip(batch, slots):
+                entry.host_slot = slot
+                index.put(entry, HOST)
+                self._event(entry, MEDIUM_CPU, stored=True)
+        elif self.disk is not None:
+            for block, entry in batch:
+                self._stage_for_disk(entry, lambda block=block: self.pool_tensor[:, :, block.block_id].clone())
+        self._wake.set()
+        return len(batch)
+
+    async def write_some(self) -> None:
+        """Writes one staged block to disk in a worker thread; the ledger is not touched meanwhile."""
+        if not self.disk_queue:
+            return
+        entry, payload = self.disk_queue.popleft()
+        disk, counters = self.disk, self.counters[DISK]
+        size = file_bytes(disk.geometry, entry.namespace)
+        if self.clock() < self.disk_full_until or size > disk.capacity_bytes:
+            counters.evictions += 1
+            return
+        while disk.used_bytes + size > disk.capacity_bytes:
+            victim = self.index.coldest(DISK)
+            if victim is None:
+                break
+            self._forget_disk(victim)
+            counters.evictions += 1
+        record = BlockRecord(entry.digest, entry.parent_digest, entry.namespace, entry.token_ids, size)
+        started = self.clock()
+        self.writing += 1
+        try:
+            written = await asyncio.to_thread(disk.write, record, payload)
+        except DiskFull as error:
+            self.disk_full_until = self.clock() + DISK_FULL_BACKOFF_S
+            counters.errors += 1
+            log.warning("disk_cache_full", folder=str(disk.folder), error=str(error), retry_in_s=DISK_FULL_BACKOFF_S,
+                        staged_dropped=len(self.disk_queue))
+            self.disk_queue.clear()
+            return
+        except OSError as error:
+            counters.errors += 1
+            log.warning("disk_cache_write_failed", folder=str(disk.folder), error=str(error))
+            return
+        finally:
+            self.writing -= 1
+        counters.seconds_in += self.clock() - started
+        counters.demotions += 1
+        counters.bytes_in += self.bytes_per_block
+        known = self.index.get(entry.block_hash)
+        if known is None:
+            known = entry
+        elif known.reg_id != entry.reg_id:
+            if entry.digest not in disk.sizes:
+                disk.path(entry.digest).unlink(missing_ok=True)  # the hash went to another identity meanwhile
+            return
+        elif known.on_disk:
+            return  # written twice: the same bytes under the same name
+        known.digest, known.parent_digest = entry.digest, entry.parent_digest
+        known.event_key = known.event_key or entry.event_key
+        known.on_disk = True
+        self.index.put(known, DISK)
+        disk.added(entry.digest, written)
+        self._event(known, MEDIUM_STORAGE, stored=True)
+
+    # -- accounting ----------------------------------------------------------------------
+
+    def blocks_total(self, tier: str) -> int:
+        if tier == HOST:
+            return self.host.num_slots if self.host is not None else 0
+        return self.disk.capacity_blocks if self.disk is not None else 0
+
+    def check_invariants(self) -> None:
+        host_slots = self.host.num_slots if self.host is not None else 0
+        self.index.check_invariants(self.pool.block_size, host_slots)
+        if self.host is not None:
+            used = {entry.host_slot for entry in self.index.lru[HOST].values()}
+            free = set(self.host.free_slots)
+            if used & free or len(used) + len(free) != host_slots or len(free) != len(self.host.free_slots):
+                raise AssertionError(f"host tier: {len(used)} used and {len(free)} free slots of {host_slots}")
+        for block_hash, entry in self.index.entries.items():
+            block = self.pool.cached.get(block_hash)
+            if block is not None and block.reg_id != entry.reg_id:
+                raise AssertionError(f"hash {block_hash} has reg_id {block.reg_id} in the pool, {entry.reg_id} in a tier")
+        if self.disk is not None:
+            on_disk = {entry.digest for entry in self.index.lru[DISK].values()}
+            if on_disk != set(self.disk.sizes) or self.disk.used_bytes != sum(self.disk.sizes.values()):
+                raise AssertionError("disk tier: the files counted differ from the entries indexed on disk")
+            if self.disk.used_bytes > self.disk.capacity_bytes:
+                raise AssertionError(f"disk tier holds {self.disk.used_bytes} bytes, past {self.disk.capacity_bytes}")
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _host_slot(self) -> int:
+        """A free host slot, pushing the coldest host entry out (to disk when it can go) if none is."""
+        host = self.host
+        if host.free_slots:
+            return host.free_slots.pop()
+        victim = self.index.coldest(HOST)
+        slot = victim.host_slot
+        self.counters[HOST].evictions += 1
+        if self.disk is not None and not victim.on_disk:
+            self._stage_for_disk(victim, lambda: host.read(slot))
+        self.index.drop(victim, HOST)
+        self._event(victim, MEDIUM_CPU, stored=False)
+        return slot
+
+    def _stage_for_disk(self, entry: TierEntry, read) -> None:
+        if entry.digest is None or self.clock() < self.disk_full_until:
+            self.counters[DISK].evictions += 1  # its chain's start is gone: a file of it could never be found
+            return
+        self.disk_queue.append((entry, read()))
+
+    def _forget_disk(self, entry: TierEntry) -> None:
+        self.disk.remove(entry.digest)
+        self.index.drop(entry, DISK)
+        self._event(entry, MEDIUM_STORAGE, stored=False)
+
+    def _event(self, entry: TierEntry, medium: str, stored: bool) -> None:
+        if self.events is None or entry.event_key is None:
+            return  # events off, or a block restored from disk (its vLLM hash was never computed here)
+        if stored:
+            self.events.tier_stored(entry.event_key, entry.token_ids, medium)
+        else:
+            self.events.tier_removed(entry.event_key, medium)
+
+    def _record(self, entry: TierEntry) -> BlockRecord:
+        return BlockRecord(entry.digest, entry.parent_digest, entry.namespace, entry.token_ids,
+                           self.disk.sizes[entry.digest])
+
+    def _digest_of(self, reg_id: int) -> bytes | None:
+        entry = self.index.by_reg.get(reg_id)
+        if entry is not None:
+            return entry.digest
+        return self._recent.get(reg_id)
+
+    def _remember(self, reg_id: int, digest: bytes | None) -> None:
+        self._recent[reg_id] = digest
+        if len(self._recent) > RECENT_DIGESTS:
+            self._recent.popitem(last=False)
