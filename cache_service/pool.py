@@ -8,6 +8,7 @@ and the prefix cache with it).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import time
@@ -29,6 +30,32 @@ from pagedkv.cache.v1 import cache_pb2
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
+
+
+# Block sizes a pool may have: the Triton decode kernel reads a block in power-of-two tiles
+# (tl.arange), and every power of two up to 1024 compiles for sm_80 and sm_90 with no
+# register spilled (scripts/compile_kernels.py; tests/test_kernels_compile.py checks the ends).
+MAX_BLOCK_SIZE = 1024
+
+
+def block_size_error(block_size: int) -> str | None:
+    """Why block_size cannot be a pool's block size, or None when it can."""
+    if not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        return (f"--block-size must be a power of two from 1 to {MAX_BLOCK_SIZE} (the Triton decode kernel "
+                f"reads blocks in power-of-two tiles), got {block_size}; 16 is the usual choice")
+    return None
+
+
+def parse_block_size(raw: str) -> int:
+    """argparse type for --block-size: an error at parsing names the allowed values."""
+    try:
+        block_size = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--block-size must be an integer, got {raw!r}") from None
+    error = block_size_error(block_size)
+    if error is not None:
+        raise argparse.ArgumentTypeError(error)
+    return block_size
 
 
 class GeometryMismatch(Exception):
@@ -59,8 +86,8 @@ class PoolSettings:
     tiers: TierSettings = field(default_factory=TierSettings)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.block_size <= 1024:
-            raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
+        if block_size_error(self.block_size) is not None:
+            raise ValueError(block_size_error(self.block_size))
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"--memory-fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0.0 <= self.headroom < 1.0:

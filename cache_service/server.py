@@ -10,7 +10,7 @@ import structlog
 from cache_service import metrics
 from cache_service.kv_event_publisher import KvEventPublisher, replay_forever
 from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
-from cache_service.pool import KvPool, PoolSettings
+from cache_service.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
 from cache_service.servicer import CacheServicer
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         "`python -m cache_service sizing --help` is the offline sizing calculator.",
     )
     add_server_flags(parser, port=50052, metrics_port=9402)
-    add_flag(parser, "--block-size", default=16, type=int, help="tokens per KV block")
+    add_flag(parser, "--block-size", default=16, type=parse_block_size,
+             help=f"tokens per KV block, a power of two up to {MAX_BLOCK_SIZE}")
     add_flag(parser, "--memory-fraction", default=0.90, type=float,
              help="share of device memory (CUDA) or available RAM (CPU, without --kv-cache-bytes) pagedkv may use")
     add_flag(parser, "--headroom", default=0.05, type=float,

@@ -26,7 +26,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any = None,
             convert = kwargs.get("type", str)
             try:
                 default = convert(raw)
-            except (TypeError, ValueError) as error:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
                 parser.error(f"{twin}={raw!r} is not valid for {flag}: {error}")
     shown = "" if default is None or default is False else f" (default: {default})"
     parser.add_argument(flag, default=default, help=f"{help}{shown} [env {twin}]", **kwargs)

@@ -34,7 +34,7 @@ if not IN_INTERPRETER:
             env={**os.environ, "TRITON_INTERPRET": "1"},
             capture_output=True,
             text=True,
-            timeout=280,
+            timeout=420,
         )
         summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
         print(f"interpreter run: {summary[0]}")
@@ -165,6 +165,47 @@ else:
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         expected = decode_attention_torch(q[1:], kv_layer, tables[1:], lens[1:], 0.2)
         torch.testing.assert_close(out[1:], expected, atol=1e-5, rtol=1e-5)
+
+    # (num_splits, window, max_tile, dtype): splits that divide the blocks unevenly, more
+    # splits than a short sequence has blocks (empty partials), a window that leaves leading
+    # splits empty, and tiles smaller than a block (several tiles a block, some wholly masked).
+    SPLIT_CASES = [(2, None, None, torch.float32), (3, None, 4, torch.bfloat16), (8, 20, 2, torch.float32),
+                   (16, 9, None, torch.bfloat16)]
+
+    @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"s{c[0]}-w{c[1]}-t{c[2]}-{c[3]}")
+    def test_split_decode_matches_torch(case, monkeypatch):
+        num_splits, window, max_tile, dtype = case
+        if max_tile is not None:
+            monkeypatch.setattr(triton_kernels, "MAX_TILE", max_tile)
+        block_size, group = 8, 3
+        context_lens = [0, 3, 8, 45]  # a padded entry, inside one block, a block edge, several blocks
+        kv_layer, generator = random_pool(16, block_size, dtype, seed=num_splits)
+        tables = shuffled_tables([max(1, n) for n in context_lens], block_size, 16, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        q = torch.randn(len(context_lens), KV_HEADS * group, HEAD_DIM, generator=generator).to(dtype)
+
+        out = decode_attention_triton(q, kv_layer, tables, lens, 0.3, sliding_window=window, num_splits=num_splits)
+
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        expected = decode_attention_torch(q[1:], kv_layer, tables[1:], lens[1:], 0.3, sliding_window=window)
+        torch.testing.assert_close(out[1:].float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        whole = decode_attention_triton(q, kv_layer, tables, lens, 0.3, sliding_window=window, num_splits=1)
+        torch.testing.assert_close(out.float(), whole.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    def test_num_splits_fill_idle_sms_and_depend_on_shapes_only():
+        choose = triton_kernels.choose_num_splits
+        # Llama-3-8B (8 kv heads) on 132 SMs: one sequence takes 8 programs, so split 16 ways.
+        assert choose(1, 8, 256, 132) == 16
+        assert choose(4, 8, 256, 132) == 4
+        assert choose(16, 8, 256, 132) == 1  # 128 programs already fill the GPU
+        assert choose(1, 1, 4, 132) == 4  # never more splits than table columns
+        assert choose(1, 1, 4096, 132) == triton_kernels.MAX_SPLITS
+        assert choose(0, 8, 256, 132) == 1
+        assert choose(1, 8, 256, 1) == 1  # the CPU (interpreter) reports one SM
+        with pytest.raises(ValueError, match="num_splits must be at least 1"):
+            decode_attention_triton(torch.zeros(1, 2, HEAD_DIM), torch.zeros(2, 1, 8, 2, HEAD_DIM),
+                                    torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0,
+                                    num_splits=0)
 
     @pytest.mark.parametrize("dtype,window", [(d, None) for d in DTYPES] + [(torch.float32, 5)], ids=str)
     def test_paged_attention_triton_backend_matches_torch_backend(dtype, window):

@@ -448,3 +448,31 @@ def test_listening_address_is_loopback_in_the_logs(stack):
     for service in ("cache", "model"):
         (event,) = [e for e in stack[service].log_events() if e.get("event") == "grpc_listening"]
         assert event["address"].startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("raw", ["48", "0", "2048", "-16"])
+def test_a_block_size_the_triton_kernel_cannot_take_is_refused_at_parsing(raw, capsys, monkeypatch):
+    # Powers of two up to 1024 compile for sm_80/sm_90 without spills (tests/test_kernels_compile.py).
+    from cache_service.pool import PoolSettings
+    from cache_service.server import build_parser as cache_parser
+
+    monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        cache_parser().parse_args(["--block-size", raw])
+    assert exited.value.code == 2
+    assert f"--block-size must be a power of two from 1 to 1024 (the Triton decode kernel reads blocks in " \
+           f"power-of-two tiles), got {int(raw)}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="power of two"):
+        PoolSettings(block_size=int(raw))
+    monkeypatch.setenv("PAGEDKV_BLOCK_SIZE", raw)
+    with pytest.raises(SystemExit):
+        cache_parser()
+    assert f"PAGEDKV_BLOCK_SIZE='{raw}' is not valid for --block-size" in capsys.readouterr().err
+
+
+def test_every_power_of_two_block_size_up_to_1024_is_accepted(monkeypatch):
+    from cache_service.server import build_parser as cache_parser
+
+    monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)
+    assert [cache_parser().parse_args(["--block-size", str(1 << n)]).block_size for n in range(11)] == \
+        [1 << n for n in range(11)]

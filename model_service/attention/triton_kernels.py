@@ -13,11 +13,20 @@ holds bfloat16 as raw integers until converted.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+# Elements of the decode kernel's per-tile [group, slots, head_dim] products, and most slots a
+# tile (decode_config): compiled for sm_90, 8192 elements spill at a group of 4 and head_dim
+# 128, and a group of 1 with 64-slot tiles takes 231 registers (scripts/compile_kernels.py).
+PRODUCT_ELEMENTS = 4096
+MAX_TILE = 32
+# Most parts a sequence's context is split into (choose_num_splits).
+MAX_SPLITS = 32
 
 
 @triton.jit
@@ -56,36 +65,40 @@ def write_kv_triton(
     _check_last_dim_contiguous(k=k, v=v, kv_layer=kv_layer)
     if num_tokens == 0:
         return
-    dim_pad = triton.next_power_of_2(head_dim)
-    # Up to ~1K elements a program: all heads of a token for common head dims.
-    heads_per_program = min(triton.next_power_of_2(kv_heads), max(1, 1024 // dim_pad))
-    grid = (num_tokens, triton.cdiv(kv_heads, heads_per_program))
+    config = write_kv_config(kv_heads, head_dim, block_size)
+    grid = (num_tokens, triton.cdiv(kv_heads, config["HEADS_PER_PROGRAM"]))
     _write_kv_kernel[grid](
         k, v, kv_layer, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HEADS_PER_PROGRAM=heads_per_program, DIM_PAD=dim_pad,
+        **config,
     )
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,  # split partials, fp32 (unused when not SPLIT)
     scale_log2,  # softmax scale * log2(e): the kernel works in exp2
     window,  # sliding window in positions; 0: the whole context (runtime, never a recompile)
     stride_q_seq, stride_q_head, stride_out_seq, stride_out_head,
     stride_kv, stride_block, stride_slot, stride_head, stride_table_seq,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    # One program per (sequence, kv head), serving all GROUP q heads that share that kv head,
-    # so each K/V block is loaded once for the group. Online softmax over the blocks.
+    # One program per (sequence, kv head, split of the context), serving all GROUP q heads
+    # that share that kv head, so each K/V tile is loaded once for the group. Online softmax
+    # over tiles of TILE slots: a block is visited in BLOCK_SIZE // TILE tiles, so the
+    # [GROUP_PAD, TILE, DIM_PAD] products stay within registers whatever the block size
+    # (decode_config sizes TILE; tests/test_kernels_compile.py checks for spills).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     group_rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
-    slots = tl.arange(0, BLOCK_SIZE)
+    tile_slots = tl.arange(0, TILE)
     row_mask = group_rows < GROUP
     dim_mask = dims < HEAD_DIM
     q_heads = kv_head * GROUP + group_rows
@@ -96,40 +109,116 @@ def _decode_kernel(
     ).to(tl.float32) * scale_log2  # [GROUP_PAD, DIM_PAD]
 
     context_len = tl.load(lens_ptr + seq)  # runtime: lengths never recompile
-    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
     # First visible position: blocks wholly before the window are never loaded.
     first_pos = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    first_block = first_pos // BLOCK_SIZE
+    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    # This split's share of the visible blocks (flash-decoding); some splits of a short
+    # sequence get none and report an empty partial.
+    per_split = tl.cdiv(num_blocks - first_block, num_splits)
+    start_block = first_block + split * per_split
+    end_block = tl.minimum(start_block + per_split, num_blocks)
+    tiles_per_block: tl.constexpr = BLOCK_SIZE // TILE
+
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     head_base = kv_ptr + kv_head * stride_head
-    for i in range(first_pos // BLOCK_SIZE, num_blocks):
-        block_id = tl.load(tables_ptr + seq * stride_table_seq + i).to(tl.int64)
-        positions = i * BLOCK_SIZE + slots
+    for tile in range(start_block * tiles_per_block, end_block * tiles_per_block):
+        block_index = tile // tiles_per_block
+        slots = (tile % tiles_per_block) * TILE + tile_slots
+        block_id = tl.load(tables_ptr + seq * stride_table_seq + block_index).to(tl.int64)
+        positions = block_index * BLOCK_SIZE + slots
         slot_mask = (positions < context_len) & (positions >= first_pos)
         offsets = block_id * stride_block + slots[:, None] * stride_slot + dims[None, :]
         kv_mask = slot_mask[:, None] & dim_mask[None, :]
-        k = tl.load(head_base + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, DIM_PAD]
+        k = tl.load(head_base + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, DIM_PAD]
         # Groups are small (1-8): multiply-and-sum beats padding them to tl.dot's 16 rows.
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, TILE]
         scores = tl.where(slot_mask[None, :], scores, float("-inf"))
-        # Every visited block holds at least one visible slot, so new_max is finite.
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp2(running_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
+        # A tile with no visible slot (past the end, or before the window, in a visited
+        # block) leaves new_max at -inf; subtract 0 then so no -inf - -inf makes a NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(running_max - shift)
+        probs = tl.exp2(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         v = tl.load(head_base + stride_kv + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * correction[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
         running_max = new_max
 
-    # A padded batch entry (context_len 0) visits no block: output zeros, not 0/0.
-    running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
-    out = acc / running_sum[:, None]
-    tl.store(
-        out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
-    )
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        # Unnormalised partials, [num_seqs, q_heads, num_splits(, DIM_PAD)]; _reduce_kernel
+        # weighs them by their maxima.
+        part_row = (seq * GROUP * tl.num_programs(1) + q_heads) * num_splits + split
+        tl.store(part_acc_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc, mask=out_mask)
+        tl.store(part_max_ptr + part_row, running_max, mask=row_mask)
+        tl.store(part_sum_ptr + part_row, running_sum, mask=row_mask)
+    else:
+        # A padded batch entry (context_len 0) visits no block: output zeros, not 0/0.
+        running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
+        out = acc / running_sum[:, None]
+        tl.store(
+            out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+
+
+@triton.jit
+def _reduce_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    num_splits, stride_out_seq, stride_out_head,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # One program per (sequence, q head): the splits' partial softmaxes, each rescaled from
+    # its own maximum to the overall one, summed and normalised once.
+    seq = tl.program_id(0)
+    q_head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    split_mask = splits < num_splits
+    row = (seq * tl.num_programs(1) + q_head) * num_splits + splits
+    maxima = tl.load(part_max_ptr + row, mask=split_mask, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + row, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * DIM_PAD + dims[None, :], mask=split_mask[:, None], other=0.0)
+    overall = tl.max(maxima, axis=0)
+    overall = tl.where(overall == float("-inf"), 0.0, overall)  # every split empty: a padded entry
+    weights = tl.exp2(maxima - overall)  # an empty split's -inf weighs 0
+    total = tl.sum(weights * sums, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(weights[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + seq * stride_out_seq + q_head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def decode_config(group: int, head_dim: int, block_size: int) -> dict:
+    """The decode kernel's compile-time constants for a model and pool (and num_warps):
+    one place for the launcher and the ahead-of-time compile check (attention/aot.py)."""
+    group_pad = triton.next_power_of_2(group)
+    dim_pad = triton.next_power_of_2(head_dim)
+    # The widest tile whose [GROUP_PAD, TILE, DIM_PAD] product fits PRODUCT_ELEMENTS, i.e.
+    # 32 float32 registers a thread at 4 warps: a group of 8 at head_dim 128 reads 4 slots a
+    # tile, a group of 1 reads 32 (capped by the block). All powers of two, so the tile is
+    # one too and divides the block.
+    tile = max(1, min(block_size, MAX_TILE, PRODUCT_ELEMENTS // (group_pad * dim_pad)))
+    return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, TILE=tile,
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, num_warps=4)
+
+
+def choose_num_splits(num_seqs: int, kv_heads: int, max_blocks: int, sm_count: int) -> int:
+    """How many parts to split each sequence's context into (flash-decoding): 1 when
+    sequences x kv heads already fill the SMs, else enough for about one program an SM, a
+    power of two (few reduce-kernel variants) of at most MAX_SPLITS and never more than the
+    block table has columns. Depends only on shapes, never on lengths: a captured decode
+    graph keeps its split."""
+    programs = num_seqs * kv_heads
+    if programs == 0 or programs * 2 > sm_count:
+        return 1
+    splits = 1
+    while splits * 2 * programs <= sm_count and splits * 2 <= min(MAX_SPLITS, max_blocks):
+        splits *= 2
+    return splits
 
 
 def decode_attention_triton(
@@ -139,6 +228,7 @@ def decode_attention_triton(
     context_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
     sliding_window: int | None = None,  # attend to the last sliding_window positions only
+    num_splits: int | None = None,  # context splits; None: choose_num_splits for this device
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]
     num_seqs, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, pool_head_dim = kv_layer.shape
@@ -148,20 +238,64 @@ def decode_attention_triton(
         raise ValueError(f"block_size {block_size} must be a power of two for the Triton kernel")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     _check_last_dim_contiguous(q=q, kv_layer=kv_layer, block_tables=block_tables)
-    group = q_heads // kv_heads
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    _decode_kernel[(num_seqs, kv_heads)](
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, kv_heads, block_tables.shape[1], sm_count(q.device))
+    config = decode_config(q_heads // kv_heads, head_dim, block_size)
+    dim_pad = config["DIM_PAD"]
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(num_seqs, q_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_seqs, q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched: SPLIT is off
+    _decode_kernel[(num_seqs, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out,
+        part_acc, part_max, part_sum,
         scale * LOG2_E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        SPLIT=split, **config,
     )
+    if split:
+        _reduce_kernel[(num_seqs, q_heads)](
+            part_acc, part_max, part_sum, out,
+            num_splits, out.stride(0), out.stride(1),
+            **reduce_config(head_dim, num_splits),
+        )
     return out
+
+
+def reduce_config(head_dim: int, num_splits: int) -> dict:
+    return dict(HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+                SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+
+
+def write_kv_config(kv_heads: int, head_dim: int, block_size: int) -> dict:
+    dim_pad = triton.next_power_of_2(head_dim)
+    # Up to ~1K elements a program: all heads of a token for common head dims.
+    heads_per_program = min(triton.next_power_of_2(kv_heads), max(1, 1024 // dim_pad))
+    return dict(NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                HEADS_PER_PROGRAM=heads_per_program, DIM_PAD=dim_pad)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter on CPU), so
+    nothing splits unless asked to."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:

@@ -1,0 +1,81 @@
+"""Compile every Triton kernel configuration the backend can launch for sm_80 and sm_90.
+
+No GPU needed (model_service/attention/aot.py). tests/test_kernels_compile.py compiles a
+representative set in CI; this is the whole matrix: model dtypes x GQA groups 1-8 x head
+dims 64 and 128 x every allowed block size x split / whole-context decode, the split
+reduction at every split count's pad, and the K/V write. Exits 1 on a compile error or a
+spilled register. About 3 s a configuration a core:
+
+    PYTHONPATH=$PWD python scripts/compile_kernels.py --jobs 16
+    PYTHONPATH=$PWD python scripts/compile_kernels.py --archs sm_90 --dtypes bf16 --block-sizes 16,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's own default, without its warning
+
+from cache_service.pool import MAX_BLOCK_SIZE  # noqa: E402
+
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def configurations(args: argparse.Namespace) -> list[tuple]:
+    """(kind, dtype name, arguments) for every configuration asked for."""
+    jobs = []
+    for dtype in args.dtypes:
+        for head_dim in args.head_dims:
+            for block_size in args.block_sizes:
+                for group in args.groups:
+                    for split in (False, True):
+                        jobs.append(("decode", dtype, (group, head_dim, block_size, split)))
+                for kv_heads in (1, 2, 8):
+                    jobs.append(("write_kv", dtype, (kv_heads, head_dim, block_size)))
+            for splits_pad in (2, 4, 8, 16, 32):
+                jobs.append(("reduce", dtype, (head_dim, splits_pad)))
+    return [(arch, *job) for arch in args.archs for job in jobs]
+
+
+def compile_one(arch: str, kind: str, dtype_name: str, arguments: tuple) -> tuple[bool, str]:
+    import torch
+
+    from model_service.attention import aot
+
+    builder = {"decode": aot.decode_config, "write_kv": aot.write_kv_config, "reduce": aot.reduce_config}[kind]
+    try:
+        report = aot.compile_kernel(*builder(getattr(torch, DTYPE_NAMES[dtype_name]), *arguments), arch)
+    except Exception as error:  # a compile error is a result to report, not a crash
+        return False, f"{kind} {arch} {dtype_name} {arguments}: COMPILE ERROR {type(error).__name__}: {error}"[:2000]
+    return not report.spills, report.row() + ("  SPILLS" if report.spills else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--archs", default="sm_80,sm_90", type=lambda raw: raw.split(","))
+    parser.add_argument("--dtypes", default="bf16,fp16,fp32", type=lambda raw: raw.split(","))
+    parser.add_argument("--groups", default="1,2,3,4,5,6,7,8", type=lambda raw: [int(x) for x in raw.split(",")])
+    parser.add_argument("--head-dims", default="64,128", type=lambda raw: [int(x) for x in raw.split(",")])
+    parser.add_argument("--block-sizes", default=",".join(str(1 << n) for n in range(MAX_BLOCK_SIZE.bit_length())),
+                        type=lambda raw: [int(x) for x in raw.split(",")])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    jobs = configurations(args)
+    print(f"{len(jobs)} configurations, {args.jobs} at a time", flush=True)
+    failures = 0
+    with ProcessPoolExecutor(args.jobs) as executor:
+        for future in as_completed([executor.submit(compile_one, *job) for job in jobs]):
+            ok, row = future.result()
+            failures += not ok
+            print(row, flush=True)
+    print(f"{len(jobs) - failures} of {len(jobs)} compiled without spills")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
