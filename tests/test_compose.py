@@ -37,6 +37,7 @@ SCHEMA = json.loads((Path(__file__).parent / "data" / "compose-spec.json").read_
 SCHEMA_V1_29 = json.loads((Path(__file__).parent / "data" / "compose-spec-docker-compose-1.29.json").read_text())
 BASE = REPO / "docker-compose.yml"
 GPU = REPO / "docker-compose.gpu.yml"
+REPLICAS = REPO / "docker-compose.replicas.yml"
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Z0-9_]+)(?::?-(?P<default>[^}]*))?\}")
@@ -88,7 +89,7 @@ def test_the_vendored_schema_is_the_compose_spec():
     assert {"services", "volumes", "networks"} <= set(SCHEMA["properties"])
 
 
-@pytest.mark.parametrize("path", [BASE, GPU], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [BASE, GPU, REPLICAS], ids=lambda path: path.name)
 def test_compose_file_matches_the_compose_spec_schema(path):
     jsonschema.Draft7Validator(SCHEMA).validate(load(path))
 
@@ -97,7 +98,7 @@ def test_merged_gpu_configuration_matches_the_schema():
     jsonschema.Draft7Validator(SCHEMA).validate(GPU_EFFECTIVE)
 
 
-@pytest.mark.parametrize("path", [BASE, GPU], ids=lambda path: path.name)
+@pytest.mark.parametrize("path", [BASE, GPU, REPLICAS], ids=lambda path: path.name)
 def test_compose_file_matches_docker_compose_1_29s_schema(path):
     assert SCHEMA_V1_29["title"] == "Compose Specification"
     jsonschema.Draft7Validator(SCHEMA_V1_29).validate(load(path))
@@ -316,7 +317,7 @@ def test_dockerignore_keeps_the_build_context_small_but_complete():
 
 
 @pytest.mark.parametrize("generation", ["v2", "v1"], ids=["compose-v2", "docker-compose-v1"])
-@pytest.mark.parametrize("files", [[BASE], [BASE, GPU]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("files", [[BASE], [BASE, GPU], [REPLICAS]], ids=["cpu", "gpu", "replicas"])
 def test_compose_cli_accepts_the_files(generation, files):
     command = compose_cli(generation)
     if command is None:
@@ -325,8 +326,30 @@ def test_compose_cli_accepts_the_files(generation, files):
     result = subprocess.run([*command, *arguments, "config"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
-    assert services["model"]["ipc"] == "service:cache"
-    assert services["model"]["depends_on"]["cache"]["condition"] == "service_healthy"
+    for model, cache in [("model-a", "cache-a"), ("model-b", "cache-b")] if files == [REPLICAS] else [("model", "cache")]:
+        assert services[model]["ipc"] == f"service:{cache}"
+        assert services[model]["depends_on"][cache]["condition"] == "service_healthy"
+
+
+def test_replicas_file_puts_two_replicas_behind_the_router_on_their_events():
+    replicas = interpolate(load(REPLICAS))
+    services = replicas["services"]
+    router = services["router"]
+    command = router["command"]
+    assert command[0] == "vllm_router.launch_router" and "--policy=kv_aware" in command
+    for name in ("a", "b"):
+        cache, model = services[f"cache-{name}"], services[f"model-{name}"]
+        assert environment(cache)["PAGEDKV_KV_EVENTS_ENDPOINT"] == "tcp://*:5557"
+        assert model["ipc"] == f"service:cache-{name}"
+        assert environment(model)["PAGEDKV_CACHE_SERVICE"] == f"cache-{name}:50052"
+        assert f"--kv-event-source=http://model-{name}:8000=tcp://cache-{name}:5557" in command
+        assert f"http://model-{name}:8000" in command
+        assert router["depends_on"][f"model-{name}"]["condition"] == "service_healthy"
+        assert "ports" not in model and "ports" not in cache  # only the router is published
+    # The router matches requests' model to the replicas' served name.
+    assert f"--kv-event-model={environment(services['model-a'])['PAGEDKV_SERVED_MODEL_NAME']}" in command
+    assert router["ports"] == ["127.0.0.1:8000:8000"]
+    assert router["build"]["args"]["EXTRAS"] == "router" and "router" in PYPROJECT["project"]["optional-dependencies"]
 
 
 def _seconds(text: str) -> float:

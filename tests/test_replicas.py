@@ -1,0 +1,146 @@
+"""Two replicas behind vllm-router's kv_aware policy, as plain processes.
+
+Each replica is a cache service publishing KV events and a model service on the tiny
+model; vllm-router (a Rust binary from the `vllm-router` wheel in the test extras)
+subscribes to both event streams, renders each request on the workers
+(/v1/completions/render) and routes it to the worker holding the longest prefix of its
+blocks. A prompt warmed on replica A alone draws every request that shares its prefix
+to A, which serves it from its prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_helpers import wait_for
+from cache_service.kv_events import BlockStored, decode_batch
+from cache_service.vllm_block_hash import chain, external
+from processes import free_port, start_cache_service, start_model_service
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+MODEL = "tiny-replica"
+# With the tiny model's byte tokenizer and its BOS, 97 tokens: six full blocks.
+PREFIX = "Paged attention keeps every sequence's keys and values in fixed-size blocks of the shared pool. "
+BLOCK_SIZE = 16
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def finished_requests(model) -> float:
+    text = urllib.request.urlopen(model.metrics_url, timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == "pagedkv_model_requests_total")
+
+
+def start_replica(tmp: Path) -> tuple:
+    """A cache service publishing KV events and a model service on it; (cache, model, events endpoint)."""
+    events = f"tcp://127.0.0.1:{free_port()}"
+    cache = start_cache_service(tmp, "--kv-cache-bytes", "8MiB", "--kv-events-endpoint", events)
+    try:
+        return cache, start_model_service(tmp, cache.address, "--served-model-name", MODEL), events
+    except BaseException:
+        cache.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    assert ROUTER.exists(), f"{ROUTER} is missing: install the test extras (pip install '.[test]')"
+    tmp = tmp_path_factory.mktemp("replicas")
+    # One after the other: a child started from a worker thread would get SIGTERM when
+    # that thread ends (processes.py asks the kernel for it, PR_SET_PDEATHSIG).
+    replicas = []
+    try:
+        for _ in range(2):
+            replicas.append(start_replica(tmp))
+        worker_urls = [model.http_url.removesuffix("/v1") for _, model, _ in replicas]
+        port = free_port()
+        # Its own Prometheus port: the default (29000) is one for the whole machine.
+        argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                # Its first look at the workers' /health may come before they answer it
+                # (default: again 30 s later).
+                "--worker-startup-check-interval", "1",
+                "--worker-urls", *worker_urls, "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+        for worker_url, (_, _, events) in zip(worker_urls, replicas):
+            argv += ["--kv-event-source", f"{worker_url}={events}"]
+        with open(tmp / "router.log", "wb") as log:
+            router = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            if router.poll() is not None:
+                raise AssertionError(f"vllm-router exited {router.returncode}: {(tmp / 'router.log').read_text()}")
+            try:
+                return urllib.request.urlopen(url + "/health", timeout=5).status == 200
+            except (urllib.error.URLError, ConnectionError):
+                return False
+
+        try:
+            wait_for(ready, 120, "vllm-router to serve")
+            yield url, replicas
+        finally:
+            router.terminate()
+            router.wait(timeout=15)
+    finally:
+        for cache, model, _ in replicas:
+            model.stop()
+            cache.stop()
+
+
+def wait_for_stored(subscriber, block_hash: int) -> None:
+    """Reads A's event stream until a BlockStored names ``block_hash``."""
+    poller = zmq.Poller()
+    poller.register(subscriber, zmq.POLLIN)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not poller.poll(1000):
+            continue
+        _, _, payload = subscriber.recv_multipart()
+        for event in decode_batch(payload).events:
+            if isinstance(event, BlockStored) and block_hash in event.block_hashes:
+                return
+    raise AssertionError(f"no BlockStored for block hash {block_hash} within 60 s")
+
+
+def test_requests_sharing_a_warm_prefix_go_to_the_replica_holding_it(replicas):
+    url, [(_, model_a, events_a), (_, model_b, _)] = replicas
+    # The blocks the router will look up: vLLM's hashes of the prefix's token ids.
+    tokens = post(model_a.http_url.removesuffix("/v1") + "/tokenize", {"model": MODEL, "prompt": PREFIX})["tokens"]
+    full_blocks = len(tokens) // BLOCK_SIZE
+    last_block_hash = external(chain(tokens, BLOCK_SIZE)[full_blocks - 1])
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.setsockopt(zmq.LINGER, 0)
+    subscriber.connect(events_a)
+    try:
+        # Warm the prefix on A alone, straight to its HTTP port; the router has subscribed
+        # to A's events since it started, so once they are out it knows A holds the prefix.
+        post(model_a.http_url + "/completions", {"model": MODEL, "prompt": PREFIX, "max_tokens": 1, "temperature": 0})
+        wait_for_stored(subscriber, last_block_hash)
+    finally:
+        subscriber.close()
+    served = {"a": finished_requests(model_a), "b": finished_requests(model_b)}
+    cached = []
+    for index in range(4):
+        answer = post(url + "/v1/completions", {"model": MODEL, "prompt": PREFIX + f"question {index}?",
+                                                "max_tokens": 2, "temperature": 0})
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert finished_requests(model_a) - served["a"] == 4, "every request sharing A's prefix goes to A"
+    assert finished_requests(model_b) == served["b"]
+    # Served from A's prefix cache: every full block of the prefix.
+    assert min(cached) >= full_blocks * BLOCK_SIZE, cached
