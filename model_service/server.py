@@ -20,11 +20,12 @@ from model_service.loading.loader import load_model
 from model_service.worker.runner import measure_workspace
 from model_service.worker.torch_threads import run_in_passing_thread
 from model_service.api.generation import GenerationService, deliver_on_loop
-from model_service.api.openai_http.app import create_app
+from model_service.api.openai_http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+from pagedkv.units import parse_bytes
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
 
 log = structlog.get_logger()
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--http-port", default=8000, type=int,
              help="OpenAI-compatible HTTP API port on --host (0 picks a free one, -1 disables); TLS and "
                   "--auth-token apply as on gRPC")
+    add_flag(parser, "--max-request-bytes", default=DEFAULT_MAX_REQUEST_BYTES, type=parse_bytes,
+             help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
     add_flag(parser, "--served-model-name", default=None,
              help="the model id the HTTP API lists and accepts (default: GetModelInfo's model_id)")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
@@ -112,6 +115,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--http-port must be a port, 0 (pick a free one) or -1 (no HTTP), got {args.http_port}")
     if args.max_concurrent_streams < 0:
         raise ValueError(f"--max-concurrent-streams must be 0 (no limit) or more, got {args.max_concurrent_streams}")
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes} is too small (at least 1024)")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be 1 (every token at once) or more, got {args.stream_interval}")
     device = resolve_device(args.device)
@@ -178,7 +183,8 @@ async def serve(args: argparse.Namespace) -> int:
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
     http = None
     if args.http_port >= 0:
-        http = HttpServer(create_app(generation, served_model_name=args.served_model_name, auth_token=args.auth_token),
+        http = HttpServer(create_app(generation, served_model_name=args.served_model_name, auth_token=args.auth_token,
+                                     max_request_bytes=args.max_request_bytes),
                           args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
         await http.start()
     await server.start(extra_ports={"http_port": http.port if http else -1})

@@ -8,7 +8,6 @@ A service registers its servicer and says when it is SERVING; everything else is
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import json
 import signal
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pagedkv.bearer import presented_token, token_matches
 from pagedkv.logs import configure_logging
 
 log = structlog.get_logger()
@@ -72,19 +72,19 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call but health checks that lacks 'authorization: Bearer <token>'."""
+    """Rejects every call but health checks that lacks 'authorization: Bearer <token>'
+    (the scheme in any case)."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        presented = metadata.get("authorization", "").encode()
-        # Constant-time comparison: the token is a secret.
-        if hmac.compare_digest(presented, self._expected):
+        presented = presented_token(metadata.get("authorization"))
+        if token_matches(presented, self._expected):
             return handler
         reason = "missing authorization metadata" if not presented else "wrong token"
         return _deny(handler, f"{reason}: send 'authorization: Bearer <token>' matching the server's --auth-token")

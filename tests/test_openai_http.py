@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -47,7 +48,7 @@ def cache(tmp_path_factory):
 def model(cache, checkpoint, tmp_path_factory):
     with start_model_service(tmp_path_factory.mktemp("model"), cache.address, "--model", str(checkpoint),
                              "--auth-token", TOKEN, "--cache-auth-token", TOKEN,
-                             "--served-model-name", MODEL) as service:
+                             "--served-model-name", MODEL, "--max-request-bytes", "1MiB") as service:
         yield service
 
 
@@ -340,6 +341,62 @@ def test_router_endpoints_need_the_token_too(model, path):
         urllib.request.urlopen(request, timeout=60)
     assert error.value.code == 401
     assert json.loads(error.value.read())["error"]["code"] == "invalid_api_key"
+
+
+def raw_request(port: int, head: str, body: bytes = b"") -> tuple[int, bytes]:
+    """(status, whole response) of one HTTP/1.1 exchange on a socket, where `body` may be
+    only the start of what the head's Content-Length announces: a server that waited for
+    the rest would never answer, and the read times out."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        connection.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        received = b""
+        while chunk := connection.recv(65536):  # the server closes after answering
+            received += chunk
+    return int(received.split(b" ", 2)[1]), received
+
+
+def test_no_token_is_401_before_the_body_is_read(model):
+    # 200 MiB announced, 1 KiB sent: the 401 comes without the server waiting for the rest.
+    status, response = raw_request(model.http_port, "POST /v1/completions HTTP/1.1\nHost: x\n"
+                                   "Content-Type: application/json\nContent-Length: 209715200\n", b"{" * 1024)
+    assert status == 401 and b"missing Authorization header" in response
+
+
+def test_body_over_max_request_bytes_is_413_before_it_is_read(model, cache):
+    head = (f"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {TOKEN}\n"
+            "Content-Type: application/json\n")
+    status, response = raw_request(model.http_port, head + "Content-Length: 209715200\n", b"{" * 1024)
+    assert status == 413 and b"at most 1,048,576 (--max-request-bytes)" in response
+    # Without a length (chunked), the body is read up to the limit: 17 chunks of 64 KiB
+    # pass it, and no last chunk is ever sent.
+    chunk = b"%x\r\n%s\r\n" % (65536, b" " * 65536)
+    status, response = raw_request(model.http_port, head + "Transfer-Encoding: chunked\n", chunk * 17)
+    assert status == 413 and b"more than 1,048,576 bytes" in response
+    assert leased(cache) == 0
+
+
+def test_invalid_json_and_the_schema_without_a_token_are_401(model):
+    for path, data in (("/v1/completions", b"{not json"), ("/openapi.json", None)):
+        request = urllib.request.Request(f"http://127.0.0.1:{model.http_port}{path}", data=data,
+                                         headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(request, timeout=30)
+        assert error.value.code == 401, path
+    request = urllib.request.Request(f"http://127.0.0.1:{model.http_port}/openapi.json",
+                                     headers={"authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert "/v1/completions" in json.loads(response.read())["paths"]
+
+
+def test_the_bearer_scheme_is_case_insensitive_on_both_doors(model):
+    request = urllib.request.Request(f"{model.http_url}/models", headers={"authorization": f"bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["data"][0]["id"] == MODEL
+    channel = grpc.insecure_channel(model.address)
+    info = model_pb2_grpc.ModelServiceStub(channel).GetModelInfo(
+        model_pb2.GetModelInfoRequest(), timeout=10, metadata=(("authorization", f"BEARER {TOKEN}"),))
+    channel.close()
+    assert info.vocab_size > 0
 
 
 def test_unknown_model_is_404(client):

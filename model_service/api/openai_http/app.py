@@ -9,19 +9,19 @@ every request it started is closed, so its blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.openai_http import render, to_generate
 from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
+from model_service.api.openai_http.gate import Gate
 from model_service.api.openai_http.logprobs import TokenNames
 from model_service.api.openai_http.protocol import (
     ChatCompletionRequest,
@@ -33,32 +33,30 @@ from model_service.api.openai_http.protocol import (
 from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndpoint, Endpoint
 from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
 from model_service.api.openai_http.unsupported import refuse_unsupported
+from pagedkv.bearer import token_matches
 
 DONE = format_sse_event(data_str="[DONE]")
 # nginx's status for "the client closed the request": nobody reads it, the log does.
 CLIENT_CLOSED_REQUEST = 499
+# --max-request-bytes' default, gRPC's --max-message-bytes default too. The largest valid
+# single-prompt body is far under it: the prompt byte cap (32 bytes a token, validation.py)
+# is 262,112 bytes at 8,191 tokens, 1.6 MB even with every byte JSON-escaped as \u00XX.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def create_app(generation: GenerationService, *, served_model_name: str | None = None,
-               auth_token: str | None = None) -> FastAPI:
+               auth_token: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="pagedkv model service", summary="OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_handlers(app)
+    # Token and body size are checked in front of FastAPI, which reads the body first (gate.py).
+    expected = auth_token.encode() if auth_token else None
+    app.add_middleware(Gate, max_request_bytes=max_request_bytes,
+                       authenticate=(lambda token: token_matches(token, expected)) if expected else None)
     loaded = generation.engine.loaded
     model_name = served_model_name or loaded.model_id
     created = int(time.time())
     token_names = TokenNames(loaded.tokenizer)
     token_ids_as_names = TokenNames(loaded.tokenizer, as_token_ids=True)
-    expected_authorization = f"Bearer {auth_token}".encode() if auth_token else None
-
-    def authorize(request: Request) -> None:
-        if expected_authorization is None:
-            return
-        presented = request.headers.get("authorization", "").encode()
-        # Constant-time comparison: the token is a secret.
-        if not hmac.compare_digest(presented, expected_authorization):
-            reason = "missing Authorization header" if not presented else "wrong token"
-            raise ApiError(401, f"{reason}: send 'Authorization: Bearer <token>' matching the server's "
-                           "--auth-token (the openai client's api_key)", code="invalid_api_key")
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv",
@@ -76,16 +74,16 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return ApiError(503, "not attached to the cache service; generation is unavailable until it is back",
                         code="unavailable").response()
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         check_model(model_id)
         return model_card()
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         refuse_unsupported(body)
@@ -94,7 +92,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         endpoint = ChatEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs)
         return await run(body, requests, endpoint, request)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         refuse_unsupported(body)
@@ -104,7 +102,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return await run(body, requests, endpoint, request)
 
     # What routers ask before routing (render.py): the token ids a request would run with.
-    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
         if body.model is not None:
             check_model(body.model)
@@ -112,14 +110,14 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return render.tokenize_body(token_ids, generation.engine.settings.max_model_len,
                                     token_names if body.return_token_strs else None)
 
-    @app.post("/v1/completions/render", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions/render")
     async def completions_render(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
         check_model(body.model)
         refuse_unsupported(body)
         requests = to_generate.completion_requests(body, _request_id(body, request, f"cmpl-{uuid.uuid4().hex}"))
         return [render.rendered(one, model_name, *await generation.render(one), body) for one in requests]
 
-    @app.post("/v1/chat/completions/render", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         check_model(body.model)
         refuse_unsupported(body)
