@@ -1,8 +1,8 @@
 """A checkpoint's chat template: messages -> the prompt text the model was tuned on.
 
 Templates are Jinja, written for transformers' `apply_chat_template`, and come from the
-checkpoint (untrusted code): they run in Jinja's immutable sandbox with what transformers
-gives them, so a template renders here exactly as there: `trim_blocks` and
+checkpoint (untrusted code): they run in Jinja's immutable sandbox, with a time and a
+size budget (template_limits.py), and with what transformers gives them, so a template renders here exactly as there: `trim_blocks` and
 `lstrip_blocks`, the loop-controls extension, `raise_exception`, `strftime_now`, a `tojson`
 that does not HTML-escape, and `bos_token` / `eos_token` as variables.
 
@@ -21,12 +21,16 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from model_service.errors import ModelLoadError
+from model_service.text.template_limits import LimitedSandbox, TemplateLimitExceeded, limit_filters, run_with_deadline
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_FILE = "chat_template.jinja"
+# A render that takes longer is a template that loops: real ones take milliseconds.
+RENDER_SECONDS = 2.0
+# What a render may build, unless the caller says (validation gives the prompt's byte cap).
+DEFAULT_MAX_CHARS = 1 << 20
 
 
 class ChatTemplateError(Exception):
@@ -45,11 +49,10 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+def _environment() -> LimitedSandbox:
+    environment = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     environment.filters["tojson"] = _tojson
+    limit_filters(environment)
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment
@@ -57,23 +60,31 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 class ChatTemplate:
     def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None) -> None:
+        self._environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = self._environment.from_string(source)
         except jinja2.TemplateSyntaxError as error:
             raise ModelLoadError(f"the chat template does not compile: {error} (line {error.lineno})") from None
         self.source = source
         self._special_tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               **template_kwargs: Any) -> str:
-        """The prompt text; ChatTemplateError with the template's own message when it refuses."""
+               max_chars: int = DEFAULT_MAX_CHARS, seconds: float = RENDER_SECONDS, **template_kwargs: Any) -> str:
+        """The prompt text; ChatTemplateError with the template's own message when it
+        refuses, or when it builds more than `max_chars` or runs longer than `seconds`."""
         variables = {**self._special_tokens, **template_kwargs}
+        # One environment per template, its budget set per render (renders of one template
+        # run on worker threads at once; every caller passes the service's one budget).
+        self._environment.max_chars = max_chars
         try:
-            return self._template.render(
+            text = run_with_deadline(lambda: self._template.render(
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
                 **variables,
-            )
+            ), seconds)
+            return self._environment.check(text)
+        except TemplateLimitExceeded as error:
+            raise ChatTemplateError(f"the chat template went over its limits on these messages: {error}") from None
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"the chat template refused the messages: {error}") from None
         except Exception as error:  # a template's own bug (a None + str...), triggered by these messages
