@@ -165,9 +165,12 @@ def raw_generate(channel, payload: bytes, metadata=AUTH):
 INVALID_UTF8_PROMPT = b"\x12\x04\xff\xfe\x41\x80"
 # Field 2 announces 5 bytes and 2 follow.
 TRUNCATED = b"\x12\x05ab"
+# A lone surrogate (U+D800) as WTF-8 would write it: not UTF-8 either.
+SURROGATE_PROMPT = b"\x12\x04a\xed\xa0\x80"
 
 
-@pytest.mark.parametrize("payload", [INVALID_UTF8_PROMPT, TRUNCATED], ids=["invalid-utf8-prompt", "truncated"])
+@pytest.mark.parametrize("payload", [INVALID_UTF8_PROMPT, TRUNCATED, SURROGATE_PROMPT],
+                         ids=["invalid-utf8-prompt", "truncated", "surrogate-prompt"])
 def test_unparseable_generate_request_is_invalid_argument(stack, payload):
     # Without the service's MalformedRequestInterceptor gRPC answers UNKNOWN
     # ("Unexpected <class 'DecodeError'>") and logs a traceback.

@@ -399,6 +399,21 @@ def test_the_bearer_scheme_is_case_insensitive_on_both_doors(model):
     assert info.vocab_size > 0
 
 
+@pytest.mark.parametrize(("fields", "param"), [({"prompt": "a\ud800b"}, "prompt"),
+                                               ({"prompt": "ok", "stop": ["x", "\udfff"]}, "stop.1")])
+def test_lone_surrogate_is_400_naming_its_field(model, cache, fields, param):
+    # JSON's own escape for a lone surrogate: no Unicode text, and no proto string can hold it.
+    body = '{"model": "%s", "max_tokens": 2, %s}' % (MODEL, json.dumps(fields)[1:-1])
+    request = urllib.request.Request(f"{model.http_url}/completions", data=body.encode(), headers={
+        "content-type": "application/json", "authorization": f"Bearer {TOKEN}"})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=30)
+    assert error.value.code == 400
+    answer = json.loads(error.value.read())["error"]
+    assert answer["param"] == param and "lone UTF-16 surrogate" in answer["message"]
+    assert leased(cache) == 0
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as error:
         client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)

@@ -145,6 +145,23 @@ def test_bad_messages_are_400_with_the_grpc_path_s_message(client, services):
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
 
 
+def test_messages_over_the_prompt_byte_cap_are_refused_before_rendering(client, services):
+    cache, _, stub = services
+    info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10)
+    # Over 32 bytes a token (validation.py) of the longest prompt, split over two messages.
+    half = "x" * ((info.max_model_len - 1) * 32 // 2 + 1)
+    messages = [{"role": "system", "content": half}, {"role": "user", "content": half}]
+    with pytest.raises(grpc.RpcError) as grpc_error:
+        list(stub.Generate(model_pb2.GenerateRequest(messages=[model_pb2.ChatMessage(**m) for m in messages]),
+                           timeout=30))
+    assert grpc_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the messages' text is at least" in grpc_error.value.details()
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert error.value.body["message"] == grpc_error.value.details()
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
+
+
 def test_chat_logprobs_and_top_logprobs_equal_grpc_s(client, services):
     _, _, stub = services
     request = model_pb2.GenerateRequest(

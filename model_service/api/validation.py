@@ -61,9 +61,7 @@ def validate_generate_request(
         raise InvalidRequest("request_id has control characters; use printable text (letters, digits, -_.:)")
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is {len(request.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
-    if request.prompt:
-        check_prompt_bytes(request.prompt, limits)
-    prompt_token_ids = prompt_token_ids_of(request, tokenizer, chat_template)
+    prompt_token_ids = prompt_token_ids_of(request, tokenizer, chat_template, limits)
     vocab_size = limits.vocab_size
     out_of_range = [t for t in prompt_token_ids if t >= vocab_size]
     if out_of_range:
@@ -108,9 +106,7 @@ def tokenize_prompt(
     """The prompt's token ids with the checks of its form (one form, the byte limit, roles,
     template kwargs, token ids in the vocabulary) but not of its length: POST /tokenize
     answers how long a prompt is, with max_model_len beside it."""
-    if request.prompt:
-        check_prompt_bytes(request.prompt, limits)
-    prompt_token_ids = prompt_token_ids_of(request, tokenizer, chat_template, add_special_tokens)
+    prompt_token_ids = prompt_token_ids_of(request, tokenizer, chat_template, limits, add_special_tokens)
     out_of_range = [t for t in prompt_token_ids if t >= limits.vocab_size]
     if out_of_range:
         raise InvalidRequest(
@@ -119,15 +115,31 @@ def tokenize_prompt(
     return prompt_token_ids
 
 
+def check_text_bytes(request: model_pb2.GenerateRequest, limits: GenerateLimits) -> None:
+    """The byte cap on a text prompt, or on the messages before the template renders them
+    (their text is the prompt's, and the cap is the same)."""
+    if request.prompt:
+        check_prompt_bytes(request.prompt, limits)
+    elif request.messages:
+        check_prompt_bytes_of(sum(len(message.content) + len(message.role) for message in request.messages),
+                              lambda: sum(len(message.content.encode()) + len(message.role.encode())
+                                          for message in request.messages), limits, "the messages' text is")
+
+
 def check_prompt_bytes(prompt: str, limits: GenerateLimits) -> None:
     """Refuses, before tokenizing, a text prompt too long in bytes to ever fit."""
+    check_prompt_bytes_of(len(prompt), lambda: len(prompt.encode()), limits, "the prompt is")
+
+
+def check_prompt_bytes_of(characters: int, utf8_bytes, limits: GenerateLimits, what: str) -> None:
+    """The byte cap, given a text's length in characters and a way to count its bytes."""
     max_bytes = limits.max_prompt_tokens * MAX_PROMPT_BYTES_PER_TOKEN
-    # Characters first (each is at least one byte): a prompt far over the limit is
-    # refused without even encoding it.
-    prompt_bytes = len(prompt) if len(prompt) > max_bytes else len(prompt.encode())
+    # Characters first (each is at least one byte): a text far over the limit is refused
+    # without even encoding it.
+    prompt_bytes = characters if characters > max_bytes else utf8_bytes()
     if prompt_bytes > max_bytes:
         raise InvalidRequest(
-            f"the prompt is at least {prompt_bytes:,} bytes; this service accepts at most {max_bytes:,} "
+            f"{what} at least {prompt_bytes:,} bytes; this service accepts at most {max_bytes:,} "
             f"({MAX_PROMPT_BYTES_PER_TOKEN} bytes for each of --max-prompt-tokens {limits.max_prompt_tokens}), "
             "more than could ever fit: send a shorter prompt"
         )
@@ -135,7 +147,7 @@ def check_prompt_bytes(prompt: str, limits: GenerateLimits) -> None:
 
 def prompt_token_ids_of(
     request: model_pb2.GenerateRequest, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-    add_special_tokens: bool | None = None,
+    limits: GenerateLimits, add_special_tokens: bool | None = None,
 ) -> list[int]:
     """The request's one prompt form as token ids: text (tokenized with the tokenizer's
     special tokens, BOS for Llama), ids as given, or messages rendered by the chat template
@@ -148,10 +160,11 @@ def prompt_token_ids_of(
         raise InvalidRequest(f"set exactly one of prompt, prompt_token_ids and messages, not {' and '.join(forms)}")
     if request.HasField("chat_template_kwargs") and forms != ["messages"]:
         raise InvalidRequest("chat_template_kwargs apply to messages only; this request sets no messages")
+    check_text_bytes(request, limits)
     if request.prompt:
         prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
     elif request.messages:
-        text = render_messages(request, chat_template)
+        text = render_messages(request, chat_template, limits)
         prompt_token_ids = tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
     else:
         prompt_token_ids = list(request.prompt_token_ids)
@@ -162,7 +175,14 @@ def prompt_token_ids_of(
     return prompt_token_ids
 
 
-def render_messages(request: model_pb2.GenerateRequest, chat_template: ChatTemplate | None) -> str:
+def max_template_chars(limits: GenerateLimits) -> int:
+    """What a chat template may build: twice the prompt's byte cap (the messages are under
+    it), and room for the template's own text."""
+    return 2 * limits.max_prompt_tokens * MAX_PROMPT_BYTES_PER_TOKEN + (1 << 16)
+
+
+def render_messages(request: model_pb2.GenerateRequest, chat_template: ChatTemplate | None,
+                    limits: GenerateLimits) -> str:
     if chat_template is None:
         raise InvalidRequest(
             "this model has no chat template, so messages cannot be rendered; send prompt or prompt_token_ids "
@@ -177,7 +197,7 @@ def render_messages(request: model_pb2.GenerateRequest, chat_template: ChatTempl
     try:
         return chat_template.render(
             [{"role": message.role, "content": message.content} for message in request.messages],
-            add_generation_prompt=True, **kwargs,
+            add_generation_prompt=True, max_chars=max_template_chars(limits), **kwargs,
         )
     except ChatTemplateError as error:
         raise InvalidRequest(str(error)) from None

@@ -128,7 +128,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return token_ids_as_names if body.return_tokens_as_token_ids else token_names
 
     async def run(body: GenerationFields, requests, endpoint: Endpoint, request: Request) -> Response:
-        running = Running(generation, requests)  # GenerateError: the handler answers it
+        running = await Running.start(generation, requests)  # GenerateError: the handler answers it
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(events(endpoint, running, len(requests) * body.n, include_usage), on_end=running.close)

@@ -21,14 +21,29 @@ from pagedkv.model.v1 import model_pb2
 class Running:
     """The ResponseStreams of one body's GenerateRequests."""
 
-    def __init__(self, generation: GenerationService, requests: list[model_pb2.GenerateRequest]) -> None:
-        self.streams: list[ResponseStream] = []
+    def __init__(self, streams: list[ResponseStream]) -> None:
+        self.streams = streams
+
+    @classmethod
+    async def start(cls, generation: GenerationService, requests: list[model_pb2.GenerateRequest]) -> Running:
+        """Starts every request, its prompt tokenized on a worker thread as gRPC's are
+        (start_async), a list of prompts side by side; if one is refused, those started
+        are closed and its GenerateError is raised."""
+        tasks = [asyncio.ensure_future(generation.start_async(request)) for request in requests]
         try:
-            for request in requests:
-                self.streams.append(generation.start(request))
-        except GenerateError:
-            self.close()
-            raise
+            await asyncio.wait(tasks)
+        finally:  # also when the client went away meanwhile: nothing started may stay open
+            for task in tasks:
+                task.cancel()
+            started = [task.result() for task in tasks if task.done() and not task.cancelled()
+                       and task.exception() is None]
+            errors = [task.exception() for task in tasks if task.done() and not task.cancelled()
+                      and task.exception() is not None]
+            if errors or len(started) < len(tasks):
+                cls(started).close()
+        if errors:
+            raise errors[0]
+        return cls(started)
 
     async def results(self) -> AsyncIterator[tuple[int, model_pb2.GenerateResponse]]:
         """(prompt index, response) in arrival order; GenerateError if any request fails."""

@@ -8,14 +8,51 @@ negative seed into a uint64, a logit_bias key that is not a token id).
 
 from __future__ import annotations
 
+import functools
+import re
+from typing import Any
+
 from model_service.api.openai_http.errors import ApiError
 from model_service.api.openai_http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from pagedkv.model.v1 import model_pb2
 
 # OpenAI samples at temperature 1 unless told otherwise; the proto's zero value is greedy.
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# JSON may spell a lone UTF-16 surrogate ("\\ud800"); it is no Unicode text, a proto string
+# cannot hold it, and it must be a 400, not the 500 of an escaped UnicodeEncodeError.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def refusing_surrogates(translate):
+    """`translate(body, ...)`, with a lone surrogate anywhere in the body a 400 naming its field."""
+
+    @functools.wraps(translate)
+    def wrapper(body, *args, **kwargs):
+        try:
+            return translate(body, *args, **kwargs)
+        except UnicodeEncodeError:
+            param = _surrogate_path(body.model_dump(exclude_none=True))
+            raise ApiError(400, f"{param or 'a string'} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                           "without its pair), which is not Unicode text: send valid UTF-8 / paired escapes",
+                           param=param, code="invalid_value") from None
+
+    return wrapper
+
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path (messages.0.content) of the first string with a lone surrogate."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _surrogate_path(key, path) if isinstance(key, str) else None
+        found = found or _surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+@refusing_surrogates
 def chat_request(body: ChatCompletionRequest, request_id: str) -> model_pb2.GenerateRequest:
     request = model_pb2.GenerateRequest(request_id=request_id)
     add_messages(request, body.messages, body.chat_template_kwargs)
@@ -37,6 +74,7 @@ def add_messages(request: model_pb2.GenerateRequest, messages: list[ChatMessage]
         request.chat_template_kwargs.update(chat_template_kwargs)
 
 
+@refusing_surrogates
 def completion_requests(body: CompletionRequest, request_id: str) -> list[model_pb2.GenerateRequest]:
     """One GenerateRequest per prompt of the body (a batch of prompts is several)."""
     prompts = _prompts(body.prompt)
