@@ -102,8 +102,10 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
 
 def write_gguf(path: Path, quant_type: str = "F32", *, seed: int = 0, architecture: str = "llama",
                tokenizer_model: str = "gpt2", chat_template: str | None = CHAT_TEMPLATE,
-               extra_tensors: dict[str, np.ndarray] | None = None, tie_word_embeddings: bool = False):
-    """Writes the file; returns (path, the transformers model it was made from)."""
+               extra_tensors: dict[str, np.ndarray] | None = None, tie_word_embeddings: bool = False,
+               metadata: dict[str, int] | None = None):
+    """Writes the file; returns (path, the transformers model it was made from).
+    `metadata`: uint32 keys written over the true ones (a hostile or broken file)."""
     import gguf
 
     path = Path(path)
@@ -135,6 +137,8 @@ def write_gguf(path: Path, quant_type: str = "F32", *, seed: int = 0, architectu
     writer.add_add_bos_token(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)  # replaces the key's earlier value
     for name, array in {**gguf_tensors(model), **(extra_tensors or {})}.items():
         if array.ndim != 2 or array.dtype != np.float32 or quant_type == "F32":
             writer.add_tensor(name, array)  # norms stay F32, as llama.cpp keeps them

@@ -138,6 +138,20 @@ def test_unexpected_tensor_is_named(tmp_path):
         load_model(str(path), torch.float32, "cpu")
 
 
+@pytest.mark.parametrize(("metadata", "message"), [
+    # A small file claiming sizes that would allocate 262 GB: refused before allocating.
+    ({"llama.embedding_length": 65536, "llama.rope.dimension_count": 16384, "llama.feed_forward_length": 1 << 20,
+      "llama.vocab_size": 1 << 20}, r"tensors do not have the shapes its metadata implies: token_embd\.weight is"),
+    ({"llama.attention.head_count": 0}, r"llama\.attention\.head_count is 0; it must be a positive count"),
+    ({"tokenizer.ggml.bos_token_id": 1_000_000}, r"tokenizer\.ggml\.bos_token_id 1000000 is not a token id"),
+    ({"llama.context_length": 1 << 31}, r"context_length 2,147,483,648 is past the 4,194,304 positions"),
+], ids=["sizes-past-the-tensors", "no-heads", "bos-past-the-vocab", "context-length"])
+def test_hostile_metadata_is_a_load_error_before_allocating(tmp_path, metadata, message):
+    path, _ = write_gguf(tmp_path / "hostile.gguf", "F32", metadata=metadata)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(str(path), torch.float32, "cpu")
+
+
 def test_directory_with_two_gguf_files(tmp_path):
     write_gguf(tmp_path / "a.gguf", "F32")
     write_gguf(tmp_path / "b.gguf", "Q8_0")

@@ -14,6 +14,9 @@ from model_service.loading.gguf_file import GGUFFile
 # GGUF architecture -> the ModelConfig architecture serving it. llama.cpp writes Llama,
 # Mistral and SmolLM checkpoints all as "llama".
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# The RoPE table holds a row per position (rope.py), allocated at load: a file claiming
+# billions of positions must not allocate them. 4M is past every released model's context.
+MAX_CONTEXT_LENGTH = 1 << 22
 # Tensors that would change the model's arithmetic in ways pagedkv does not implement.
 _UNSUPPORTED_TENSORS = {
     "rope_freqs.weight": "per-dimension RoPE frequency factors (Llama 3.1-style RoPE scaling in GGUF)",
@@ -34,8 +37,8 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     def key(name: str) -> str:
         return f"{architecture}.{name}"
 
-    hidden_size = int(file.require(key("embedding_length")))
-    num_heads = _one_count(file, key("attention.head_count"))
+    hidden_size = _positive(file, key("embedding_length"), int(file.require(key("embedding_length"))))
+    num_heads = _positive(file, key("attention.head_count"), _one_count(file, key("attention.head_count")))
     num_kv_heads = _one_count(file, key("attention.head_count_kv"), default=num_heads)
     head_dim = int(file.value(key("attention.key_length"), hidden_size // num_heads))
     value_dim = int(file.value(key("attention.value_length"), head_dim))
@@ -58,6 +61,16 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     eot = file.value("tokenizer.ggml.eot_token_id")
     eos_token_ids = tuple(dict.fromkeys(int(i) for i in (eos, eot) if i is not None))
     bos = file.value("tokenizer.ggml.bos_token_id")
+    # Checked here: a tokenizer indexes its token list with them.
+    tokens_known = len(tokens) if tokens is not None else int(vocab_size)
+    for name, token_id in (("bos_token_id", bos), ("eos_token_id", eos), ("eot_token_id", eot)):
+        if token_id is not None and not 0 <= int(token_id) < min(tokens_known, int(vocab_size)):
+            raise ModelLoadError(f"{file.path}: tokenizer.ggml.{name} {int(token_id)} is not a token id of its "
+                                 f"{min(tokens_known, int(vocab_size)):,} tokens")
+    context_length = int(file.value(key("context_length"), 2048))
+    if context_length > MAX_CONTEXT_LENGTH:
+        raise ModelLoadError(f"{file.path}: {key('context_length')} {context_length:,} is past the "
+                             f"{MAX_CONTEXT_LENGTH:,} positions pagedkv builds RoPE tables for")
     return ModelConfig(
         architecture=SUPPORTED_GGUF_ARCHITECTURES[architecture],
         vocab_size=int(vocab_size),
@@ -69,12 +82,19 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(file.require(key("attention.layer_norm_rms_epsilon"))),
         rope_theta=float(file.value(key("rope.freq_base"), 10000.0)),
-        max_position_embeddings=int(file.value(key("context_length"), 2048)),
+        max_position_embeddings=context_length,
         # llama.cpp writes output.weight only when it is not the embedding matrix.
         tie_word_embeddings="output.weight" not in file.tensors,
         eos_token_ids=eos_token_ids,
         bos_token_id=None if bos is None else int(bos),
     )
+
+
+def _positive(file: GGUFFile, key: str, value: int) -> int:
+    # Divided by and allocated with: 0 or less is a broken file, said before either happens.
+    if value <= 0:
+        raise ModelLoadError(f"{file.path}: {key} is {value}; it must be a positive count")
+    return value
 
 
 def _one_count(file: GGUFFile, key: str, default: int | None = None) -> int:

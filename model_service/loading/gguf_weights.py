@@ -42,32 +42,35 @@ class _Target:
     param_name: str
     row_start: int
     row_end: int
+    # The tensor's shape as PyTorch writes it (rows, columns) or (n,).
+    shape: tuple[int, ...]
     unpermute_heads: int = 0
 
 
 def expected_gguf_tensors(config: ModelConfig) -> dict[str, _Target]:
     """llama.cpp tensor name -> where it lands in LlamaForCausalLM."""
     q, kv, inter, hidden = config.q_size, config.kv_size, config.intermediate_size, config.hidden_size
+    vocab = config.vocab_size
     targets = {
-        "token_embd.weight": _Target("embed_tokens.weight", 0, config.vocab_size),
-        "output_norm.weight": _Target("norm.weight", 0, hidden),
+        "token_embd.weight": _Target("embed_tokens.weight", 0, vocab, (vocab, hidden)),
+        "output_norm.weight": _Target("norm.weight", 0, hidden, (hidden,)),
     }
     if not config.tie_word_embeddings:
-        targets["output.weight"] = _Target("lm_head.weight", 0, config.vocab_size)
+        targets["output.weight"] = _Target("lm_head.weight", 0, vocab, (vocab, hidden))
     for layer in range(config.num_layers):
         blk, ours = f"blk.{layer}", f"layers.{layer}"
         qkv = f"{ours}.self_attn.qkv_proj.weight"
         gate_up = f"{ours}.mlp.gate_up_proj.weight"
         targets.update({
-            f"{blk}.attn_norm.weight": _Target(f"{ours}.input_layernorm.weight", 0, hidden),
-            f"{blk}.ffn_norm.weight": _Target(f"{ours}.post_attention_layernorm.weight", 0, hidden),
-            f"{blk}.attn_q.weight": _Target(qkv, 0, q, unpermute_heads=config.num_heads),
-            f"{blk}.attn_k.weight": _Target(qkv, q, q + kv, unpermute_heads=config.num_kv_heads),
-            f"{blk}.attn_v.weight": _Target(qkv, q + kv, q + 2 * kv),
-            f"{blk}.attn_output.weight": _Target(f"{ours}.self_attn.o_proj.weight", 0, hidden),
-            f"{blk}.ffn_gate.weight": _Target(gate_up, 0, inter),
-            f"{blk}.ffn_up.weight": _Target(gate_up, inter, 2 * inter),
-            f"{blk}.ffn_down.weight": _Target(f"{ours}.mlp.down_proj.weight", 0, hidden),
+            f"{blk}.attn_norm.weight": _Target(f"{ours}.input_layernorm.weight", 0, hidden, (hidden,)),
+            f"{blk}.ffn_norm.weight": _Target(f"{ours}.post_attention_layernorm.weight", 0, hidden, (hidden,)),
+            f"{blk}.attn_q.weight": _Target(qkv, 0, q, (q, hidden), unpermute_heads=config.num_heads),
+            f"{blk}.attn_k.weight": _Target(qkv, q, q + kv, (kv, hidden), unpermute_heads=config.num_kv_heads),
+            f"{blk}.attn_v.weight": _Target(qkv, q + kv, q + 2 * kv, (kv, hidden)),
+            f"{blk}.attn_output.weight": _Target(f"{ours}.self_attn.o_proj.weight", 0, hidden, (hidden, q)),
+            f"{blk}.ffn_gate.weight": _Target(gate_up, 0, inter, (inter, hidden)),
+            f"{blk}.ffn_up.weight": _Target(gate_up, inter, 2 * inter, (inter, hidden)),
+            f"{blk}.ffn_down.weight": _Target(f"{ours}.mlp.down_proj.weight", 0, hidden, (hidden, inter)),
         })
     return targets
 
@@ -91,6 +94,16 @@ def check_gguf_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, _Target
             f"{file.path}: {len(unsupported)} tensors have a type pagedkv cannot dequantize: {shown}; "
             f"supported: {', '.join(kind.name for kind in SUPPORTED_TENSOR_TYPES)}"
         )
+    # Before the model is allocated: the metadata's sizes are what it allocates, and a small
+    # file may claim any (embedding 65,536 and vocab 1M: 262 GB); the tensors' own shapes
+    # must agree with them, and the reader has checked that the tensors' bytes are in the file.
+    wrong = [(name, tuple(reversed([int(n) for n in file.tensors[name].shape])), target.shape)
+             for name, target in targets.items()
+             if tuple(reversed([int(n) for n in file.tensors[name].shape])) != target.shape]
+    if wrong:
+        shown = "; ".join(f"{name} is {found}, the metadata implies {implied}" for name, found, implied in wrong[:3])
+        raise ModelLoadError(f"{file.path}: {len(wrong)} tensors do not have the shapes its metadata implies: "
+                             f"{shown}")
     return targets
 
 
