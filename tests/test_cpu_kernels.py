@@ -144,3 +144,24 @@ def test_without_the_kernel_auto_serves_on_torch_and_cpu_refuses(tmp_path, env):
         assert "reason: false failed" in result.stdout
         assert "cpu kernels unavailable" in result.stdout + result.stderr  # the one warning
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_cached_library_others_could_write_is_built_again_not_loaded(tmp_path, monkeypatch):
+    from model_service.cpu_kernels import build
+
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path / "cache"))
+    # A stand-in compiler that writes a marker where -o says: what matters here is which
+    # file _build hands to the loader, not the code in it.
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho built > "$2"\n')
+    compiler.chmod(0o755)
+    target = build.library_path(str(compiler))
+    target.parent.mkdir(mode=0o700, parents=True)
+    target.write_text("planted\n")
+    target.chmod(0o666)  # world-writable: anyone could have put code there
+    assert build._build(str(compiler)) == target
+    assert target.read_text() == "built\n" and target.stat().st_mode & 0o022 == 0
+    # A directory others may write to is not used at all.
+    (tmp_path / "cache").chmod(0o777)
+    with pytest.raises(RuntimeError, match="kernel cache directory is not safe"):
+        build._build(str(compiler))

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
+from model_service.sched.lease_ops import LeaseLost, LeaseOps, LeaseOutcome
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry
 from pagedkv.serving import bearer_metadata, message_options
@@ -50,6 +50,9 @@ class CacheClient:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-sender")
         self.metadata = bearer_metadata(auth_token)
         self.timeout_s = timeout_s
+        # The pool's blocks as the last Attach sized it: the kernels index the pool with
+        # the block ids leases return, so none may point past it (0: not attached yet).
+        self.num_blocks = 0
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
                max_model_len: int, model_fingerprint: str = "",
@@ -59,7 +62,9 @@ class CacheClient:
             workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
             served_model_name=served_model_name,
         )
-        return self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
+        reply = self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
+        self.num_blocks = reply.sizing.num_blocks
+        return reply
 
     def heartbeat(self, session_id: str, timeout_s: float | None = None) -> None:
         self.stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=session_id),
@@ -85,11 +90,24 @@ class CacheClient:
 
     def _lease_blocking(self, request: cache_pb2.LeaseRequest) -> tuple[list[LeaseOutcome], int]:
         reply = self.stub.Lease(request, timeout=self.timeout_s, metadata=self.metadata)
-        return [outcome_from_proto(r) for r in reply.results], reply.blocks_available
+        outcomes = [outcome_from_proto(r) for r in reply.results]
+        check_block_ids(outcomes, self.num_blocks)
+        return outcomes, reply.blocks_available
 
     def close(self) -> None:
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.channel.close()
+
+
+def check_block_ids(outcomes: list[LeaseOutcome], num_blocks: int) -> None:
+    """LeaseLost (the engine re-attaches) when a block id is outside the pool: the C and
+    Triton kernels would read and write past the pool's memory with it."""
+    for outcome in outcomes:
+        ids = [*outcome.block_ids, *(outcome.copy or ())]
+        bad = [block for block in ids if not 0 <= block < num_blocks]
+        if bad:
+            raise LeaseLost(f"the cache service leased block id {bad[0]}, outside its pool of {num_blocks} blocks "
+                            f"(lease {outcome.lease_id}); the answer is not trusted: re-attaching")
 
 
 def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:

@@ -8,7 +8,10 @@ tensors they have checked.
 
 The shared object is cached under $PAGEDKV_KERNEL_CACHE (default ~/.cache/pagedkv/kernels),
 named by a hash of the sources, the compiler, its flags and this CPU's feature flags
-(-march=native code must not run on another CPU that shares the cache directory). Where
+(-march=native code must not run on another CPU that shares the cache directory). Loading
+a shared object runs its code, so a cached one is loaded only when this user owns it and
+its directory and neither is writable by the group or others (nor a symlink); any other
+is built again over it, and a directory others may write to is not used at all. Where
 no compiler works, or PAGEDKV_CPU_KERNELS=0, `load()` returns None, with one warning,
 and the torch code serves instead.
 """
@@ -20,6 +23,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -71,14 +75,38 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def library_path(compiler: str) -> Path:
+    """Where the library built by `compiler` from these sources is cached."""
     sources = [path.read_bytes() for path in sorted(CSRC.iterdir()) if path.suffix in (".c", ".h")]
     key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
-    target = cache_dir() / f"pagedkv-cpu-{key}.so"
+    return cache_dir() / f"pagedkv-cpu-{key}.so"
+
+
+def untrusted(path: Path) -> str | None:
+    """Why `path` may hold code someone else put there, or None when only this user could."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symlink"
+    if info.st_uid != os.getuid():
+        return f"{path} is owned by uid {info.st_uid}, not this user ({os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _build(compiler: str) -> Path:
+    target = library_path(compiler)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory_problem = untrusted(target.parent)
+    if directory_problem:
+        raise RuntimeError(f"the kernel cache directory is not safe to load code from: {directory_problem}; "
+                           "set PAGEDKV_KERNEL_CACHE to a directory only this user can write")
     if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+        problem = untrusted(target)
+        if problem is None:
+            return target
+        log.warning("cpu kernels cached by someone else; building them again over it", reason=problem)
     # Built under a temporary name and renamed: a concurrent start never loads half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
@@ -86,6 +114,7 @@ def _build(compiler: str) -> Path:
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        built.chmod(0o755)  # whatever the umask: a group-writable build would not be loaded again
         os.replace(built, target)
     log.info("cpu kernels built", path=str(target), compiler=compiler)
     return target
