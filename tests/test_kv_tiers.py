@@ -276,3 +276,28 @@ def test_kv_events_say_a_demotion_stores_on_cpu_and_storage(tmp_path):
     stored_disk = [event for event in moved if isinstance(event, BlockStored) and event.medium == "STORAGE"]
     assert [event.block_hashes[0] for event in removed_cpu] == gpu_stored.block_hashes
     assert [event.block_hashes[0] for event in stored_disk] == gpu_stored.block_hashes
+
+
+def test_a_block_taken_while_its_copy_runs_is_not_indexed():
+    stack = Stack(TierSettings(host_cache_bytes=4 * BYTES_PER_BLOCK))
+    tokens = tokens_of(10)
+    stack.run(tokens)
+    tiers = stack.tiers
+    batch = tiers._begin_demotion(16)  # chosen on the event loop; the copy would run in a thread
+    stack.evict_everything()  # meanwhile a Lease call takes the blocks, and their new holder writes them
+    tiers._copy(batch)
+    assert tiers._finish_demotion(batch) == 0
+    assert tiers.index.count("host") == 0 and tiers.missed_demotions == 3
+    stack.ledger.check_invariants()
+    assert stack.run(tokens).cached_tokens == 0
+
+
+def test_the_background_copy_runs_in_a_thread_and_promotes_the_same_bytes():
+    import asyncio
+
+    stack = Stack(TierSettings(host_cache_bytes=4 * BYTES_PER_BLOCK))
+    tokens = tokens_of(11)
+    stack.run(tokens)
+    assert asyncio.run(stack.tiers.demote_some_async(16)) == 3
+    stack.evict_everything()
+    assert stack.run(tokens).cached_tokens_host == 12

@@ -1,12 +1,15 @@
 """The KV tiers beyond the device pool: demotion behind the Lease calls, promotion inside them.
 
 Demotion is write-behind. A release that registers blocks in the prefix cache queues
-them; a background task copies queued blocks into the host tier a chunk per event-loop
-turn (or, without a host tier, stages them for the disk), and host blocks pushed out
-for room are written to disk in a worker thread. A registered block's K/V never changes
-while it stays registered (only full blocks are registered, and nobody writes into a
-full block), so a copy made any time before eviction is the block; the task checks the
-block still has the registration it was queued with before copying it. Eviction in the
+them; a background task copies queued blocks into the host tier a chunk at a time in a
+worker thread (or, without a host tier, copies them out for the disk), and host blocks
+pushed out for room are written to disk in a worker thread too. A registered block's K/V
+never changes while it stays registered (only full blocks are registered, and nobody
+writes into a full block), so a copy made any time before eviction is the block. The
+task checks on the event loop, before and after the copy, that the block still has the
+registration it was queued with: a block taken for reuse loses it for good (a new
+registration gets a new reg_id), so a copy that passes the second check was made before
+anyone could write into the block. Eviction in the
 pool (``BlockPool.take``) then needs no copy and no hook: the pool drops its entry and
 the tier's stays. A Lease call never waits for a demotion.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -51,6 +55,19 @@ DISK_FULL_BACKOFF_S = 30.0
 RECENT_DIGESTS = 65536
 
 
+@dataclass(slots=True, eq=False)
+class _Demotion:
+    """One chunk of demotions, between choosing it on the event loop and indexing it there."""
+
+    blocks: list[Block] = field(default_factory=list)
+    entries: list[TierEntry] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    victims: list[tuple[TierEntry, int]] = field(default_factory=list)  # host entries pushed out, their slots
+    victim_payloads: list[torch.Tensor] = field(default_factory=list)
+    payloads: list[torch.Tensor] = field(default_factory=list)  # without a host tier: the blocks' bytes
+    seconds: float = 0.0
+
+
 class KvTiers:
     def __init__(self, pool: BlockPool, pool_tensor: torch.Tensor, settings: TierSettings,
                  bytes_per_block: int, geometry: DiskGeometry, clock=time.monotonic,
@@ -72,6 +89,7 @@ class KvTiers:
         self.disk_queue: deque[tuple[TierEntry, torch.Tensor]] = deque()
         self.disk_full_until = 0.0
         self.writing = 0  # disk writes in flight
+        self.reserved_slots = 0  # host slots a demotion in flight is copying into
         self._recent: OrderedDict[int, bytes | None] = OrderedDict()
         self._wake = asyncio.Event()
         if self.disk is not None:
@@ -181,17 +199,33 @@ class KvTiers:
             if not self.queue and not self.disk_queue:
                 self._wake.clear()
                 await self._wake.wait()
-            self.demote_some(DEMOTE_CHUNK_BLOCKS)
+            await self.demote_some_async(DEMOTE_CHUNK_BLOCKS)
             await self.write_some()
             await asyncio.sleep(0)
 
     def demote_some(self, limit: int) -> int:
-        """Copies up to ``limit`` queued blocks to the next tier (host, or staged for disk)."""
+        """Copies up to ``limit`` queued blocks to the next tier (host, or staged for disk), inline."""
+        batch = self._begin_demotion(limit)
+        if batch is None:
+            return 0
+        self._copy(batch)
+        return self._finish_demotion(batch)
+
+    async def demote_some_async(self, limit: int) -> int:
+        """``demote_some`` with the copy in a worker thread, so Lease calls run meanwhile."""
+        batch = self._begin_demotion(limit)
+        if batch is None:
+            return 0
+        await asyncio.to_thread(self._copy, batch)
+        return self._finish_demotion(batch)
+
+    def _begin_demotion(self, limit: int) -> _Demotion | None:
+        """Picks queued blocks still registered as when queued, and host slots for them."""
         if self.host is not None:
             limit = min(limit, self.host.num_slots)
         pool, index = self.pool, self.index
-        batch: list[tuple[Block, TierEntry]] = []
-        while self.queue and len(batch) < limit:
+        batch = _Demotion()
+        while self.queue and len(batch.blocks) < limit:
             block_id, reg_id = self.queue.popleft()
             block = pool.blocks[block_id]
             if block.block_hash is None or block.reg_id != reg_id:
@@ -209,26 +243,54 @@ class KvTiers:
                               parent_digest)
             if self.events is not None:
                 entry.event_key = self.events.key_of(block_id)
-            batch.append((block, entry))
-        if not batch:
-            return 0
+            batch.blocks.append(block)
+            batch.entries.append(entry)
+        if not batch.blocks:
+            return None
         if self.host is not None:
-            slots = [self._host_slot() for _ in batch]
-            started = self.clock()
-            self.host.store(self.pool_tensor, [block.block_id for block, _ in batch], slots)
-            counters = self.counters[HOST]
-            counters.seconds_in += self.clock() - started
-            counters.demotions += len(batch)
-            counters.bytes_in += len(batch) * self.bytes_per_block
-            for (_, entry), slot in zip(batch, slots):
-                entry.host_slot = slot
+            batch.slots = [self._host_slot(batch) for _ in batch.blocks]
+            self.reserved_slots += len(batch.slots)
+        return batch
+
+    def _copy(self, batch: _Demotion) -> None:
+        """The copies (any thread): host victims out first, then the pool blocks in."""
+        started = self.clock()
+        host = self.host
+        batch.victim_payloads = [host.read(slot) for _, slot in batch.victims]
+        block_ids = [block.block_id for block in batch.blocks]
+        if host is not None:
+            host.store(self.pool_tensor, block_ids, batch.slots)
+        else:
+            batch.payloads = [self.pool_tensor[:, :, block_id].clone() for block_id in block_ids]
+        batch.seconds = self.clock() - started
+
+    def _finish_demotion(self, batch: _Demotion) -> int:
+        """Indexes what was copied, unless its block was evicted (and maybe rewritten) meanwhile."""
+        index = self.index
+        for (victim, _), payload in zip(batch.victims, batch.victim_payloads):
+            self._stage_for_disk(victim, payload)
+        done = 0
+        for position, (block, entry) in enumerate(zip(batch.blocks, batch.entries)):
+            if block.block_hash != entry.block_hash or block.reg_id != entry.reg_id or index.get(entry.block_hash):
+                self.missed_demotions += 1
+                if batch.slots:
+                    self.host.free_slots.append(batch.slots[position])
+                continue
+            done += 1
+            if self.host is not None:
+                entry.host_slot = batch.slots[position]
                 index.put(entry, HOST)
                 self._event(entry, MEDIUM_CPU, stored=True)
-        elif self.disk is not None:
-            for block, entry in batch:
-                self._stage_for_disk(entry, lambda block=block: self.pool_tensor[:, :, block.block_id].clone())
+            elif self.disk is not None:
+                self._stage_for_disk(entry, batch.payloads[position])
+        if self.host is not None:
+            self.reserved_slots -= len(batch.slots)
+            counters = self.counters[HOST]
+            counters.seconds_in += batch.seconds
+            counters.demotions += done
+            counters.bytes_in += done * self.bytes_per_block
         self._wake.set()
-        return len(batch)
+        return done
 
     async def write_some(self) -> None:
         """Writes one staged block to disk in a worker thread; the ledger is not touched meanwhile."""
@@ -296,7 +358,8 @@ class KvTiers:
         if self.host is not None:
             used = {entry.host_slot for entry in self.index.lru[HOST].values()}
             free = set(self.host.free_slots)
-            if used & free or len(used) + len(free) != host_slots or len(free) != len(self.host.free_slots):
+            if used & free or len(used) + len(free) + self.reserved_slots != host_slots \
+                    or len(free) != len(self.host.free_slots):
                 raise AssertionError(f"host tier: {len(used)} used and {len(free)} free slots of {host_slots}")
         for block_hash, entry in self.index.entries.items():
             block = self.pool.cached.get(block_hash)
@@ -311,7 +374,7 @@ class KvTiers:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _host_slot(self) -> int:
+    def _host_slot(self, batch: _Demotion) -> int:
         """A free host slot, pushing the coldest host entry out (to disk when it can go) if none is."""
         host = self.host
         if host.free_slots:
@@ -320,16 +383,16 @@ class KvTiers:
         slot = victim.host_slot
         self.counters[HOST].evictions += 1
         if self.disk is not None and not victim.on_disk:
-            self._stage_for_disk(victim, lambda: host.read(slot))
+            batch.victims.append((victim, slot))  # read out in _copy, before the slot is overwritten
         self.index.drop(victim, HOST)
         self._event(victim, MEDIUM_CPU, stored=False)
         return slot
 
-    def _stage_for_disk(self, entry: TierEntry, read) -> None:
+    def _stage_for_disk(self, entry: TierEntry, payload: torch.Tensor) -> None:
         if entry.digest is None or self.clock() < self.disk_full_until:
             self.counters[DISK].evictions += 1  # its chain's start is gone: a file of it could never be found
             return
-        self.disk_queue.append((entry, read()))
+        self.disk_queue.append((entry, payload))
 
     def _forget_disk(self, entry: TierEntry) -> None:
         self.disk.remove(entry.digest)
