@@ -14,6 +14,13 @@ block objects (as vLLM v1's ``FreeKVCacheBlockQueue``): allocation pops from the
 freed blocks go to the tail, so cached blocks are evicted least recently freed first,
 and reviving a cached block from the middle is O(1) and allocates nothing. Eviction is
 lazy: a cached block keeps its hash entry until the moment it is taken for reuse.
+
+A block that has never been leased has no object. At start-up the whole free list is the
+range of ids [0, num_blocks) in order, and nothing is ever put in front of it (freed blocks
+go to the tail), so the free list is always "the never-leased ids from ``_next_fresh`` up,
+then the linked list": ``take`` gives out never-leased ids first, making their objects
+then. A pool of 10 million blocks is built in microseconds and holds no memory per block
+until blocks are used (a Block object is about 130 bytes; BENCHMARKS.md, "Block pool").
 """
 
 from __future__ import annotations
@@ -54,6 +61,35 @@ class Block:
         return f"Block({self.block_id}, ref_count={self.ref_count}, {state})"
 
 
+class _Blocks:
+    """``pool.blocks``: every block by id, made when first asked for (see the module docstring)."""
+
+    __slots__ = ("_made", "_count")
+
+    def __init__(self, count: int) -> None:
+        self._made: dict[int, Block] = {}
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self._made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self._count:
+                raise IndexError(f"block {block_id} is not in a pool of {self._count}")
+            block = self._made[block_id] = Block(block_id)
+        return block
+
+    def __iter__(self):
+        return (self[block_id] for block_id in range(self._count))
+
+    @property
+    def made(self) -> int:
+        """How many block objects exist (the rest have never been asked for)."""
+        return len(self._made)
+
+
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` tokens, with ref counts and a prefix cache.
 
@@ -69,17 +105,15 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Sentinels at both ends, so linking and unlinking never test for None.
+        self.blocks = _Blocks(num_blocks)
+        # The free list's head: ids from here up were never leased (no object yet), in order.
+        self._next_fresh = 0
+        # Then the linked list of blocks freed since, between sentinels at both ends, so
+        # linking and unlinking never test for None.
         self._head = Block(-1)
         self._tail = Block(-1)
-        previous = self._head
-        for block in self.blocks:
-            previous.next = block
-            block.prev = previous
-            previous = block
-        previous.next = self._tail
-        self._tail.prev = previous
+        self._head.next = self._tail
+        self._tail.prev = self._head
         self.num_free = num_blocks  # blocks in the free list: plain free + cached
         self.num_cached = 0  # blocks in the free list that are still registered
         self.cached: dict[int, Block] = {}  # block hash -> registered block (leased or cached)
@@ -106,9 +140,21 @@ class BlockPool:
             return []
         if count > self.num_free:
             raise AssertionError(f"take({count}) with only {self.num_free} blocks in the free list")
+        taken = []
+        fresh = min(count, self.num_blocks - self._next_fresh)
+        if fresh:  # the head of the free list: never-leased ids, in order
+            blocks = self.blocks
+            start = self._next_fresh
+            taken = [blocks[block_id] for block_id in range(start, start + fresh)]
+            for block in taken:
+                block.ref_count = 1
+            self._next_fresh = start + fresh
+            self.num_free -= fresh
+            count -= fresh
+            if not count:
+                return taken
         head = self._head
         block = head.next
-        taken = []
         append = taken.append
         for _ in range(count):
             if block.block_hash is not None:  # lazy eviction: its prefix entry dies only now
@@ -287,8 +333,9 @@ class BlockPool:
     # ---------------------------------------------------------------- checks
 
     def free_list(self) -> list[Block]:
-        """The free list, head (next to be taken) first. For tests and invariant checks."""
-        out = []
+        """The free list, head (next to be taken) first. For tests and invariant checks (it
+        makes the objects of never-leased blocks: keep it to small pools)."""
+        out = [self.blocks[block_id] for block_id in range(self._next_fresh, self.num_blocks)]
         block = self._head.next
         while block is not self._tail:
             out.append(block)
@@ -306,7 +353,7 @@ class BlockPool:
         if len(free_list) != self.num_free:
             raise AssertionError(f"free list has {len(free_list)} blocks but num_free is {self.num_free}")
         previous = self._head
-        for block in free_list:
+        for block in free_list[self.num_blocks - self._next_fresh:]:
             if block.prev is not previous:
                 raise AssertionError(f"{block!r}.prev does not point to the block before it in the free list")
             previous = block

@@ -287,3 +287,31 @@ def test_a_pool_it_cannot_map_is_detached_before_the_engine_gives_up(pool_handle
         assert True not in served and not engine.connected.is_set()
     finally:
         engine.stop(0)
+
+
+def test_attach_waits_longer_than_other_cache_calls():
+    # A large pool's first Attach can outlast the 10 s of other calls; giving up early would
+    # leave the session the cache service still opens, and the retry would open another.
+    from model_service.cache.client import ATTACH_TIMEOUT_S, CacheClient
+    from pagedkv.kv_geometry import KvGeometry
+
+    seen = {}
+
+    class RecordingStub:
+        def Attach(self, request, timeout, metadata):
+            seen["attach"] = timeout
+            return cache_pb2.AttachResponse()
+
+        def GetStats(self, request, timeout, metadata):
+            seen["stats"] = timeout
+            return None
+
+    client = CacheClient("127.0.0.1:1")
+    try:
+        client.stub = RecordingStub()
+        client.attach("test", KvGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, device="cpu"),
+                      0, 64)
+        client.stats()
+    finally:
+        client.close()
+    assert seen == {"attach": ATTACH_TIMEOUT_S, "stats": 10.0}

@@ -36,6 +36,14 @@ RECONNECT_OPTIONS = [
 ]
 
 
+# Attach's own deadline, longer than other calls' timeout_s: the first Attach builds the
+# pool (maps or allocates all of it, and on CPU the shared-memory file), which can take
+# longer than 10 s for a large pool; a client-side deadline that the cache service then
+# completes anyway leaves a session nobody holds (it expires after its TTL, holding no
+# blocks) while the retry opens another.
+ATTACH_TIMEOUT_S = 120.0
+
+
 class CacheClient:
     def __init__(self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
                  max_message_bytes: int = 64 * 1024 * 1024, timeout_s: float = 10.0) -> None:
@@ -62,7 +70,7 @@ class CacheClient:
             workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
             served_model_name=served_model_name,
         )
-        reply = self.stub.Attach(request, timeout=self.timeout_s, metadata=self.metadata)
+        reply = self.stub.Attach(request, timeout=max(self.timeout_s, ATTACH_TIMEOUT_S), metadata=self.metadata)
         self.num_blocks = reply.sizing.num_blocks
         return reply
 
