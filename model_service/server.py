@@ -96,6 +96,14 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name} asked for CUDA, but torch sees no GPU here")
+    if device.type == "cuda" and device.index is not None:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(f"--device {name}: torch sees {count} GPU(s) here (cuda:0 to cuda:{count - 1}); "
+                             "CUDA_VISIBLE_DEVICES renumbers them from 0")
+        # Triton launches and capture streams use the current device, not the tensors': without
+        # this they would run on cuda:0 with pointers into cuda:N.
+        torch.cuda.set_device(device)
     return device
 
 

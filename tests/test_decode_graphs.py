@@ -184,3 +184,86 @@ def test_cuda_graphs_on_without_cuda_is_an_error():
 
     with pytest.raises(ValueError, match="needs --device cuda"):
         use_cuda_graphs("on", torch.device("cpu"), "auto")
+
+
+class FakeCuda:
+    """What cuda_graph_capture calls on torch.cuda, recorded: streams made, graphs captured
+    (the step runs where the capture would record it), devices set."""
+
+    def __init__(self) -> None:
+        self.streams_made = 0
+        self.graphs = 0
+        self.devices_set = []
+
+    def install(self, monkeypatch) -> None:
+        import contextlib
+
+        fake = self
+
+        class Stream:
+            def __init__(self) -> None:
+                fake.streams_made += 1
+
+            def wait_stream(self, other) -> None:
+                pass
+
+        class CUDAGraph:
+            def replay(self) -> None:
+                pass
+
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None):
+            fake.graphs += 1
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream.__new__(Stream))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: fake.devices_set.append(str(device)))
+
+
+def test_every_capture_shares_one_side_stream(monkeypatch):
+    # A stream per capture would leave a cuBLAS workspace per stream for the process's life.
+    from model_service.worker.decode_graphs import cuda_graph_capture
+
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    capture = cuda_graph_capture()
+    replays = [capture(lambda: torch.zeros(2)) for _ in range(5)]
+    assert cuda.graphs == 5 and cuda.streams_made == 1
+    assert torch.equal(replays[3](), torch.zeros(2))
+
+
+def test_device_cuda_n_becomes_the_current_device(monkeypatch):
+    # Triton launches and capture streams follow the current device, not the tensors'.
+    from model_service.server import resolve_device
+
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert cuda.devices_set == ["cuda:1"]
+    with pytest.raises(ValueError, match=r"--device cuda:2: torch sees 2 GPU\(s\) here \(cuda:0 to cuda:1\)"):
+        resolve_device("cuda:2")
+    assert resolve_device("cuda") == torch.device("cuda") and cuda.devices_set == ["cuda:1"]
+
+
+def test_dropped_graphs_are_gone_and_the_next_attach_captures_again():
+    model = build_tiny_model(torch.float32, "cpu", attention_backend="torch")
+    captures = []
+
+    def eager(step):
+        captures.append(step)
+        return step
+
+    graph_pool = DecodeGraphPool(model, 4, 64, capture=eager)
+    graph_pool.drop()
+    assert graph_pool.graphs is None
+    config = model.config
+    kv_pool = torch.zeros(config.num_layers, 2, 8, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    assert graph_pool.capture(kv_pool, BLOCK_SIZE) is graph_pool.graphs
+    assert len(captures) == 2 * len(batch_buckets(4))

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -61,6 +62,22 @@ class FakeCache:
         return 0
 
 
+class RecordingGraphPool:
+    """A DecodeGraphPool stand-in recording drop and capture; its graphs run nothing."""
+
+    memory_bytes = 0
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def drop(self) -> None:
+        self.calls.append("drop")
+
+    def capture(self, kv_pool, block_size):
+        self.calls.append("capture")
+        return SimpleNamespace(buckets=[], captures=0, can_run=lambda batch: False)
+
+
 @pytest.fixture()
 def pool_handle(tmp_path):
     loaded = load_model("tiny")
@@ -82,6 +99,8 @@ def test_failed_lease_ends_requests_with_unavailable_and_reattaches(pool_handle,
     engine.start()
     try:
         assert engine.connected.wait(60)
+        graph_pool = RecordingGraphPool()
+        engine.decode_graph_pool = graph_pool  # as on CUDA, where graphs point into the pool
         ended = threading.Event()
         deltas = []
 
@@ -94,6 +113,9 @@ def test_failed_lease_ends_requests_with_unavailable_and_reattaches(pool_handle,
         assert ended.wait(60), "the request never ended"
         assert deltas[-1].error[0] == grpc.StatusCode.UNAVAILABLE
         assert cache.reattached.wait(60), "the engine did not attach again"
+        # The lost pool's graphs were dropped before the new pool's were captured.
+        assert engine.connected.wait(60)  # cleared when the cache was lost; set after the capture
+        assert graph_pool.calls[:2] == ["drop", "capture"], graph_pool.calls
         # A session that failed for a reason other than the service going away is given
         # back at once; an unreachable service cannot be told anything.
         assert cache.detached == (["session-0"] if detaches else [])

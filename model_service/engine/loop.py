@@ -411,6 +411,8 @@ class Engine:
         detach_after_failure(self.cache, self.session_id,
                              error.args[0] if isinstance(error, CacheFailed) and error.args else error)
         self.scheduler = self.runner = None
+        if self.decode_graph_pool is not None:
+            self.decode_graph_pool.drop()  # its graphs would replay into the lost pool
         self.session_id = self.sizing = None
 
     def _shutdown(self) -> None:

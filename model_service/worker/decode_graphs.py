@@ -43,9 +43,15 @@ def cuda_graph_capture(pool=None) -> Capture:
     shared by every graph this capture function makes)."""
     if pool is None:
         pool = torch.cuda.graph_pool_handle()
+    # One side stream for every capture: PyTorch keeps a cuBLAS workspace per (handle,
+    # stream) for the life of the process, so a new stream per capture would add one each
+    # time (tens of MiB on Hopper), after the pool was sized.
+    streams: list[torch.cuda.Stream] = []
 
     def capture(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        side = torch.cuda.Stream()
+        if not streams:
+            streams.append(torch.cuda.Stream())
+        side = streams[0]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up: lazy init and autotuning stay out of the graph
             step()
@@ -166,6 +172,11 @@ class DecodeGraphPool:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.memory_bytes = reserved_bytes(self.device) - before
+
+    def drop(self) -> None:
+        """Forget the graphs of a pool that is gone (the cache service was lost): they point
+        into its memory. Their memory pool stays, for the next Attach's capture."""
+        self.graphs = None
 
     def capture(self, kv_pool: torch.Tensor, block_size: int) -> DecodeGraphs:
         graphs = DecodeGraphs(self.model, kv_pool, block_size, self.max_num_seqs, self.max_model_len, self._capture)
