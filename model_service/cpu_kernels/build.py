@@ -35,7 +35,7 @@ import torch
 log = structlog.get_logger()
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c")
+SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c", "quant_matmul.c")
 # Never -ffast-math: see csrc/cpu_math.h.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # The storage types the kernels take (cpu_math.h's enum).
@@ -52,8 +52,12 @@ SIGNATURES = {
     "rotary_in_place": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32],
     "argmax_rows": [_ptr, _i64, _i32, _i32, _i32, _ptr, _i32],
     "paged_decode_avx512": [],
+    "quant_best_level": [],
+    "quant_linear": [_ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32],
+    "quant_dequantize_rows": [_ptr, _i32, _i32, _ptr, _i32, _ptr, _i32, _i32],
 }
-RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes.c_int}
+RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes.c_int,
+           "quant_best_level": ctypes.c_int, "quant_linear": ctypes.c_int, "quant_dequantize_rows": ctypes.c_int}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

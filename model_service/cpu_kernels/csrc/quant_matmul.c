@@ -1,0 +1,224 @@
+/* y = W x for weights kept in GGUF's quantized blocks (quant_blocks.h): the activations
+ * are quantized on the fly to 8 bits per 32 values, and each 32-weight sub-block is
+ * multiplied by them with integer dot products, as llama.cpp does; no float copy of W.
+ *
+ * Three levels, picked by the caller (`level`, see quant_best_level): portable C,
+ * AVX2 (maddubs), AVX-512 VNNI (dpbusd on 256-bit vectors). The SIMD levels are built
+ * with `#pragma GCC target` whatever -march says, so one library serves every level the
+ * CPU has, and a test can run each.
+ *
+ * A linear may hold several segments of rows, each of its own type (a fused QKV whose V
+ * rows are Q6_K and Q and K rows Q4_K, as Q4_K_M files have): one call quantizes x once
+ * and fills every segment's columns of y. Rows split across threads in tiles of
+ * QUANT_ROW_TILE; tokens go QUANT_TOKEN_TILE at a time, so a prefill or a batch of decodes
+ * unpacks each sub-block once per four tokens.
+ */
+#include <stdlib.h>
+
+#include "cpu_math.h"
+#include "quant_blocks.h"
+
+#define QUANT_TOKEN_TILE 4
+#define QUANT_ROW_TILE 16
+
+enum { QLEVEL_PORTABLE = 0, QLEVEL_AVX2 = 1, QLEVEL_AVX512_VNNI = 2 };
+
+typedef void (*dot_fn)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, float *out);
+
+/* ---- portable ---- */
+
+static void dot_portable(int type, const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs,
+                         float *out) {
+    float acc[QUANT_TOKEN_TILE] = {0};
+    int8_t v[32];
+    float scale[2], min;
+    for (int s = 0; s < subs; s++) {
+        unpack_sub(type, row, s, v, scale, &min);
+        for (int t = 0; t < nt; t++) {
+            const int64_t token = t0 + t;
+            const int8_t *q = acts->q + token * acts->cols + 32 * s;
+            int32_t first = 0, second = 0;
+            for (int i = 0; i < 16; i++) first += v[i] * q[i];
+            for (int i = 16; i < 32; i++) second += v[i] * q[i];
+            const int16_t *sums = acts->sums + (token * subs + s) * 2;
+            acc[t] += acts->d[token * subs + s]
+                      * (scale[0] * (float)first + scale[1] * (float)second + min * (float)(sums[0] + sums[1]));
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = acc[t];
+}
+
+#define PORTABLE_FN(TYPE_NAME, TYPE_CODE)                                                                   \
+    static void portable_##TYPE_NAME(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
+                                     float *out) {                                                          \
+        dot_portable(TYPE_CODE, row, acts, t0, nt, subs, out);                                              \
+    }
+PORTABLE_FN(q4_0, QTYPE_Q4_0)
+PORTABLE_FN(q4_1, QTYPE_Q4_1)
+PORTABLE_FN(q5_0, QTYPE_Q5_0)
+PORTABLE_FN(q5_1, QTYPE_Q5_1)
+PORTABLE_FN(q8_0, QTYPE_Q8_0)
+PORTABLE_FN(q4_k, QTYPE_Q4_K)
+PORTABLE_FN(q5_k, QTYPE_Q5_K)
+PORTABLE_FN(q6_k, QTYPE_Q6_K)
+#undef PORTABLE_FN
+
+static dot_fn portable_select(int type) {
+    switch (type) {
+    case QTYPE_Q4_0: return portable_q4_0;
+    case QTYPE_Q4_1: return portable_q4_1;
+    case QTYPE_Q5_0: return portable_q5_0;
+    case QTYPE_Q5_1: return portable_q5_1;
+    case QTYPE_Q8_0: return portable_q8_0;
+    case QTYPE_Q4_K: return portable_q4_k;
+    case QTYPE_Q5_K: return portable_q5_k;
+    case QTYPE_Q6_K: return portable_q6_k;
+    default: return 0;
+    }
+}
+
+/* ---- x86 SIMD levels ---- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define QS(name) name##_avx2
+#define QS_DOT32(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#include "quant_simd.h"
+#undef QS
+#undef QS_DOT32
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define QS(name) name##_vnni
+#define QS_DOT32(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#include "quant_simd.h"
+#undef QS
+#undef QS_DOT32
+#pragma GCC pop_options
+#endif
+
+/* The highest level this CPU runs. */
+int quant_best_level(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+            && __builtin_cpu_supports("avx512bw"))
+            return QLEVEL_AVX512_VNNI;
+        return QLEVEL_AVX2;
+    }
+#endif
+    return QLEVEL_PORTABLE;
+}
+
+static dot_fn select_dot(int level, int type) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level >= QLEVEL_AVX512_VNNI) return select_vnni(type);
+    if (level == QLEVEL_AVX2) return select_avx2(type);
+#endif
+    (void)level;
+    return portable_select(type);
+}
+
+/* ---- activations ---- */
+
+/* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), and sums per 16. */
+static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, int16_t *sums) {
+    float block[32];
+    for (int s = 0; s < cols / 32; s++) {
+        load_row(block, x, offset + 32 * s, 32, dtype);
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(block[i]));
+        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[s] = amax / 127.0f;
+        int16_t first = 0, second = 0;
+        for (int i = 0; i < 32; i++) {
+            const int8_t value = (int8_t)nearbyintf(block[i] * inverse);
+            q[32 * s + i] = value;
+            if (i < 16) first += value;
+            else second += value;
+        }
+        sums[2 * s] = first;
+        sums[2 * s + 1] = second;
+    }
+}
+
+/* y[t, row0 + r] for the `segments` segments of rows: segment i has rows[i] rows of
+ * types[i] at weights[i] (row-major blocks, cols / block weights blocks a row). x: tokens
+ * rows of cols values (x_stride apart, dtype); y: tokens rows y_stride apart, same dtype.
+ * Returns 0, -1 for a type without a kernel or cols not a multiple of its block, -2 when
+ * scratch memory cannot be had. */
+int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int segments,
+                 const int64_t *weights, const int32_t *types, const int32_t *rows, void *y, int64_t y_stride,
+                 int level, int num_threads) {
+    if (cols % 32 != 0 || tokens <= 0) return -1;
+    for (int i = 0; i < segments; i++)
+        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0) return -1;
+    const int subs = cols / 32;
+    int8_t *q = malloc((size_t)tokens * cols);
+    float *d = malloc((size_t)tokens * subs * sizeof(float));
+    int16_t *sums = malloc((size_t)tokens * subs * 2 * sizeof(int16_t));
+    if (q == NULL || d == NULL || sums == NULL) {
+        free(q);
+        free(d);
+        free(sums);
+        return -2;
+    }
+    const quant_acts acts = {q, d, sums, cols};
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < tokens; t++)
+            quantize_row(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
+                         sums + (int64_t)t * subs * 2);
+        int64_t row0 = 0;
+        for (int i = 0; i < segments; i++) {
+            const dot_fn dot = select_dot(level, types[i]);
+            const uint8_t *base = (const uint8_t *)(intptr_t)weights[i];
+            const int64_t row_bytes = (int64_t)cols / qtype_block_weights(types[i]) * qtype_block_bytes(types[i]);
+            const int count = rows[i], tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
+#pragma omp for schedule(static) nowait
+            for (int tile = 0; tile < tiles; tile++) {
+                const int first = tile * QUANT_ROW_TILE;
+                const int last = first + QUANT_ROW_TILE < count ? first + QUANT_ROW_TILE : count;
+                float out[QUANT_TOKEN_TILE];
+                for (int t0 = 0; t0 < tokens; t0 += QUANT_TOKEN_TILE) {
+                    const int nt = tokens - t0 < QUANT_TOKEN_TILE ? tokens - t0 : QUANT_TOKEN_TILE;
+                    for (int r = first; r < last; r++) {
+                        dot(base + r * row_bytes, &acts, t0, nt, subs, out);
+                        for (int t = 0; t < nt; t++) store1(y, (int64_t)(t0 + t) * y_stride + row0 + r, out[t], dtype);
+                    }
+                }
+            }
+            row0 += count;
+        }
+    }
+    free(q);
+    free(d);
+    free(sums);
+    return 0;
+}
+
+/* out[i] = row indices[i] of W dequantized (cols values, dtype), indices NULL: rows 0..n-1.
+ * The embedding lookup of a quantized token_embd, and the tests' check of the layouts. */
+int quant_dequantize_rows(const uint8_t *weights, int type, int cols, const int64_t *indices, int n, void *out,
+                          int dtype, int num_threads) {
+    if (qtype_block_bytes(type) == 0 || cols % qtype_block_weights(type) != 0) return -1;
+    const int64_t row_bytes = (int64_t)cols / qtype_block_weights(type) * qtype_block_bytes(type);
+#pragma omp parallel for num_threads(num_threads) if (n > 1)
+    for (int i = 0; i < n; i++) {
+        const uint8_t *row = weights + (indices ? indices[i] : i) * row_bytes;
+        int8_t v[32];
+        float scale[2], min, values[32];
+        for (int s = 0; s < cols / 32; s++) {
+            unpack_sub(type, row, s, v, scale, &min);
+            for (int k = 0; k < 32; k++) values[k] = scale[k / 16] * (float)v[k] + min;
+            store_row(out, (int64_t)i * cols + 32 * s, values, 32, dtype);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,154 @@
+/* One weight row of a quantized type times up to QUANT_TOKEN_TILE tokens' 8-bit
+ * activations, with 256-bit integer dot products: included once per instruction-set
+ * level by quant_matmul.c, which defines
+ *     QS(name)        the level's name for a function (a suffix),
+ *     QS_DOT32(u, s)  32 unsigned bytes u times 32 signed bytes s, summed in fours into
+ *                     8 int32 lanes (lane i holds bytes 4i..4i+3): AVX2's maddubs +
+ *                     madd, or one AVX-512 VNNI dpbusd.
+ * inside a `#pragma GCC target` for that level.
+ *
+ * Each 32-weight sub-block is unpacked into 32 unsigned bytes (Q8_0: signed, multiplied
+ * by the sign trick: |w| times a with w's sign), one integer dot product per token, then
+ * a float multiply-add by the weight scale times the activation scale. The types that
+ * store v + offset (Q4_0: 8, Q5_0: 16, Q6_K: 32) or a min (Q4_1, Q5_1, Q4_K, Q5_K) get
+ * that term from the activations' half-block sums, once per sub-block (unpack_sub in
+ * quant_blocks.h has the same arithmetic, element by element). maddubs's int16 pairs do
+ * not saturate: |u| <= 128 and |s| <= 127, so a pair is at most 32,512.
+ */
+
+static inline __attribute__((always_inline)) float QS(hsum)(__m256 v) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    return _mm_cvtss_f32(sum);
+}
+
+/* Nibbles of 16 bytes: low ones in bytes 0-15, high ones in bytes 16-31. */
+static inline __attribute__((always_inline)) __m256i QS(nibbles16)(const uint8_t *p) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+}
+
+/* Bit i of `bits` as 0x10 in byte i, else 0 (Q5_0 and Q5_1's fifth bits). */
+static inline __attribute__((always_inline)) __m256i QS(bit_bytes)(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) __m256i QS(shift_right16)(__m256i v, int count) {
+    return _mm256_srl_epi16(v, _mm_cvtsi32_si128(count));
+}
+
+/* out[t] = row . activations of token t0 + t, for t < nt. */
+static inline __attribute__((always_inline)) void QS(dot_rows)(const int type, const uint8_t *row,
+                                                                const quant_acts *acts, int64_t t0, const int nt,
+                                                                int subs, float *out) {
+    __m256 acc[QUANT_TOKEN_TILE];
+    float extra[QUANT_TOKEN_TILE];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        extra[t] = 0.0f;
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const int block_bytes = qtype_block_bytes(type);
+    const int offset = type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
+    for (int s = 0; s < subs; s++) {
+        __m256i u;
+        float scale0, scale1, min = 0.0f;
+        if (qtype_block_weights(type) == 32) {
+            const uint8_t *b = row + (int64_t)s * block_bytes;
+            scale0 = scale1 = half_to_f32(b);
+            if (type == QTYPE_Q8_0) {
+                u = _mm256_loadu_si256((const __m256i *)(b + 2));
+            } else if (type == QTYPE_Q4_0) {
+                u = QS(nibbles16)(b + 2);
+            } else if (type == QTYPE_Q4_1) {
+                min = half_to_f32(b + 2);
+                u = QS(nibbles16)(b + 4);
+            } else if (type == QTYPE_Q5_0) {
+                u = _mm256_or_si256(QS(nibbles16)(b + 6), QS(bit_bytes)(load_u32(b + 2)));
+            } else { /* Q5_1 */
+                min = half_to_f32(b + 2);
+                u = _mm256_or_si256(QS(nibbles16)(b + 8), QS(bit_bytes)(load_u32(b + 4)));
+            }
+        } else {
+            const uint8_t *b = row + (int64_t)(s / 8) * block_bytes;
+            const int j = s % 8;
+            if (type == QTYPE_Q6_K) {
+                const int half = j / 4, k = j % 4;
+                const float d = half_to_f32(b + 208);
+                const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * k;
+                scale0 = d * sc[0];
+                scale1 = d * sc[1];
+                __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (k & 1)));
+                if (k >= 2) ql = QS(shift_right16)(ql, 4);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+                const __m256i high = _mm256_and_si256(QS(shift_right16)(qh, 2 * k), _mm256_set1_epi8(3));
+                u = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_slli_epi16(high, 4));
+            } else { /* Q4_K, Q5_K */
+                int sc, mn;
+                k_scale_min(b + 4, j, &sc, &mn);
+                scale0 = scale1 = half_to_f32(b) * (float)sc;
+                min = -half_to_f32(b + 2) * (float)mn;
+                __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == QTYPE_Q5_K ? 48 : 16) + 32 * (j / 2)));
+                if (j & 1) q = QS(shift_right16)(q, 4);
+                u = _mm256_and_si256(q, low4);
+                if (type == QTYPE_Q5_K) {
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                    const __m256i bit = _mm256_and_si256(QS(shift_right16)(qh, j), _mm256_set1_epi8(1));
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+                }
+            }
+        }
+        const __m256 scales = _mm256_set_m128(_mm_set1_ps(scale1), _mm_set1_ps(scale0));
+        for (int t = 0; t < nt; t++) {
+            const int64_t token = t0 + t;
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(acts->q + token * acts->cols + 32 * s));
+            const __m256i products = type == QTYPE_Q8_0 ? QS_DOT32(_mm256_sign_epi8(u, u), _mm256_sign_epi8(a, u))
+                                                        : QS_DOT32(u, a);
+            const float d = acts->d[token * subs + s];
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), _mm256_mul_ps(scales, _mm256_set1_ps(d)), acc[t]);
+            if (offset != 0 || type == QTYPE_Q4_1 || type == QTYPE_Q5_1 || type == QTYPE_Q4_K || type == QTYPE_Q5_K) {
+                const int16_t *sums = acts->sums + (token * subs + s) * 2;
+                extra[t] += d * (min * (float)(sums[0] + sums[1])
+                                 - (float)offset * (scale0 * (float)sums[0] + scale1 * (float)sums[1]));
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = QS(hsum)(acc[t]) + extra[t];
+}
+
+/* One function per type, nt a constant in the common cases (the loops over tokens unroll). */
+#define QS_TYPE_FN(TYPE_NAME, TYPE_CODE)                                                                  \
+    static void QS(dot_##TYPE_NAME)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
+                                    float *out) {                                                         \
+        if (nt == QUANT_TOKEN_TILE) QS(dot_rows)(TYPE_CODE, row, acts, t0, QUANT_TOKEN_TILE, subs, out);  \
+        else if (nt == 1) QS(dot_rows)(TYPE_CODE, row, acts, t0, 1, subs, out);                          \
+        else QS(dot_rows)(TYPE_CODE, row, acts, t0, nt, subs, out);                                      \
+    }
+QS_TYPE_FN(q4_0, QTYPE_Q4_0)
+QS_TYPE_FN(q4_1, QTYPE_Q4_1)
+QS_TYPE_FN(q5_0, QTYPE_Q5_0)
+QS_TYPE_FN(q5_1, QTYPE_Q5_1)
+QS_TYPE_FN(q8_0, QTYPE_Q8_0)
+QS_TYPE_FN(q4_k, QTYPE_Q4_K)
+QS_TYPE_FN(q5_k, QTYPE_Q5_K)
+QS_TYPE_FN(q6_k, QTYPE_Q6_K)
+#undef QS_TYPE_FN
+
+static dot_fn QS(select)(int type) {
+    switch (type) {
+    case QTYPE_Q4_0: return QS(dot_q4_0);
+    case QTYPE_Q4_1: return QS(dot_q4_1);
+    case QTYPE_Q5_0: return QS(dot_q5_0);
+    case QTYPE_Q5_1: return QS(dot_q5_1);
+    case QTYPE_Q8_0: return QS(dot_q8_0);
+    case QTYPE_Q4_K: return QS(dot_q4_k);
+    case QTYPE_Q5_K: return QS(dot_q5_k);
+    case QTYPE_Q6_K: return QS(dot_q6_k);
+    default: return 0;
+    }
+}

@@ -1,0 +1,112 @@
+"""Products with weights held in GGUF's quantized blocks, by the C kernels of
+csrc/quant_matmul.c: which instruction-set level runs, the linear, and rows dequantized
+(an embedding lookup).
+
+The level is the best this CPU has (`quant_best_level`), or a lower one named by
+PAGEDKV_QUANT_KERNELS (portable, avx2, avx512_vnni): so a test, or a person comparing,
+can run each. A level above what the CPU has is refused rather than crashing on an
+illegal instruction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+
+import structlog
+import torch
+
+from model_service.cpu_kernels.build import DTYPE_CODES, load
+
+LEVELS = ("portable", "avx2", "avx512_vnni")
+LEVEL_ENV = "PAGEDKV_QUANT_KERNELS"
+# ggml type code -> name, the types the kernels take (gguf.GGMLQuantizationType's values)
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# type -> (weights, bytes) per block
+BLOCK_SIZES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+               14: (256, 210)}
+
+_level: int | None = None
+
+
+def row_bytes(type_code: int, cols: int) -> int:
+    weights, size = BLOCK_SIZES[type_code]
+    return cols // weights * size
+
+
+def best_level(library: ctypes.CDLL) -> int:
+    return int(library.quant_best_level())
+
+
+def chosen_level(library: ctypes.CDLL) -> int:
+    """The level the model's linears use: the CPU's best, or PAGEDKV_QUANT_KERNELS's if lower.
+    Logged once."""
+    global _level
+    if _level is None:
+        best = best_level(library)
+        requested = os.environ.get(LEVEL_ENV, "").strip().lower()
+        if requested and requested not in LEVELS:
+            raise ValueError(f"{LEVEL_ENV}={requested!r}: expected one of {', '.join(LEVELS)}")
+        level = min(best, LEVELS.index(requested)) if requested else best
+        structlog.get_logger().info("quantized weight kernels loaded", level=LEVELS[level], cpu_best=LEVELS[best])
+        _level = level
+    return _level
+
+
+class Segments:
+    """The rows of one linear as the C call takes them: (type, blocks) runs, stacked. The
+    blocks tensors are held here, so the pointers stay valid."""
+
+    def __init__(self, parts: Sequence[tuple[int, torch.Tensor]], cols: int) -> None:
+        self.parts = [(type_code, blocks.contiguous()) for type_code, blocks in parts]
+        for type_code, blocks in self.parts:
+            if type_code not in KERNEL_TYPES:
+                raise ValueError(f"ggml type {type_code} has no kernel")
+            if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(type_code, cols):
+                raise ValueError(f"blocks of type {KERNEL_TYPES[type_code]} for {cols} columns must be uint8 "
+                                 f"[rows, {row_bytes(type_code, cols)}], got {blocks.dtype} {tuple(blocks.shape)}")
+        self.cols = cols
+        self.rows = sum(blocks.shape[0] for _, blocks in self.parts)
+        count = len(self.parts)
+        self.pointers = (ctypes.c_int64 * count)(*(blocks.data_ptr() for _, blocks in self.parts))
+        self.types = (ctypes.c_int32 * count)(*(type_code for type_code, _ in self.parts))
+        self.row_counts = (ctypes.c_int32 * count)(*(blocks.shape[0] for _, blocks in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(blocks.numel() for _, blocks in self.parts)
+
+
+def linear(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, level: int) -> torch.Tensor:
+    """x [T, cols] (float32, bfloat16 or float16 on CPU, rows any distance apart) -> [T, rows]."""
+    tokens = x.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((tokens, segments.rows), dtype=x.dtype)
+    if tokens == 0:
+        return out
+    status = library.quant_linear(x.data_ptr(), x.stride(0), tokens, segments.cols, DTYPE_CODES[x.dtype],
+                                  len(segments.parts), segments.pointers, segments.types, segments.row_counts,
+                                  out.data_ptr(), out.stride(0), level, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"quant_linear failed ({status}) for {segments.cols} columns")
+    return out
+
+
+def dequantize_rows(library: ctypes.CDLL, blocks: torch.Tensor, type_code: int, cols: int,
+                    indices: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `indices` (int64; None: all) of the blocks, dequantized to dtype: [n, cols]."""
+    if indices is not None:
+        indices = indices.to(torch.int64).contiguous()
+    count = blocks.shape[0] if indices is None else indices.numel()
+    out = torch.empty((count, cols), dtype=dtype)
+    status = library.quant_dequantize_rows(blocks.data_ptr(), type_code, cols,
+                                           None if indices is None else indices.data_ptr(), count,
+                                           out.data_ptr(), DTYPE_CODES[dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"quant_dequantize_rows failed ({status}) for type {type_code}, {cols} columns")
+    return out
+
+
+__all__ = ["KERNEL_TYPES", "LEVELS", "Segments", "chosen_level", "dequantize_rows", "linear", "load", "row_bytes"]

@@ -1,0 +1,146 @@
+"""The quantized-weight C kernels (cpu_kernels/quant_matmul.py) against float references
+on the same blocks dequantized by gguf's numpy code, for every type and every dispatch
+level this CPU runs (levels it lacks are skipped, and say so).
+
+Tolerances, from the activation quantization: each activation x is replaced by d * q with
+d = amax / 127 over its block of 32 and q = round(x / d), so |x - d q| <= amax / 254, and
+an output y = sum w x moves by at most sum over blocks of (amax_b / 254) * sum_b |w|.
+The kernel must be within that bound (plus 1e-4 of sum |w x| for float32 summation) of the
+float product, and within 1e-4 of sum |w x| of the product by the activations quantized
+the same way in numpy (the integer arithmetic is exact; only float summation differs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from model_service import cpu_kernels
+from model_service.cpu_kernels import quant_matmul
+from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES, LEVELS, Segments
+
+TYPES = list(KERNEL_TYPES)
+# Byte offsets of each type's float16 fields in a block: random bytes there could be NaN.
+HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+@pytest.fixture(scope="module")
+def library():
+    loaded = cpu_kernels.load()
+    assert loaded is not None, cpu_kernels.load_error()
+    return loaded
+
+
+def random_blocks(type_code: int, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, row bytes] of random blocks with finite scales (and mins of either sign)."""
+    generator = np.random.default_rng(seed)
+    weights, size = quant_matmul.BLOCK_SIZES[type_code]
+    blocks = generator.integers(0, 256, size=(rows, cols // weights, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[type_code]:
+        halves = (generator.standard_normal((rows, cols // weights)) * 0.02).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def reference_weights(blocks: np.ndarray, type_code: int) -> np.ndarray:
+    return dequantize(blocks, GGMLQuantizationType(type_code)).astype(np.float64)
+
+
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it: blocks of 32 at 8 bits, scale amax / 127 (in float32)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inverse)
+    return (q * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+def levels_here(library) -> list[int]:
+    return list(range(quant_matmul.best_level(library) + 1))
+
+
+@pytest.mark.parametrize("level", range(len(LEVELS)), ids=LEVELS)
+@pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
+@pytest.mark.parametrize(("tokens", "rows", "blocks_per_row"), [(1, 37, 1), (3, 16, 3), (9, 53, 2)])
+def test_linear_matches_float_reference(library, level, type_code, tokens, rows, blocks_per_row):
+    if level > quant_matmul.best_level(library):
+        pytest.skip(f"this CPU lacks {LEVELS[level]}")
+    cols = quant_matmul.BLOCK_SIZES[type_code][0] * blocks_per_row
+    blocks = random_blocks(type_code, rows, cols, seed=type_code * 100 + rows)
+    weights = reference_weights(blocks, type_code)
+    generator = torch.Generator().manual_seed(tokens)
+    # Rows further apart than cols: a linear's input may be a view.
+    x = torch.randn(tokens, cols + 8, generator=generator)[:, :cols]
+
+    y = quant_matmul.linear(library, x, Segments([(type_code, torch.from_numpy(blocks))], cols), level).double().numpy()
+
+    x64 = x.double().numpy()
+    magnitude = np.abs(x64) @ np.abs(weights).T
+    amax = np.abs(x64.reshape(tokens, -1, 32)).max(axis=-1)  # [T, blocks]
+    weight_mass = np.abs(weights.reshape(rows, -1, 32)).sum(axis=-1)  # [rows, blocks]
+    bound = (amax / 254) @ weight_mass.T
+    assert np.all(np.abs(y - x64 @ weights.T) <= bound * 1.001 + 1e-4 * magnitude + 1e-6)
+    emulated = quantized_activations(x64) @ weights.T
+    np.testing.assert_allclose(y, emulated, rtol=0, atol=1e-4 * magnitude.max() + 1e-6)
+
+
+@pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
+def test_levels_agree_on_a_model_sized_product(library, type_code):
+    """Every level this CPU runs against the portable one, at SmolLM2's widths, in both
+    float32 and bfloat16 inputs; row tiles and token tiles both have tails (49, 101)."""
+    cols, rows, tokens = 1536 if quant_matmul.BLOCK_SIZES[type_code][0] == 256 else 576, 101, 49
+    blocks = torch.from_numpy(random_blocks(type_code, rows, cols, seed=type_code))
+    segments = Segments([(type_code, blocks)], cols)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(type_code))
+    portable = quant_matmul.linear(library, x, segments, 0)
+    scale = portable.abs().max().item()  # the levels differ only in float summation order
+    for level in levels_here(library)[1:]:
+        torch.testing.assert_close(quant_matmul.linear(library, x, segments, level), portable, rtol=0, atol=1e-5 * scale)
+    bf16 = quant_matmul.linear(library, x.bfloat16(), segments, levels_here(library)[-1])
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), portable, rtol=3e-2, atol=3e-2 * portable.abs().max().item())
+
+
+def test_segments_of_mixed_types_fill_their_own_columns(library):
+    """A fused QKV of Q4_K rows and Q6_K rows (as Q4_K_M files have): each segment's
+    columns equal that segment alone."""
+    cols = 512
+    first = torch.from_numpy(random_blocks(12, 24, cols, seed=1))
+    second = torch.from_numpy(random_blocks(14, 9, cols, seed=2))
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(3))
+    level = quant_matmul.best_level(library)
+
+    both = quant_matmul.linear(library, x, Segments([(12, first), (14, second)], cols), level)
+
+    assert both.shape == (5, 33)
+    assert torch.equal(both[:, :24], quant_matmul.linear(library, x, Segments([(12, first)], cols), level))
+    assert torch.equal(both[:, 24:], quant_matmul.linear(library, x, Segments([(14, second)], cols), level))
+
+
+@pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
+def test_dequantize_rows_matches_gguf(library, type_code):
+    cols = quant_matmul.BLOCK_SIZES[type_code][0] * 2
+    blocks = random_blocks(type_code, 11, cols, seed=type_code + 7)
+    expected = torch.from_numpy(dequantize(blocks, GGMLQuantizationType(type_code)).astype(np.float32))
+    indices = torch.tensor([10, 0, 3, 3])
+
+    rows = quant_matmul.dequantize_rows(library, torch.from_numpy(blocks), type_code, cols, indices, torch.float32)
+
+    # gguf computes d * q + m in float32 too; only a fused multiply-add may round differently.
+    torch.testing.assert_close(rows, expected[indices], rtol=1e-6, atol=1e-7)
+
+
+def test_zero_activations_give_zero(library):
+    cols = 64
+    blocks = torch.from_numpy(random_blocks(3, 4, cols, seed=0))
+    y = quant_matmul.linear(library, torch.zeros(2, cols), Segments([(3, blocks)], cols), 0)
+    assert torch.equal(y, torch.zeros(2, 4))
+
+
+def test_a_wrong_row_width_is_refused():
+    with pytest.raises(ValueError, match="must be uint8"):
+        Segments([(8, torch.zeros(3, 33, dtype=torch.uint8))], 32)
