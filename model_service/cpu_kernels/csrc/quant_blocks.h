@@ -139,12 +139,12 @@ static inline void unpack_sub(int type, const uint8_t *row, int64_t sub, int8_t 
 
 /* Activations quantized per token to 8 bits per 32 values (llama.cpp's Q8_0 idea): for
  * token t, q[t * cols + i] int8, d[t * subs + s] the scale of sub-block s (x ~ d * q), and
- * sums[t * 2 * subs + h] the sum of q over half-sub-block h (16 values), which the types
- * with an offset or a min need. cols is a multiple of 32; subs = cols / 32. */
+ * scaled_sums[t * 2 * subs + h] = d times the sum of q over half-sub-block h (16 values),
+ * which the types with an offset or a min need. cols is a multiple of 32; subs = cols / 32. */
 typedef struct {
     const int8_t *q;
     const float *d;
-    const int16_t *sums;
+    const float *scaled_sums;
     int cols;
 } quant_acts;
 

@@ -40,9 +40,9 @@ static void dot_portable(int type, const uint8_t *row, const quant_acts *acts, i
             int32_t first = 0, second = 0;
             for (int i = 0; i < 16; i++) first += v[i] * q[i];
             for (int i = 16; i < 32; i++) second += v[i] * q[i];
-            const int16_t *sums = acts->sums + (token * subs + s) * 2;
-            acc[t] += acts->d[token * subs + s]
-                      * (scale[0] * (float)first + scale[1] * (float)second + min * (float)(sums[0] + sums[1]));
+            const float *sums = acts->scaled_sums + (token * subs + s) * 2;
+            acc[t] += acts->d[token * subs + s] * (scale[0] * (float)first + scale[1] * (float)second)
+                      + min * (sums[0] + sums[1]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = acc[t];
@@ -126,8 +126,9 @@ static dot_fn select_dot(int level, int type) {
 
 /* ---- activations ---- */
 
-/* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), and sums per 16. */
-static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, int16_t *sums) {
+/* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), and scale
+ * times sum per 16. */
+static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums) {
     float block[32];
     for (int s = 0; s < cols / 32; s++) {
         load_row(block, x, offset + 32 * s, 32, dtype);
@@ -135,15 +136,15 @@ static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(block[i]));
         const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[s] = amax / 127.0f;
-        int16_t first = 0, second = 0;
+        int first = 0, second = 0;
         for (int i = 0; i < 32; i++) {
             const int8_t value = (int8_t)nearbyintf(block[i] * inverse);
             q[32 * s + i] = value;
             if (i < 16) first += value;
             else second += value;
         }
-        sums[2 * s] = first;
-        sums[2 * s + 1] = second;
+        sums[2 * s] = d[s] * (float)first;
+        sums[2 * s + 1] = d[s] * (float)second;
     }
 }
 
@@ -161,7 +162,7 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
     const int subs = cols / 32;
     int8_t *q = malloc((size_t)tokens * cols);
     float *d = malloc((size_t)tokens * subs * sizeof(float));
-    int16_t *sums = malloc((size_t)tokens * subs * 2 * sizeof(int16_t));
+    float *sums = malloc((size_t)tokens * subs * 2 * sizeof(float));
     if (q == NULL || d == NULL || sums == NULL) {
         free(q);
         free(d);

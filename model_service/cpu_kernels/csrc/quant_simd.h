@@ -11,7 +11,7 @@
  * by the sign trick: |w| times a with w's sign), one integer dot product per token, then
  * a float multiply-add by the weight scale times the activation scale. The types that
  * store v + offset (Q4_0: 8, Q5_0: 16, Q6_K: 32) or a min (Q4_1, Q5_1, Q4_K, Q5_K) get
- * that term from the activations' half-block sums, once per sub-block (unpack_sub in
+ * that term from the activations' half-block sums (times their scale), once per sub-block (unpack_sub in
  * quant_blocks.h has the same arithmetic, element by element). maddubs's int16 pairs do
  * not saturate: |u| <= 128 and |s| <= 127, so a pair is at most 32,512.
  */
@@ -42,83 +42,96 @@ static inline __attribute__((always_inline)) __m256i QS(shift_right16)(__m256i v
     return _mm256_srl_epi16(v, _mm_cvtsi32_si128(count));
 }
 
-/* out[t] = row . activations of token t0 + t, for t < nt. */
+/* Sub-block s of the row: its 32 weights as bytes (unsigned but for Q8_0), the weight
+ * scales of its two halves and its min. */
+static inline __attribute__((always_inline)) __m256i QS(unpack)(const int type, const uint8_t *row, int s,
+                                                                 float *scale0, float *scale1, float *min) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const int block_bytes = qtype_block_bytes(type);
+    *min = 0.0f;
+    if (qtype_block_weights(type) == 32) {
+        const uint8_t *b = row + (int64_t)s * block_bytes;
+        *scale0 = *scale1 = half_to_f32(b);
+        if (type == QTYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+        if (type == QTYPE_Q4_0) return QS(nibbles16)(b + 2);
+        if (type == QTYPE_Q4_1) {
+            *min = half_to_f32(b + 2);
+            return QS(nibbles16)(b + 4);
+        }
+        if (type == QTYPE_Q5_0) return _mm256_or_si256(QS(nibbles16)(b + 6), QS(bit_bytes)(load_u32(b + 2)));
+        *min = half_to_f32(b + 2); /* Q5_1 */
+        return _mm256_or_si256(QS(nibbles16)(b + 8), QS(bit_bytes)(load_u32(b + 4)));
+    }
+    const uint8_t *b = row + (int64_t)(s / 8) * block_bytes;
+    const int j = s % 8;
+    if (type == QTYPE_Q6_K) {
+        const int half = j / 4, k = j % 4;
+        const float d = half_to_f32(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * k;
+        *scale0 = d * sc[0];
+        *scale1 = d * sc[1];
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (k & 1)));
+        if (k >= 2) ql = QS(shift_right16)(ql, 4);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+        const __m256i high = _mm256_and_si256(QS(shift_right16)(qh, 2 * k), _mm256_set1_epi8(3));
+        return _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_slli_epi16(high, 4));
+    }
+    int sc, mn; /* Q4_K, Q5_K */
+    k_scale_min(b + 4, j, &sc, &mn);
+    *scale0 = *scale1 = half_to_f32(b) * (float)sc;
+    *min = -half_to_f32(b + 2) * (float)mn;
+    __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == QTYPE_Q5_K ? 48 : 16) + 32 * (j / 2)));
+    if (j & 1) q = QS(shift_right16)(q, 4);
+    __m256i u = _mm256_and_si256(q, low4);
+    if (type == QTYPE_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m256i bit = _mm256_and_si256(QS(shift_right16)(qh, j), _mm256_set1_epi8(1));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+    }
+    return u;
+}
+
+/* Sub-block s of the row times tokens t0 .. t0 + nt - 1, into acc and extra. */
+static inline __attribute__((always_inline)) void QS(step)(const int type, const uint8_t *row, int s,
+                                                            const quant_acts *acts, int64_t t0, const int nt,
+                                                            int subs, __m256 *acc, float *extra) {
+    const int offset = type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
+    float scale0, scale1, min;
+    const __m256i u = QS(unpack)(type, row, s, &scale0, &scale1, &min);
+    for (int t = 0; t < nt; t++) {
+        const int64_t token = t0 + t;
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(acts->q + token * acts->cols + 32 * s));
+        const __m256i products = type == QTYPE_Q8_0 ? QS_DOT32(_mm256_sign_epi8(u, u), _mm256_sign_epi8(a, u))
+                                                    : QS_DOT32(u, a);
+        const float d = acts->d[token * subs + s];
+        const __m256 scales = type == QTYPE_Q6_K
+            ? _mm256_set_m128(_mm_set1_ps(scale1 * d), _mm_set1_ps(scale0 * d)) : _mm256_set1_ps(scale0 * d);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), scales, acc[t]);
+        const float *sums = acts->scaled_sums + (token * subs + s) * 2;
+        if (offset != 0) extra[t] -= (float)offset * (scale0 * sums[0] + scale1 * sums[1]);
+        if (type == QTYPE_Q4_1 || type == QTYPE_Q5_1 || type == QTYPE_Q4_K || type == QTYPE_Q5_K)
+            extra[t] += min * (sums[0] + sums[1]);
+    }
+}
+
+/* out[t] = row . activations of token t0 + t, for t < nt. Two sets of accumulators, for
+ * even and odd sub-blocks: one chain of dependent adds would bound the loop by its latency. */
 static inline __attribute__((always_inline)) void QS(dot_rows)(const int type, const uint8_t *row,
                                                                 const quant_acts *acts, int64_t t0, const int nt,
                                                                 int subs, float *out) {
-    __m256 acc[QUANT_TOKEN_TILE];
-    float extra[QUANT_TOKEN_TILE];
+    __m256 even[QUANT_TOKEN_TILE], odd[QUANT_TOKEN_TILE];
+    float extra_even[QUANT_TOKEN_TILE], extra_odd[QUANT_TOKEN_TILE];
     for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        extra[t] = 0.0f;
+        even[t] = odd[t] = _mm256_setzero_ps();
+        extra_even[t] = extra_odd[t] = 0.0f;
     }
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const int block_bytes = qtype_block_bytes(type);
-    const int offset = type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
-    for (int s = 0; s < subs; s++) {
-        __m256i u;
-        float scale0, scale1, min = 0.0f;
-        if (qtype_block_weights(type) == 32) {
-            const uint8_t *b = row + (int64_t)s * block_bytes;
-            scale0 = scale1 = half_to_f32(b);
-            if (type == QTYPE_Q8_0) {
-                u = _mm256_loadu_si256((const __m256i *)(b + 2));
-            } else if (type == QTYPE_Q4_0) {
-                u = QS(nibbles16)(b + 2);
-            } else if (type == QTYPE_Q4_1) {
-                min = half_to_f32(b + 2);
-                u = QS(nibbles16)(b + 4);
-            } else if (type == QTYPE_Q5_0) {
-                u = _mm256_or_si256(QS(nibbles16)(b + 6), QS(bit_bytes)(load_u32(b + 2)));
-            } else { /* Q5_1 */
-                min = half_to_f32(b + 2);
-                u = _mm256_or_si256(QS(nibbles16)(b + 8), QS(bit_bytes)(load_u32(b + 4)));
-            }
-        } else {
-            const uint8_t *b = row + (int64_t)(s / 8) * block_bytes;
-            const int j = s % 8;
-            if (type == QTYPE_Q6_K) {
-                const int half = j / 4, k = j % 4;
-                const float d = half_to_f32(b + 208);
-                const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * k;
-                scale0 = d * sc[0];
-                scale1 = d * sc[1];
-                __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (k & 1)));
-                if (k >= 2) ql = QS(shift_right16)(ql, 4);
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
-                const __m256i high = _mm256_and_si256(QS(shift_right16)(qh, 2 * k), _mm256_set1_epi8(3));
-                u = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_slli_epi16(high, 4));
-            } else { /* Q4_K, Q5_K */
-                int sc, mn;
-                k_scale_min(b + 4, j, &sc, &mn);
-                scale0 = scale1 = half_to_f32(b) * (float)sc;
-                min = -half_to_f32(b + 2) * (float)mn;
-                __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == QTYPE_Q5_K ? 48 : 16) + 32 * (j / 2)));
-                if (j & 1) q = QS(shift_right16)(q, 4);
-                u = _mm256_and_si256(q, low4);
-                if (type == QTYPE_Q5_K) {
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-                    const __m256i bit = _mm256_and_si256(QS(shift_right16)(qh, j), _mm256_set1_epi8(1));
-                    u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
-                }
-            }
-        }
-        const __m256 scales = _mm256_set_m128(_mm_set1_ps(scale1), _mm_set1_ps(scale0));
-        for (int t = 0; t < nt; t++) {
-            const int64_t token = t0 + t;
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(acts->q + token * acts->cols + 32 * s));
-            const __m256i products = type == QTYPE_Q8_0 ? QS_DOT32(_mm256_sign_epi8(u, u), _mm256_sign_epi8(a, u))
-                                                        : QS_DOT32(u, a);
-            const float d = acts->d[token * subs + s];
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), _mm256_mul_ps(scales, _mm256_set1_ps(d)), acc[t]);
-            if (offset != 0 || type == QTYPE_Q4_1 || type == QTYPE_Q5_1 || type == QTYPE_Q4_K || type == QTYPE_Q5_K) {
-                const int16_t *sums = acts->sums + (token * subs + s) * 2;
-                extra[t] += d * (min * (float)(sums[0] + sums[1])
-                                 - (float)offset * (scale0 * (float)sums[0] + scale1 * (float)sums[1]));
-            }
-        }
+    int s = 0;
+    for (; s + 1 < subs; s += 2) {
+        QS(step)(type, row, s, acts, t0, nt, subs, even, extra_even);
+        QS(step)(type, row, s + 1, acts, t0, nt, subs, odd, extra_odd);
     }
-    for (int t = 0; t < nt; t++) out[t] = QS(hsum)(acc[t]) + extra[t];
+    if (s < subs) QS(step)(type, row, s, acts, t0, nt, subs, even, extra_even);
+    for (int t = 0; t < nt; t++) out[t] = QS(hsum)(_mm256_add_ps(even[t], odd[t])) + extra_even[t] + extra_odd[t];
 }
 
 /* One function per type, nt a constant in the common cases (the loops over tokens unroll). */
