@@ -18,10 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf_kquants import quantize_k
 from hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 
 ROPE_THETA = 10000.0
 QUANT_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+# What write_gguf can write: gguf quantizes the 32-weight types, gguf_kquants the K types
+# (which need hidden and intermediate sizes that are multiples of 256).
+WRITABLE_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|extra|>' + message['role'] + '\n' + message['content'] + '</s>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|extra|>assistant\n' }}{% endif %}"
@@ -47,11 +51,12 @@ def byte_level_vocab(directory: Path) -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def tiny_llama(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = False):
+def tiny_llama(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = False, hidden_size: int = 64,
+               intermediate_size: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
         rope_theta=ROPE_THETA, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=tie_word_embeddings,
     )
@@ -103,7 +108,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
 def write_gguf(path: Path, quant_type: str = "F32", *, seed: int = 0, architecture: str = "llama",
                tokenizer_model: str = "gpt2", chat_template: str | None = CHAT_TEMPLATE,
                extra_tensors: dict[str, np.ndarray] | None = None, tie_word_embeddings: bool = False,
-               metadata: dict[str, int] | None = None):
+               metadata: dict[str, int] | None = None, hidden_size: int = 64, intermediate_size: int = 128):
     """Writes the file; returns (path, the transformers model it was made from).
     `metadata`: uint32 keys written over the true ones (a hostile or broken file)."""
     import gguf
@@ -111,7 +116,7 @@ def write_gguf(path: Path, quant_type: str = "F32", *, seed: int = 0, architectu
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, merges, types = byte_level_vocab(path.parent / f"{path.stem}-tokenizer")
-    model = tiny_llama(len(tokens), seed, tie_word_embeddings)
+    model = tiny_llama(len(tokens), seed, tie_word_embeddings, hidden_size, intermediate_size)
     config = model.config
     qtype = gguf.GGMLQuantizationType[quant_type]
 
@@ -144,6 +149,8 @@ def write_gguf(path: Path, quant_type: str = "F32", *, seed: int = 0, architectu
             writer.add_tensor(name, array)  # norms stay F32, as llama.cpp keeps them
         elif quant_type == "F16":
             writer.add_tensor(name, array.astype(np.float16))
+        elif quant_type.endswith("_K"):
+            writer.add_tensor(name, quantize_k(array, quant_type), raw_dtype=qtype)
         else:  # the bytes of llama.cpp's blocks; the writer derives the shape from them
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

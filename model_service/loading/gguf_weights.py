@@ -107,12 +107,15 @@ def check_gguf_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, _Target
     return targets
 
 
-def load_gguf_weights(model: LlamaForCausalLM, file: GGUFFile) -> None:
-    """Copy (dequantized, un-permuted) every tensor of `file` into `model`'s parameters."""
+def load_gguf_weights(model: LlamaForCausalLM, file: GGUFFile, skip: frozenset[str] | set[str] = frozenset()) -> None:
+    """Copy (dequantized, un-permuted) every tensor of `file` but those in `skip` (held in
+    their blocks, gguf_native.py) into `model`'s parameters."""
     targets = check_gguf_tensors(file, model.config)
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, target in targets.items():
+            if name in skip:
+                continue
             tensor = file.tensors[name]
             destination = params[target.param_name][target.row_start : target.row_end]
             values = dequantize(tensor.data, tensor.tensor_type)  # float32, [rows, columns] or [n]

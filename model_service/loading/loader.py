@@ -18,6 +18,7 @@ from model_service.models.config import ModelConfig
 from model_service.loading.embedded import EMBEDDED_MODELS, embedded_model_path
 from model_service.loading.gguf_config import config_from_gguf
 from model_service.loading.gguf_file import GGUFFile, is_gguf_spec, resolve_gguf_path
+from model_service.loading.gguf_native import install_native, native_tensor_names, plan_native
 from model_service.loading.gguf_tokenizer import tokenizer_from_gguf
 from model_service.loading.gguf_weights import check_gguf_tensors, load_gguf_weights
 from model_service.models.llama import AttentionFn, LlamaForCausalLM, default_attention
@@ -46,12 +47,16 @@ def load_model(
     *,
     attention: AttentionFn | None = None,
     attention_backend: str = "auto",
+    weights: str = "native",
 ) -> LoadedModel:
     """spec: "tiny"; an embedded model ("smollm2"); a GGUF file (or a directory holding one);
     or a local Hugging Face checkpoint directory (config.json, tokenizer.json,
     model.safetensors or a sharded model.safetensors.index.json).
+    weights: "native" keeps a GGUF file's quantized linears in their blocks on CPU where a
+    kernel takes their type (gguf_native.py); "dequantize" converts every tensor to dtype.
     bfloat16 linears on CPU come back with their weights packed for oneDNN (packed_linear.py)."""
-    loaded = _load_unpacked(spec, dtype, device, attention=attention, attention_backend=attention_backend)
+    loaded = _load_unpacked(spec, dtype, device, attention=attention, attention_backend=attention_backend,
+                            weights=weights)
     pack_linears(loaded.model)
     return loaded
 
@@ -63,6 +68,7 @@ def _load_unpacked(
     *,
     attention: AttentionFn | None,
     attention_backend: str,
+    weights: str = "native",
 ) -> LoadedModel:
     if attention is None and spec != TINY_SPEC:
         attention = default_attention(attention_backend)  # outside the meta context of _materialize
@@ -70,10 +76,10 @@ def _load_unpacked(
         model = build_tiny_model(dtype, device, attention=attention, attention_backend=attention_backend)
         return LoadedModel(model, tiny_config(), ByteTokenizer(), TINY_SPEC)
     if spec in EMBEDDED_MODELS:
-        return _load_gguf(embedded_model_path(spec), spec, dtype, device, attention)
+        return _load_gguf(embedded_model_path(spec), spec, dtype, device, attention, weights)
     if is_gguf_spec(spec):
         path = resolve_gguf_path(spec)
-        return _load_gguf(path, str(path), dtype, device, attention)
+        return _load_gguf(path, str(path), dtype, device, attention, weights)
 
     directory = Path(spec).expanduser()
     if not directory.is_dir():
@@ -95,7 +101,7 @@ def _load_unpacked(
     return _loaded(model, config, tokenizer, str(directory), chat_template, dtype, device)
 
 
-def _load_gguf(path: Path, model_id: str, dtype, device, attention) -> LoadedModel:
+def _load_gguf(path: Path, model_id: str, dtype, device, attention, weights: str = "native") -> LoadedModel:
     file = GGUFFile(path)
     config = config_from_gguf(file)
     tokenizer = tokenizer_from_gguf(file, config.eos_token_ids, config.bos_token_id)
@@ -105,18 +111,23 @@ def _load_gguf(path: Path, model_id: str, dtype, device, attention) -> LoadedMod
         eos_token=tokenizer.token_text(next(iter(config.eos_token_ids), None)),
     )
     check_gguf_tensors(file, config)  # fail on a wrong file before allocating anything
-    model = _materialize(config, dtype, device, attention)
-    load_gguf_weights(model, file)
+    native = plan_native(file, config, weights, device)
+    model = _materialize(config, dtype, device, attention,
+                         before_memory=lambda meta_model: install_native(meta_model, file, native, dtype))
+    load_gguf_weights(model, file, skip=native_tensor_names(native))
     return _loaded(model, config, tokenizer, model_id, chat_template, dtype, device)
 
 
-def _materialize(config: ModelConfig, dtype, device, attention) -> LlamaForCausalLM:
+def _materialize(config: ModelConfig, dtype, device, attention, before_memory=None) -> LlamaForCausalLM:
     # Built on the meta device: no memory and no random init for weights that are
     # about to be overwritten; then materialized (uninitialized) on the target device.
+    # before_memory(model) may swap modules first (quantized ones, which hold their own).
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention=attention)
+    if before_memory is not None:
+        before_memory(model)
     model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared params
     return model
 

@@ -1,0 +1,124 @@
+"""The whole model with GGUF weights held in their blocks (--weights native) against the
+same file dequantized at load (--weights dequantize): a test-written file of each type
+with a kernel, and SmolLM2's shipped Q4_1 file.
+
+What differs is only the activations' 8-bit quantization (per block of 32, scale
+amax / 127: at most 1/254 of a block's largest value per activation, see
+test_quant_kernels.py), compounded through the layers. Stated tolerances:
+- logits: max |native - dequantize| <= LOGIT_TOLERANCE x max |logit| (2 layers of the
+  test files; SmolLM2's 30 layers get SMOLLM2_LOGIT_TOLERANCE, measured there at 4%);
+- greedy tokens: equal, up to the first step where the dequantized model's top two
+  logits are within that absolute tolerance of each other (a near tie, which 8-bit
+  activations may flip); the test asserts that any divergence starts at such a tie.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf_checkpoints import write_gguf
+from paged_runner import PagedRunner
+
+from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
+from model_service.loading.embedded import embedded_model_path
+from model_service.loading.loader import load_model
+from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, weight_bytes
+
+TYPES = list(KERNEL_TYPES.values())
+LOGIT_TOLERANCE = 0.03
+SMOLLM2_LOGIT_TOLERANCE = 0.08
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Grüße 🙂 from a tiny model", "1 2 3 4 5 6"]
+NEW_TOKENS = 8
+
+
+def greedy(model, config, tokenizer, prompt: str, steps: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """(prefill logits [len, vocab], greedy tokens, each step's logits [vocab])."""
+    runner = PagedRunner(model, config)
+    (prefill,) = runner.step([("a", tokenizer.encode(prompt))], num_decode_seqs=0)
+    tokens, logits = [int(prefill[-1].argmax())], [prefill[-1]]
+    for _ in range(steps - 1):
+        (step,) = runner.step([("a", [tokens[-1]])], num_decode_seqs=1)
+        tokens.append(int(step[-1].argmax()))
+        logits.append(step[-1])
+    return prefill, tokens, logits
+
+
+def assert_equal_up_to_a_near_tie(native: list[int], reference: list[int], reference_logits: list[torch.Tensor],
+                                  tolerance: float) -> None:
+    for step, (ours, theirs) in enumerate(zip(native, reference, strict=True)):
+        if ours != theirs:
+            top2 = reference_logits[step].topk(2).values
+            margin = float(top2[0] - top2[1])
+            assert margin <= tolerance, (f"greedy tokens diverge at step {step} ({ours} != {theirs}) where the "
+                                         f"reference's top-2 margin {margin:.4f} exceeds the tolerance {tolerance:.4f}")
+            return
+
+
+def compare(path: str, tolerance: float, prompts: list[str], native=None) -> None:
+    native = native or load_model(path, torch.float32, "cpu", weights="native")
+    reference = load_model(path, torch.float32, "cpu", weights="dequantize")
+    assert any(isinstance(module, QuantizedLinear) for module in native.model.modules())
+    assert not any(isinstance(module, QuantizedLinear) for module in reference.model.modules())
+    for prompt in prompts:
+        ours_prefill, ours_tokens, _ = greedy(native.model, native.config, native.tokenizer, prompt, NEW_TOKENS)
+        ref_prefill, ref_tokens, ref_logits = greedy(reference.model, reference.config, reference.tokenizer, prompt,
+                                                     NEW_TOKENS)
+        absolute = tolerance * float(ref_prefill.abs().max())
+        difference = float((ours_prefill - ref_prefill).abs().max())
+        assert difference <= absolute, f"{prompt!r}: logits differ by {difference:.4f} > {absolute:.4f}"
+        assert_equal_up_to_a_near_tie(ours_tokens, ref_tokens, ref_logits, absolute)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_native_weights_match_the_dequantized_model(tmp_path, type_name):
+    sizes = {"hidden_size": 256, "intermediate_size": 512} if type_name.endswith("_K") else {}
+    path, _ = write_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name, **sizes)
+    compare(str(path), LOGIT_TOLERANCE, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2", torch.float32, "cpu")  # native is the default on CPU
+
+
+def test_smollm2_q4_1_native_matches_dequantized(smollm2):
+    compare("smollm2", SMOLLM2_LOGIT_TOLERANCE, PROMPTS[:1], native=smollm2)
+
+
+def test_smollm2_holds_the_files_blocks(smollm2):
+    model = smollm2.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)  # Q8_0, and the tied lm_head shares it
+    assert model.lm_head.segments.parts[0][1].data_ptr() == model.embed_tokens.blocks.data_ptr()
+    assert model.layers[0].self_attn.qkv_proj.types == ["Q4_1"]
+    file_size = embedded_model_path().stat().st_size
+    # The blocks (about the file) plus float32 norms and the RoPE tables.
+    assert file_size * 0.9 <= weight_bytes(model) <= file_size * 1.05
+
+
+RSS_SCRIPT = """
+import os, sys, torch
+from model_service.loading.loader import load_model
+from model_service.cpu_kernels import load
+load()
+def rss():  # anonymous memory: the shared libraries that loading pages in are not weights
+    return int(next(line for line in open('/proc/self/status') if line.startswith('RssAnon')).split()[1]) * 1024
+before = rss()
+loaded = load_model('smollm2', torch.float32, 'cpu', weights=sys.argv[1])
+print(rss() - before)
+"""
+
+
+def test_rss_after_loading_smollm2_against_the_file_size():
+    """Anonymous resident memory grown by loading with native weights, in a fresh process:
+    the 98 MB of blocks plus about 110 MB that any load pays (measured: gguf's parse of
+    the 49,152 tokens and 48,900 merges, and the tokenizer); a float32 copy of the
+    weights (538 MB, what --weights dequantize holds) would be far past the bound."""
+    file_size = embedded_model_path().stat().st_size
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    grown = int(subprocess.run([sys.executable, "-c", RSS_SCRIPT, "native"], capture_output=True, text=True,
+                               env=env, check=True).stdout.split()[-1])
+    assert file_size <= grown <= 2.5 * file_size, grown
