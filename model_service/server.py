@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "package), a .gguf file (or a directory holding one) or a local Hugging Face checkpoint directory")
     add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
              help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
+    add_flag(parser, "--weights", default="native", choices=["native", "dequantize"],
+             help="a GGUF file's quantized weights: native keeps them in their blocks on CPU wherever a kernel "
+                  "takes the type (integer dot products, about 1/5 the memory of float32), dequantize converts "
+                  "them to --dtype at load; CUDA always dequantizes")
     add_flag(parser, "--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when available")
     add_flag(parser, "--cache-service", default="127.0.0.1:50052", help="HOST:PORT of the cache service")
     add_flag(parser, "--cache-auth-token", default=None,
@@ -134,7 +138,8 @@ async def serve(args: argparse.Namespace) -> int:
     # Start-up's parallel torch work runs in threads that end, so that the engine thread's
     # OpenMP pool is the only one left (torch_threads.py).
     loaded = run_in_passing_thread(lambda: load_model(args.model, dtype, device,
-                                                      attention_backend=args.attention_backend))
+                                                      attention_backend=args.attention_backend,
+                                                      weights=args.weights))
     if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
         # Built (or found in its cache) now, not in the first request; a failed build
         # was logged and leaves decode attention on the torch path.

@@ -1,7 +1,8 @@
 """GGUF checkpoints: files written by the test with gguf.GGUFWriter from a tiny random Llama.
 
-pagedkv's paged forward pass and greedy tokens equal transformers' reading the same file
-(`gguf_file=`), in F32, F16, Q8_0 and Q4_0; every file pagedkv cannot serve is a start-up
+pagedkv's paged forward pass (weights dequantized at load; test_quantized_model.py
+compares the blocks held natively with that) and greedy tokens equal transformers' reading
+the same file (`gguf_file=`), in F32, F16, Q8_0 and Q4_0; every file pagedkv cannot serve is a start-up
 error that names what is wrong and what is supported.
 """
 
@@ -30,7 +31,7 @@ def gguf_models(request, tmp_path_factory):
     path, original = write_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", request.param)
     reference = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
-    return request.param, load_model(str(path), torch.float32, "cpu"), reference, original
+    return request.param, load_model(str(path), torch.float32, "cpu", weights="dequantize"), reference, original
 
 
 def test_paged_forward_and_greedy_tokens_match_transformers(gguf_models):

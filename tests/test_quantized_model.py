@@ -99,6 +99,26 @@ def test_smollm2_holds_the_files_blocks(smollm2):
     assert file_size * 0.9 <= weight_bytes(model) <= file_size * 1.05
 
 
+def test_make_runs_answer_up_to_its_near_tie(smollm2):
+    """`make run`'s question with native weights, teacher-forced with the answer the
+    dequantized model gives (tests/test_smollm2_generate.py): "The capital of France is
+    Paris." then end of sequence. Its first token is a near tie in the reference itself
+    (dequantized logits: "The" 25.33, "L" 25.24), which 8-bit activations flip ("L" 24.94,
+    "The" 24.76); every later token is native's own greedy choice."""
+    prompt = smollm2.chat_template.render([{"role": "user", "content": "What is the capital of France?"}])
+    answer = smollm2.tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
+    answer.append(next(iter(smollm2.config.eos_token_ids)))
+    runner = PagedRunner(smollm2.model, smollm2.config)
+    (logits,) = runner.step([("a", smollm2.tokenizer.encode(prompt, add_special_tokens=False))], num_decode_seqs=0)
+    steps = [logits[-1]]
+    for token in answer[:-1]:
+        (logits,) = runner.step([("a", [token])], num_decode_seqs=1)
+        steps.append(logits[-1])
+    first = steps[0]
+    assert float(first.max() - first[answer[0]]) <= SMOLLM2_LOGIT_TOLERANCE * float(first.abs().max())
+    assert [int(step.argmax()) for step in steps[1:]] == answer[1:]
+
+
 RSS_SCRIPT = """
 import os, sys, torch
 from model_service.loading.loader import load_model
