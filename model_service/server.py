@@ -45,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "package), a .gguf file (or a directory holding one) or a local Hugging Face checkpoint directory")
     add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
              help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
-    add_flag(parser, "--weights", default="native", choices=["native", "dequantize"],
+    add_flag(parser, "--weights", default="dequantize", choices=["native", "dequantize"],
              help="a GGUF file's quantized weights: native keeps them in their blocks on CPU wherever a kernel "
-                  "takes the type (integer dot products, about 1/5 the memory of float32), dequantize converts "
-                  "them to --dtype at load; CUDA always dequantizes")
+                  "takes the type (integer dot products on 8-bit activations, about 1/5 the memory of float32; "
+                  "greedy tokens may differ at near ties), dequantize converts them to --dtype at load; CUDA "
+                  "always dequantizes")
     add_flag(parser, "--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when available")
     add_flag(parser, "--cache-service", default="127.0.0.1:50052", help="HOST:PORT of the cache service")
     add_flag(parser, "--cache-auth-token", default=None,

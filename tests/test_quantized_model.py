@@ -82,7 +82,7 @@ def test_native_weights_match_the_dequantized_model(tmp_path, type_name):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model("smollm2", torch.float32, "cpu")  # native is the default on CPU
+    return load_model("smollm2", torch.float32, "cpu", weights="native")
 
 
 def test_smollm2_q4_1_native_matches_dequantized(smollm2):

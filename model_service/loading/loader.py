@@ -47,7 +47,7 @@ def load_model(
     *,
     attention: AttentionFn | None = None,
     attention_backend: str = "auto",
-    weights: str = "native",
+    weights: str = "dequantize",
 ) -> LoadedModel:
     """spec: "tiny"; an embedded model ("smollm2"); a GGUF file (or a directory holding one);
     or a local Hugging Face checkpoint directory (config.json, tokenizer.json,
@@ -68,7 +68,7 @@ def _load_unpacked(
     *,
     attention: AttentionFn | None,
     attention_backend: str,
-    weights: str = "native",
+    weights: str = "dequantize",
 ) -> LoadedModel:
     if attention is None and spec != TINY_SPEC:
         attention = default_attention(attention_backend)  # outside the meta context of _materialize
@@ -101,7 +101,7 @@ def _load_unpacked(
     return _loaded(model, config, tokenizer, str(directory), chat_template, dtype, device)
 
 
-def _load_gguf(path: Path, model_id: str, dtype, device, attention, weights: str = "native") -> LoadedModel:
+def _load_gguf(path: Path, model_id: str, dtype, device, attention, weights: str = "dequantize") -> LoadedModel:
     file = GGUFFile(path)
     config = config_from_gguf(file)
     tokenizer = tokenizer_from_gguf(file, config.eos_token_ids, config.bos_token_id)

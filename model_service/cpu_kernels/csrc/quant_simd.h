@@ -134,13 +134,13 @@ static inline __attribute__((always_inline)) void QS(dot_rows)(const int type, c
     for (int t = 0; t < nt; t++) out[t] = QS(hsum)(_mm256_add_ps(even[t], odd[t])) + extra_even[t] + extra_odd[t];
 }
 
-/* One function per type, nt a constant in the common cases (the loops over tokens unroll). */
+/* One function per type, nt a constant (4, or 1 for a tail: fewer cases to compile). */
 #define QS_TYPE_FN(TYPE_NAME, TYPE_CODE)                                                                  \
     static void QS(dot_##TYPE_NAME)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
                                     float *out) {                                                         \
         if (nt == QUANT_TOKEN_TILE) QS(dot_rows)(TYPE_CODE, row, acts, t0, QUANT_TOKEN_TILE, subs, out);  \
-        else if (nt == 1) QS(dot_rows)(TYPE_CODE, row, acts, t0, 1, subs, out);                          \
-        else QS(dot_rows)(TYPE_CODE, row, acts, t0, nt, subs, out);                                      \
+        else                                                                                              \
+            for (int t = 0; t < nt; t++) QS(dot_rows)(TYPE_CODE, row, acts, t0 + t, 1, subs, out + t);     \
     }
 QS_TYPE_FN(q4_0, QTYPE_Q4_0)
 QS_TYPE_FN(q4_1, QTYPE_Q4_1)
