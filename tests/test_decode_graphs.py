@@ -267,3 +267,52 @@ def test_dropped_graphs_are_gone_and_the_next_attach_captures_again():
     kv_pool = torch.zeros(config.num_layers, 2, 8, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     assert graph_pool.capture(kv_pool, BLOCK_SIZE) is graph_pool.graphs
     assert len(captures) == 2 * len(batch_buckets(4))
+
+
+class FakeAllocator:
+    """The caching allocator as decode_graphs.py sees it: reserved bytes, of which some are
+    cached (unused); emptying the cache gives the cached ones back to the driver."""
+
+    def __init__(self, reserved: int, cached: int) -> None:
+        self.reserved, self.cached = reserved, cached
+
+    def empty_cache(self) -> None:
+        self.reserved -= self.cached
+        self.cached = 0
+
+    def hold(self, num_bytes: int) -> None:
+        if num_bytes > self.cached:
+            self.reserved += num_bytes - self.cached
+            self.cached = num_bytes
+
+    def install(self, monkeypatch) -> None:
+        from model_service.worker import decode_graphs
+
+        monkeypatch.setattr(decode_graphs, "reserved_bytes", lambda device: self.reserved)
+        monkeypatch.setattr(decode_graphs, "release_cached", lambda device: self.empty_cache())
+        monkeypatch.setattr(decode_graphs, "hold_in_cache", lambda device, num_bytes: self.hold(num_bytes))
+
+
+def test_graph_memory_is_the_graphs_alone_and_the_warmup_workspace_stays_reserved(monkeypatch):
+    # torch 2.13 empties the allocator's cache on entering torch.cuda.graph. Measured around
+    # the capture, a warmup scratch (500 MiB cached) larger than the graphs (64 MiB) made
+    # memory_bytes -436 MiB (Attach's uint64 workspace_bytes then raised), and the cache
+    # service found the scratch free and built the pool over it.
+    mib = 1 << 20
+    allocator = FakeAllocator(reserved=2000 * mib, cached=500 * mib)
+    allocator.install(monkeypatch)
+    model = build_tiny_model(torch.float32, "cpu", attention_backend="torch")
+
+    def capture(step):
+        allocator.empty_cache()  # as torch.cuda.graph's entry does
+        allocator.reserved += 8 * mib  # each graph's own memory
+        return step
+
+    buckets = len(batch_buckets(8))
+    graph_pool = DecodeGraphPool(model, 8, 64, capture=capture, workspace_bytes=500 * mib)
+    assert graph_pool.memory_bytes == buckets * 8 * mib
+    assert allocator.cached == 500 * mib  # held again for the prefills the pool was sized around
+    config = model.config
+    kv_pool = torch.zeros(config.num_layers, 2, 8, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    graph_pool.capture(kv_pool, BLOCK_SIZE)  # an Attach: its capture empties the cache again
+    assert allocator.cached == 500 * mib

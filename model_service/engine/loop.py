@@ -125,7 +125,8 @@ class Engine:
         self.decode_graph_pool: DecodeGraphPool | None = None
         self.workspace_bytes = settings.workspace_bytes
         if settings.cuda_graphs:
-            self.decode_graph_pool = DecodeGraphPool(loaded.model, settings.max_num_seqs, settings.max_model_len)
+            self.decode_graph_pool = DecodeGraphPool(loaded.model, settings.max_num_seqs, settings.max_model_len,
+                                                     workspace_bytes=settings.workspace_bytes)
             self.workspace_bytes += self.decode_graph_pool.memory_bytes
             metrics.DECODE_GRAPH_MEMORY_BYTES.set(self.decode_graph_pool.memory_bytes)
             log.info("decode_graphs_reserved", buckets=self.decode_graph_pool.graphs.buckets,

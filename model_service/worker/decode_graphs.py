@@ -15,6 +15,9 @@ default), so the graphs cost about what the largest alone costs, plus each one's
 DecodeGraphPool captures them once before Attach, over a one-block scratch pool, so that
 their memory is already reserved (and counted in the workspace) when the cache service
 reads free device memory to size the pool; each Attach then recaptures into the same pool.
+Entering torch.cuda.graph empties the allocator's cache (torch 2.13), the warmup's
+activations with it, so DecodeGraphPool empties it itself before measuring (memory_bytes
+is the graphs' alone) and, after every capture, holds the warmup's workspace again.
 """
 
 from __future__ import annotations
@@ -145,6 +148,21 @@ def reserved_bytes(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
+def release_cached(device: torch.device) -> None:
+    """Give the allocator's unused cached memory back to the driver (what entering
+    torch.cuda.graph does anyway, in torch 2.13)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def hold_in_cache(device: torch.device, num_bytes: int) -> None:
+    """Leave num_bytes cached (reserved, unused) in the allocator's default pool: one
+    allocation of that size, freed at once, stays reserved for the next that fits."""
+    if device.type == "cuda" and num_bytes > 0:
+        torch.empty(num_bytes, dtype=torch.uint8, device=device)  # freed at once: the reference is dropped
+
+
 class DecodeGraphPool:
     """The decode graphs of every Attach of this process, in one memory pool.
 
@@ -157,7 +175,7 @@ class DecodeGraphPool:
     """
 
     def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, max_model_len: int,
-                 capture: Capture | None = None, scratch_block_size: int = 16) -> None:
+                 capture: Capture | None = None, scratch_block_size: int = 16, workspace_bytes: int = 0) -> None:
         config = model.config
         parameter = next(model.parameters())
         self.device = parameter.device
@@ -167,11 +185,22 @@ class DecodeGraphPool:
         self._capture = capture or cuda_graph_capture()
         scratch = torch.zeros((config.num_layers, 2, 1, scratch_block_size, config.num_kv_heads, config.head_dim),
                               dtype=parameter.dtype, device=self.device)
+        self.workspace_bytes = workspace_bytes
+        # Capturing empties the allocator's cache, the warmup's activations with it: give
+        # them back first, so the growth measured is the graphs' alone (it was negative
+        # when the warmup's scratch outweighed the graphs), then hold the warmup's
+        # workspace again (_after_capture), so that the cache service's reading of free
+        # memory still leaves it to this process's prefills.
+        release_cached(self.device)
         before = reserved_bytes(self.device)
         self.graphs = DecodeGraphs(model, scratch, scratch_block_size, max_num_seqs, max_model_len, self._capture)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.memory_bytes = reserved_bytes(self.device) - before
+        self.memory_bytes = max(reserved_bytes(self.device) - before, 0)
+        self._after_capture()
+
+    def _after_capture(self) -> None:
+        hold_in_cache(self.device, self.workspace_bytes)
 
     def drop(self) -> None:
         """Forget the graphs of a pool that is gone (the cache service was lost): they point
@@ -181,4 +210,5 @@ class DecodeGraphPool:
     def capture(self, kv_pool: torch.Tensor, block_size: int) -> DecodeGraphs:
         graphs = DecodeGraphs(self.model, kv_pool, block_size, self.max_num_seqs, self.max_model_len, self._capture)
         self.graphs = graphs  # the previous graphs go; their memory stays in the shared pool
+        self._after_capture()  # this capture emptied the cache again
         return graphs
