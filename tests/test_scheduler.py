@@ -9,7 +9,7 @@ import pytest
 
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOutcome, blocks_for
-from model_service.sched.scheduler import Scheduler, SchedulerLimits
+from model_service.sched.scheduler import Finished, Scheduler, SchedulerLimits, StepOutput
 from model_service.sched.sequence import Finish, Sequence, Status
 
 BLOCK = 4
@@ -108,18 +108,14 @@ def run_step(scheduler: Scheduler, cache: FakeCache, pending, observe=None):
         observe(step)
     pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
     scheduler.take_copies()
+    sampled = []
     for seq, new_tokens in step.batch:
         assert seq.num_computed + new_tokens <= seq.capacity(BLOCK), "scheduled past the block table"
-        seq.num_computed += new_tokens
-        if seq.num_computed == len(seq.token_ids):
-            family = [seq]
+        if seq.num_computed + new_tokens == len(seq.token_ids):  # its next token is due
+            sampled.append((seq, 7))  # the sampled token
             if seq.fork_children and seq.num_output == 0:  # the engine samples them from this row
-                family += seq.fork_children
-                scheduler.fork(seq, list(seq.fork_children))
-            for member in family:
-                member.token_ids.append(7)  # the sampled token
-                if member.num_output >= member.options.max_new_tokens:
-                    scheduler.finish(member, Finish.LENGTH)
+                sampled += [(child, 7) for child in seq.fork_children]
+    scheduler.update_from_output(step, StepOutput(sampled=sampled))
     return step, pending
 
 
@@ -525,3 +521,65 @@ def test_cancelling_every_completion_mid_flight_leaves_nothing_leased():
         while scheduler.has_work() or pending is not None:
             _, pending = run_step(scheduler, cache, pending)
         assert not cache.tables and len(cache.free) == 100, f"leaked after a cancel at step {cancel_at}"
+
+
+# --- update_from_output: the one writer of a step's results ------------------------------
+
+
+def one_step(scheduler: Scheduler, cache: FakeCache, seqs: list[Sequence]):
+    """Admits `seqs` and runs their prefill step; returns that step."""
+    for seq in seqs:
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
+    return scheduler.schedule()
+
+
+def test_update_from_output_applies_eos_stop_tokens_and_length():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64, max_model_len=7),
+                          100, eos_token_ids=[2])
+    cache = FakeCache(100)
+    eos, ignoring, stop, length, running = (make_seq(i, prompt_len=5, max_new=8) for i in range(5))
+    model_len = make_seq(5, prompt_len=6, max_new=8)
+    ignoring.options = SamplingOptions(max_new_tokens=8, ignore_eos=True)
+    stop.options = SamplingOptions(max_new_tokens=8, stop_token_ids=frozenset({3}))
+    length.options = SamplingOptions(max_new_tokens=1)
+    step = one_step(scheduler, cache, [eos, ignoring, stop, length, running, model_len])
+    assert sorted(n for _, n in step.batch) == [5] * 5 + [6]
+    finished = scheduler.update_from_output(step, StepOutput(sampled=[
+        (eos, 2), (ignoring, 2), (stop, 3), (length, 9), (running, 9), (model_len, 9)]))
+    assert finished == [Finished(eos, Finish.EOS), Finished(stop, Finish.STOP, 3), Finished(length, Finish.LENGTH),
+                        Finished(model_len, Finish.LENGTH)]  # 7 tokens: max_model_len
+    assert ignoring.num_computed == running.num_computed == 5  # the others gave their blocks up
+    assert [seq.token_ids[5:] for seq in (eos, ignoring, stop, length, running)] == [[2], [2], [3], [9], [9]]
+    assert {seq.status for seq in (eos, stop, length, model_len)} == {Status.FINISHED}
+    assert ignoring.status is running.status is Status.RUNNING
+    step = scheduler.schedule()
+    assert {seq for seq, _ in step.batch} == {ignoring, running}
+    assert len(step.lease_ops.releases) == 4  # the finished ones' blocks go back with this call
+    finished = scheduler.update_from_output(step, StepOutput(sampled=[(ignoring, 4), (running, 4)]))
+    assert finished == [Finished(ignoring, Finish.LENGTH), Finished(running, Finish.LENGTH)]
+
+
+def test_update_from_output_forks_at_the_first_token_and_skips_the_finished():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
+    cache = FakeCache(100)
+    parent, child, gone = make_family(0, prompt_len=6, n=3)
+    step = one_step(scheduler, cache, [parent])
+    assert child.status is Status.FORK_PENDING and gone.status is Status.FORK_PENDING
+    scheduler.finish(gone, Finish.ABORTED)
+    finished = scheduler.update_from_output(step, StepOutput(sampled=[(parent, 11), (child, 12), (gone, 13)]))
+    assert finished == []
+    assert parent.token_ids[6:] == [11] and child.token_ids[6:] == [12] and gone.token_ids[6:] == []
+    assert parent.fork_children == []
+    forks = scheduler.schedule().lease_ops.forks
+    assert [fork.child for fork in forks] == [child] and forks[0].parent_tokens == 6
+
+
+def test_update_from_output_marks_prompt_logprobs_done():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
+    seq = make_seq(0, prompt_len=6)
+    seq.reuse_prefix = False
+    step = one_step(scheduler, FakeCache(100), [seq])
+    scheduler.update_from_output(step, StepOutput(prompt_logprobs_done=[seq]))
+    assert seq.reuse_prefix and seq.num_computed == 6 and seq.num_output == 0

@@ -13,6 +13,7 @@ from model_service.sample.logprobs import TokenLogprob
 from model_service.engine.output import new_request
 from model_service.sample.params import SamplingOptions
 from model_service.api.sampling_proto import options_from_proto
+from model_service.sched.scheduler import append_token
 from model_service.sched.sequence import Finish
 from model_service.api.validation import GenerateLimits, validate_generate_request
 from pagedkv.model.v1 import model_pb2
@@ -24,7 +25,6 @@ def live(interval: int = 1, max_new_tokens: int = 20, stream: bool = True, n: in
     """A request of token ids only (no tokenizer) and the deltas its stream gets."""
     delivered: list[Delta] = []
     requests = LiveRequests(lambda deliveries: delivered.extend(delta for _, delta in deliveries),
-                            on_completion_end=lambda completion, finish: None,
                             on_request_end=lambda request: None)
     options = SamplingOptions(max_new_tokens=max_new_tokens, ignore_eos=True, detokenize=False,
                               stream_interval=interval, stream=stream, n=n, prompt_logprobs=prompt_logprobs)
@@ -35,9 +35,11 @@ def live(interval: int = 1, max_new_tokens: int = 20, stream: bool = True, n: in
 
 
 def step(requests: LiveRequests, request, token: int) -> None:
-    """One engine step: each completion samples `token`, the step's deltas go out."""
-    completions = request.completions
-    requests.emit(completions, [token] * len(completions), [None] * len(completions), frozenset(), max_model_len=100)
+    """One engine step: each completion samples `token` (the scheduler's append_token
+    appends it and says whether it ended the completion), the step's deltas go out."""
+    completions = [c for c in request.completions if not c.finished]
+    ended = {c.seq: e for c in completions if (e := append_token(c.seq, token, frozenset(), max_model_len=100))}
+    requests.emit(completions, [token] * len(completions), [None] * len(completions), ended)
     requests.flush()
 
 

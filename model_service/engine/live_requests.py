@@ -3,9 +3,9 @@
 It holds each live request by key, each unfinished completion by its sequence, the
 requests' deadlines, and the deltas of the current step waiting to go out: flush()
 hands them over in one delivery a step, not one a token. It knows no scheduler and no
-sampler: ending a completion calls `on_completion_end` (the engine frees its blocks and
-its sampler state there) and ending a request `on_request_end` (the engine frees its id).
-Engine thread only.
+sampler: the completions that ended are kept until the engine takes them (`take_ended`)
+to tell the scheduler and free their sampler state; ending a request calls
+`on_request_end` (the engine frees its id). Engine thread only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from model_service.engine.deltas import Delta, Sink, join_into
 from model_service.sample.logprobs import TokenLogprob
 from model_service.engine.output import Completion, RequestOutput
 from model_service.sample.params import SamplingOptions
+from model_service.sched.scheduler import Finished
 from model_service.sched.sequence import Finish, Sequence
 
 # Hands a step's deltas to their sinks. The engine's default calls each sink on the engine
@@ -42,11 +43,10 @@ def holds_back(options: SamplingOptions, unsent: Delta, generated: int) -> bool:
 
 
 class LiveRequests:
-    def __init__(self, deliver: Deliver, on_completion_end: Callable[[Completion, Finish], None],
-                 on_request_end: Callable[[RequestOutput], None]) -> None:
+    def __init__(self, deliver: Deliver, on_request_end: Callable[[RequestOutput], None]) -> None:
         self._deliver = deliver
-        self._on_completion_end = on_completion_end
         self._on_request_end = on_request_end
+        self._ended: list[tuple[Completion, Finish]] = []
         self.completions: dict[Sequence, Completion] = {}  # the unfinished ones
         self._by_key: dict[int, RequestOutput] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, key)
@@ -69,15 +69,16 @@ class LiveRequests:
             heapq.heappush(self._deadlines, (request.deadline, request.key))
 
     def emit(self, completions: list[Completion], tokens: list[int], logprobs: list[TokenLogprob | None],
-             eos_token_ids: frozenset[int], max_model_len: int) -> None:
-        """Appends each completion's sampled token and queues its delta; a token that ends
-        its completion ends it."""
+             finished: dict[Sequence, Finished]) -> None:
+        """Queues the delta of each completion's sampled token (the scheduler has appended
+        it, and `finished` says which it ended); a completion that ended, by the scheduler's
+        verdict or a stop string, ends here."""
         now = time.perf_counter()
         for completion, token, logprob in zip(completions, tokens, logprobs):
             if completion.finished:
                 continue
             request = completion.request
-            delta = completion.on_token(token, logprob, eos_token_ids, max_model_len)
+            delta = completion.on_token(token, logprob, finished.get(completion.seq))
             if completion.last_token_at:
                 metrics.INTER_TOKEN_SECONDS.observe(now - completion.last_token_at)
             elif completion.index == 0:
@@ -103,7 +104,7 @@ class LiveRequests:
             delta = completion.held if delta is None else join_into(completion.held, delta)
             completion.held = None
         seq = completion.seq
-        self._on_completion_end(completion, finish)
+        self._ended.append((completion, finish))
         self.completions.pop(seq, None)
         request = completion.request
         if seq.index == 0:
@@ -114,6 +115,11 @@ class LiveRequests:
         if request.unfinished == 0:
             self._by_key.pop(request.key, None)
             self._on_request_end(request)
+
+    def take_ended(self) -> list[tuple[Completion, Finish]]:
+        """The completions ended since the last call, for the engine to tell the scheduler."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def end_request(self, request: RequestOutput, finish: Finish, error: ErrorStatus | None = None) -> None:
         for completion in request.completions:
@@ -144,6 +150,7 @@ class LiveRequests:
             self.send(request.sink, Delta(finish=Finish.ABORTED, error=(code, message)))
         self.completions.clear()
         self._deadlines.clear()
+        self._ended.clear()
 
     def send(self, sink: Sink, delta: Delta) -> None:
         """Queues a delta for the next flush."""

@@ -1,25 +1,24 @@
 """The engine: one thread that runs the continuous-batching loop.
 
-Each iteration: collect the answer to the lease call made last step, schedule, send
-the next lease call, run the forward pass while that call is on the wire, sample, and
-stream tokens out. Callers talk to it only through submit(), cancel() and abort()
-(admission.py keeps the ids and the queue limit they share with it); it talks back
-through each request's sink. Its record of live requests, their deadlines and the
-deltas going out is live_requests.py; what a stream receives is built in output.py
-(detokenizing, stop matching, logprobs, the n completions of a request); the logits
-pipeline the sampler runs is logits_processing.py; attaching to the cache service is
-attachment.py. A request whose deadline passes, queued or running, ends with
+Each step: collect the answer to the lease call made last step and apply it, schedule,
+send the next lease call, execute the batch while that call is on the wire, sample, and
+hand the results to `scheduler.update_from_output`, the one writer of sequences; then
+stream what the tokens made. Callers talk to it only through submit(), cancel() and
+abort(), which post typed messages (inbox.py; admission.py keeps the ids and the queue
+limit they share with it); it talks back through each request's sink. Its record of live
+requests, their deadlines and the deltas going out is live_requests.py; what a stream
+receives is built in output.py (detokenizing, stop strings, logprobs, the n completions
+of a request); the session with the cache service, from Attach to Detach, is
+cache/session.py. A request whose deadline passes, queued or running, ends with
 DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away, every stream
 ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by itself.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -27,23 +26,30 @@ import structlog
 import torch
 
 from model_service import metrics
+from model_service.cache.attachment import AttachSettings, Attachment, FatalAttachError
+from model_service.cache.client import CacheClient
+from model_service.cache.session import CacheFailed, CacheSession, LeaseExpired, describe_error
 from model_service.engine.admission import Admission
-from model_service.cache.attachment import AttachSettings, FatalAttachError, attach, detach_after_failure
-from model_service.cache.client import CacheClient, Heartbeat, LeaseDeadline
-from model_service.worker.decode_graphs import DecodeGraphPool
-from model_service.loading.loader import LoadedModel
-from model_service.sched.lease_ops import LeaseLost, LeaseOps
-from model_service.engine.live_requests import Deliver, LiveRequests
 from model_service.engine.deltas import Delta, Sink
-from model_service.engine.output import Completion, RequestOutput, new_request
-from model_service.worker.runner import ModelRunner
-from model_service.sample.params import SamplingOptions
-from model_service.sched.scheduler import POLICIES, Scheduler
-from model_service.sched.sequence import Finish, Sequence, Status
+from model_service.engine.inbox import Abort, Cancel, Inbox, Message, SessionFailed, Submit, Wake
+from model_service.engine.live_requests import Deliver, LiveRequests
+from model_service.engine.output import new_request
 from model_service.engine.step_sampler import StepSampler
+from model_service.loading.loader import LoadedModel
+from model_service.sample.params import SamplingOptions
+from model_service.sched.lease_ops import LeaseLost
+from model_service.sched.scheduler import POLICIES, Scheduler, SchedulerLimits, Step, StepOutput
+from model_service.sched.sequence import Finish
+from model_service.worker.decode_graphs import DecodeGraphPool
+from model_service.worker.runner import ModelRunner
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
+
+# With leasing ahead on, a finished sequence's release may wait this long for a lease call
+# that goes out anyway (top-ups come every block_size steps or so): a release alone would
+# be a call of its own, and at 48 streams one finishes nearly every other step.
+RELEASE_HOLD_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +114,10 @@ class Engine:
         self._sampler = StepSampler(loaded.config.vocab_size, self.eos_token_ids, device)
         self._on_serving = on_serving
         self._on_fatal = on_fatal
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = Inbox()
         self._admission = Admission(settings.max_queued_requests)
-        self._requests = LiveRequests(deliver, on_completion_end=self._completion_ended,
-                                      on_request_end=lambda request: self._admission.release(
-                                          request.request_id, request.key))
+        self._requests = LiveRequests(deliver, on_request_end=lambda request: self._admission.release(
+            request.request_id, request.key))
         self._stopping = threading.Event()
         self._accepting = True  # False from the moment stop() begins
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -131,23 +136,15 @@ class Engine:
             metrics.DECODE_GRAPH_MEMORY_BYTES.set(self.decode_graph_pool.memory_bytes)
             log.info("decode_graphs_reserved", buckets=self.decode_graph_pool.graphs.buckets,
                      memory_bytes=self.decode_graph_pool.memory_bytes, workspace_bytes=self.workspace_bytes)
-        self._attach_settings = AttachSettings(
+        self._session = CacheSession(cache, AttachSettings(
             client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
             served_model_name=settings.served_model_name,
-            max_num_seqs=settings.max_num_seqs, max_batch_tokens=settings.max_batch_tokens,
-            scheduling_policy=settings.scheduling_policy, lease_ahead_blocks=settings.lease_ahead_blocks,
-        )
+        ), device)
         # Set while attached:
-        self.session_id: str | None = None
         self.sizing = None
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
-        self._heartbeat: Heartbeat | None = None
-        self._inflight: Future | None = None
-        self._inflight_ops: LeaseOps | None = None
-        self._inflight_sent_at = 0.0
-        self._lease_deadline: LeaseDeadline | None = None
         self.connected = threading.Event()
 
     # -- life cycle -------------------------------------------------------------------
@@ -163,12 +160,16 @@ class Engine:
         while self.pending and time.monotonic() < deadline:
             time.sleep(0.02)
         self._stopping.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         self._thread.join(timeout=max(grace_s, 5.0))
 
     @property
     def pending(self) -> int:
         return self._admission.pending
+
+    @property
+    def session_id(self) -> str | None:
+        return self._session.session_id
 
     @property
     def max_total_tokens(self) -> int:
@@ -178,7 +179,7 @@ class Engine:
     def block_size(self) -> int:
         return self.sizing.block_size if self.sizing is not None else 0
 
-    # -- the gRPC side ----------------------------------------------------------------
+    # -- the callers' side ------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
                deadline: float | None = None, priority: int = 0, cache_salt: str = "") -> int:
@@ -190,21 +191,19 @@ class Engine:
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
         key = self._admission.admit(request_id)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
-                              self.device, deadline, priority, arrival=key)
-        for completion in request.completions:
-            completion.seq.cache_salt = cache_salt  # forks inherit it at the cache service too
-        self._inbox.put(("submit", request))
+                              self.device, deadline, priority, arrival=key, cache_salt=cache_salt)
+        self._inbox.put(Submit(request))
         return key
 
     def cancel(self, key: int) -> None:
         """The client went away: free the request's blocks with the next lease call."""
-        self._inbox.put(("cancel", key))
+        self._inbox.put(Cancel(key))
 
     def abort(self, request_ids: list[str]) -> int:
         """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
         keys = self._admission.keys_of(request_ids)
         if keys:
-            self._inbox.put(("abort", keys))
+            self._inbox.put(Abort(tuple(keys)))
         return len(keys)
 
     # -- the engine thread --------------------------------------------------------------
@@ -237,7 +236,8 @@ class Engine:
             self._on_fatal(error)
 
     def _connect(self) -> None:
-        """Attaches (or re-attaches) to the cache service, retrying until it answers."""
+        """Attaches (or re-attaches) to the cache service, retrying until it answers, and
+        builds what runs on the pool it lends: the runner and the scheduler."""
 
         def unreachable() -> None:
             # A request can slip in as the connection drops (it passed submit's check
@@ -246,33 +246,53 @@ class Engine:
                               f"the cache service at {self.cache.address} is unreachable; retry")
             self._flush()
 
-        session = attach(self.cache, self._attach_settings, self.loaded, self.device, self.decode_graph_pool,
-                         stopping=self._stopping, on_unreachable=unreachable,
-                         on_heartbeat_failure=lambda session_id, error: self._inbox.put(
-                             ("cache_failed", session_id, error)))
-        if session is None:
+        attachment = self._session.open(
+            stopping=self._stopping, on_unreachable=unreachable,
+            on_heartbeat_failure=lambda session_id, error: self._inbox.put(SessionFailed(session_id, error)))
+        if attachment is None:
             return
-        self.session_id, self.sizing = session.session_id, session.sizing
-        self.runner, self.scheduler = session.runner, session.scheduler
-        self._lease_deadline, self._heartbeat = session.lease_deadline, session.heartbeat
+        self.sizing = attachment.sizing
+        self.runner = self._build_runner(attachment)
+        self.scheduler = self._build_scheduler(attachment)
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
         self._on_serving(True)
-        log.info("attached", cache=self.cache.address, session=session.session_id[:8],
-                 num_blocks=session.sizing.num_blocks, block_size=session.sizing.block_size,
-                 max_total_tokens=session.sizing.max_total_tokens)
+        log.info("attached", cache=self.cache.address, session=attachment.session_id[:8],
+                 num_blocks=attachment.sizing.num_blocks, block_size=attachment.sizing.block_size,
+                 max_total_tokens=attachment.sizing.max_total_tokens)
+
+    def _build_runner(self, attachment: Attachment) -> ModelRunner:
+        kv_pool = attachment.kv_pool
+        if kv_pool.device.type != self.device.type:
+            kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
+        block_size = attachment.sizing.block_size
+        graphs = None
+        if self.decode_graph_pool is not None:
+            graphs = self.decode_graph_pool.capture(kv_pool, block_size)
+            log.info("decode_graphs_captured", buckets=graphs.buckets, captures=graphs.captures,
+                     memory_bytes=self.decode_graph_pool.memory_bytes)
+        return ModelRunner(self.loaded.model, kv_pool, block_size, graphs)
+
+    def _build_scheduler(self, attachment: Attachment) -> Scheduler:
+        settings, block_size = self.settings, attachment.sizing.block_size
+        return Scheduler(
+            SchedulerLimits(block_size=block_size, max_num_seqs=settings.max_num_seqs,
+                            max_batch_tokens=settings.max_batch_tokens,
+                            lookahead_tokens=settings.lease_ahead_blocks * block_size,
+                            max_model_len=settings.max_model_len,
+                            release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),
+            blocks_available=attachment.sizing.num_blocks, policy=settings.scheduling_policy,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     def _step(self) -> None:
         scheduler = self.scheduler
-        idle = not scheduler.has_work() and self._inflight is None
+        idle = not scheduler.has_work() and not self._session.in_flight
         self._drain_inbox(block=idle)
         started = time.perf_counter()
-        if self._inflight is not None:
-            outcomes, available = self._inflight.result()
-            self._lease_deadline.acked(self._inflight_sent_at)
-            metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
-            ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
-            for seq, reason in scheduler.apply(ops, outcomes, available):
+        answer = self._session.collect()
+        if answer is not None:
+            for seq, reason in scheduler.apply(*answer):
                 completion = self._requests.completions.get(seq)
                 if completion is not None:
                     self._requests.end_request(completion.request, Finish.ABORTED,
@@ -280,6 +300,7 @@ class Engine:
             # Forks' copy-on-write, before this step's forward pass writes into a copy.
             self.runner.copy_blocks(scheduler.take_copies())
         self._requests.expire_deadlines()
+        self._retire_ended()
         if not scheduler.has_work():
             return
         step = scheduler.schedule()
@@ -287,94 +308,75 @@ class Engine:
             metrics.PREEMPTIONS.inc(len(step.preempted))
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         if step.lease_ops:
-            self._inflight_sent_at = time.monotonic()
-            self._inflight = self.cache.lease(self.session_id, step.lease_ops)
-            self._inflight_ops = step.lease_ops
-            metrics.LEASE_CALLS.inc()
-            metrics.LEASE_TOP_UPS.inc(len(step.lease_ops.top_ups))
+            self._session.send(step.lease_ops)
         if step.batch:
-            self._check_lease_deadline()
-            prompt_logits = self._sampler.prompt_logits_wanted(step.batch, self._requests.completions)
-            due, logits = self.runner.execute(step.batch, prompt_logits)
-            if prompt_logits:
-                self._sampler.collect_prompt_logprobs(prompt_logits, self._requests.completions)
-            for seq, new_tokens in step.batch:
-                seq.num_computed += new_tokens
-            if due:
-                self._sample(due, logits)
-        elif self._inflight is None:
+            self._session.check_lease_deadline()
+            self._execute(step)
+        elif not self._session.in_flight:
             # Nothing runnable and nothing asked: wait for an event instead of spinning.
             self._drain_inbox(block=True, timeout_s=0.05)
         metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
 
-    def _check_lease_deadline(self) -> None:
-        """Fenced writes: no forward pass (which writes K/V into leased blocks) once the
-        session may have expired at the cache service, whose blocks may then be someone else's."""
-        if self._lease_deadline.expired():
-            log.error("lease_deadline_passed", session=self.session_id[:8], ttl_s=self._lease_deadline.ttl_s)
-            raise LeaseExpired(
-                f"no heartbeat or lease call answered for {self._lease_deadline.ttl_s - self._lease_deadline.margin_s:.2f} s "
-                f"(lease TTL {self._lease_deadline.ttl_s:g} s less a margin): the session may have expired, so "
-                "this engine stopped writing into its blocks"
-            )
+    def _execute(self, step: Step) -> None:
+        """Runs the step's batch, samples the rows that are due, lets the scheduler write the
+        results into its sequences, and queues each token's delta."""
+        completions = self._requests.completions
+        output = StepOutput()
+        prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
+        due, logits = self.runner.execute(step.batch, prompt_logits)
+        if prompt_logits:
+            output.prompt_logprobs_done = self._sampler.collect_prompt_logprobs(prompt_logits, completions)
+        sampled = ([], [], [])
+        if due:
+            # At the first token of an n-request's completion 0, its other completions
+            # sample theirs from the same row (and are forked by the scheduler).
+            sampled = self._sampler.sample(due, logits, completions)
+            output.sampled = [(completion.seq, token) for completion, token in zip(sampled[0], sampled[1])]
+        finished = self.scheduler.update_from_output(step, output)
+        if due:
+            self._requests.emit(*sampled, {ended.seq: ended for ended in finished})
+
+    def _retire_ended(self) -> None:
+        """Tells the scheduler which completions ended (a stop string, a cancel, an abort,
+        a deadline, a failure); their blocks go back with the next lease call."""
+        for completion, finish in self._requests.take_ended():
+            self.scheduler.finish(completion.seq, finish)
+            self._sampler.release(completion)
 
     def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> None:
-        try:
-            message = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
+        for message in self._inbox.drain(block, timeout_s):
             self._handle(message)
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        self._retire_ended()
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "submit":
-            request: RequestOutput = message[1]
-            self._requests.add(request)
-            for completion in request.completions[1:]:
-                completion.seq.status = Status.FORK_PENDING
-            self.scheduler.add(request.completions[0].seq)
-            metrics.PROMPT_TOKENS.inc(request.prompt_len)
-        elif kind == "cancel":
-            request = self._requests.get(message[1])
-            if request is not None:
-                self._requests.end_request(request, Finish.ABORTED)
-                log.info("request_cancelled", request_id=request.request_id)
-        elif kind == "abort":
-            for key in message[1]:
+    def _handle(self, message: Message) -> None:
+        match message:
+            case Submit(request):
+                self._requests.add(request)
+                self.scheduler.add(request.completions[0].seq)
+                metrics.PROMPT_TOKENS.inc(request.prompt_len)
+            case Cancel(key):
                 request = self._requests.get(key)
                 if request is not None:
                     self._requests.end_request(request, Finish.ABORTED)
-                    log.info("request_aborted", request_id=request.request_id)
-        elif kind == "cache_failed":
-            # Both the heartbeat and the lease call see a dying cache service; when the
-            # lease call got there first the engine has re-attached since, and a failure
-            # of the old session says nothing about the new one.
-            if message[1] == self.session_id:
-                raise CacheFailed(message[2])
+                    log.info("request_cancelled", request_id=request.request_id)
+            case Abort(keys):
+                for key in keys:
+                    request = self._requests.get(key)
+                    if request is not None:
+                        self._requests.end_request(request, Finish.ABORTED)
+                        log.info("request_aborted", request_id=request.request_id)
+            case SessionFailed(session_id, error):
+                # Both the heartbeat and the lease call see a dying cache service; when the
+                # lease call got there first the engine has re-attached since, and a failure
+                # of the old session says nothing about the new one.
+                if session_id == self._session.session_id:
+                    raise CacheFailed(error)
+            case Wake():
+                pass
 
-    # -- sampling and output --------------------------------------------------------
-
-    def _sample(self, due: list[Sequence], logits: torch.Tensor) -> None:
-        """Samples every due sequence's next token and streams it. At the first token of
-        an n-request's completion 0, its other completions sample theirs from the same
-        row and are forked."""
-        forking = [seq for seq in due if seq.fork_children and seq.num_output == 0]
-        completions, tokens, logprobs = self._sampler.sample(due, logits, self._requests.completions)
-        for seq in forking:
-            self.scheduler.fork(seq, seq.fork_children)
-        self._requests.emit(completions, tokens, logprobs, self.eos_token_ids, self.settings.max_model_len)
-
-    def _completion_ended(self, completion: Completion, finish: Finish) -> None:
-        """Its blocks go back with the next lease call; its sampler state is dropped."""
-        self.scheduler.finish(completion.seq, finish)
-        self._sampler.release(completion)
+    # -- output and failures ----------------------------------------------------------
 
     def _flush(self) -> None:
         self._requests.flush()
@@ -387,34 +389,27 @@ class Engine:
         """Fails requests still in the inbox. Without this a request submitted just before
         the cache service went away would wait, stream open, for a re-attach that may
         never come (or until SIGTERM), instead of ending with a status."""
-        while True:
-            try:
-                queued = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if queued[0] == "submit":
-                self._admission.release(queued[1].request_id, queued[1].key)
-                self._requests.send(queued[1].sink, Delta(finish=Finish.ABORTED, error=(code, message)))
-            # Cancels have nothing left to cancel; stale cache failures nothing left to fail.
+        for message_ in self._inbox.drain(block=False):
+            if isinstance(message_, Submit):
+                request = message_.request
+                self._admission.release(request.request_id, request.key)
+                self._requests.send(request.sink, Delta(finish=Finish.ABORTED, error=(code, message)))
+            # Cancels have nothing left to cancel; stale session failures nothing left to fail.
 
     def _lose_cache(self, error: BaseException) -> None:
         log.error("cache_service_lost", error=describe_error(error), requests_failed=len(self._requests))
         self.connected.clear()
         metrics.CACHE_CONNECTED.set(0)
         self._on_serving(False)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
         self._fail_all(grpc.StatusCode.UNAVAILABLE,
                        f"the cache service at {self.cache.address} went away mid-request ({describe_error(error)}); retry")
         self._fail_queued(grpc.StatusCode.UNAVAILABLE,
                           f"the cache service at {self.cache.address} went away; retry")
-        self._inflight = self._inflight_ops = None
-        detach_after_failure(self.cache, self.session_id,
-                             error.args[0] if isinstance(error, CacheFailed) and error.args else error)
+        self._session.lost(error)
         self.scheduler = self.runner = None
         if self.decode_graph_pool is not None:
             self.decode_graph_pool.drop()  # its graphs would replay into the lost pool
-        self.session_id = self.sizing = None
+        self.sizing = None
 
     def _shutdown(self) -> None:
         """SIGTERM: end what is left, give every block back, detach."""
@@ -423,37 +418,16 @@ class Engine:
             self._fail_all(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down")
             return
         try:
-            if self._inflight is not None:
-                outcomes, available = self._inflight.result()
-                self.scheduler.apply(self._inflight_ops, outcomes, available)
-                self._inflight = None
+            answer = self._session.collect()
+            if answer is not None:
+                self.scheduler.apply(*answer)
             for request in self._requests:
                 self._requests.end_request(request, Finish.ABORTED, error=(
                     grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
-            step_ops = self.scheduler.schedule().lease_ops  # only releases remain
-            if step_ops:
-                self.cache.lease(self.session_id, step_ops).result()
-            self.cache.detach(self.session_id)
-            log.info("detached", session=self.session_id[:8])
+            self._retire_ended()
+            self._session.close(self.scheduler.schedule().lease_ops)  # only releases remain
         except (grpc.RpcError, LeaseLost) as error:
             log.warning("detach_failed", error=describe_error(error))
+            self._session.attachment.heartbeat.stop()
         finally:
-            if self._heartbeat is not None:
-                self._heartbeat.stop()
             self.connected.clear()
-
-
-class CacheFailed(Exception):
-    """The heartbeat thread saw the cache service fail."""
-
-
-class LeaseExpired(Exception):
-    """The local lease deadline passed: the session may be gone at the cache service."""
-
-
-def describe_error(error: BaseException) -> str:
-    if isinstance(error, grpc.RpcError):
-        return f"{error.code().name}: {error.details()}"
-    if isinstance(error, CacheFailed) and error.args and isinstance(error.args[0], grpc.RpcError):
-        return describe_error(error.args[0])
-    return str(error)

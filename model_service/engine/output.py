@@ -20,6 +20,7 @@ from model_service.sample.params import SamplingOptions
 from model_service.sample.sampler import make_generator
 from model_service.engine.deltas import Delta, Sink
 from model_service.sample.logprobs import TokenLogprob
+from model_service.sched.scheduler import Finished
 from model_service.sched.sequence import Finish, Sequence
 
 
@@ -44,28 +45,19 @@ class Completion:
     # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).
     held: Delta | None = None
 
-    def on_token(self, token: int, logprob: TokenLogprob | None, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> Delta:
-        """Appends a sampled token; returns its delta, with finish set when it ended the completion."""
-        seq = self.seq
-        seq.token_ids.append(token)
-        options = seq.options
-        finish = matched = None
-        if token in eos_token_ids and not options.ignore_eos:
-            finish = Finish.EOS
-        elif token in options.stop_token_ids:
-            finish, matched = Finish.STOP, token
+    def on_token(self, token: int, logprob: TokenLogprob | None, ended: Finished | None) -> Delta:
+        """The delta of a token the scheduler has appended (`ended`: whether and why that
+        ended the completion); a stop string matched in its text ends it too, and is
+        what the delta then reports."""
+        finish, matched = (ended.reason, ended.stop_token) if ended is not None else (None, None)
         text, stopped = "", False
         if self.detokenizer is not None:
             pushed = self.detokenizer.push([token])
             text, stopped = pushed.text, pushed.stopped
             if stopped:
                 finish, matched = Finish.STOP, pushed.matched
-        if not stopped and finish is None and (seq.num_output >= options.max_new_tokens
-                                               or len(seq.token_ids) >= max_model_len):
-            finish = Finish.LENGTH
-        if finish is not None and not stopped and self.detokenizer is not None:
-            text += self.detokenizer.flush()
+            elif finish is not None:
+                text += self.detokenizer.flush()
         delta = Delta(token_ids=[token], text=text, finish=finish, index=self.index, matched_stop=matched)
         if logprob is not None:
             delta.logprobs.append(logprob)
@@ -129,7 +121,7 @@ class RequestOutput:
 
 def new_request(key: int, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink,
                 tokenizer, device: torch.device, deadline: float | None, priority: int,
-                arrival: int) -> RequestOutput:
+                arrival: int, cache_salt: str = "") -> RequestOutput:
     """A request and its n completions' sequences; completion 0's sequence prefills the
     prompt, the others wait to fork from it (Sequence.fork_children)."""
     request = RequestOutput(key=key, request_id=request_id, sink=sink, options=options,
@@ -137,7 +129,8 @@ def new_request(key: int, request_id: str, prompt_token_ids: list[int], options:
                             deadline=deadline, unfinished=options.n)
     for index in range(options.n):
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
-                       options=options, arrival=arrival, index=index, priority=priority)
+                       options=options, arrival=arrival, index=index, priority=priority,
+                       cache_salt=cache_salt)  # forks inherit it at the cache service too
         generator = None if options.greedy else make_generator(completion_seed(options.seed, index), device)
         detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.stop,
                                              include_stop_str=options.include_stop_str_in_output,

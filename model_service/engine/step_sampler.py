@@ -116,7 +116,10 @@ class StepSampler:
         return wanted
 
     @staticmethod
-    def collect_prompt_logprobs(prompt_logits: dict, completions: Mapping[Sequence, Completion]) -> None:
+    def collect_prompt_logprobs(prompt_logits: dict, completions: Mapping[Sequence, Completion]) -> list[Sequence]:
+        """Appends the logprobs of the prompt positions this step computed to their
+        requests; returns the sequences whose prompt logprobs are now complete."""
+        done: list[Sequence] = []
         for seq, (start, logits) in prompt_logits.items():
             request = completions[seq].request
             # Entry i is prompt token i + 1's; after a preemption the recompute passes
@@ -128,4 +131,5 @@ class StepSampler:
             request.prompt_logprobs.extend(
                 token_logprobs(logits[skip:], targets, [request.options.prompt_logprobs] * len(targets)))
             if request.prompt_logprobs_done:
-                seq.reuse_prefix = True  # a recompute may take cached blocks again
+                done.append(seq)  # a recompute may take cached blocks again
+        return done

@@ -4,6 +4,13 @@ Pure Python, no tensors and no gRPC. The engine calls, once per step:
 
     scheduler.apply(ops, outcomes, blocks_available)  # results of the lease call made last step
     step = scheduler.schedule()                        # this step's batch + next step's lease ops
+    ...                                                # the runner executes it, the sampler samples
+    finished = scheduler.update_from_output(step, output)
+
+update_from_output is the one place where a step's results are written into its
+sequences (tokens computed, forks, sampled tokens, EOS / stop token / length): only the
+scheduler writes a Sequence. Requests that end for other reasons (a stop string, a
+cancel, a deadline) are told with finish().
 
 The lease ops of step t are sent while step t's forward pass runs, so they provide what
 step t+1 needs: blocks for the next token of every sequence in this batch (only when it
@@ -33,7 +40,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 from model_service.sched.lease_ahead import PendingReleases, top_ups
 from model_service.sched.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
@@ -75,6 +83,41 @@ class Step:
     preempted: list[Sequence]
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """What executing and sampling a Step produced: all the scheduler is told back."""
+
+    # (sequence, its sampled token) in row order; a completion that forks at this step
+    # comes right after its parent (they sample from the same row).
+    sampled: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Sequences whose prompt logprobs are now all collected (a recompute may reuse cached blocks).
+    prompt_logprobs_done: list[Sequence] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A sequence that a sampled token ended, and why."""
+
+    seq: Sequence
+    reason: Finish
+    stop_token: int | None = None  # the stop_token_ids entry that ended it
+
+
+def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int) -> Finished | None:
+    """Appends a sampled token to `seq`; a Finished when EOS, a stop token or a length
+    limit (max_new_tokens, or max_model_len unless 0) ends it there. Stop strings are
+    matched in the text, by the engine's output (text/detokenizer.py)."""
+    seq.token_ids.append(token)
+    options = seq.options
+    if token in eos_token_ids and not options.ignore_eos:
+        return Finished(seq, Finish.EOS)
+    if token in options.stop_token_ids:
+        return Finished(seq, Finish.STOP, token)
+    if seq.num_output >= options.max_new_tokens or (max_model_len and len(seq.token_ids) >= max_model_len):
+        return Finished(seq, Finish.LENGTH)
+    return None
+
+
 # When nothing runs, an allocation the service refused is asked again only after this
 # wait, doubling up to the cap: the blocks it lacks come back only when another
 # session releases some, and asking every step would send thousands of calls a second.
@@ -84,11 +127,12 @@ RETRY_REFUSED_MAX_S = 0.5
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, eos_token_ids: Collection[int] = ()) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
         self.policy = policy
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
         self._retry_refused_at = 0.0
         self._retry_refused_wait = 0.0
@@ -105,7 +149,10 @@ class Scheduler:
     # -- requests come and go -------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queues a new request's first sequence; its fork_children wait to fork from it."""
         seq.status = Status.WAITING
+        for child in seq.fork_children:
+            child.status = Status.FORK_PENDING
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: Finish) -> None:
@@ -254,6 +301,31 @@ class Scheduler:
         # Back to the front, in their original order: first come, first served.
         self.waiting.extendleft(reversed(requeue))
         return failed
+
+    # -- a step's results -------------------------------------------------------------
+
+    def update_from_output(self, step: Step, output: StepOutput) -> list[Finished]:
+        """Writes a step's results into its sequences: the tokens the forward pass
+        computed, the forks of completions whose first token was sampled, the sampled
+        tokens, and the ends they made (their blocks go back with the next lease call).
+        Returns the sequences that ended."""
+        for seq, new_tokens in step.batch:
+            seq.num_computed += new_tokens
+        for seq in output.prompt_logprobs_done:
+            seq.reuse_prefix = True
+        finished: list[Finished] = []
+        for seq, token in output.sampled:
+            if seq.status is Status.FINISHED:
+                continue
+            if seq.fork_children and seq.num_output == 0:
+                # Before its token is appended: the children fork the prompt's blocks,
+                # and each appends the first token it sampled from the same row.
+                self.fork(seq, seq.fork_children)
+            ended = append_token(seq, token, self.eos_token_ids, self.limits.max_model_len)
+            if ended is not None:
+                self.finish(seq, ended.reason)
+                finished.append(ended)
+        return finished
 
     # -- one step ---------------------------------------------------------------------
 
