@@ -1,7 +1,9 @@
 """The Generate path behind every front door (gRPC, HTTP): validate, submit, stream.
 
 Plain asyncio code, no gRPC context and no HTTP: one validation and one way of driving the
-engine, so a request means the same whichever door it came in by. A failure is a
+engine, so a request means the same whichever door it came in by. Its language is
+model.proto's messages (a GenerateRequest in, GenerateResponses out), which the gRPC
+door passes through and the HTTP door maps to and from OpenAI's JSON. A failure is a
 GenerateError carrying the status the error table in README.md ("Errors") gives it; the gRPC servicer
 aborts the call with it, the HTTP app turns it into an OpenAI error object.
 

@@ -1,0 +1,86 @@
+"""The architecture's import rules, read from the source: which room may import which.
+
+A rule broken here is a room that now depends on one it must not (the scheduler on the
+device, the block pool on a model, sampling on the wire), which a test of behaviour
+would not notice until the next feature tangles them further.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, absolute, whatever the import's form."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def files(*places: str) -> list[Path]:
+    """The Python files of each folder, or each file itself; a place that is neither fails."""
+    found = []
+    for place in places:
+        path = ROOT / place
+        assert path.exists(), f"{place} does not exist: update the rules"
+        found.extend([path] if path.is_file() else path.rglob("*.py"))
+    return sorted(found)
+
+
+def offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {}
+    for path in files(*folders):
+        bad = sorted(m for m in imports_of(path) if any(m == f or m.startswith(f + ".") for f in forbidden))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+RULES = [
+    # (who, may not import, why)
+    (("cache_service",), ("model_service",), "the two services meet only in proto/ and pagedkv/"),
+    (("model_service",), ("cache_service",), "the two services meet only in proto/ and pagedkv/"),
+    (("cache_service/block_pool.py",), ("torch", "model_service", "pagedkv.pool_memory"),
+     "the block pool knows no model and no memory"),
+    (("model_service/sched",), ("torch", "grpc", "model_service.worker", "model_service.models",
+                                "model_service.attention", "model_service.cpu_kernels", "model_service.engine",
+                                "model_service.cache", "model_service.api", "pagedkv.model", "pagedkv.cache"),
+     "the scheduler is pure Python: no tensors, no device, no wire, no loop"),
+    (("model_service/worker", "model_service/attention", "model_service/cpu_kernels", "model_service/models"),
+     ("model_service.engine", "model_service.api", "model_service.cache", "grpc"),
+     "the device code knows nothing of the loop, the session or the front doors"),
+    (("model_service/sample",), ("grpc", "pagedkv.model", "model_service.api", "model_service.engine",
+                                 "model_service.sched", "fastapi"),
+     "sampling knows no wire and no engine"),
+    (("model_service/text",), ("model_service.loading", "model_service.models", "model_service.engine"),
+     "text in and out is a leaf the loaders and the engine use"),
+    (("model_service/loading",), ("model_service.engine", "model_service.api", "model_service.sched"),
+     "where a model comes from knows nothing of serving it"),
+    (("model_service/engine", "model_service/sched", "model_service/cache", "model_service/sample"),
+     ("model_service.api", "fastapi", "starlette"), "nothing below the front doors imports them"),
+]
+
+
+@pytest.mark.parametrize("who, forbidden, why", RULES, ids=[f"{r[0][0]}-not-{r[1][0]}" for r in RULES])
+def test_import_rule(who, forbidden, why):
+    assert offenders(who, forbidden) == {}, why
+
+
+def test_each_rule_reads_files():
+    assert all(files(*who) for who, _, _ in RULES)
+
+
+def test_the_rules_see_imports():
+    """The checker itself: a file that imports the scheduler and torch is seen doing so."""
+    assert {"torch", "model_service.sched.scheduler", "model_service.sched.scheduler.Scheduler"} <= imports_of(
+        ROOT / "model_service" / "engine" / "loop.py")
