@@ -229,7 +229,9 @@ def stream_past_its_deadline(stub, seconds_per_token: float) -> Stream:
     first is asked for again with a third of the deadline, and one that got no token at
     all with twice it.
     """
-    deadline_s = max(1.0, LONG * seconds_per_token / 3)
+    # Never past half the wait below: on a loaded machine (0.5 s a token was seen) a third
+    # of LONG tokens is minutes, and the wait would end before the deadline could.
+    deadline_s = min(max(1.0, LONG * seconds_per_token / 3), GENEROUS_S / 2)
     tried = []
     for _ in range(5):
         stream = Stream(stub, prompt(12, 40), timeout_s=deadline_s)
