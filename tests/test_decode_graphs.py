@@ -101,7 +101,15 @@ def test_graph_decode_matches_eager_and_never_recaptures():
     assert len(captures) == graphs.captures == len(batch_buckets(16)), "a new shape captured a new graph"
 
 
-def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly():
+def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly(monkeypatch):
+    # A decode step selects its rows by slicing: no index tensor to copy to the device (on
+    # CUDA a copy from pageable memory waits for the stream: a second host sync a step).
+    from model_service.worker import runner as runner_module
+
+    indexed = []
+    device_index = runner_module.device_index
+    monkeypatch.setattr(runner_module, "device_index", lambda values, device: indexed.append(values) or
+                        device_index(values, device))
     torch.manual_seed(0)
     model = build_tiny_model(attention=SkipPaddingAttention())
     config = model.config
@@ -116,6 +124,7 @@ def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly():
     expected_due, expected = eager.execute(decode)
     assert due == expected_due == [seq for seq, _ in decode]
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert indexed == []
 
     prefill = decode_batch([20], first_block=100)
     prefill[0][0].num_computed = 0
@@ -123,6 +132,7 @@ def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly():
     due, logits = with_graphs.execute(prefill)
     assert graphs.replays == 1, "a prefill step went through a decode graph"
     torch.testing.assert_close(logits, eager.execute(prefill)[1], atol=1e-5, rtol=1e-5)
+    assert indexed == [[19], [19]]  # a prefill's last position, by index
 
 
 def test_graphs_are_captured_largest_bucket_first():

@@ -133,11 +133,13 @@ class DecodeGraphs:
             lens.append(position + 1)
             tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         padding = size - len(batch)
-        self.input_ids[:size].copy_(torch.tensor(ids + [0] * padding), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
-        self.context_lens[:size].copy_(torch.tensor(lens + [0] * padding, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+        # From pinned memory: a copy from pageable memory waits for the stream first.
+        pin = self.input_ids.is_cuda
+        staged = (torch.tensor(ids + [0] * padding), torch.tensor(positions + [0] * padding),
+                  torch.tensor(slots + [-1] * padding), torch.tensor(lens + [0] * padding, dtype=torch.int32), tables)
+        targets = (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables)
+        for target, values in zip(targets, staged):
+            target[:size].copy_(values.pin_memory() if pin else values, non_blocking=True)
         self.replays += 1
         # The graph's output buffer: the next replay overwrites it, so use it before then.
         return self._replays[size]()[: len(batch)]

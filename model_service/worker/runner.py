@@ -57,8 +57,13 @@ class ModelRunner:
         due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        index = torch.tensor([rows[i] for i in due], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index), float32=False)
+        selected_rows = [rows[i] for i in due]
+        if selected_rows == list(range(len(selected_rows))):
+            # A decode step (graphs or eager): every row, in order; a slice needs no index tensor.
+            selected = hidden[: len(selected_rows)]
+        else:
+            selected = hidden.index_select(0, device_index(selected_rows, self.device))
+        logits = self.model.compute_logits(selected, float32=False)
         return [batch[i][0] for i in due], logits
 
     def _prompt_logits(self, batch, hidden: torch.Tensor, rows: list[int],
@@ -127,6 +132,15 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         pos = torch.tensor(positions, dtype=torch.int64, device=device)
         return ids, pos, meta
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on device, copied from pinned memory without waiting: a step's
+    one host sync is its sampled tokens, and torch.tensor(list, device="cuda") copies from
+    pageable memory, which blocks the host until the copy is done."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ...], dtype: torch.dtype,
