@@ -10,6 +10,10 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 REQUESTS = Counter("pagedkv_model_requests", "Finished Generate requests, by finish reason", ["finish_reason"])
 REJECTED = Counter("pagedkv_model_requests_rejected", "Generate requests refused before queueing, by status", ["code"])
+TENANT_REQUESTS = Counter("pagedkv_model_tenant_requests", "Generate requests accepted, by tenant (--api-keys)",
+                          ["tenant"])
+TENANT_TOKENS = Counter("pagedkv_model_tenant_tokens", "Prompt and completion tokens of finished completions, "
+                        "by tenant (--api-keys)", ["tenant", "kind"])
 PROMPT_TOKENS = Counter("pagedkv_model_prompt_tokens", "Prompt tokens of accepted requests")
 GENERATED_TOKENS = Counter("pagedkv_model_generated_tokens", "Tokens generated")
 QUEUE_LENGTH = Gauge("pagedkv_model_queue_length", "Requests waiting for blocks or a batch slot")

@@ -23,6 +23,7 @@ from model_service.api.generation import GenerationService, deliver_on_loop
 from model_service.api.openai_http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
+from model_service.api.tenants import ApiKeys
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.units import parse_bytes
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--http-port", default=8000, type=int,
              help="OpenAI-compatible HTTP API port on --host (0 picks a free one, -1 disables); TLS and "
                   "--auth-token apply as on gRPC")
+    add_flag(parser, "--api-keys", default=None,
+             help="YAML or JSON file mapping each bearer key to {tenant, max_concurrent_requests, "
+                  "max_queued_requests, min_priority, kv_blocks} (all but tenant optional), on gRPC and HTTP; "
+                  "--auth-token is the single-tenant form")
     add_flag(parser, "--max-request-bytes", default=DEFAULT_MAX_REQUEST_BYTES, type=parse_bytes,
              help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
     add_flag(parser, "--served-model-name", default=None,
@@ -132,6 +137,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes} is too small (at least 1024)")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be 1 (every token at once) or more, got {args.stream_interval}")
+    # Read first: a broken keys file is a start-up error, before a model loads for minutes.
+    api_keys = ApiKeys.configure(args.auth_token, args.api_keys)
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
@@ -192,12 +199,13 @@ async def serve(args: argparse.Namespace) -> int:
                                    max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
                                    max_concurrent_streams=args.max_concurrent_streams,
                                    stream_interval=args.stream_interval)
-    servicer = ModelServicer(generation)
+    servicer = ModelServicer(generation, api_keys)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
-                        lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server))
+                        lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server),
+                        authenticate=(lambda token: api_keys.tenant_of(token) is not None) if api_keys else None)
     http = None
     if args.http_port >= 0:
-        http = HttpServer(create_app(generation, served_model_name=args.served_model_name, auth_token=args.auth_token,
+        http = HttpServer(create_app(generation, served_model_name=args.served_model_name, api_keys=api_keys,
                                      max_request_bytes=args.max_request_bytes),
                           args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
         await http.start()

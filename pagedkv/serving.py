@@ -75,8 +75,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects every call but health checks that lacks 'authorization: Bearer <token>'
     (the scheme in any case)."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = token.encode()
+    def __init__(self, token: str | None = None, *, authenticate: Callable[[bytes], bool] | None = None) -> None:
+        # authenticate(presented token) -> accepted: several keys (the model service's --api-keys).
+        expected = token.encode() if token else None
+        self._authenticate = authenticate or (lambda presented: token_matches(presented, expected))
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -84,7 +86,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         presented = presented_token(metadata.get("authorization"))
-        if token_matches(presented, self._expected):
+        if self._authenticate(presented):
             return handler
         reason = "missing authorization metadata" if not presented else "wrong token"
         return _deny(handler, f"{reason}: send 'authorization: Bearer <token>' matching the server's --auth-token")
@@ -193,12 +195,15 @@ class GrpcServer:
         config: ServerConfig,
         service_names: Iterable[str],
         register: Callable[[grpc.aio.Server], None],
+        authenticate: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.config = config
         self.service_names = list(service_names)
         # Auth first: a caller without the token learns nothing, not even that a request parses.
-        interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+        interceptors = ([TokenAuthInterceptor(config.auth_token, authenticate=authenticate)]
+                        if config.auth_token or authenticate else [])
         interceptors.append(MalformedRequestInterceptor())
+        self.server_authenticates = authenticate is not None
         self.server = grpc.aio.server(interceptors=interceptors, options=message_options(config.max_message_bytes))
         register(self.server)
         self.health = health_aio.HealthServicer()
@@ -232,7 +237,8 @@ class GrpcServer:
             ports = {"port": self.port, "metrics_port": self.metrics_port, **(extra_ports or {})}
             Path(self.config.port_file).write_text(json.dumps(ports))
         log.info("grpc_listening", address=f"{self.config.host}:{self.port}", metrics_port=self.metrics_port,
-                 tls=bool(self.config.tls_cert), auth=bool(self.config.auth_token))
+                 tls=bool(self.config.tls_cert),
+                 auth=bool(self.config.auth_token) or bool(self.server_authenticates))
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

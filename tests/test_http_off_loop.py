@@ -36,9 +36,11 @@ class RecordingEngine:
         self.max_total_tokens = 0
         self.submitted: list[str] = []
         self.cancelled: list[int] = []
+        self.how: dict[str, dict] = {}  # request id -> submit's keyword arguments (priority, cache_salt, ...)
 
-    def submit(self, request_id, prompt_token_ids, options, sink, **_) -> int:
+    def submit(self, request_id, prompt_token_ids, options, sink, **how) -> int:
         self.submitted.append(request_id)
+        self.how[request_id] = how
         return len(self.submitted)
 
     def cancel(self, key: int) -> None:

@@ -29,6 +29,7 @@ from model_service.engine.deltas import join_into
 from model_service.sample.logprobs import TokenLogprob
 from model_service.sample.params import InvalidRequest, SamplingOptions
 from model_service.sched.sequence import Finish
+from model_service.api.tenants import SINGLE, Tenant
 from model_service.api.validation import GenerateLimits, PoolTooSmall, tokenize_prompt, validate_generate_request
 from pagedkv.model.v1 import model_pb2
 
@@ -89,13 +90,13 @@ class GenerationService:
             has_chat_template=loaded.chat_template is not None,
         )
 
-    async def generate(self, request: model_pb2.GenerateRequest,
-                       deadline: float | None = None) -> AsyncIterator[model_pb2.GenerateResponse]:
+    async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
+                       tenant: Tenant = SINGLE) -> AsyncIterator[model_pb2.GenerateResponse]:
         """The responses of one Generate call, or GenerateError (before the first response
         when the request is refused, later when the engine fails it). Closing the
         generator early cancels the request. `deadline`: a time.monotonic() by which the
         engine ends the request with DEADLINE_EXCEEDED."""
-        stream = await self.start_async(request, deadline)
+        stream = await self.start_async(request, deadline, tenant)
         try:
             async for response in stream:
                 yield response
@@ -107,29 +108,45 @@ class GenerationService:
         return self.engine.abort(request_ids)
 
     def start(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
-              validated=None) -> ResponseStream:
-        """Validates and submits `request`, or raises GenerateError without having touched
-        the engine. The caller must close() the stream it gets, whatever happens next."""
+              validated=None, tenant: Tenant = SINGLE) -> ResponseStream:
+        """Validates and submits `request` for `tenant` (tenants.py), or raises GenerateError
+        without having touched the engine. The caller must close() the stream it gets,
+        whatever happens next."""
+        self._check_limits(tenant)
+        request_id = request.request_id or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
+        try:
+            stream = ResponseStream(self, request_id, self._submit(request_id, request, deadline, validated, tenant),
+                                    tenant)
+        except GenerateError:
+            structlog.contextvars.unbind_contextvars("request_id")
+            raise
+        if tenant.name:
+            metrics.TENANT_REQUESTS.labels(tenant.name).inc()
+        return stream
+
+    def _check_limits(self, tenant: Tenant) -> None:
         if self.max_concurrent_streams and self.open_streams >= self.max_concurrent_streams:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{self.open_streams} Generate streams are open, the limit is "
                            f"--max-concurrent-streams {self.max_concurrent_streams}; retry later",
                            retry_later=True)
-        request_id = request.request_id or uuid.uuid4().hex
-        structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
-        try:
-            return ResponseStream(self, request_id, self._submit(request_id, request, deadline, validated))
-        except GenerateError:
-            structlog.contextvars.unbind_contextvars("request_id")
-            raise
+        for count, limit, what in ((tenant.open_requests, tenant.max_concurrent_requests, "max_concurrent_requests"),
+                                   (tenant.queued_requests, tenant.max_queued_requests, "max_queued_requests")):
+            if limit and count >= limit:
+                raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"tenant {tenant.name!r} has {count} requests {'open' if 'concurrent' in what else 'queued'}, "
+                               f"its {what} is {limit} (--api-keys); retry later", retry_later=True)
 
-    async def start_async(self, request: model_pb2.GenerateRequest, deadline: float | None = None) -> ResponseStream:
+    async def start_async(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
+                          tenant: Tenant = SINGLE) -> ResponseStream:
         """start(), with a text prompt tokenized on a worker thread (after validation's
         byte-length check): a long prompt must not freeze every other stream."""
         if not (request.prompt or request.messages):
-            return self.start(request, deadline)
+            return self.start(request, deadline, tenant=tenant)
+        self._check_limits(tenant)  # before the tokenizing a refused request would waste
         validated = await asyncio.to_thread(self._validate, request)
-        return self.start(request, deadline, validated)
+        return self.start(request, deadline, validated, tenant)
 
     async def render(self, request: model_pb2.GenerateRequest) -> tuple[list[int], SamplingOptions]:
         """What start() would submit for ``request``, validated as start() validates it,
@@ -161,13 +178,19 @@ class GenerationService:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error) from None
 
     def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
-                deadline: float | None, validated=None) -> tuple[int, int, asyncio.Queue[Delta]]:
+                deadline: float | None, validated=None, tenant: Tenant = SINGLE) -> tuple[int, int, asyncio.Queue[Delta]]:
         prompt_token_ids, options = validated or self._validate(request)
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        # A tenant cannot ask to run before its min_priority (lower runs first), and shares
+        # cached prefixes only with requests that carry its salt: by default its name.
+        priority = request.priority
+        if tenant.min_priority is not None and priority < tenant.min_priority:
+            priority = tenant.min_priority
+        cache_salt = request.cache_salt or tenant.name
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
             key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
-                                     deadline=deadline, priority=request.priority, cache_salt=request.cache_salt)
+                                     deadline=deadline, priority=priority, cache_salt=cache_salt)
         except QueueFull as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
         except EngineUnavailable as error:
@@ -189,14 +212,23 @@ class ResponseStream:
     called exactly when its consumer is done or gone."""
 
     def __init__(self, service: GenerationService, request_id: str,
-                 submitted: tuple[int, int, asyncio.Queue[Delta]]) -> None:
+                 submitted: tuple[int, int, asyncio.Queue[Delta]], tenant: Tenant = SINGLE) -> None:
         self.request_id = request_id
         self._service = service
         self._key, self._unfinished, self._deltas = submitted
         self._held: Delta | None = None  # a delta of another completion that ended a merge
         self._finished = False
         self._closed = False
+        self._tenant = tenant
+        self._queued = True  # until its first message: the tenant's max_queued_requests
         service.open_streams += 1
+        tenant.open_requests += 1
+        tenant.queued_requests += 1
+
+    def _first_message(self) -> None:
+        if self._queued:
+            self._queued = False
+            self._tenant.queued_requests -= 1
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -205,12 +237,16 @@ class ResponseStream:
         if self._finished:
             raise StopAsyncIteration
         delta, self._held = merge(self._held or await self._deltas.get(), self._deltas)
+        self._first_message()
         if delta.error is not None:
             self._finished = True
             raise GenerateError(*delta.error)
         if delta.finish is not None:
             self._unfinished -= 1
             self._finished = self._unfinished == 0
+            if self._tenant.name:
+                metrics.TENANT_TOKENS.labels(self._tenant.name, "prompt").inc(delta.prompt_tokens)
+                metrics.TENANT_TOKENS.labels(self._tenant.name, "completion").inc(delta.completion_tokens)
         return to_response(delta, self.request_id)
 
     def close(self) -> None:
@@ -218,6 +254,8 @@ class ResponseStream:
             return
         self._closed = True
         self._service.open_streams -= 1
+        self._first_message()
+        self._tenant.open_requests -= 1
         if not self._finished:
             # Cancelled, disconnected or past its deadline: free the blocks now.
             self._service.engine.cancel(self._key)

@@ -9,12 +9,22 @@ from __future__ import annotations
 import time
 
 from model_service.api.generation import GenerateError, GenerationService
+from model_service.api.tenants import SINGLE, ApiKeys, Tenant
+from pagedkv.bearer import presented_token
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, generation: GenerationService) -> None:
+    def __init__(self, generation: GenerationService, api_keys: ApiKeys | None = None) -> None:
         self.generation = generation
+        self.api_keys = api_keys
+
+    def _tenant(self, context) -> Tenant:
+        # The auth interceptor has let only known keys through: this finds whose it is.
+        if self.api_keys is None:
+            return SINGLE
+        metadata = dict(context.invocation_metadata() or ())
+        return self.api_keys.tenant_of(presented_token(metadata.get("authorization"))) or SINGLE
 
     async def GetModelInfo(self, request, context):
         return self.generation.model_info()
@@ -23,7 +33,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         # The call's deadline holds inside the engine too (DEADLINE_EXCEEDED, blocks freed).
         remaining_s = context.time_remaining()
         deadline = time.monotonic() + remaining_s if remaining_s is not None else None
-        responses = self.generation.generate(request, deadline=deadline)
+        responses = self.generation.generate(request, deadline=deadline, tenant=self._tenant(context))
         try:
             async for response in responses:
                 yield response

@@ -21,7 +21,7 @@ from fastapi.sse import format_sse_event
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.openai_http import render, to_generate
 from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
-from model_service.api.openai_http.gate import Gate
+from model_service.api.openai_http.gate import PRINCIPAL, Gate
 from model_service.api.openai_http.logprobs import TokenNames
 from model_service.api.openai_http.protocol import (
     ChatCompletionRequest,
@@ -33,7 +33,7 @@ from model_service.api.openai_http.protocol import (
 from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndpoint, Endpoint
 from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
 from model_service.api.openai_http.unsupported import refuse_unsupported
-from pagedkv.bearer import token_matches
+from model_service.api.tenants import SINGLE, ApiKeys
 
 DONE = format_sse_event(data_str="[DONE]")
 # nginx's status for "the client closed the request": nobody reads it, the log does.
@@ -45,13 +45,15 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def create_app(generation: GenerationService, *, served_model_name: str | None = None,
-               auth_token: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               auth_token: str | None = None, api_keys: ApiKeys | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """api_keys: the keys and their tenants (tenants.py); else auth_token, one key."""
     app = FastAPI(title="pagedkv model service", summary="OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_handlers(app)
     # Token and body size are checked in front of FastAPI, which reads the body first (gate.py).
-    expected = auth_token.encode() if auth_token else None
+    api_keys = api_keys or ApiKeys.configure(auth_token, None)
     app.add_middleware(Gate, max_request_bytes=max_request_bytes,
-                       authenticate=(lambda token: token_matches(token, expected)) if expected else None)
+                       authenticate=api_keys.tenant_of if api_keys else None)
     loaded = generation.engine.loaded
     model_name = served_model_name or loaded.model_id
     created = int(time.time())
@@ -128,7 +130,8 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return token_ids_as_names if body.return_tokens_as_token_ids else token_names
 
     async def run(body: GenerationFields, requests, endpoint: Endpoint, request: Request) -> Response:
-        running = await Running.start(generation, requests)  # GenerateError: the handler answers it
+        tenant = request.scope.get(PRINCIPAL) or SINGLE
+        running = await Running.start(generation, requests, tenant)  # GenerateError: the handler answers it
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(events(endpoint, running, len(requests) * body.n, include_usage), on_end=running.close)

@@ -21,11 +21,16 @@ from pagedkv.bearer import presented_token
 OPEN_PATHS = frozenset({"/health"})
 
 
+# Where the gate leaves whose the key was (authenticate's answer) for the routes.
+PRINCIPAL = "pagedkv.principal"
+
+
 class Gate:
-    """ASGI middleware. `authenticate(token) -> bool`: None when no token is required."""
+    """ASGI middleware. `authenticate(token)`: whose the token is (kept in the scope under
+    PRINCIPAL), or None to refuse it; itself None when no token is required."""
 
     def __init__(self, app: ASGIApp, *, max_request_bytes: int,
-                 authenticate: Callable[[bytes], bool] | None = None) -> None:
+                 authenticate: Callable[[bytes], object | None] | None = None) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.authenticate = authenticate
@@ -37,12 +42,14 @@ class Gate:
         headers = dict(scope["headers"])  # lower-case names, as ASGI gives them
         if self.authenticate is not None and scope["path"] not in OPEN_PATHS:
             token = presented_token(headers.get(b"authorization"))
-            if not self.authenticate(token):
+            principal = self.authenticate(token)
+            if principal is None:
                 reason = "wrong token" if token else "missing Authorization header"
                 await refuse(ApiError(401, f"{reason}: send 'Authorization: Bearer <token>' matching the server's "
-                                      "--auth-token (the openai client's api_key)", code="invalid_api_key"),
+                                      "--auth-token or a key of its --api-keys (the openai client's api_key)", code="invalid_api_key"),
                              scope, receive, send)
                 return
+            scope[PRINCIPAL] = principal
         declared = headers.get(b"content-length")
         if declared is not None:
             try:

@@ -15,6 +15,7 @@ from fastapi.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from model_service.api.generation import GenerateError, GenerationService, ResponseStream
+from model_service.api.tenants import SINGLE, Tenant
 from pagedkv.model.v1 import model_pb2
 
 
@@ -25,11 +26,12 @@ class Running:
         self.streams = streams
 
     @classmethod
-    async def start(cls, generation: GenerationService, requests: list[model_pb2.GenerateRequest]) -> Running:
+    async def start(cls, generation: GenerationService, requests: list[model_pb2.GenerateRequest],
+                    tenant: Tenant = SINGLE) -> Running:
         """Starts every request, its prompt tokenized on a worker thread as gRPC's are
         (start_async), a list of prompts side by side; if one is refused, those started
         are closed and its GenerateError is raised."""
-        tasks = [asyncio.ensure_future(generation.start_async(request)) for request in requests]
+        tasks = [asyncio.ensure_future(generation.start_async(request, tenant=tenant)) for request in requests]
         try:
             await asyncio.wait(tasks)
         finally:  # also when the client went away meanwhile: nothing started may stay open

@@ -1,0 +1,119 @@
+"""Tenants: who a bearer key belongs to and what that tenant may do, for both doors.
+
+`--api-keys FILE` (YAML or JSON) maps each key to a tenant:
+
+    sk-team-a: {tenant: team-a, max_concurrent_requests: 8, max_queued_requests: 4, min_priority: 0}
+    sk-team-b: {tenant: team-b}
+
+Every field but `tenant` is optional (0 or absent: no limit). `--auth-token` stays the
+single-tenant form: one key, no tenant, no limits. A tenant's requests are counted
+against its limits (RESOURCE_EXHAUSTED, HTTP 429, past them), a priority it asks below its
+`min_priority` becomes `min_priority` (lower runs first), and its `cache_salt` defaults
+to its name, so tenants never share cached prefixes unless given the same salt.
+Keys are looked up by their SHA-256, so no comparison runs over a key's own bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks")
+
+
+@dataclass(slots=True)
+class Tenant:
+    name: str
+    max_concurrent_requests: int = 0  # open Generate requests (queued or running); 0: no limit
+    max_queued_requests: int = 0  # of them, those not yet past their first token; 0: no limit
+    min_priority: int | None = None  # the most urgent priority it may ask for (lower runs first)
+    kv_blocks: int = 0  # its share of the pool, in blocks (0: no share); not enforced yet
+    # Counted on the event loop by GenerationService.
+    open_requests: int = field(default=0, compare=False)
+    queued_requests: int = field(default=0, compare=False)
+
+
+# The tenant of --auth-token's key: no name, no limits.
+SINGLE = Tenant("")
+
+
+class ApiKeys:
+    """Bearer key -> Tenant."""
+
+    def __init__(self, tenants_by_key: dict[str, Tenant]) -> None:
+        self._by_digest = {_digest(key.encode()): tenant for key, tenant in tenants_by_key.items()}
+        self.tenants = {tenant.name: tenant for tenant in tenants_by_key.values()}
+
+    @classmethod
+    def configure(cls, auth_token: str | None, api_keys_file: str | None) -> ApiKeys | None:
+        """The keys both doors accept; None when neither flag is set (no auth)."""
+        if not auth_token and not api_keys_file:
+            return None
+        by_key = load_api_keys(Path(api_keys_file)) if api_keys_file else {}
+        if auth_token:
+            by_key.setdefault(auth_token, SINGLE)
+        return cls(by_key)
+
+    def tenant_of(self, token: bytes) -> Tenant | None:
+        return self._by_digest.get(_digest(token)) if token else None
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def load_api_keys(path: Path) -> dict[str, Tenant]:
+    """The file's key -> Tenant; ValueError naming the file and the entry for anything wrong."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ValueError(f"--api-keys {path}: cannot read it ({error.strerror})") from None
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as error:  # json's and yaml's errors
+        raise ValueError(f"--api-keys {path} does not parse: {error}") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"--api-keys {path} must map each key to {{tenant: NAME, ...}}; it holds no keys")
+    tenants: dict[str, Tenant] = {}
+    for index, (key, entry) in enumerate(data.items()):
+        where = f"--api-keys {path}, entry {index + 1}"  # never the key itself: it is a secret
+        if not isinstance(key, str) or len(key) < 8 or not key.isprintable() or " " in key:
+            raise ValueError(f"{where}: a key must be printable text of 8 characters or more without spaces")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: the value must be a mapping with at least `tenant`")
+        unknown = sorted(set(entry) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown fields {unknown}; known: {', '.join(FIELDS)}")
+        name = entry.get("tenant")
+        if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
+            raise ValueError(f"{where}: tenant must be a name of 1 to 64 printable characters")
+        tenants[key] = Tenant(name, **{name_: _count(entry, name_, where) for name_ in FIELDS[1:]
+                                       if entry.get(name_) is not None})
+    return _one_tenant_object_per_name(tenants, path)
+
+
+def _count(entry: dict[str, Any], name: str, where: str) -> int:
+    value = entry[name]
+    if isinstance(value, bool) or not isinstance(value, int) or (name != "min_priority" and value < 0):
+        raise ValueError(f"{where}: {name} must be a{'n' if name == 'min_priority' else ' non-negative'} integer, "
+                         f"got {value!r}")
+    return value
+
+
+def _one_tenant_object_per_name(tenants: dict[str, Tenant], path: Path) -> dict[str, Tenant]:
+    """Several keys of one tenant share its limits and counts: one Tenant for them all."""
+    by_name: dict[str, Tenant] = {}
+    for key, tenant in tenants.items():
+        first = by_name.setdefault(tenant.name, tenant)
+        if first != tenant:
+            raise ValueError(f"--api-keys {path}: the keys of tenant {tenant.name!r} give it different limits")
+        tenants[key] = first
+    return tenants
