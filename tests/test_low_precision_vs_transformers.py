@@ -94,3 +94,7 @@ def test_greedy_through_both_services(checkpoint, dtype_name, tmp_path):
         for i, (ours, (theirs, logits)) in enumerate(zip(results, expected))
     ]
     print(f"{kind} {dtype_name}: tokens agreeing before a near tie {agreed} of {new_tokens} each")
+    # A floor, so that agreeing on nothing (each first disagreement at a near tie) cannot
+    # pass: every prompt's first token agrees, and half of all tokens before a near tie.
+    # Seen on CPU: llama bfloat16 [11, 12, 2], float16 [12, 12, 12], mistral bfloat16 [12, 12, 12].
+    assert min(agreed) >= 1 and sum(agreed) >= len(prompts) * new_tokens // 2, agreed

@@ -293,6 +293,7 @@ def test_32_concurrent_streams_complete_and_equal_grpc(model, stub, cache):
     ({"echo": True}, "echo", "not supported"),
     ({"best_of": 3}, "best_of", "not supported"),
     ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"stop_token_ids": list(range(1025))}, None, "at most 1024 stop_token_ids"),
 ])
 def test_bad_completion_is_400_with_an_openai_error_body(client, cache, fields, param, in_message):
     with pytest.raises(openai.BadRequestError) as error:
