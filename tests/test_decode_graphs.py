@@ -326,3 +326,40 @@ def test_graph_memory_is_the_graphs_alone_and_the_warmup_workspace_stays_reserve
     kv_pool = torch.zeros(config.num_layers, 2, 8, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     graph_pool.capture(kv_pool, BLOCK_SIZE)  # an Attach: its capture empties the cache again
     assert allocator.cached == 500 * mib
+
+
+class FakeEvent:
+    """A CUDA event as the runner uses it: recorded behind a step, waited on before blocks go back."""
+
+    log: list[str] = []
+
+    def __init__(self) -> None:
+        self.number = len([entry for entry in FakeEvent.log if entry.startswith("record")])
+
+    def record(self) -> None:
+        FakeEvent.log.append(f"record {self.number}")
+
+    def synchronize(self) -> None:
+        FakeEvent.log.append(f"synchronize {self.number}")
+
+
+def test_blocks_are_released_only_after_the_writes_behind_them():
+    # A middle prefill chunk samples nothing, so nothing waits for the GPU; the runner records
+    # an event behind each step's writes, and wait_for_writes (called by the engine before a
+    # lease call that releases blocks) waits for the latest, once.
+    FakeEvent.log = []
+    model = build_tiny_model(torch.float32, "cpu", attention_backend="torch")
+    config = model.config
+    pool = torch.zeros(config.num_layers, 2, 16, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    runner = ModelRunner(model, pool, BLOCK_SIZE)
+    assert runner.new_event is None  # CPU: execute returns after the writes
+    runner.new_event = FakeEvent
+    chunk = decode_batch([40])
+    chunk[0][0].num_computed = 0
+    due, _ = runner.execute([(chunk[0][0], 16)])  # the first 16 of 40 prompt tokens: nothing due
+    assert due == [] and FakeEvent.log == ["record 0"]
+    chunk[0][0].num_computed = 16
+    runner.execute([(chunk[0][0], 16)])
+    runner.wait_for_writes()
+    runner.wait_for_writes()  # nothing written since: no second wait
+    assert FakeEvent.log == ["record 0", "record 1", "synchronize 1"]

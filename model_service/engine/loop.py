@@ -308,6 +308,8 @@ class Engine:
             metrics.PREEMPTIONS.inc(len(step.preempted))
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         if step.lease_ops:
+            if step.lease_ops.releases:
+                self.runner.wait_for_writes()  # released blocks may be cached prefix: fully written first
             self._session.send(step.lease_ops)
         if step.batch:
             self._session.check_lease_deadline()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -31,6 +32,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_pool.device
         self.decode_graphs = decode_graphs
+        # An event recorded behind the latest step's K/V writes (CUDA; None elsewhere, where
+        # a step has finished writing when execute returns). A step with nothing to sample
+        # never waits for the GPU, so its blocks may still be being written when the next
+        # lease call releases them as prefix cache: wait_for_writes fences that.
+        self.new_event: Callable[[], Any] | None = torch.cuda.Event if self.device.type == "cuda" else None
+        self._writes: Any = None
 
     @torch.inference_mode()
     def execute(self, batch: Seq[tuple[Sequence, int]],
@@ -54,6 +61,9 @@ class ModelRunner:
             rows = last_token_indices(meta.query_lens)
             if prompt_logits:
                 self._prompt_logits(batch, hidden, rows, prompt_logits)
+        if self.new_event is not None:
+            self._writes = self.new_event()
+            self._writes.record()
         due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
@@ -65,6 +75,13 @@ class ModelRunner:
             selected = hidden.index_select(0, device_index(selected_rows, self.device))
         logits = self.model.compute_logits(selected, float32=False)
         return [batch[i][0] for i in due], logits
+
+    def wait_for_writes(self) -> None:
+        """Returns once every K/V write enqueued so far has landed in the pool: call before
+        a lease call gives blocks back (another model service may read them at once)."""
+        if self._writes is not None:
+            self._writes.synchronize()
+            self._writes = None
 
     def _prompt_logits(self, batch, hidden: torch.Tensor, rows: list[int],
                        wanted: dict[Sequence, tuple[int, torch.Tensor]]) -> None:
