@@ -282,17 +282,38 @@ class Ledger:
                 f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
             )
         if cache_prefix and token_ids:
-            tiers = self.tiers
-            registered = self.pool.register(sequence.blocks, token_ids, sequence.namespace,
-                                            tiers.index.get if tiers is not None else None)
-            if self.events is not None:
-                fingerprint, salt = sequence.namespace
-                self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered)
-            if tiers is not None:
-                tiers.registered(sequence.blocks[:len(token_ids) // self.block_size])
+            self._register(sequence, token_ids)
+            if self.tiers is not None:
+                self.tiers.registered(sequence.blocks[:len(token_ids) // self.block_size])
         self._forget(owner, sequence_id)
         self.pool.free(sequence.blocks)
         return len(sequence.blocks)
+
+    def commit(self, owner: str, sequence_id: int, token_ids: Sequence[int]) -> int:
+        """Register the full blocks of a live sequence holding ``token_ids`` in the prefix
+        cache now, while it keeps them leased; returns how many were newly registered.
+
+        The holder names only tokens whose K/V is written, so that a sequence allocated
+        meanwhile with the same prefix shares the blocks instead of computing them again.
+        The blocks stay leased; releasing the sequence later leaves them cached as usual.
+        """
+        sequence = self._owned(owner, sequence_id)
+        capacity = len(sequence.blocks) * self.block_size
+        if len(token_ids) > capacity:
+            raise InvalidLease(
+                f"commit of sequence {sequence_id}: {len(token_ids)} token ids given but its "
+                f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
+            )
+        return self._register(sequence, token_ids)
+
+    def _register(self, sequence: _Sequence, token_ids: Sequence[int]) -> int:
+        tiers = self.tiers
+        registered = self.pool.register(sequence.blocks, token_ids, sequence.namespace,
+                                        tiers.index.get if tiers is not None else None)
+        if self.events is not None:
+            fingerprint, salt = sequence.namespace
+            self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered)
+        return registered
 
     def release_owner(self, owner: str) -> int:
         """Release every sequence of a dead or detached session; returns block references released."""

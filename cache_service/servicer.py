@@ -151,14 +151,19 @@ def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp, model_fingerprin
             result = cache_pb2.LeaseResult(
                 status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.release.sequence_id, blocks_released=released
             )
+        elif kind == "commit":
+            committed = ledger.commit(owner, op.commit.sequence_id, op.commit.token_ids)
+            result = cache_pb2.LeaseResult(
+                status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.commit.sequence_id, blocks_committed=committed
+            )
         else:
             result = cache_pb2.LeaseResult(
                 status=cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
-                message="empty lease op: set one of allocate, extend, fork, release",
+                message="empty lease op: set one of allocate, extend, fork, release, commit",
             )
     except LeaseError as error:
         result = cache_pb2.LeaseResult(status=LEASE_STATUS[error.code], message=str(error))
-        if kind in ("extend", "fork", "release"):
+        if kind in ("extend", "fork", "release", "commit"):
             result.sequence_id = getattr(op, kind).sequence_id
     return result
 

@@ -186,6 +186,7 @@ class HealthyCache(FakeCache):
         outcomes = [LeaseOutcome(ok=False, code="NO_FREE_BLOCKS") for _ in ops.forks]  # no n > 1 here
         outcomes += [LeaseOutcome(ok=True) for _ in ops.releases]
         outcomes += [LeaseOutcome(ok=True) for _ in ops.extends]
+        outcomes += [LeaseOutcome(ok=True) for _ in ops.commits]
         outcomes += [LeaseOutcome(ok=True, lease_id=1, block_ids=(0,)) for _ in ops.allocations]
         result: Future = Future()
         result.set_result((outcomes, 0))

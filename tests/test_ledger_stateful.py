@@ -267,6 +267,22 @@ class LedgerMachine(RuleBasedStateMachine):
         self.table[child.sequence_id] = list(child.block_ids)
         return child.sequence_id
 
+    @precondition(lambda self: self.owner)
+    @rule(data=st.data(), keep=st.integers(0, 30))
+    def commit(self, data, keep):
+        """A running sequence's full blocks registered while it keeps them (CommitOp): a
+        later allocation of the same prefix shares them with it."""
+        sequence_id = data.draw(st.sampled_from(sorted(self.owner)))
+        tokens = self.tokens[sequence_id]
+        token_ids = tokens[: min(keep, len(tokens))]
+        before = self.ledger.stats()
+        self.ledger.commit(self.owner[sequence_id], sequence_id, token_ids)
+        after = self.ledger.stats()
+        assert (after.blocks_leased, after.blocks_free) == (before.blocks_leased, before.blocks_free)
+        entry = (self.salt[sequence_id], tuple(token_ids))
+        if len(token_ids) >= BLOCK_SIZE and entry not in self.history:
+            self.history.append(entry)
+
     @rule(sequence_id=consumes(sequences), cache_prefix=st.booleans(), keep=st.integers(0, 30), fill=st.booleans())
     def release(self, sequence_id, cache_prefix, keep, fill=False):
         if sequence_id not in self.owner:

@@ -27,6 +27,7 @@ class FakeCache:
         self.forks = 0
         self.top_ups = 0
         self.refuse_top_ups = False
+        self.commits: list[tuple[str, int]] = []  # (request id, tokens) of each commit op
 
     def answer(self, ops) -> tuple[list[LeaseOutcome], int]:
         self.calls += 1
@@ -59,6 +60,9 @@ class FakeCache:
             outcomes.append(LeaseOutcome(ok=True))
         for seq, tokens in ops.extends:
             outcomes.append(self._extend(seq, tokens))
+        for seq, tokens in ops.commits:
+            self.commits.append((seq.request_id, tokens))
+            outcomes.append(LeaseOutcome(ok=True))
         for seq in ops.allocations:
             need = blocks_for(len(seq.token_ids), BLOCK)
             if need > len(self.free):
@@ -583,3 +587,49 @@ def test_update_from_output_marks_prompt_logprobs_done():
     step = one_step(scheduler, FakeCache(100), [seq])
     scheduler.update_from_output(step, StepOutput(prompt_logprobs_done=[seq]))
     assert seq.reuse_prefix and seq.num_computed == 6 and seq.num_output == 0
+
+
+# --- commits: full blocks shared while their sequence runs ------------------------------
+
+
+def test_full_blocks_are_committed_in_calls_that_go_out_anyway():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
+    cache = FakeCache(100)
+    seq = make_seq(0, prompt_len=10, max_new=12)
+    late = make_seq(1, prompt_len=3, max_new=2)
+    calls = []
+
+    def observe(step):
+        if step.lease_ops:
+            calls.append([(s.request_id, t) for s, t in step.lease_ops.commits])
+        if len(calls) == 2 and late.status is Status.WAITING and late not in scheduler.waiting:
+            scheduler.add(late)  # arrives while r0 decodes: its allocation makes a call go out
+
+    scheduler.add(seq)
+    drive(scheduler, cache, observe=observe)
+    # The prompt's 2 full blocks (8 of 10 tokens) go with the first call after the prefill,
+    # then each block as it fills, never a block twice and never past what was computed.
+    committed = [tokens for request_id, tokens in cache.commits if request_id == "r0"]
+    assert committed and committed[0] == 8 and committed == sorted(set(committed))
+    assert all(tokens % BLOCK == 0 and tokens <= 21 for tokens in committed)
+    assert sum(len(c) for c in calls) == len(cache.commits)  # only in calls that went out anyway
+
+
+def test_no_commit_before_the_writes_are_done():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=4), 100)
+    cache = FakeCache(100)
+    seq = make_seq(0, prompt_len=12, max_new=4)
+    scheduler.add(seq)
+    step = scheduler.schedule()
+    scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
+    step = scheduler.schedule()  # the first chunk of 4: nothing to sample, a CUDA step not yet synchronized
+    scheduler.update_from_output(step, StepOutput(writes_done=False))
+    assert seq.num_computed == 4 and seq.num_durable == 0
+    scheduler.add(make_seq(1, prompt_len=3))
+    step = scheduler.schedule()  # a call goes out (an allocation) while the first chunk's writes may still run
+    assert step.lease_ops.allocations and step.lease_ops.commits == []
+    scheduler.update_from_output(step, StepOutput(writes_done=True))  # this step synchronized
+    assert seq.num_durable == seq.num_computed == 8
+    scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
+    step = scheduler.schedule()
+    assert step.lease_ops.commits == [(seq, 8)]

@@ -133,6 +133,10 @@ def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
         for seq, tokens in ops.extends
     )
     proto_ops.extend(
+        cache_pb2.LeaseOp(commit=cache_pb2.CommitOp(sequence_id=seq.lease_id, token_ids=seq.token_ids[:tokens]))
+        for seq, tokens in ops.commits
+    )
+    proto_ops.extend(
         cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(
             num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else (),
             cache_salt=seq.cache_salt))

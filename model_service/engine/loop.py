@@ -325,7 +325,8 @@ class Engine:
         """Runs the step's batch, samples the rows that are due, lets the scheduler write the
         results into its sequences, and queues each token's delta."""
         completions = self._requests.completions
-        output = StepOutput()
+        # A CPU forward pass is synchronous; on CUDA only sampling waits for the device.
+        output = StepOutput(writes_done=self.device.type != "cuda")
         prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
         due, logits = self.runner.execute(step.batch, prompt_logits)
         if prompt_logits:
@@ -335,6 +336,7 @@ class Engine:
             # At the first token of an n-request's completion 0, its other completions
             # sample theirs from the same row (and are forked by the scheduler).
             sampled = self._sampler.sample(due, logits, completions)
+            output.writes_done = True  # sampling read the logits back: the whole pass is done
             output.sampled = [(completion.seq, token) for completion, token in zip(sampled[0], sampled[1])]
         finished = self.scheduler.update_from_output(step, output)
         if due:

@@ -4,7 +4,9 @@ Plain data, no protobuf: cache/client.py maps `LeaseOps` to a `LeaseRequest` and
 result back to a `LeaseOutcome`. The order of the lists is the order the cache service
 applies them in, which is what makes one call per step safe: forks before releases (a
 parent released in the same call still has its blocks when its children fork), extends
-the next step needs before new sequences' allocations, and last the blocks leased ahead
+the next step needs before new sequences' allocations, commits of running sequences'
+full blocks before allocations too (a new sequence then shares a prefix computed a step
+ago, not only one released), and last the blocks leased ahead
 of need (`top_ups`), which may be refused without harm and so never take a block that a
 needed op in the same call could have had.
 """
@@ -41,17 +43,20 @@ class LeaseOps:
     forks: list[ForkRequest] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
     extends: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to hold)
+    # (sequence, tokens): register its full blocks holding its first `tokens` tokens in the
+    # prefix cache now (CommitOp); only ever added to a call that goes out anyway.
+    commits: list[tuple[Sequence, int]] = field(default_factory=list)
     allocations: list[Sequence] = field(default_factory=list)
     # Extends ahead of need, (sequence, tokens to hold): only ever added to a call that
     # goes out anyway, and a refusal just leaves the sequence to ask when it needs to.
     top_ups: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.forks or self.releases or self.extends or self.allocations or self.top_ups)
+        return bool(self.forks or self.releases or self.extends or self.commits or self.allocations or self.top_ups)
 
     def __len__(self) -> int:
-        return (len(self.forks) + len(self.releases) + len(self.extends) + len(self.allocations)
-                + len(self.top_ups))
+        return (len(self.forks) + len(self.releases) + len(self.extends) + len(self.commits)
+                + len(self.allocations) + len(self.top_ups))
 
 
 @dataclass(frozen=True, slots=True)

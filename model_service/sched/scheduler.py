@@ -92,6 +92,9 @@ class StepOutput:
     sampled: list[tuple[Sequence, int]] = field(default_factory=list)
     # Sequences whose prompt logprobs are now all collected (a recompute may reuse cached blocks).
     prompt_logprobs_done: list[Sequence] = field(default_factory=list)
+    # Whether the step's K/V writes are complete: always on CPU; on CUDA when the step
+    # synchronized with the device (it sampled). Only complete blocks are committed.
+    writes_done: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +249,7 @@ class Scheduler:
                     continue
                 child.lease_id = outcome.lease_id
                 child.block_table = list(outcome.block_ids)
-                child.num_computed = fork.parent_tokens
+                child.num_computed = child.num_durable = fork.parent_tokens
                 child.admitted_once = True
                 child.status = Status.RUNNING
                 self.running.append(child)
@@ -264,6 +267,8 @@ class Scheduler:
                 seq.starved = True
             else:
                 raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
+        for _commit in ops.commits:
+            next(results)  # refused (the sequence is gone): its blocks are registered at release instead
         requeue: list[Sequence] = []
         for seq in ops.allocations:
             outcome = next(results)
@@ -276,7 +281,8 @@ class Scheduler:
                     seq.lease_id = None
                     continue
                 seq.block_table = list(outcome.block_ids)
-                seq.num_computed = outcome.cached_tokens
+                seq.num_computed = seq.num_durable = outcome.cached_tokens
+                seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
                 if not seq.admitted_once:
                     seq.cached_tokens = outcome.cached_tokens
                     seq.cached_tokens_tiers = outcome.cached_tokens_tiers
@@ -311,6 +317,9 @@ class Scheduler:
         Returns the sequences that ended."""
         for seq, new_tokens in step.batch:
             seq.num_computed += new_tokens
+        if output.writes_done:
+            for seq in self.running:  # earlier steps' writes are complete too
+                seq.num_durable = seq.num_computed
         for seq in output.prompt_logprobs_done:
             seq.reuse_prefix = True
         finished: list[Finished] = []
@@ -373,10 +382,24 @@ class Scheduler:
         available = self._admit(ops, available)
         if ops or not self._releases.may_wait(others_run=bool(self.running), someone_waits=bool(self.waiting)):
             ops.releases = self._releases.take()
+        if ops:
+            ops.commits = self._commits_due()
         if ops and self.limits.lookahead_tokens and not self.waiting:  # no blocks ahead while others wait
             ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
                                   self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted)
+
+    def _commits_due(self) -> list[tuple[Sequence, int]]:
+        """Running sequences with full blocks written since their last commit: committed in
+        a call that goes out anyway, so that a request arriving while they run shares them."""
+        block_size = self.limits.block_size
+        due = []
+        for seq in self.running:
+            full = seq.num_durable - seq.num_durable % block_size
+            if full > seq.committed_tokens:
+                due.append((seq, full))
+                seq.committed_tokens = full
+        return due
 
     def _relieve_starvation(self) -> list[Sequence]:
         """A sequence with no block for its next token frees room by preempting the newest."""

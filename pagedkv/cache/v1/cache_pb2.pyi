@@ -183,17 +183,27 @@ class ReleaseOp(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, sequence_id: _Optional[int] = ..., cache_prefix: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CommitOp(_message.Message):
+    __slots__ = ("sequence_id", "token_ids")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LeaseOp(_message.Message):
-    __slots__ = ("allocate", "extend", "fork", "release")
+    __slots__ = ("allocate", "extend", "fork", "release", "commit")
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     allocate: AllocateOp
     extend: ExtendOp
     fork: ForkOp
     release: ReleaseOp
-    def __init__(self, allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ...) -> None: ...
+    commit: CommitOp
+    def __init__(self, allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("session_id", "ops")
@@ -212,7 +222,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
 
 class LeaseResult(_message.Message):
-    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released", "cached_tokens_host", "cached_tokens_disk")
+    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released", "blocks_committed", "cached_tokens_host", "cached_tokens_disk")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +230,7 @@ class LeaseResult(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     status: LeaseStatus
@@ -229,9 +240,10 @@ class LeaseResult(_message.Message):
     cached_tokens: int
     copy: BlockCopy
     blocks_released: int
+    blocks_committed: int
     cached_tokens_host: int
     cached_tokens_disk: int
-    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("results", "blocks_available")
