@@ -269,3 +269,32 @@ def lease_counters() -> tuple[float, float]:
     """The engine's lease calls and top-ups so far (this process's Prometheus registry)."""
     value = REGISTRY.get_sample_value
     return value("pagedkv_model_lease_calls_total") or 0.0, value("pagedkv_model_lease_top_ups_total") or 0.0
+
+
+def test_a_step_that_raises_ends_its_requests_and_the_engine_runs_on(checkpoint, tmp_path):
+    loaded, reference = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams)
+        try:
+            # A fault in any step that holds "victim" (as an allocation or a kernel error
+            # there would be): that step's requests end, the engine does not.
+            execute = engine.runner.execute
+
+            def failing(batch, *args, **kwargs):
+                if any(seq.request_id == "victim" for seq, _ in batch):
+                    raise RuntimeError("injected fault")
+                return execute(batch, *args, **kwargs)
+
+            engine.runner.execute = failing
+            engine.submit("victim", prompt_ids(10, 5), greedy(5), streams.sink("victim"))
+            wait_for(lambda: any(d.error for d in streams.deltas["victim"]), 30, "the victim to end")
+            code, message = next(d.error for d in streams.deltas["victim"] if d.error)
+            assert code == grpc.StatusCode.INTERNAL and "RuntimeError" in message and "others run on" in message
+            prompt = prompt_ids(12, 6)
+            engine.submit("after", prompt, greedy(6), streams.sink("after"))
+            wait_for(lambda: streams.finished("after"), 60, "the next request to finish")
+            assert streams.tokens("after") == hf_greedy(reference, prompt, 6) and engine.connected.is_set()
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)

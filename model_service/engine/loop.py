@@ -313,7 +313,10 @@ class Engine:
             self._session.send(step.lease_ops)
         if step.batch:
             self._session.check_lease_deadline()
-            self._execute(step)
+            try:
+                self._execute(step)
+            except Exception as error:  # noqa: BLE001 - one step's fault ends its requests, not the engine
+                self._fail_step(step, error)
         elif not self._session.in_flight:
             # Nothing runnable and nothing asked: wait for an event instead of spinning.
             self._drain_inbox(block=True, timeout_s=0.05)
@@ -341,6 +344,24 @@ class Engine:
         finished = self.scheduler.update_from_output(step, output)
         if due:
             self._requests.emit(*sampled, {ended.seq: ended for ended in finished})
+
+    def _fail_step(self, step: Step, error: Exception) -> None:
+        """Ends the requests of a step whose forward pass or sampling raised, with a status
+        (an allocation it caused: RESOURCE_EXHAUSTED), and leaves every other request and
+        the engine running; their blocks go back with the next lease call."""
+        out_of_memory = isinstance(error, torch.OutOfMemoryError)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if out_of_memory else grpc.StatusCode.INTERNAL
+        requests = {}
+        for seq, _ in step.batch:
+            completion = self._requests.completions.get(seq)
+            if completion is not None:
+                requests[completion.request.key] = completion.request
+        log.exception("step_failed", requests=[request.request_id for request in requests.values()])
+        message = (f"the engine step running this request failed ({type(error).__name__}"
+                   f"{': out of device memory' if out_of_memory else ''}); the requests of that step "
+                   "were ended, others run on; see the service log")
+        for request in requests.values():
+            self._requests.end_request(request, Finish.ABORTED, error=(code, message))
 
     def _retire_ended(self) -> None:
         """Tells the scheduler which completions ended (a stop string, a cancel, an abort,

@@ -10,6 +10,8 @@ the penalties read; the engine owns the requests.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Collection, Mapping, Sequence as Seq
 
 import torch
@@ -89,10 +91,8 @@ class StepSampler:
             completion.history_slot = self.history.open(seq.token_ids)
         suppressed: tuple[int, ...] = ()
         if seq.num_output < options.min_tokens:
-            ends = set(options.stop_token_ids)
-            if not options.ignore_eos:
-                ends |= self.eos_token_ids
-            suppressed = tuple(sorted(ends))
+            eos = frozenset() if options.ignore_eos else self.eos_token_ids
+            suppressed = suppressed_ids(options.stop_token_ids, eos)
         return RowAdjustment(
             history_slot=completion.history_slot, repetition_penalty=options.repetition_penalty,
             presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
@@ -133,3 +133,10 @@ class StepSampler:
             if request.prompt_logprobs_done:
                 done.append(seq)  # a recompute may take cached blocks again
         return done
+
+
+@functools.lru_cache(maxsize=1024)
+def suppressed_ids(stop_token_ids: frozenset[int], eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+    """The ids a row under its min_tokens may not sample, built once per distinct set, not
+    on every step (frozensets keep their hash: a lookup is cheap at any size)."""
+    return tuple(sorted(stop_token_ids | eos_token_ids))
