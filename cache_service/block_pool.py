@@ -141,10 +141,10 @@ class BlockPool:
         if count > self.num_free:
             raise AssertionError(f"take({count}) with only {self.num_free} blocks in the free list")
         taken = []
-        fresh = min(count, self.num_blocks - self._next_fresh)
-        if fresh:  # the head of the free list: never-leased ids, in order
-            blocks = self.blocks
+        if self._next_fresh < self.num_blocks:  # the head of the free list: never-leased ids, in order
             start = self._next_fresh
+            fresh = min(count, self.num_blocks - start)
+            blocks = self.blocks
             taken = [blocks[block_id] for block_id in range(start, start + fresh)]
             for block in taken:
                 block.ref_count = 1
