@@ -298,3 +298,30 @@ def test_a_step_that_raises_ends_its_requests_and_the_engine_runs_on(checkpoint,
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
+
+
+def test_prompt_logprobs_of_a_long_chunk_are_computed_a_slice_of_rows_at_a_time(checkpoint, tmp_path):
+    from model_service.engine.step_sampler import PROMPT_LOGPROB_ROWS
+
+    loaded, _ = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams, max_model_len=1024)
+        try:
+            rows_at_once: list[int] = []
+            compute_logits = engine.runner.model.compute_logits
+
+            def counting(hidden, *args, **kwargs):
+                rows_at_once.append(hidden.shape[0])
+                return compute_logits(hidden, *args, **kwargs)
+
+            engine.runner.model.compute_logits = counting
+            prompt = prompt_ids(600, 7)  # one prefill chunk of 600 positions
+            engine.submit("long", prompt, greedy(2, prompt_logprobs=1), streams.sink("long"))
+            wait_for(lambda: streams.finished("long"), 60, "the request to finish")
+            logprobs = [lp for d in streams.deltas["long"] if d.prompt_logprobs for lp in d.prompt_logprobs]
+            assert [lp.token_id for lp in logprobs] == prompt[1:]
+            # 400 MB of float32 logits for a 2,048-token chunk at vocab 49,152 were made at once.
+            assert max(rows_at_once) <= PROMPT_LOGPROB_ROWS, rows_at_once
+        finally:
+            engine.stop(grace_s=0)

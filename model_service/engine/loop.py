@@ -333,7 +333,8 @@ class Engine:
         prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
         due, logits = self.runner.execute(step.batch, prompt_logits)
         if prompt_logits:
-            output.prompt_logprobs_done = self._sampler.collect_prompt_logprobs(prompt_logits, completions)
+            output.prompt_logprobs_done = self._sampler.collect_prompt_logprobs(prompt_logits, completions,
+                                                                             self.runner.model.compute_logits)
         sampled = ([], [], [])
         if due:
             # At the first token of an n-request's completion 0, its other completions

@@ -96,7 +96,10 @@ class ModelRunner:
                 del wanted[seq]
                 continue
             first_row = last_row - new_tokens + 1
-            wanted[seq] = (start, self.model.compute_logits(hidden[first_row:first_row + end - start]))
+            # The hidden rows, not their logits: [rows, vocab] float32 for a 2,048-token
+            # chunk at vocab 49,152 is 400 MB (2 GB at Llama 3's vocab); the sampler turns
+            # them into logprobs a slice of rows at a time (step_sampler.PROMPT_LOGPROB_ROWS).
+            wanted[seq] = (start, hidden[first_row:first_row + end - start])
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Seq[tuple[int, int]]) -> None:
