@@ -297,4 +297,4 @@ def shm_free_bytes(directory: str) -> int:
 
 def describe(geometry: KvGeometry) -> str:
     return (f"{geometry.num_layers} layers × {geometry.num_kv_heads} KV heads × head_dim {geometry.head_dim}, "
-            f"{str(geometry.dtype).removeprefix('torch.')} on {geometry.device}")
+            f"{geometry.dtype_name} on {geometry.device}")

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from pagedkv.cache.v1 import cache_pb2
-from pagedkv.kv_geometry import KvGeometry, dtype_from_name, dtype_from_proto, dtype_to_proto
+from pagedkv.kv_geometry import KvGeometry, dtype_from_name, dtype_from_proto, dtype_name, dtype_to_proto, is_fp8
 from pagedkv.units import format_bytes
 
 # 16 tokens a block: small enough that the last, partly filled block of a sequence wastes
@@ -97,7 +97,7 @@ class SizingReport:
     @classmethod
     def from_proto(cls, report: cache_pb2.SizingReport) -> SizingReport:
         values = {name: getattr(report, name) for name in cls.__dataclass_fields__}
-        values["dtype"] = str(dtype_from_proto(report.dtype)).removeprefix("torch.")
+        values["dtype"] = dtype_name(dtype_from_proto(report.dtype))
         values["explanation"] = list(report.explanation)
         return cls(**values)
 
@@ -203,6 +203,10 @@ def size_pool(
         f"{geometry.num_kv_heads} KV heads × {geometry.head_dim} head_dim × {geometry.dtype_bytes} bytes "
         f"({geometry.dtype_name}) = {format_bytes(bytes_per_block)} ({bytes_per_block:,} bytes)"
     ]
+    if is_fp8(geometry.dtype):
+        explanation.append(
+            f"KV cache dtype {geometry.dtype_name}: K and V stored in 1 byte each, divided by a per-layer "
+            f"scale, half the bytes (twice the tokens) of a 16-bit pool of the same memory")
 
     if geometry.is_cuda:
         device_budget = math.floor(memory_total * fraction) - in_use

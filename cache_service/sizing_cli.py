@@ -24,6 +24,7 @@ from cache_service.sizing import (
     size_pool,
 )
 from pagedkv.kv_geometry import KvGeometry, dtype_from_name
+from pagedkv.kv_geometry import kv_cache_dtype as kv_cache_dtype_of
 from pagedkv.units import format_bytes, parse_bytes
 
 
@@ -57,9 +58,10 @@ def _require(config: dict, name: str) -> int:
     return value
 
 
-def geometry_from_config(config: dict, dtype_name: str, device: str) -> KvGeometry:
+def geometry_from_config(config: dict, dtype_name: str, device: str, kv_cache_dtype: str = "auto") -> KvGeometry:
     """num_hidden_layers; num_key_value_heads (default num_attention_heads); head_dim
-    (default hidden_size // num_attention_heads)."""
+    (default hidden_size // num_attention_heads); the pool's dtype is kv_cache_dtype
+    ("auto": dtype_name, the weights' dtype, as the model service does)."""
     num_heads = _require(config, "num_attention_heads")
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     head_dim = config.get("head_dim") or _require(config, "hidden_size") // num_heads
@@ -67,7 +69,7 @@ def geometry_from_config(config: dict, dtype_name: str, device: str) -> KvGeomet
         num_layers=_require(config, "num_hidden_layers"),
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        dtype=dtype_from_name(dtype_name),
+        dtype=kv_cache_dtype_of(kv_cache_dtype, dtype_from_name(dtype_name)),
         device=device,
     )
 
@@ -116,7 +118,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="a Hugging Face config.json, or the checkpoint directory")
     parser.add_argument("--memory", required=True, type=parse_bytes, help="device memory in all, e.g. 80GiB")
     parser.add_argument("--dtype", default=None,
-                        help="KV (and weight) dtype: float32, float16, bfloat16 (default: config's torch_dtype, else bfloat16)")
+                        help="weight (and KV) dtype: float32, float16, bfloat16 (default: config's torch_dtype, else bfloat16)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV pool dtype, as the model service's flag: auto (the --dtype), float32, bfloat16, "
+                             "float16, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens a block (default 16)")
     parser.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
@@ -145,17 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         dtype_name = args.dtype or str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-        geometry = geometry_from_config(config, dtype_name, args.device)
+        geometry = geometry_from_config(config, dtype_name, args.device, args.kv_cache_dtype)
+        weight_dtype_bytes = dtype_from_name(dtype_name).itemsize
         max_model_len = args.max_model_len or config.get("max_position_embeddings")
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ConfigError("config.json has no max_position_embeddings: pass --max-model-len")
 
         if args.weights_bytes == "auto":
             parameters = estimate_parameters(config)
-            weights_bytes = parameters * geometry.dtype_bytes
+            weights_bytes = parameters * weight_dtype_bytes
             weights_sentence = (
                 f"weights ≈ {format_bytes(weights_bytes)}: an estimate from config.json "
-                f"({parameters:,} parameters × {geometry.dtype_bytes} bytes); pass --weights-bytes for the real size"
+                f"({parameters:,} parameters × {weight_dtype_bytes} bytes); pass --weights-bytes for the real size"
             )
         else:
             weights_bytes = parse_bytes(args.weights_bytes)

@@ -12,6 +12,7 @@ import torch
 
 from model_service import cpu_kernels
 from model_service.attention.backend import BACKENDS, load_triton_kernels
+from model_service.attention.kv_quant import DEFAULT_SCALES, SCALE_KINDS, KvScales, namespace_tag
 from model_service.cache.client import CacheClient
 from model_service.engine.loop import Engine, EngineSettings
 from model_service.errors import ModelLoadError
@@ -25,6 +26,7 @@ from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
 from model_service.api.tenants import ApiKeys
 from pagedkv.flags import add_flag, add_server_flags
+from pagedkv.kv_geometry import SUPPORTED_DTYPES, dtype_name, is_fp8, kv_cache_dtype
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.units import parse_bytes
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
@@ -51,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                   "takes the type (integer dot products on 8-bit activations, about 1/5 the memory of float32; "
                   "greedy tokens may differ at near ties), dequantize converts them to --dtype at load; CUDA "
                   "always dequantizes")
+    add_flag(parser, "--kv-cache-dtype", default="auto", choices=["auto", *SUPPORTED_DTYPES],
+             help="what the KV pool stores: auto is --dtype; fp8_e4m3 and fp8_e5m2 hold K and V in one byte "
+                  "each (twice the tokens of bfloat16), divided by per-layer scales (--kv-cache-scales)")
+    add_flag(parser, "--kv-cache-scales", default=DEFAULT_SCALES, choices=list(SCALE_KINDS),
+             help="an fp8 pool's per-layer K and V scales: 'one' (1.0, vLLM's default) or 'warmup' (the warmup "
+                  "pass's largest |K| / 200 and |V| / 100, as vLLM's calculate_kv_scales)")
     add_flag(parser, "--device", default="auto", help="cpu, cuda or cuda:N; auto picks cuda when available")
     add_flag(parser, "--cache-service", default="127.0.0.1:50052", help="HOST:PORT of the cache service")
     add_flag(parser, "--cache-auth-token", default=None,
@@ -164,18 +172,31 @@ async def serve(args: argparse.Namespace) -> int:
     # The warmup runs before Attach, so before the pool's block size is known: any block
     # size gives the same activations, only the scratch pool's shape differs.
     warmup_tokens = min(args.max_batch_prefill_tokens, max_model_len)
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
+    kv_absmax: list = []
     workspace = run_in_passing_thread(lambda: measure_workspace(
         loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim), dtype, device,
-        block_size=16, num_tokens=warmup_tokens))
+        block_size=16, num_tokens=warmup_tokens, kv_absmax=kv_absmax))
+    kv_scales = None
+    if is_fp8(kv_dtype):
+        kv_scales = KvScales.from_absmax(*kv_absmax[0]) if args.kv_cache_scales == "warmup" else \
+            KvScales.ones(config.num_layers)
+        loaded.model.set_kv_scales(kv_scales.layers)
+        # Blocks written with other scales hold other numbers: the scales name the namespace.
+        fingerprint = f"{fingerprint}/{namespace_tag(kv_dtype, kv_scales)}"
+        log.info("kv_cache_fp8", kv_cache_dtype=dtype_name(kv_dtype), scales=args.kv_cache_scales,
+                 k_scales=[round(k, 6) for k, _ in kv_scales.layers],
+                 v_scales=[round(v, 6) for _, v in kv_scales.layers])
     log.info("model_loaded", model=loaded.model_id, architecture=config.architecture, dtype=str(dtype).removeprefix("torch."),
-             device=str(device), max_model_len=max_model_len, workspace_bytes=workspace)
+             kv_cache_dtype=dtype_name(kv_dtype), device=str(device), max_model_len=max_model_len,
+             workspace_bytes=workspace)
 
     settings = EngineSettings(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
-        model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks,
+        model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),

@@ -9,18 +9,28 @@ import torch
 
 from pagedkv.cache.v1 import cache_pb2
 
-# The dtypes a pool may hold, by the names people and Hugging Face configs use.
+# The dtypes a pool may hold, by the names people, Hugging Face configs and vLLM's
+# --kv-cache-dtype use. The 8-bit ones hold K/V divided by a per-layer scale
+# (attention/kv_quant.py); "fp8" alone is e4m3, as in vLLM.
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
-_NAME_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+_NAME_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                                 "bf16": "bfloat16", "fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+                                 "float8_e5m2": "fp8_e5m2"}
+_NAMES_BY_DTYPE: dict[torch.dtype, str] = {value: key for key, value in _DTYPES_BY_NAME.items()}
 _DTYPE_TO_PROTO: dict[torch.dtype, int] = {
     torch.float32: cache_pb2.DTYPE_FLOAT32,
     torch.float16: cache_pb2.DTYPE_FLOAT16,
     torch.bfloat16: cache_pb2.DTYPE_BFLOAT16,
+    torch.float8_e4m3fn: cache_pb2.DTYPE_FLOAT8_E4M3,
+    torch.float8_e5m2: cache_pb2.DTYPE_FLOAT8_E5M2,
 }
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 _PROTO_TO_DTYPE: dict[int, torch.dtype] = {value: key for key, value in _DTYPE_TO_PROTO.items()}
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:[0-9]+)$")
 
@@ -37,9 +47,17 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16"."""
-    check_dtype(dtype)
-    return str(dtype).removeprefix("torch.")
+    """torch.bfloat16 -> "bfloat16"; torch.float8_e4m3fn -> "fp8_e4m3"."""
+    return _NAMES_BY_DTYPE[check_dtype(dtype)]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: "auto" is the compute dtype (the pool as it always was)."""
+    return compute_dtype if name.strip().lower() == "auto" else dtype_from_name(name)
 
 
 def check_dtype(dtype: object) -> torch.dtype:
@@ -57,7 +75,8 @@ def dtype_from_proto(value: int) -> torch.dtype:
     """cache_pb2.DTYPE_BFLOAT16 -> torch.bfloat16; ValueError for DTYPE_UNSPECIFIED or unknown."""
     if value not in _PROTO_TO_DTYPE:
         label = "DTYPE_UNSPECIFIED" if value == cache_pb2.DTYPE_UNSPECIFIED else f"unknown DType {value}"
-        raise ValueError(f"dtype is {label}; set one of DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16")
+        raise ValueError(f"dtype is {label}; set one of DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16, "
+                         f"DTYPE_FLOAT8_E4M3, DTYPE_FLOAT8_E5M2")
     return _PROTO_TO_DTYPE[value]
 
 

@@ -80,6 +80,7 @@ class PagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # this layer's window (None: full attention)
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an 8-bit pool's (k_scale, v_scale): attention/kv_quant.py
     ) -> torch.Tensor:  # [num_tokens, q_heads, head_dim]
         num_tokens, q_heads, _ = q.shape
         kv_heads = kv_layer.shape[3]
@@ -90,9 +91,9 @@ class PagedAttention:
 
         triton_kernels = load_triton_kernels() if self.uses_triton(kv_layer) else None
         if triton_kernels is not None:
-            triton_kernels.write_kv_triton(k, v, kv_layer, meta.slot_mapping)
+            triton_kernels.write_kv_triton(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
         else:
-            write_kv_torch(k, v, kv_layer, meta.slot_mapping)
+            write_kv_torch(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
 
         out = torch.empty_like(q)
         num_decode = meta.num_decode_seqs
@@ -103,15 +104,17 @@ class PagedAttention:
                 # Context lengths stay runtime values: no recompiles as sequences grow.
                 out[:num_decode] = triton_kernels.decode_attention_triton(
                     q[:num_decode], kv_layer, tables, lens, scale, sliding_window=sliding_window,
+                    kv_scales=kv_scales,
                 )
             else:
                 library = self.cpu_kernel_library(q, kv_layer)
                 if library is not None:
                     decoded = paged_decode.paged_decode_attention(
-                        library, q[:num_decode], kv_layer, tables, lens, scale, sliding_window)
+                        library, q[:num_decode], kv_layer, tables, lens, scale, sliding_window, kv_scales)
                 else:
                     plan = self._decode_plan(meta, kv_layer.device, sliding_window)
-                    decoded = decode_attention_torch(q[:num_decode], kv_layer, tables, lens, scale, plan=plan)
+                    decoded = decode_attention_torch(q[:num_decode], kv_layer, tables, lens, scale, plan=plan,
+                                                     kv_scales=kv_scales)
                 if num_tokens == num_decode:
                     return decoded  # a decode-only step: no copy into a step-wide buffer
                 out[:num_decode] = decoded
@@ -128,6 +131,7 @@ class PagedAttention:
                 k_new=k[num_decode:],
                 v_new=v[num_decode:],
                 sliding_window=sliding_window,
+                kv_scales=kv_scales,
             )
         return out
 

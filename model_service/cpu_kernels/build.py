@@ -41,12 +41,14 @@ BUILD_TIMEOUT_S = 300
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # The storage types the kernels take (cpu_math.h's enum).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# And the 8-bit K/V paged decode attention reads besides.
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 _i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # name: argument types, in the order of the C signatures
 SIGNATURES = {
     "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _i32,
-                               _f32, _i32, _i32, _ptr, _i32],
+                               _f32, _i32, _i32, _ptr, _i32, _i32, _f32, _f32],
     "rms_norm": [_ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
     "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
     "silu_mul": [_ptr, _ptr, _i32, _i32, _i32, _i32],

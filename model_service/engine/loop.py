@@ -71,6 +71,8 @@ class EngineSettings:
     served_model_name: str = ""
     # Blocks a decoding sequence is leased ahead of need, in calls that go out anyway.
     lease_ahead_blocks: int = 1
+    # What the pool stores (--kv-cache-dtype); None: the compute dtype.
+    kv_cache_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
@@ -106,9 +108,10 @@ class Engine:
         self.settings = settings
         self.cache = cache
         self.device = device
+        self.dtype = dtype  # compute (weights, activations); the pool's is geometry.dtype
         self.geometry = KvGeometry(
             num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
-            head_dim=loaded.config.head_dim, dtype=dtype, device=str(device),
+            head_dim=loaded.config.head_dim, dtype=settings.kv_cache_dtype or dtype, device=str(device),
         )
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self._sampler = StepSampler(loaded.config.vocab_size, self.eos_token_ids, device)

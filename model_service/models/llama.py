@@ -54,6 +54,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.attention = attention
+        # (k_scale, v_scale) of an 8-bit pool (attention/kv_quant.py), set once before
+        # serving by set_kv_scales; None: the pool holds K/V as they are.
+        self.kv_scales: tuple[float, float] | None = None
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -64,7 +67,11 @@ class Attention(nn.Module):
         qk = rotary.rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # q: [T, Hq, D], k: [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # v: [T, Hkv, D]
-        out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window)  # [T, Hq, D]
+        if self.kv_scales is None:
+            out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window)  # [T, Hq, D]
+        else:
+            out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window,
+                                 kv_scales=self.kv_scales)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 
@@ -133,6 +140,13 @@ class LlamaForCausalLM(nn.Module):
         for layer_index, layer in enumerate(self.layers):
             hidden, pending = layer(hidden, pending, rotary, kv_pool[layer_index], meta)
         return self.norm.add_and_norm(hidden, pending)[1]
+
+    def set_kv_scales(self, scales: Sequence[tuple[float, float]] | None) -> None:
+        """Each layer's (k_scale, v_scale) for an 8-bit pool; None for a pool of K/V as they are."""
+        if scales is not None and len(scales) != len(self.layers):
+            raise ValueError(f"{len(scales)} KV scales for {len(self.layers)} layers")
+        for index, layer in enumerate(self.layers):
+            layer.self_attn.kv_scales = None if scales is None else tuple(scales[index])
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # hidden: [N, hidden] (only the rows whose next token is wanted) -> [N, vocab], float32

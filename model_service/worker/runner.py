@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from model_service.attention.kv_quant import pool_absmax
 from model_service.attention.metadata import AttentionMetadata
 from model_service.worker.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
@@ -164,9 +165,15 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ...], dtype: torch.dtype,
-                      device: torch.device, block_size: int, num_tokens: int) -> int:
+                      device: torch.device, block_size: int, num_tokens: int,
+                      kv_absmax: list[tuple[list[float], list[float]]] | None = None) -> int:
     """Runs one prefill of num_tokens tokens into a scratch pool; returns the activation
-    workspace it needed, in bytes (the scratch pool itself not counted).
+    workspace it needed, in bytes (the scratch pool itself not counted). kv_absmax, when
+    given, receives the scratch pool's per-layer largest |K| and |V| (the warmup scales of
+    an 8-bit pool, attention/kv_quant.py).
+
+    The warmup's token ids are spread over the vocabulary by a fixed stride rather than one
+    id repeated, so those maxima see many tokens' K/V; activations' sizes do not depend on it.
 
     CUDA: the caching allocator keeps that memory reserved afterwards, so the cache
     service's reading of free memory already leaves room for it. CPU: the growth of the
@@ -175,7 +182,9 @@ def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ..
     num_blocks = -(-num_tokens // block_size)
     scratch = torch.zeros((kv_shape_per_block[0], 2, num_blocks, block_size, *kv_shape_per_block[1:]),
                           dtype=dtype, device=device)
-    sequence = Sequence(request_id="warmup", token_ids=[0] * num_tokens, prompt_len=num_tokens,
+    vocab = model.config.vocab_size
+    token_ids = [(index * 7919) % vocab for index in range(num_tokens)]
+    sequence = Sequence(request_id="warmup", token_ids=token_ids, prompt_len=num_tokens,
                         options=None, arrival=-1, block_table=list(range(num_blocks)))
     runner = ModelRunner(model, scratch, block_size)
     if device.type == "cuda":
@@ -189,6 +198,8 @@ def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ..
         before = peak_rss_bytes()
         runner.execute([(sequence, num_tokens)])
         workspace = max(peak_rss_bytes() - before, 0)
+    if kv_absmax is not None:
+        kv_absmax.append(pool_absmax(scratch))
     del runner, scratch
     return workspace
 

@@ -10,7 +10,30 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E4M3 = 3, DTYPE_FP8_E5M2 = 4 };
+
+/* An 8-bit float's bits as a float16's, shifted into place: e5m2 is float16's top byte
+ * exactly (5 exponent bits, bias 15); e4m3 (bias 7) lands 2^8 too small, for normal and
+ * subnormal values alike, so the caller multiplies by FP8_UNIT (folded into its scales,
+ * never a multiply per element). e4m3fn's NaN (0x7f) would read as 480: pools never hold
+ * one, writes saturate (attention/kv_quant.py). */
+static inline __attribute__((always_inline)) uint16_t fp8_as_f16_bits(uint8_t b, int dtype) {
+    const int shift = dtype == DTYPE_FP8_E4M3 ? 7 : 8;
+    return (uint16_t)(((uint16_t)(b & 0x7fu) << shift) | ((uint16_t)(b & 0x80u) << 8));
+}
+
+static inline float fp8_unit(int dtype) { return dtype == DTYPE_FP8_E4M3 ? 256.0f : 1.0f; }
+
+/* n 8-bit values as float32, in units of fp8_unit(dtype). */
+static inline void load_row_fp8(float *restrict dst, const uint8_t *src, int n, int dtype) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        const uint16_t bits = fp8_as_f16_bits(src[i], dtype);
+        _Float16 h;
+        memcpy(&h, &bits, sizeof h);
+        dst[i] = (float)h;
+    }
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -40,9 +63,12 @@ static inline __attribute__((always_inline)) void store1(void *base, int64_t i, 
     else ((float *)base)[i] = x;
 }
 
-/* Row i of length n (elements) at base, converted to float32 into dst. */
+/* Row i of length n (elements) at base, converted to float32 into dst (8-bit rows in
+ * units of fp8_unit). */
 static inline void load_row(float *restrict dst, const void *base, int64_t offset, int n, int dtype) {
-    if (dtype == DTYPE_F32) {
+    if (dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2) {
+        load_row_fp8(dst, (const uint8_t *)base + offset, n, dtype);
+    } else if (dtype == DTYPE_F32) {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
     } else if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)base + offset;

@@ -28,8 +28,8 @@
  * the row loops unroll into straight vector code. */
 static inline __attribute__((always_inline)) void attend_one(const void *q, const void *k_cache, const void *v_cache,
                        const int32_t *table, int first_key, int end_key, int kv_head, int kv_heads,
-                       int group, int head_dim, int block_size, float scale, int dtype, void *out,
-                       int64_t out_offset, int64_t q_offset) {
+                       int group, int head_dim, int block_size, float scale, int dtype, int kv_dtype,
+                       float out_scale, void *out, int64_t out_offset, int64_t q_offset) {
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
     float scores[MAX_GROUP][MAX_BLOCK_SIZE];
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         const int64_t base = (block * block_size) * token_stride + (int64_t)kv_head * head_dim;
 
         for (int t = lo; t < hi; t++) {
-            load_row(kf, k_cache, base + t * token_stride, head_dim, dtype);
+            load_row(kf, k_cache, base + t * token_stride, head_dim, kv_dtype);
             for (int g = 0; g < group; g++) scores[g][t] = dot(qf[g], kf, head_dim);
         }
         for (int g = 0; g < group; g++) {
@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
             for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;
         }
         for (int t = lo; t < hi; t++) {
-            load_row(vf, v_cache, base + t * token_stride, head_dim, dtype);
+            load_row(vf, v_cache, base + t * token_stride, head_dim, kv_dtype);
             for (int g = 0; g < group; g++) {
                 const float p = scores[g][t];
 #pragma omp simd
@@ -82,37 +82,40 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         }
     }
     for (int g = 0; g < group; g++) {
-        const float inv = 1.0f / row_sum[g];
+        const float inv = out_scale / row_sum[g];
         for (int d = 0; d < head_dim; d++) acc[g][d] *= inv;
         store_row(out, out_offset + (int64_t)g * head_dim, acc[g], head_dim, dtype);
     }
 }
 
-#define ATTEND(HEAD_DIM, DTYPE)                                                                  \
+#define ATTEND(HEAD_DIM, DTYPE, KV_DTYPE)                                                        \
     attend_one(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, HEAD_DIM, \
-               block_size, scale, DTYPE, out, out_offset, q_offset)
-#define HEAD_DIM_CASES(DTYPE)                        \
-    case 32: ATTEND(32, DTYPE); return;              \
-    case 64: ATTEND(64, DTYPE); return;              \
-    case 80: ATTEND(80, DTYPE); return;              \
-    case 96: ATTEND(96, DTYPE); return;              \
-    case 128: ATTEND(128, DTYPE); return;            \
-    case 256: ATTEND(256, DTYPE); return;            \
-    default: ATTEND(head_dim, DTYPE); return;
+               block_size, scale, DTYPE, KV_DTYPE, out_scale, out, out_offset, q_offset)
+#define HEAD_DIM_CASES(DTYPE, KV_DTYPE)                        \
+    case 32: ATTEND(32, DTYPE, KV_DTYPE); return;              \
+    case 64: ATTEND(64, DTYPE, KV_DTYPE); return;              \
+    case 80: ATTEND(80, DTYPE, KV_DTYPE); return;              \
+    case 96: ATTEND(96, DTYPE, KV_DTYPE); return;              \
+    case 128: ATTEND(128, DTYPE, KV_DTYPE); return;            \
+    case 256: ATTEND(256, DTYPE, KV_DTYPE); return;            \
+    default: ATTEND(head_dim, DTYPE, KV_DTYPE); return;
 
+/* kv_dtype is dtype, or one of the 8-bit types with dtype DTYPE_F32 (q and out). */
 static void attend_specialized(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
-                               int block_size, float scale, int dtype, void *out, int64_t out_offset,
-                               int64_t q_offset) {
+                               int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
+                               int64_t out_offset, int64_t q_offset) {
 #ifdef HAVE_ATTEND_AVX512
     if (attend_avx512_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
-                           block_size, scale, dtype, out, out_offset, q_offset))
+                           block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
         return;
 #endif
-    switch (dtype) {
-    case DTYPE_F32: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32) }
-    case DTYPE_BF16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_BF16) }
-    default: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F16) }
+    switch (kv_dtype) {
+    case DTYPE_F32: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32, DTYPE_F32) }
+    case DTYPE_BF16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_BF16, DTYPE_BF16) }
+    case DTYPE_F16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F16, DTYPE_F16) }
+    /* one case for both 8-bit types: load_row_fp8 picks its shift per row */
+    default: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32, kv_dtype) }
     }
 }
 
@@ -127,14 +130,22 @@ int paged_decode_avx512(void) {
 }
 
 /* Returns 0, or a nonzero code for shapes past the fixed limits (checked by the caller
- * first; kept here so a wrong call cannot write past a stack buffer). */
+ * first; kept here so a wrong call cannot write past a stack buffer).
+ * kv_dtype: the pool's type, dtype (q's and out's) or an 8-bit one with dtype float32;
+ * the pool then holds K / k_scale and V / v_scale. Both scales fold into scalars the
+ * kernel already applies (the score scale, the softmax's 1 / sum): no multiply a value. */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
                            int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
-                           float scale, int sliding_window, int dtype, void *out, int num_threads) {
+                           float scale, int sliding_window, int dtype, void *out, int num_threads,
+                           int kv_dtype, float k_scale, float v_scale) {
     const int group = q_heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK_SIZE || q_heads % kv_heads)
         return 1;
+    const int kv_fp8 = kv_dtype == DTYPE_FP8_E4M3 || kv_dtype == DTYPE_FP8_E5M2;
+    if (kv_fp8 ? dtype != DTYPE_F32 : kv_dtype != dtype) return 2;
+    const float unit = kv_fp8 ? fp8_unit(kv_dtype) : 1.0f;
+    const float score_scale = scale * k_scale * unit, out_scale = v_scale * unit;
     const int items = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int item = 0; item < items; item++) {
@@ -145,8 +156,8 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         const int64_t q_offset = (int64_t)seq * q_row_stride + (int64_t)kv_head * group * head_dim;
         const int64_t out_offset = ((int64_t)seq * q_heads + (int64_t)kv_head * group) * head_dim;
         attend_specialized(q, k_cache, v_cache, block_tables + (int64_t)seq * table_row_stride,
-                           first_key, end_key, kv_head, kv_heads, group, head_dim, block_size, scale, dtype,
-                           out, out_offset, q_offset);
+                           first_key, end_key, kv_head, kv_heads, group, head_dim, block_size, score_scale,
+                           dtype, kv_dtype, out_scale, out, out_offset, q_offset);
     }
     return 0;
 }

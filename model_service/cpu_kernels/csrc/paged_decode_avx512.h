@@ -1,6 +1,6 @@
 /* The AVX-512 case of paged decode attention (included by paged_decode.c), for the shapes
- * serving spends its time on: float32 or bfloat16 K/V, head_dim 32 or 64, any number of
- * query heads per kv head. (At head_dim 128 it measured no faster: 4 heads' accumulators
+ * serving spends its time on: float32, bfloat16 or 8-bit (either fp8 type, with float32 q)
+ * K/V, head_dim 32 or 64, any number of query heads per kv head. (At head_dim 128 it measured no faster: 4 heads' accumulators
  * and q rows no longer fit in the 32 vector registers.) Same contract and float32
  * arithmetic as attend_one, in three passes over spans of up to SPAN keys instead of one
  * pass a block:
@@ -65,6 +65,24 @@ static inline __attribute__((always_inline)) __m512 load16_f32(const void *base,
     return _mm512_loadu_ps((const float *)base + i);
 }
 
+/* 16 8-bit values as float32, in units of fp8_unit (cpu_math.h's fp8_as_f16_bits, 16 at a
+ * time): widened to 16 bits, the magnitude shifted by fp8_shift (7 for e4m3, 8 for e5m2: a
+ * runtime count, so one case serves both types), then float16 to float32 in hardware. */
+static inline __attribute__((always_inline)) __m512 load16_fp8(const void *base, int64_t i, __m128i fp8_shift) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + i)));
+    const __m256i magnitude = _mm256_sll_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), fp8_shift);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
+}
+
+#define KV_FP8 (-1) /* a case's K/V type: either 8-bit one (fp8_shift tells which) */
+
+static inline __attribute__((always_inline)) __m512 load16_kv(const void *base, int64_t i, int kv_dtype,
+                                                             __m128i fp8_shift) {
+    if (kv_dtype == KV_FP8) return load16_fp8(base, i, fp8_shift);
+    return load16_f32(base, i, kv_dtype);
+}
+
 /* Key positions in order, each one's row offset in the pool: one division to start,
  * then a slot count (a division a key costs more than the key's arithmetic). A block's
  * table entry is read when its first key is asked for, never before: past a sequence's
@@ -94,7 +112,7 @@ static inline __attribute__((always_inline)) int64_t key_next(KeyWalk *walk) {
 static inline __attribute__((always_inline)) void attend_avx512(
     const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int first_key, int end_key,
     int kv_head, int kv_heads, const int group, const int head_dim, int block_size, float scale, const int dtype,
-    void *out, int64_t out_offset, int64_t q_offset) {
+    const int kv_dtype, __m128i fp8_shift, float out_scale, void *out, int64_t out_offset, int64_t q_offset) {
     const int vecs = head_dim / 16;
     __m512 acc[AVX512_MAX_GROUP][AVX512_MAX_VECS], q_f32[AVX512_MAX_GROUP][AVX512_MAX_VECS];
     float scores[AVX512_MAX_GROUP][SPAN] __attribute__((aligned(64)));
@@ -122,7 +140,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
                 UNROLL for (int i = 0; i < KEYS_A_CHUNK; i++) {
                     __m512 sum = _mm512_setzero_ps();
                     UNROLL for (int c = 0; c < vecs; c++)
-                        sum = _mm512_fmadd_ps(q_f32[g][c], load16_f32(k_cache, rows[i] + 16 * c, dtype), sum);
+                        sum = _mm512_fmadd_ps(q_f32[g][c], load16_kv(k_cache, rows[i] + 16 * c, kv_dtype, fp8_shift), sum);
                     partial[i] = sum;
                 }
                 _mm512_store_ps(scores[g] + k0, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
@@ -153,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         for (int i = 0; i < n; i++) {
             const int64_t row = key_next(&walk);
             __m512 v_row[AVX512_MAX_VECS];
-            UNROLL for (int c = 0; c < vecs; c++) v_row[c] = load16_f32(v_cache, row + 16 * c, dtype);
+            UNROLL for (int c = 0; c < vecs; c++) v_row[c] = load16_kv(v_cache, row + 16 * c, kv_dtype, fp8_shift);
             UNROLL for (int g = 0; g < group; g++) {
                 const __m512 p = _mm512_set1_ps(scores[g][i]);
                 UNROLL for (int c = 0; c < vecs; c++) acc[g][c] = _mm512_fmadd_ps(p, v_row[c], acc[g][c]);
@@ -162,35 +180,37 @@ static inline __attribute__((always_inline)) void attend_avx512(
     }
     UNROLL for (int g = 0; g < group; g++) {
         float row[AVX512_MAX_VECS * 16];
-        const __m512 inv = _mm512_set1_ps(1.0f / row_sum[g]);
+        const __m512 inv = _mm512_set1_ps(out_scale / row_sum[g]);
         UNROLL for (int c = 0; c < vecs; c++) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], inv));
         store_row(out, out_offset + (int64_t)g * head_dim, row, head_dim, dtype);
     }
 }
 
-#define ATTEND_AVX512(HEADS, HEAD_DIM, DTYPE)                                                              \
+#define ATTEND_AVX512(HEADS, HEAD_DIM, DTYPE, KV_DTYPE)                                                    \
     attend_avx512(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, HEADS, HEAD_DIM,     \
-                  block_size, scale, DTYPE, out, out_offset, q_offset)
-#define AVX512_HEADS_CASES(HEAD_DIM, DTYPE)                    \
-    switch (heads) {                                           \
-    case 1: ATTEND_AVX512(1, HEAD_DIM, DTYPE); return;         \
-    case 2: ATTEND_AVX512(2, HEAD_DIM, DTYPE); return;         \
-    case 3: ATTEND_AVX512(3, HEAD_DIM, DTYPE); return;         \
-    default: ATTEND_AVX512(4, HEAD_DIM, DTYPE); return;        \
+                  block_size, scale, DTYPE, KV_DTYPE, fp8_shift, out_scale, out, out_offset, q_offset)
+#define AVX512_HEADS_CASES(HEAD_DIM, DTYPE, KV_DTYPE)                    \
+    switch (heads) {                                                     \
+    case 1: ATTEND_AVX512(1, HEAD_DIM, DTYPE, KV_DTYPE); return;         \
+    case 2: ATTEND_AVX512(2, HEAD_DIM, DTYPE, KV_DTYPE); return;         \
+    case 3: ATTEND_AVX512(3, HEAD_DIM, DTYPE, KV_DTYPE); return;         \
+    default: ATTEND_AVX512(4, HEAD_DIM, DTYPE, KV_DTYPE); return;        \
     }
-#define AVX512_HEAD_DIM_CASES(DTYPE)            \
-    switch (head_dim) {                         \
-    case 32: AVX512_HEADS_CASES(32, DTYPE)      \
-    default: AVX512_HEADS_CASES(64, DTYPE)      \
+#define AVX512_HEAD_DIM_CASES(DTYPE, KV_DTYPE)            \
+    switch (head_dim) {                                   \
+    case 32: AVX512_HEADS_CASES(32, DTYPE, KV_DTYPE)      \
+    default: AVX512_HEADS_CASES(64, DTYPE, KV_DTYPE)      \
     }
 
 /* One pass: `heads` (1 to 4) query heads of a kv head, their rows at q_offset and out_offset. */
 static void attend_avx512_heads(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                 int first_key, int end_key, int kv_head, int kv_heads, int heads, int head_dim,
-                                int block_size, float scale, int dtype, void *out, int64_t out_offset,
-                                int64_t q_offset) {
-    if (dtype == DTYPE_F32) { AVX512_HEAD_DIM_CASES(DTYPE_F32) }
-    else { AVX512_HEAD_DIM_CASES(DTYPE_BF16) }
+                                int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
+                                int64_t out_offset, int64_t q_offset) {
+    const __m128i fp8_shift = _mm_cvtsi32_si128(kv_dtype == DTYPE_FP8_E4M3 ? 7 : 8);
+    if (kv_dtype == DTYPE_FP8_E4M3 || kv_dtype == DTYPE_FP8_E5M2) { AVX512_HEAD_DIM_CASES(DTYPE_F32, KV_FP8) }
+    else if (dtype == DTYPE_F32) { AVX512_HEAD_DIM_CASES(DTYPE_F32, DTYPE_F32) }
+    else { AVX512_HEAD_DIM_CASES(DTYPE_BF16, DTYPE_BF16) }
 }
 
 /* Attends one (sequence, kv head) and returns 1 where this case covers the shape; 0
@@ -201,15 +221,15 @@ static void attend_avx512_heads(const void *q, const void *k_cache, const void *
  * (each case is a large unrolled body). */
 static int attend_avx512_case(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                               int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
-                              int block_size, float scale, int dtype, void *out, int64_t out_offset,
-                              int64_t q_offset) {
+                              int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
+                              int64_t out_offset, int64_t q_offset) {
     if (end_key <= first_key || (dtype != DTYPE_F32 && dtype != DTYPE_BF16) || (head_dim != 32 && head_dim != 64))
-        return 0;
+        return 0;  /* kv_dtype is dtype or 8-bit with dtype float32 (paged_decode_attention checks) */
     for (int first = 0; first < group;) {
         const int passes = (group - first + AVX512_MAX_GROUP - 1) / AVX512_MAX_GROUP;
         const int heads = (group - first + passes - 1) / passes;
         attend_avx512_heads(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, heads, head_dim,
-                            block_size, scale, dtype, out, out_offset + (int64_t)first * head_dim,
+                            block_size, scale, dtype, kv_dtype, out_scale, out, out_offset + (int64_t)first * head_dim,
                             q_offset + (int64_t)first * head_dim);
         first += heads;
     }

@@ -13,6 +13,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
 
 class LeaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +29,8 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_FLOAT8_E5M2: DType
 LEASE_STATUS_UNSPECIFIED: LeaseStatus
 LEASE_STATUS_OK: LeaseStatus
 LEASE_STATUS_NO_FREE_BLOCKS: LeaseStatus

@@ -165,7 +165,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_total_tokens", "block_size", "max_model_len", "dtype", "device", "has_chat_template", "model_fingerprint")
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_total_tokens", "block_size", "max_model_len", "dtype", "device", "has_chat_template", "model_fingerprint", "kv_cache_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class GetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -188,7 +189,8 @@ class GetModelInfoResponse(_message.Message):
     device: str
     has_chat_template: bool
     model_fingerprint: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_total_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_total_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
