@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from cache_helpers import (
     allocate, attach, cache_stub, extend, fork, lease, leased_blocks, release, stats, wait_for,
 )
@@ -244,3 +245,21 @@ def test_sigterm_unlinks_the_pool_and_start_up_removes_stale_ones(tmp_path):
         os.close(live_lock)
         assert service.stop(signal.SIGTERM) == 0
     assert not pool_file.exists(), "the pool file outlived the cache service"
+
+
+def test_an_fp8_pool_refuses_a_bfloat16_attach_and_is_mapped_as_fp8(tmp_path):
+    """Models with different KV dtypes never share a pool: the second geometry is refused."""
+    fp8 = dict(dtype=cache_pb2.DTYPE_FLOAT8_E4M3)
+    with start_cache_service(tmp_path, *POOL_ARGS) as service:
+        stub = cache_stub(service.address)
+        reply = attach(stub, **fp8)
+        assert reply.sizing.dtype == cache_pb2.DTYPE_FLOAT8_E4M3 and reply.sizing.bytes_per_block == BLOCK_BYTES // 4
+        assert reply.sizing.num_blocks == 4 * 64  # the same bytes, a quarter of float32's block
+        assert any("fp8_e4m3" in line for line in reply.sizing.explanation)
+        pool = pool_memory.map_pool(reply.pool)
+        assert pool.dtype == torch.float8_e4m3fn
+        with pytest.raises(grpc.RpcError) as error:
+            attach(stub, dtype=cache_pb2.DTYPE_BFLOAT16)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "fp8_e4m3" in error.value.details()
+        detach(stub, reply.session_id)

@@ -393,3 +393,43 @@ def test_python_m_cache_service_sizing(llama_config):
                                timeout=120)
     assert too_small.returncode == 2
     assert "too small for one block" in too_small.stderr
+
+
+# ---- fp8 KV (--kv-cache-dtype) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_block_is_half_a_bfloat16_block_and_the_pool_holds_twice_the_tokens(name):
+    bf16 = LLAMA3_8B
+    fp8 = KvGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype=dtype_from_name(name), device="cuda")
+    assert fp8.bytes_per_block(16) * 2 == bf16.bytes_per_block(16) == 2 * MiB
+    terms = dict(memory_total=80 * GiB, memory_free=60 * GiB, max_model_len=8192, headroom=0.0)
+    wide, narrow = size_pool(bf16, **terms), size_pool(fp8, **terms)
+    assert narrow.budget_bytes == wide.budget_bytes
+    assert narrow.num_blocks == 2 * wide.num_blocks and narrow.max_total_tokens == 2 * wide.max_total_tokens
+    assert narrow.dtype == name and narrow.dtype_bytes == 1
+    assert f"1 bytes ({name})" in narrow.explanation[0]
+    assert any(line.startswith(f"KV cache dtype {name}:") for line in narrow.explanation)
+    assert SizingReport.from_proto(narrow.to_proto()) == narrow
+
+
+def test_fp8_dtype_names_and_protos():
+    assert dtype_from_name("fp8") is torch.float8_e4m3fn  # vLLM's --kv-cache-dtype fp8
+    assert dtype_from_name("FP8_E5M2") is torch.float8_e5m2
+    assert dtype_name(torch.float8_e4m3fn) == "fp8_e4m3"
+    assert dtype_from_proto(cache_pb2.DTYPE_FLOAT8_E5M2) is torch.float8_e5m2
+    geometry = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float8_e4m3fn, device="cpu")
+    assert KvGeometry.from_proto(geometry.to_proto()) == geometry
+
+
+def test_cli_kv_cache_dtype_halves_the_block_and_keeps_the_weights(llama_config, capsys):
+    argv = ["--config", str(llama_config), "--memory", "80GiB", "--dtype", "bfloat16", "--json"]
+    assert sizing_cli.main(argv) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert sizing_cli.main([*argv, "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    narrow = json.loads(capsys.readouterr().out)
+    assert (narrow["dtype"], narrow["dtype_bytes"], narrow["bytes_per_block"]) == ("fp8_e4m3", 1, MiB)
+    assert narrow["budget_bytes"] == wide["budget_bytes"]  # weights still 2 bytes a parameter
+    assert narrow["num_blocks"] in (2 * wide["num_blocks"], 2 * wide["num_blocks"] + 1)
+    assert sizing_cli.main([*argv, "--kv-cache-dtype", "int4"]) == 2
+    assert "unsupported KV dtype 'int4'" in capsys.readouterr().err
