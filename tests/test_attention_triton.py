@@ -238,3 +238,73 @@ else:
         expected = PagedAttention("torch")(q, k, v, pool_torch, meta, 0.25, sliding_window=window)
         assert torch.equal(kv_layer, pool_torch)
         torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    # ---- 8-bit pools (attention/kv_quant.py): against float32 on the dequantized values ----
+    FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+    FP8_SCALES = (0.05, 0.02)
+
+    def fp8_pool(num_blocks, block_size, dtype, seed, kv_heads=KV_HEADS, head_dim=HEAD_DIM, edge=False):
+        """Random K/V stored divided by FP8_SCALES; edge: magnitudes up to 1.5x the type's largest."""
+        from model_service.attention.kv_quant import quantize
+
+        generator = torch.Generator().manual_seed(seed)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        limit = torch.finfo(dtype).max
+        pool = torch.empty(2, *shape, dtype=dtype)
+        for index, scale in enumerate(FP8_SCALES):
+            values = torch.randn(shape, generator=generator) * scale
+            if edge:
+                values = torch.rand(shape, generator=generator) * 1.5 * limit * scale * torch.sign(values)
+            pool[index] = quantize(values, scale, dtype)
+        return pool, generator
+
+    def fp8_reference(q, pool, tables, lens, scale):
+        from model_service.attention.kv_quant import dequantize
+
+        pool32 = torch.stack([dequantize(pool[i], FP8_SCALES[i], torch.float32) for i in range(2)])
+        return decode_attention_torch(q.float(), pool32, tables, lens, scale)
+
+    @pytest.mark.parametrize("dtype", FP8, ids=str)
+    def test_fp8_write_matches_torch_and_saturates(dtype):
+        pool_triton = torch.zeros(2, 10, 8, KV_HEADS, HEAD_DIM, dtype=dtype)
+        pool_torch = pool_triton.clone()
+        generator = torch.Generator().manual_seed(5)
+        k = torch.randn(5, KV_HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+        v = torch.randn(5, KV_HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+        k[0] = 1e30  # far past the largest fp8 value once divided by the scale: saturates
+        slots = torch.tensor([3, 17, 40, 79, -1])
+        write_kv_triton(k, v, pool_triton, slots, kv_scales=FP8_SCALES)
+        write_kv_torch(k[:4], v[:4], pool_torch, slots[:4], kv_scales=FP8_SCALES)
+        assert torch.equal(pool_triton.view(torch.uint8), pool_torch.view(torch.uint8))
+        assert torch.isfinite(pool_triton.float()).all()
+        assert pool_triton[0].view(-1, KV_HEADS, HEAD_DIM)[3].float().eq(torch.finfo(dtype).max).all()
+
+    @pytest.mark.parametrize("dtype", FP8, ids=str)
+    @pytest.mark.parametrize("group", [1, 2, 4])
+    def test_fp8_decode_matches_float32_on_dequantized_values(group, dtype):
+        block_size = 16
+        context_lens = [1, block_size, block_size + 1, 3 * block_size - 2]
+        pool, generator = fp8_pool(16, block_size, dtype, seed=group)
+        tables = shuffled_tables(context_lens, block_size, 16, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        q = torch.randn(len(context_lens), KV_HEADS * group, HEAD_DIM, generator=generator).to(torch.bfloat16)
+        out = decode_attention_triton(q, pool, tables, lens, HEAD_DIM**-0.5, kv_scales=FP8_SCALES)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), fp8_reference(q, pool, tables, lens, HEAD_DIM**-0.5),
+                                   atol=2e-2, rtol=2e-2)
+
+    @pytest.mark.parametrize("shape", SERVED_SHAPES, ids=lambda s: f"kv{s[0]}-g{s[1]}-d{s[2]}")
+    def test_fp8_decode_served_gqa_groups_at_the_saturation_edge(shape):
+        kv_heads, group, head_dim = shape
+        dtype = FP8[(group + head_dim) % 2]  # both types over the shapes, not every pair
+        context_lens = [150, 233]
+        pool, generator = fp8_pool(32, 16, dtype, seed=group * 10 + head_dim, kv_heads=kv_heads,
+                                   head_dim=head_dim, edge=True)
+        assert pool.float().abs().eq(torch.finfo(dtype).max).any()
+        tables = shuffled_tables(context_lens, 16, 32, generator)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        q = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=generator)
+        q /= torch.finfo(dtype).max * FP8_SCALES[0] * head_dim**0.5  # scores a softmax can tell apart
+        out = decode_attention_triton(q, pool, tables, lens, head_dim**-0.5, kv_scales=FP8_SCALES)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, fp8_reference(q, pool, tables, lens, head_dim**-0.5), atol=1e-3, rtol=2e-5)

@@ -96,7 +96,7 @@ def _argument_type(name: str, dtype: torch.dtype) -> str:
         return "*i64"
     if name.endswith("_ptr"):
         return "*" + TRITON_DTYPES[dtype]
-    if name == "scale_log2":
+    if name in ("scale_log2", "out_scale"):
         return "fp32"
     return "i32"
 

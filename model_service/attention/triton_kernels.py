@@ -9,6 +9,12 @@ length never compiles a new kernel. The constexprs (block size, head dim, group 
 fixed for a model. Every loaded K/V/q value is converted to float32 at once: accumulation
 wants it anyway, and Triton's interpreter (TRITON_INTERPRET=1, used by the tests on CPU)
 holds bfloat16 as raw integers until converted.
+
+An 8-bit pool (attention/kv_quant.py) is handed to the kernels as its bytes (uint8): writes
+store bytes quantized by kv_quant.quantize (saturating, in torch, before the kernel), and
+decode widens each byte to float16 bits by shifts (FP8_KIND; the C kernel's conversion,
+cpu_kernels/csrc/cpu_math.h), so neither needs the GPU's or the interpreter's fp8 support.
+The scales fold into the score scale and the output's normalization.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from model_service.attention.kv_quant import quantize
+
 LOG2_E = 1.4426950408889634
+# FP8_KIND of the decode kernel, and what a widened byte is short of its value by (e4m3's
+# exponent bias is 7, float16's 15: 2^8).
+FP8_KINDS = {torch.float8_e4m3fn: (1, 256.0), torch.float8_e5m2: (2, 1.0)}
 # Elements of the decode kernel's per-tile [group, slots, head_dim] products, and most slots a
 # tile (decode_config): compiled for sm_90, 8192 elements spill at a group of 4 and head_dim
 # 128, and a group of 1 with 64-slot tiles takes 231 registers (scripts/compile_kernels.py).
@@ -59,12 +70,17 @@ def write_kv_triton(
     v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative entries are skipped
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an 8-bit pool's (k_scale, v_scale)
 ) -> None:
     num_tokens, kv_heads, head_dim = k.shape
     _, _, block_size, _, _ = kv_layer.shape
     _check_last_dim_contiguous(k=k, v=v, kv_layer=kv_layer)
     if num_tokens == 0:
         return
+    if kv_layer.dtype in FP8_KINDS:
+        k = quantize(k, kv_scales[0], kv_layer.dtype).view(torch.uint8)
+        v = quantize(v, kv_scales[1], kv_layer.dtype).view(torch.uint8)
+        kv_layer = kv_layer.view(torch.uint8)
     config = write_kv_config(kv_heads, head_dim, block_size)
     grid = (num_tokens, triton.cdiv(kv_heads, config["HEADS_PER_PROGRAM"]))
     _write_kv_kernel[grid](
@@ -76,16 +92,29 @@ def write_kv_triton(
 
 
 @triton.jit
+def _load_kv(pointers, mask, FP8_KIND: tl.constexpr):
+    """K or V values as float32; 8-bit ones in units of FP8_KINDS' unit."""
+    if FP8_KIND == 0:
+        return tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    bits = tl.load(pointers, mask=mask, other=0).to(tl.uint16)
+    shift: tl.constexpr = 7 if FP8_KIND == 1 else 8
+    half = ((bits & 0x7F) << shift) | ((bits & 0x80) << 8)
+    return half.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,  # split partials, fp32 (unused when not SPLIT)
-    scale_log2,  # softmax scale * log2(e): the kernel works in exp2
+    scale_log2,  # softmax scale * log2(e) (* k_scale of an 8-bit pool): the kernel works in exp2
     window,  # sliding window in positions; 0: the whole context (runtime, never a recompile)
+    out_scale,  # 1, or an 8-bit pool's v_scale
     stride_q_seq, stride_q_head, stride_out_seq, stride_out_head,
     stride_kv, stride_block, stride_slot, stride_head, stride_table_seq,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,
+    FP8_KIND: tl.constexpr,  # 0: K/V as stored; 1: e4m3 bytes; 2: e5m2 bytes
 ):
     # One program per (sequence, kv head, split of the context), serving all GROUP q heads
     # that share that kv head, so each K/V tile is loaded once for the group. Online softmax
@@ -132,7 +161,7 @@ def _decode_kernel(
         slot_mask = (positions < context_len) & (positions >= first_pos)
         offsets = block_id * stride_block + slots[:, None] * stride_slot + dims[None, :]
         kv_mask = slot_mask[:, None] & dim_mask[None, :]
-        k = tl.load(head_base + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, DIM_PAD]
+        k = _load_kv(head_base + offsets, kv_mask, FP8_KIND)  # [TILE, DIM_PAD] float32
         # Groups are small (1-8): multiply-and-sum beats padding them to tl.dot's 16 rows.
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, TILE]
         scores = tl.where(slot_mask[None, :], scores, float("-inf"))
@@ -143,7 +172,7 @@ def _decode_kernel(
         correction = tl.exp2(running_max - shift)
         probs = tl.exp2(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(head_base + stride_kv + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        v = _load_kv(head_base + stride_kv + offsets, kv_mask, FP8_KIND)
         acc = acc * correction[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
         running_max = new_max
 
@@ -152,13 +181,13 @@ def _decode_kernel(
         # Unnormalised partials, [num_seqs, q_heads, num_splits(, DIM_PAD)]; _reduce_kernel
         # weighs them by their maxima.
         part_row = (seq * GROUP * tl.num_programs(1) + q_heads) * num_splits + split
-        tl.store(part_acc_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc, mask=out_mask)
+        tl.store(part_acc_ptr + part_row[:, None] * DIM_PAD + dims[None, :], acc * out_scale, mask=out_mask)
         tl.store(part_max_ptr + part_row, running_max, mask=row_mask)
         tl.store(part_sum_ptr + part_row, running_sum, mask=row_mask)
     else:
         # A padded batch entry (context_len 0) visits no block: output zeros, not 0/0.
         running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
-        out = acc / running_sum[:, None]
+        out = acc * (out_scale / running_sum)[:, None]
         tl.store(
             out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
             out.to(out_ptr.dtype.element_ty), mask=out_mask,
@@ -192,9 +221,10 @@ def _reduce_kernel(
              mask=dims < HEAD_DIM)
 
 
-def decode_config(group: int, head_dim: int, block_size: int) -> dict:
+def decode_config(group: int, head_dim: int, block_size: int, fp8_kind: int = 0) -> dict:
     """The decode kernel's compile-time constants for a model and pool (and num_warps):
-    one place for the launcher and the ahead-of-time compile check (attention/aot.py)."""
+    one place for the launcher and the ahead-of-time compile check (attention/aot.py).
+    fp8_kind: FP8_KINDS' kind of an 8-bit pool, else 0."""
     group_pad = triton.next_power_of_2(group)
     dim_pad = triton.next_power_of_2(head_dim)
     # The widest tile whose [GROUP_PAD, TILE, DIM_PAD] product fits PRODUCT_ELEMENTS, i.e.
@@ -203,7 +233,7 @@ def decode_config(group: int, head_dim: int, block_size: int) -> dict:
     # one too and divides the block.
     tile = max(1, min(block_size, MAX_TILE, PRODUCT_ELEMENTS // (group_pad * dim_pad)))
     return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size, TILE=tile,
-                HEAD_DIM=head_dim, DIM_PAD=dim_pad, num_warps=4)
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, FP8_KIND=fp8_kind, num_warps=4)
 
 
 def choose_num_splits(num_seqs: int, kv_heads: int, max_blocks: int, sm_count: int) -> int:
@@ -229,6 +259,7 @@ def decode_attention_triton(
     scale: float,
     sliding_window: int | None = None,  # attend to the last sliding_window positions only
     num_splits: int | None = None,  # context splits; None: choose_num_splits for this device
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an 8-bit pool's (k_scale, v_scale)
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]
     num_seqs, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, pool_head_dim = kv_layer.shape
@@ -246,7 +277,11 @@ def decode_attention_triton(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, kv_heads, block_tables.shape[1], sm_count(q.device))
-    config = decode_config(q_heads // kv_heads, head_dim, block_size)
+    fp8_kind, unit = FP8_KINDS.get(kv_layer.dtype, (0, 1.0))
+    k_scale, v_scale = (kv_scales[0] * unit, kv_scales[1] * unit) if fp8_kind else (1.0, 1.0)
+    if fp8_kind:
+        kv_layer = kv_layer.view(torch.uint8)
+    config = decode_config(q_heads // kv_heads, head_dim, block_size, fp8_kind)
     dim_pad = config["DIM_PAD"]
     split = num_splits > 1
     if split:
@@ -258,7 +293,7 @@ def decode_attention_triton(
     _decode_kernel[(num_seqs, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out,
         part_acc, part_max, part_sum,
-        scale * LOG2_E, sliding_window or 0,
+        scale * k_scale * LOG2_E, sliding_window or 0, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), block_tables.stride(0),
         SPLIT=split, **config,
