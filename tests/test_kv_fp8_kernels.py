@@ -108,12 +108,13 @@ def test_c_kernel_and_torch_path_at_the_saturation_edge(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_every_fp8_byte_reads_as_torch_converts_it(dtype):
+@pytest.mark.parametrize("head_dim", [32, 40])  # 40: the last 8 of a row by the integer method (cpu_math.h)
+def test_every_fp8_byte_reads_as_torch_converts_it(dtype, head_dim):
     """All 256 bit patterns but NaN through the kernel's conversion: one key and one value
     position, so the output is exactly that V row times v_scale."""
     values = torch.arange(256, dtype=torch.uint8).view(dtype)
     finite = values[torch.isfinite(values.float())]
-    head_dim = 32
+    finite = torch.cat([finite, finite[:head_dim]])  # every value in the tail columns too
     rows = finite[: finite.numel() // head_dim * head_dim].view(-1, head_dim)
     kv_layer = torch.zeros(2, rows.shape[0], 1, 1, head_dim, dtype=dtype)
     kv_layer[1].view(torch.uint8)[:, 0, 0] = rows.view(torch.uint8)

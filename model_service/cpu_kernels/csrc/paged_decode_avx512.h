@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) __m512 load16_f32(const void *base,
     return _mm512_loadu_ps((const float *)base + i);
 }
 
-/* 16 8-bit values as float32, in units of fp8_unit (cpu_math.h's fp8_as_f16_bits, 16 at a
+/* 16 8-bit values as float32, in units of fp8_unit (see cpu_math.h; 16 at a
  * time): widened to 16 bits, the magnitude shifted by fp8_shift (7 for e4m3, 8 for e5m2: a
  * runtime count, so one case serves both types), then float16 to float32 in hardware. */
 static inline __attribute__((always_inline)) __m512 load16_fp8(const void *base, int64_t i, __m128i fp8_shift) {
