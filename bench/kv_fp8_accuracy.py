@@ -62,7 +62,7 @@ def run_config(kv_dtype: str, scales: str, conversations, max_new_tokens: int, t
                 sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True,
                                                  logprobs=2))
             tokens, chosen, margins = [], [], []
-            for response in stub.Generate(request, timeout=900):
+            for response in stub.Generate(request, timeout=3600):
                 tokens.extend(response.token_ids)
                 for entry in response.logprobs:
                     chosen.append(entry.logprob)
