@@ -55,6 +55,12 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def copyable(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor, or for an 8-bit float one a uint8 view of its bytes: index_copy_ has no
+    8-bit float kernel on CPU (torch 2.13), and every block copy (forks, tiers) is bytes."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor
+
+
 def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype: "auto" is the compute dtype (the pool as it always was)."""
     return compute_dtype if name.strip().lower() == "auto" else dtype_from_name(name)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from model_service.attention.kv_quant import pool_absmax
+from pagedkv.kv_geometry import copyable
 from model_service.attention.metadata import AttentionMetadata
 from model_service.worker.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
@@ -110,7 +111,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv_pool.index_copy_(2, dst, self.kv_pool.index_select(2, src))
+        pool = copyable(self.kv_pool)
+        pool.index_copy_(2, dst, pool.index_select(2, src))
 
     def prepare(self, batch: Seq[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
