@@ -299,7 +299,7 @@ else:
     def test_fp8_decode_served_gqa_groups_at_the_saturation_edge(shape):
         kv_heads, group, head_dim = shape
         dtype = FP8[(group + head_dim) % 2]  # both types over the shapes, not every pair
-        context_lens = [150, 233]
+        context_lens = [40, 90]
         pool, generator = fp8_pool(32, 16, dtype, seed=group * 10 + head_dim, kv_heads=kv_heads,
                                    head_dim=head_dim, edge=True)
         assert pool.float().abs().eq(torch.finfo(dtype).max).any()
