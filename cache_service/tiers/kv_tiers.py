@@ -25,7 +25,10 @@ the ledger changes anything, so a bad file shortens the hit and never fails the 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -53,6 +56,17 @@ DEMOTE_CHUNK_BLOCKS = 16
 DISK_FULL_BACKOFF_S = 30.0
 # Digests of recently demoted blocks, so a child finds its parent's while the parent is still on its way to disk.
 RECENT_DIGESTS = 65536
+
+
+# Nice value of the tiers' worker thread (Linux: per thread), relative to the service's.
+WORKER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+    except (OSError, AttributeError):
+        pass  # not Linux, or not allowed: the copies run at the service's priority
 
 
 @dataclass(slots=True, eq=False)
@@ -92,6 +106,9 @@ class KvTiers:
         self.reserved_slots = 0  # host slots a demotion in flight is copying into
         self._recent: OrderedDict[int, bytes | None] = OrderedDict()
         self._wake = asyncio.Event()
+        # One thread for the copies and the disk writes, at a lower CPU priority than the
+        # event loop's: on a busy machine the Lease calls get the cores first.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers", initializer=_lower_priority)
         if self.disk is not None:
             restore_disk_index(self.disk, self.index, pool)
 
@@ -216,7 +233,7 @@ class KvTiers:
         batch = self._begin_demotion(limit)
         if batch is None:
             return 0
-        await asyncio.to_thread(self._copy, batch)
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._copy, batch)
         return self._finish_demotion(batch)
 
     def _begin_demotion(self, limit: int) -> _Demotion | None:
@@ -312,7 +329,7 @@ class KvTiers:
         started = self.clock()
         self.writing += 1
         try:
-            written = await asyncio.to_thread(disk.write, record, payload)
+            written = await asyncio.get_running_loop().run_in_executor(self._worker, disk.write, record, payload)
         except DiskFull as error:
             self.disk_full_until = self.clock() + DISK_FULL_BACKOFF_S
             counters.errors += 1
