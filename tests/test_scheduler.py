@@ -9,7 +9,8 @@ import pytest
 
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOutcome, blocks_for
-from model_service.sched.scheduler import Finished, Scheduler, SchedulerLimits, StepOutput
+from model_service.sched.scheduler import Scheduler, SchedulerLimits
+from model_service.sched.step import Finished, StepOutput
 from model_service.sched.sequence import Finish, Sequence, Status
 
 BLOCK = 4

@@ -13,7 +13,7 @@ from model_service.sample.logprobs import TokenLogprob
 from model_service.engine.output import new_request
 from model_service.sample.params import SamplingOptions
 from model_service.api.sampling_proto import options_from_proto
-from model_service.sched.scheduler import append_token
+from model_service.sched.step import append_token
 from model_service.sched.sequence import Finish
 from model_service.api.validation import GenerateLimits, validate_generate_request
 from pagedkv.model.v1 import model_pb2

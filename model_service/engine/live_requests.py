@@ -22,7 +22,7 @@ from model_service.engine.deltas import Delta, Sink, join_into
 from model_service.sample.logprobs import TokenLogprob
 from model_service.engine.output import Completion, RequestOutput
 from model_service.sample.params import SamplingOptions
-from model_service.sched.scheduler import Finished
+from model_service.sched.step import Finished
 from model_service.sched.sequence import Finish, Sequence
 
 # Hands a step's deltas to their sinks. The engine's default calls each sink on the engine

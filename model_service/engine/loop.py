@@ -38,7 +38,8 @@ from model_service.engine.step_sampler import StepSampler
 from model_service.loading.loader import LoadedModel
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost
-from model_service.sched.scheduler import POLICIES, Scheduler, SchedulerLimits, Step, StepOutput
+from model_service.sched.scheduler import POLICIES, Scheduler, SchedulerLimits
+from model_service.sched.step import Step, StepOutput
 from model_service.sched.sequence import Finish
 from model_service.worker.decode_graphs import DecodeGraphPool
 from model_service.worker.runner import ModelRunner

@@ -20,7 +20,7 @@ from model_service.sample.params import SamplingOptions
 from model_service.sample.sampler import make_generator
 from model_service.engine.deltas import Delta, Sink
 from model_service.sample.logprobs import TokenLogprob
-from model_service.sched.scheduler import Finished
+from model_service.sched.step import Finished
 from model_service.sched.sequence import Finish, Sequence
 
 
