@@ -336,3 +336,25 @@ def test_a_model_service_that_cannot_map_the_pool_detaches_and_exits(tmp_path):
         cache_rpc = cache_stub(cache.address)
         assert stats(cache_rpc).sessions == 0, "the session was left to expire at its TTL"
     assert cache.returncode == 0, cache.logs()
+
+
+def test_a_request_past_the_session_block_quota_ends_alone(tmp_path):
+    """--max-session-blocks is the session's quota, not a lost lease: the request that alone
+    needs more ends with RESOURCE_EXHAUSTED naming the limit, a bystander finishes, and the
+    engine stays attached (the same session serves the next request)."""
+    cache, model = start_both(tmp_path, (*POOL_ARGS, "--block-size", "16", "--max-session-blocks", "8"),
+                              ("--lease-ahead-blocks", "0"))
+    with cache, model:
+        cache_rpc = cache_stub(cache.address)
+        stub = model_stub(model.address)
+        sessions_before = stats(cache_rpc).sessions
+        greedy = Stream(stub, prompt(20, 100), max_new_tokens=100)  # 200 tokens: 13 blocks, past 8
+        bystander = Stream(stub, prompt(21, 20), max_new_tokens=30)  # 50 tokens: 4 blocks
+        wait_ended([greedy, bystander], GENEROUS_S)
+        assert greedy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "LIMIT_EXCEEDED" in greedy.details, (
+            greedy.code, greedy.details)
+        assert bystander.code == grpc.StatusCode.OK and len(bystander.tokens) == 30, (bystander.code, bystander.details)
+        last = generate(stub, prompt(22, 10), 4)
+        assert last.usage.completion_tokens == 4
+        wait_for(lambda: stats(cache_rpc).blocks_leased == 0, GENEROUS_S, "every block back")
+        assert stats(cache_rpc).sessions == sessions_before == 1  # never detached and re-attached

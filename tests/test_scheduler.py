@@ -19,8 +19,9 @@ BLOCK = 4
 class FakeCache:
     """A block pool with just enough behaviour to answer lease ops like the real one."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, session_max_blocks: int = 0) -> None:
         self.free = list(range(num_blocks))
+        self.session_max_blocks = session_max_blocks  # --max-session-blocks; 0: none
         self.tables: dict[int, list[int]] = {}
         self.refs: dict[int, int] = {}  # block -> tables holding it, when shared by a fork
         self.ids = itertools.count(1)
@@ -66,6 +67,9 @@ class FakeCache:
             outcomes.append(LeaseOutcome(ok=True))
         for seq in ops.allocations:
             need = blocks_for(len(seq.token_ids), BLOCK)
+            if self.past_quota(need):
+                outcomes.append(LeaseOutcome(ok=False, code="LIMIT_EXCEEDED", message="past --max-session-blocks"))
+                continue
             if need > len(self.free):
                 outcomes.append(LeaseOutcome(ok=False, code="NO_FREE_BLOCKS"))
                 continue
@@ -78,9 +82,15 @@ class FakeCache:
                             else LeaseOutcome(ok=False, code="NO_FREE_BLOCKS"))
         return outcomes, len(self.free)
 
+    def past_quota(self, more: int) -> bool:
+        held = sum(len(table) for table in self.tables.values())
+        return bool(self.session_max_blocks) and held + more > self.session_max_blocks
+
     def _extend(self, seq, tokens) -> LeaseOutcome:
         table = self.tables[seq.lease_id]
         more = blocks_for(tokens, BLOCK) - len(table)
+        if more > 0 and self.past_quota(more):
+            return LeaseOutcome(ok=False, code="LIMIT_EXCEEDED", message="past --max-session-blocks")
         if more > len(self.free):
             return LeaseOutcome(ok=False, code="NO_FREE_BLOCKS")
         new = [self.free.pop() for _ in range(more)]
@@ -107,7 +117,8 @@ def run_step(scheduler: Scheduler, cache: FakeCache, pending, observe=None):
     `observe(step)` sees each step as scheduled, before the fake cache answers its call."""
     if pending is not None:
         ops, answer = pending
-        scheduler.apply(ops, *answer)
+        for seq, _reason in scheduler.apply(ops, *answer):  # never served: the engine ends them
+            scheduler.finish(seq, Finish.ABORTED)
     step = scheduler.schedule()
     if observe is not None:
         observe(step)
@@ -634,3 +645,44 @@ def test_no_commit_before_the_writes_are_done():
     scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
     step = scheduler.schedule()
     assert step.lease_ops.commits == [(seq, 8)]
+
+
+# --- the session's block quota (--max-session-blocks) -----------------------------------
+
+
+def test_a_sequence_past_the_session_quota_fails_alone_and_the_others_finish():
+    """A quota refusal is the session's, not a lost lease: another sequence of the session
+    is preempted to make room, one that alone needs more than the quota ends, and nothing
+    raises LeaseLost (which would end every stream of the engine)."""
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100,
+                          clock=itertools.count().__next__)
+    cache = FakeCache(100, session_max_blocks=6)
+    long = make_seq(0, prompt_len=8, max_new=40)  # 48 tokens: 12 blocks, twice the quota
+    bystander = make_seq(1, prompt_len=4, max_new=8)  # 12 tokens: 3 blocks
+    failures = []
+    original_apply = scheduler.apply
+
+    def apply(ops, outcomes, available):
+        failed = original_apply(ops, outcomes, available)
+        failures.extend(seq for seq, _ in failed)
+        return failed
+
+    scheduler.apply = apply
+    scheduler.add(long)
+    scheduler.add(bystander)
+    drive(scheduler, cache)
+    assert failures == [long] and long.num_output < 40
+    assert bystander.num_output == 8 and bystander.status is Status.FINISHED
+    assert sum(len(table) for table in cache.tables.values()) == 0  # every block back
+
+
+def test_an_allocation_past_the_quota_waits_while_others_hold_blocks():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100,
+                          clock=itertools.count().__next__)
+    cache = FakeCache(100, session_max_blocks=5)
+    first = make_seq(0, prompt_len=8, max_new=4)  # 3 blocks at most
+    second = make_seq(1, prompt_len=8, max_new=4)  # fits only once the first is gone
+    scheduler.add(first)
+    scheduler.add(second)
+    drive(scheduler, cache)
+    assert first.num_output == 4 and second.num_output == 4

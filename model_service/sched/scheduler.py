@@ -93,6 +93,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
         self._retry_refused_at = 0.0
+        self._quota_retry_at = 0.0  # no allocation asked before this, after one past the session's quota
         self._retry_refused_wait = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -220,6 +221,14 @@ class Scheduler:
                 seq.starved = False
             elif outcome.code == "NO_FREE_BLOCKS":
                 seq.starved = True
+            elif outcome.code == "LIMIT_EXCEEDED":
+                # The session's block quota, not the pool: room is made by preempting
+                # another of this session's sequences, and when none holds blocks this one
+                # alone is past the quota and can never finish.
+                if any(other is not seq for other in self.running):
+                    seq.starved = True
+                else:
+                    failed.append((seq, f"{outcome.code}: {outcome.message}"))
             else:
                 raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
         for _commit in ops.commits:
@@ -247,12 +256,16 @@ class Scheduler:
                 self._retry_refused_wait = 0.0
             elif seq.status is Status.FINISHED:
                 continue
-            elif outcome.code == "NO_FREE_BLOCKS":
+            elif outcome.code == "NO_FREE_BLOCKS" or (outcome.code == "LIMIT_EXCEEDED" and self._others_hold_blocks()):
+                # Past the session's quota only while others hold blocks: wait for them.
                 seq.status = Status.WAITING
                 requeue.append(seq)
                 self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
                                                RETRY_REFUSED_MAX_S)
                 self._retry_refused_at = self._clock() + self._retry_refused_wait
+                if outcome.code == "LIMIT_EXCEEDED":
+                    # The pool's count says nothing of the quota: wait as after a refusal.
+                    self._quota_retry_at = self._retry_refused_at
             else:
                 failed.append((seq, f"{outcome.code}: {outcome.message}"))
         for seq, _ in ops.top_ups:
@@ -344,6 +357,11 @@ class Scheduler:
                                   self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted)
 
+    def _others_hold_blocks(self) -> bool:
+        """Whether this session holds blocks at the cache service that will come back: a
+        sequence runs or is being given blocks, or a release waits to be sent."""
+        return bool(self.running or self.allocating or self._releases)
+
     def _commits_due(self) -> list[tuple[Sequence, int]]:
         """Running sequences with full blocks written since their last commit: committed in
         a call that goes out anyway, so that a request arriving while they run shares them."""
@@ -383,6 +401,8 @@ class Scheduler:
             # When nothing else runs, ask anyway: cached blocks may be evictable, and the
             # service's reply corrects our count; but not again right after a refusal.
             if needed > available and (busy or self._clock() < self._retry_refused_at):
+                break
+            if busy and self._clock() < self._quota_retry_at:
                 break
             if prompt_tokens and prompt_tokens + len(seq.token_ids) > self.limits.max_batch_tokens:
                 break
