@@ -30,6 +30,7 @@ from model_service.sample.logprobs import TokenLogprob
 from model_service.sample.params import InvalidRequest, SamplingOptions
 from model_service.sched.sequence import Finish
 from model_service.api.tenants import SINGLE, Tenant
+from model_service.sample.grammar import GrammarCompiler
 from model_service.api.validation import GenerateLimits, PoolTooSmall, tokenize_prompt, validate_generate_request
 from pagedkv.model.v1 import model_pb2
 
@@ -71,6 +72,8 @@ class GenerationService:
             stream_interval=stream_interval,
         )
         self.max_concurrent_streams = max_concurrent_streams  # 0: no limit
+        loaded = engine.loaded
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, engine.eos_token_ids)
         # Generate streams in progress, whichever door they came in by; event loop only.
         self.open_streams = 0
 
@@ -142,8 +145,9 @@ class GenerationService:
     async def start_async(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
                           tenant: Tenant = SINGLE) -> ResponseStream:
         """start(), with a text prompt tokenized on a worker thread (after validation's
-        byte-length check): a long prompt must not freeze every other stream."""
-        if not (request.prompt or request.messages):
+        byte-length check), and a structured output compiled there too: a long prompt or a
+        new grammar must not freeze every other stream."""
+        if not (request.prompt or request.messages or request.sampling.HasField("structured")):
             return self.start(request, deadline, tenant=tenant)
         self._check_limits(tenant)  # before the tokenizing a refused request would waste
         validated = await asyncio.to_thread(self._validate, request)
@@ -152,7 +156,7 @@ class GenerationService:
     async def render(self, request: model_pb2.GenerateRequest) -> tuple[list[int], SamplingOptions]:
         """What start() would submit for ``request``, validated as start() validates it,
         without submitting anything (POST /v1/completions/render). Raises GenerateError."""
-        if request.prompt or request.messages:
+        if request.prompt or request.messages or request.sampling.HasField("structured"):
             return await asyncio.to_thread(self._validate, request)
         return self._validate(request)
 
@@ -172,7 +176,8 @@ class GenerationService:
     def _validate(self, request: model_pb2.GenerateRequest):
         try:
             return validate_generate_request(
-                request, self._limits(), self.engine.loaded.tokenizer, self.engine.loaded.chat_template)
+                request, self._limits(), self.engine.loaded.tokenizer, self.engine.loaded.chat_template,
+                self.grammars)
         except InvalidRequest as error:
             raise rejected(grpc.StatusCode.INVALID_ARGUMENT, error) from None
         except PoolTooSmall as error:

@@ -6,7 +6,10 @@ GenerateRequest (openai_http/to_generate.py) and comes through here too.
 
 from __future__ import annotations
 
-from model_service.sample.params import InvalidRequest, SamplingOptions
+import json
+
+from model_service.sample.grammar import MAX_CHOICES, MAX_STRUCTURED_CHARS
+from model_service.sample.params import InvalidRequest, SamplingOptions, StructuredSpec
 from pagedkv.model.v1 import model_pb2
 
 # The engine suppresses a request's stop ids while it is under min_tokens, on every step:
@@ -65,6 +68,7 @@ def options_from_proto(
         raise InvalidRequest(
             f"logit_bias token ids must be < vocab_size ({vocab_size}), got {bias_too_large[:8]}"
         )
+    structured = structured_from_proto(sampling.structured) if sampling.HasField("structured") else None
     # float32 on the wire: the float() keeps what the client sent, NaN and inf
     # included, for __post_init__ to reject.
     return SamplingOptions(
@@ -92,4 +96,31 @@ def options_from_proto(
         detokenize=sampling.detokenize if sampling.HasField("detokenize") else True,
         stream_interval=max(sampling.stream_interval, min_stream_interval),  # 0: the service's
         stream=stream,
+        structured=structured,
     )
+
+
+def structured_from_proto(structured: model_pb2.StructuredOutputs) -> StructuredSpec:
+    """Exactly one kind set, within the size limits; whether it compiles is validation's to ask."""
+    given = [kind for kind, is_set in (
+        ("json", bool(structured.json)), ("json_object", structured.json_object),
+        ("regex", bool(structured.regex)), ("choice", bool(structured.choice)),
+        ("grammar", bool(structured.grammar))) if is_set]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "structured must set exactly one of json, json_object, regex, choice and grammar, "
+            + (f"not {' and '.join(given)}" if given else "and sets none"))
+    kind = given[0]
+    if kind == "choice":
+        if len(structured.choice) > MAX_CHOICES:
+            raise InvalidRequest(f"structured.choice has {len(structured.choice)} entries; at most {MAX_CHOICES}")
+        if any(not choice for choice in structured.choice):
+            raise InvalidRequest("structured.choice has an empty string; every choice must be non-empty")
+        text = json.dumps(list(structured.choice), ensure_ascii=False)
+    else:
+        text = "" if kind == "json_object" else getattr(structured, kind)
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise InvalidRequest(f"structured.{kind} is {len(text):,} characters; at most {MAX_STRUCTURED_CHARS:,}")
+    strict = (structured.disable_additional_properties
+              if structured.HasField("disable_additional_properties") else True)
+    return StructuredSpec(kind=kind, text=text, any_whitespace=not structured.disable_any_whitespace, strict=strict)

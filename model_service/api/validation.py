@@ -8,12 +8,13 @@ rejects never reaches the engine, so it never holds a block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from google.protobuf import json_format
 
 from model_service.text.chat_template import KNOWN_ROLES, ChatTemplate, ChatTemplateError
+from model_service.sample.grammar import GrammarCompiler
 from model_service.sample.params import InvalidRequest, MAX_COMPLETIONS, SamplingOptions
 from model_service.api.sampling_proto import options_from_proto
 from model_service.text.tokenizer import Tokenizer
@@ -50,9 +51,11 @@ class GenerateLimits:
 
 def validate_generate_request(
     request: model_pb2.GenerateRequest, limits: GenerateLimits, tokenizer: Tokenizer,
-    chat_template: ChatTemplate | None = None,
+    chat_template: ChatTemplate | None = None, grammars: GrammarCompiler | None = None,
 ) -> tuple[list[int], SamplingOptions]:
-    """chat_template: the model's (LoadedModel.chat_template); None refuses `messages`."""
+    """chat_template: the model's (LoadedModel.chat_template); None refuses `messages`.
+    grammars: compiles SamplingParams.structured, on the caller's thread (keep it off the
+    event loop and the engine thread); None refuses it."""
     request_id = request.request_id
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
@@ -88,6 +91,10 @@ def validate_generate_request(
             f"n must be in [0, {most}] (0 and 1: one completion; at most --max-num-seqs run at once), "
             f"got {options.n}"
         )
+    if options.structured is not None:
+        if grammars is None:
+            raise InvalidRequest("structured output is not available in this service")
+        options = replace(options, grammar=grammars.compile(options.structured))  # InvalidStructure: its message
     total = len(prompt_token_ids) + options.max_new_tokens
     pool_tokens = limits.max_total_tokens
     if pool_tokens and total > pool_tokens:

@@ -40,6 +40,7 @@ class Completion:
     generator: torch.Generator | None
     request: RequestOutput
     history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
+    grammar: object | None = None  # its xgrammar GrammarMatcher, once it samples under structured output
     last_token_at: float = 0.0
     finished: bool = False
     # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence as Seq
 
 import torch
 
+from model_service.sample.grammar import TokenMasks, accept, new_matcher
 from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
 from model_service.sample.logprobs import token_logprobs
 from model_service.sample.logprobs import TokenLogprob
@@ -30,6 +31,7 @@ class StepSampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
         self.history: TokenHistory | None = None  # made when a request first needs a penalty
+        self.masks = TokenMasks(vocab_size, device)
 
     def sample(self, due: list[Sequence], logits: torch.Tensor, completions: Mapping[Sequence, Completion],
                ) -> tuple[list[Completion], list[int], list[TokenLogprob | None]]:
@@ -50,8 +52,14 @@ class StepSampler:
         adjustments = None
         if any(o.adjusts_logits for o in options):  # else the plain sampler: greedy is one argmax
             adjustments = prepare([self._adjustment(c) for c in chosen], logits.device)
-        token_tensor = sample(logits, options, [c.generator for c in chosen], adjustments, self.history)
+        matchers = None
+        if any(o.grammar is not None for o in options):  # else no row pays for structured output
+            matchers = [self._matcher(c) for c in chosen]
+        mask = self.masks.prepare(matchers) if matchers else None
+        token_tensor = sample(logits, options, [c.generator for c in chosen], adjustments, self.history, mask)
         tokens = token_tensor.tolist()
+        if matchers:
+            accept(matchers, tokens)
         logprobs: list[TokenLogprob | None] = [None] * len(chosen)
         asked = [row for row, o in enumerate(options) if o.logprobs is not None]
         if asked:
@@ -71,9 +79,20 @@ class StepSampler:
 
     def release(self, completion: Completion) -> None:
         """A completion ended: its token history row is free again."""
+        completion.grammar = None
         if completion.history_slot is not None:
             self.history.close(completion.history_slot)
             completion.history_slot = None
+
+    def _matcher(self, completion: Completion):
+        options = completion.seq.options
+        if options.grammar is None:
+            return None
+        if completion.grammar is None:
+            # At its first token (a fork's too: it samples from its parent's first row, at the
+            # grammar's start). A preempted sequence keeps its tokens, so its matcher stays right.
+            completion.grammar = new_matcher(options.grammar, self.eos_token_ids | options.stop_token_ids)
+        return completion.grammar
 
     def reset(self) -> None:
         """Every request is gone (the cache service was lost)."""

@@ -32,6 +32,16 @@ class InvalidRequest(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredSpec:
+    """What a structured output asked for (SamplingParams.structured); compiled by sample/grammar.py."""
+
+    kind: str  # json, json_object, regex, choice or grammar
+    text: str  # the schema, regex or grammar; choices as a JSON list; "" for json_object
+    any_whitespace: bool = True
+    strict: bool = True  # JSON: no property or item the schema does not name
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingOptions:
     max_new_tokens: int
     temperature: float = 0.0  # 0 is greedy
@@ -57,6 +67,9 @@ class SamplingOptions:
     stream_interval: int = 1
     # False: no streaming, each completion whole in one message when it ends (GenerateRequest.stream).
     stream: bool = True
+    # SamplingParams.structured, and its xgrammar CompiledGrammar once validation compiled it.
+    structured: StructuredSpec | None = None
+    grammar: object = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Checks that need nothing but the options themselves; the ones that need the
@@ -123,6 +136,10 @@ class SamplingOptions:
         for token_id, bias in self.logit_bias:
             if math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidRequest(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar decides where the output ends: it allows only EOS (or a stop id) there.
+            raise InvalidRequest(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
+                                 "structured output, whose end is where the grammar is complete; drop it")
 
     @property
     def greedy(self) -> bool:

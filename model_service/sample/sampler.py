@@ -15,6 +15,7 @@ import torch
 
 from model_service.cpu_kernels import argmax as cpu_argmax
 from model_service.cpu_kernels import layer_ops
+from model_service.sample.grammar import TokenMask
 from model_service.sample.logits_processing import LogitsAdjustments, TokenHistory, apply_min_p
 from model_service.sample.params import SamplingOptions
 
@@ -34,6 +35,7 @@ def sample(
     generators: Sequence[torch.Generator | None],
     adjustments: LogitsAdjustments | None = None,
     history: TokenHistory | None = None,
+    mask: TokenMask | None = None,
 ) -> torch.Tensor:
     """One token id per row. logits: [B, V], any float dtype → [B] int64. logits is not
     modified. Every stage that computes with them does so in float32 (adjustments on a
@@ -43,7 +45,8 @@ def sample(
     A row's draw depends only on its own logits, options and generator, never on the
     other rows: filtering is row-wise and each row draws with its own generator.
     `adjustments` (penalties, logit_bias, min_tokens; None when no row uses them) come
-    first, reading token counts from `history`.
+    first, reading token counts from `history`; then `mask` (structured output: None when
+    no row is constrained) sets the tokens a row's grammar forbids to -inf.
     """
     batch, vocab = logits.shape
     if len(options) != batch or len(generators) != batch:
@@ -53,6 +56,8 @@ def sample(
         )
     if adjustments is not None:
         logits = adjustments.apply(logits, history)
+    if mask is not None:
+        logits = mask.apply(logits, copied=adjustments is not None)
     sampled_rows = [row for row, opts in enumerate(options) if not opts.greedy]
     # One argmax answers every greedy row; sampled rows overwrite their entries below.
     if len(sampled_rows) < batch:

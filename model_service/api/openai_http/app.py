@@ -32,6 +32,7 @@ from model_service.api.openai_http.protocol import (
 )
 from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndpoint, Endpoint
 from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
+from model_service.api.openai_http.tools import ToolCallEndpoint, plan_tools
 from model_service.api.openai_http.unsupported import refuse_unsupported
 from model_service.api.tenants import SINGLE, ApiKeys
 
@@ -59,6 +60,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
     created = int(time.time())
     token_names = TokenNames(loaded.tokenizer)
     token_ids_as_names = TokenNames(loaded.tokenizer, as_token_ids=True)
+    template_source = loaded.chat_template.source if loaded.chat_template is not None else None
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv",
@@ -90,8 +92,13 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         check_model(body.model)
         refuse_unsupported(body)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = [to_generate.chat_request(body, _request_id(body, request, response_id))]
-        endpoint = ChatEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs)
+        tools = plan_tools(body, template_source)
+        requests = [to_generate.chat_request(body, _request_id(body, request, response_id), tools)]
+        if tools is None:
+            endpoint = ChatEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs)
+        else:
+            endpoint = ToolCallEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs,
+                                        plan=tools)
         return await run(body, requests, endpoint, request)
 
     @app.post("/v1/completions")
@@ -123,7 +130,8 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
     async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         check_model(body.model)
         refuse_unsupported(body)
-        one = to_generate.chat_request(body, _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"))
+        one = to_generate.chat_request(body, _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"),
+                                       plan_tools(body, template_source))
         return render.rendered(one, model_name, *await generation.render(one), body)
 
     def _names(body: GenerationFields) -> TokenNames:

@@ -9,7 +9,8 @@ Unknown fields are refused (400 naming the field) rather than ignored: a misspel
 `max_token` would otherwise silently generate the default length. Fields OpenAI defines
 that this server does not implement (tools, structured output, audio, ...) are declared so
 that a request using them gets a 400 saying so; their "off" values are accepted, since
-clients send those routinely.
+clients send those routinely. Structured output and tools are implemented (structured.py,
+tools.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ class StreamOptions(Body):
     include_usage: bool = False
     # vLLM's: usage in every chunk. Accepted off only.
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputsBody(Body):
+    """vLLM's `structured_outputs` extra: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool | None = None
 
 
 class GenerationFields(Body):
@@ -61,6 +74,8 @@ class GenerationFields(Body):
     request_id: str | None = None
     # Logprob entries name tokens as "token_id:N" instead of their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's structured output (StructuredOutputsParams): SamplingParams.structured.
+    structured_outputs: StructuredOutputsBody | None = None
 
     # What vllm-router writes into every body it renders or forwards (SGLang's names, at
     # their defaults): no_stop_trim is include_stop_str_in_output; hidden states are not
@@ -95,9 +110,18 @@ class ChatMessage(Body):
     refusal: str | None = None
 
 
+class JsonSchemaFormat(Body):
+    name: str = "response"
+    description: str | None = None
+    # OpenAI's name is `schema` (a BaseModel attribute, hence the alias).
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Accepted either way: the output is always constrained to the schema.
+    strict: bool | None = None
+
+
 class ResponseFormat(Body):
-    type: str
-    json_schema: dict[str, Any] | None = None
+    type: str  # text, json_object or json_schema
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -109,13 +133,15 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    # OpenAI fields this server does not implement: only their "off" values pass.
+    # Function calling (tools.py) and structured output (structured.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    # OpenAI fields this server does not implement: only their "off" values pass.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None

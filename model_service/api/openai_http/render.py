@@ -10,6 +10,8 @@ but not its length: it answers how long a prompt is, with `max_model_len` beside
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 from model_service.api.openai_http import to_generate
@@ -20,7 +22,7 @@ from model_service.api.openai_http.protocol import (
     TokenizeCompletionRequest,
 )
 from model_service.api.openai_http.unsupported import not_supported
-from model_service.sample.params import SamplingOptions
+from model_service.sample.params import SamplingOptions, StructuredSpec
 from pagedkv.model.v1 import model_pb2
 
 
@@ -85,4 +87,16 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
         "logit_bias": {str(token_id): bias for token_id, bias in options.logit_bias} or None,
         "include_stop_str_in_output": options.include_stop_str_in_output,
         "skip_special_tokens": options.skip_special_tokens,
+        "structured_outputs": structured_outputs(options.structured),
     }
+
+
+def structured_outputs(spec: StructuredSpec | None) -> dict[str, Any] | None:
+    """A structured output as vLLM's StructuredOutputsParams names it."""
+    if spec is None:
+        return None
+    value: Any = True if spec.kind == "json_object" else spec.text
+    if spec.kind == "choice":
+        value = json.loads(spec.text)
+    return {spec.kind: value, "disable_any_whitespace": not spec.any_whitespace,
+            "disable_additional_properties": spec.strict}

@@ -14,6 +14,8 @@ from typing import Any
 
 from model_service.api.openai_http.errors import ApiError
 from model_service.api.openai_http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from model_service.api.openai_http.structured import structured_of
+from model_service.api.openai_http.tools import ToolPlan
 from pagedkv.model.v1 import model_pb2
 
 # OpenAI samples at temperature 1 unless told otherwise; the proto's zero value is greedy.
@@ -53,9 +55,20 @@ def _surrogate_path(value: Any, path: str = "") -> str | None:
 
 
 @refusing_surrogates
-def chat_request(body: ChatCompletionRequest, request_id: str) -> model_pb2.GenerateRequest:
+def chat_request(body: ChatCompletionRequest, request_id: str, tools: ToolPlan | None = None) -> model_pb2.GenerateRequest:
+    """tools: what tools.plan_tools made of the body's tools (None: no tools to render or call)."""
     request = model_pb2.GenerateRequest(request_id=request_id)
     add_messages(request, body.messages, body.chat_template_kwargs)
+    if tools is not None:
+        request.chat_template_kwargs.update({"tools": tools.tools})  # the template's variable, as transformers'
+    structured = structured_of(body)
+    if tools is not None and tools.structured is not None:
+        if structured is not None:
+            raise ApiError(400, f"tool_choice {tools.mode!r} constrains the output to the tools' schemas; "
+                           "drop response_format / structured_outputs", param="tool_choice", code="invalid_value")
+        structured = tools.structured
+    if structured is not None:
+        request.sampling.structured.CopyFrom(structured)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _fill(request, body, max_tokens, param)
@@ -86,6 +99,9 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[model_
         else:
             _set(request, "prompt_token_ids", prompt, "prompt")
         _fill(request, body, body.max_tokens, "max_tokens")
+        structured = structured_of(body)
+        if structured is not None:
+            request.sampling.structured.CopyFrom(structured)
         if body.logprobs is not None:
             _set(request.sampling, "logprobs", body.logprobs, "logprobs")
         requests.append(request)

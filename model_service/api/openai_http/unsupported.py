@@ -1,8 +1,8 @@
 """OpenAI fields with a real meaning that this server does not implement.
 
 A request that uses one gets a 400 naming it, never an answer that silently ignores it;
-the values clients send to mean "off" (tools=[], tool_choice="none", response_format
-{"type": "text"}, ...) pass.
+the values clients send to mean "off" (functions=[], function_call="none", ...) pass.
+Tools and response_format are implemented (tools.py, structured.py).
 """
 
 from __future__ import annotations
@@ -27,15 +27,10 @@ def refuse_unsupported(body: GenerationFields) -> None:
 
 
 def _refuse_chat(body: ChatCompletionRequest) -> None:
-    if body.tools or body.functions:
-        raise not_supported("tools" if body.tools else "functions", "function calling is not implemented")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise not_supported("tool_choice", "function calling is not implemented")
+    if body.functions:
+        raise not_supported("functions", "the legacy functions field is not implemented; send tools")
     if body.function_call not in (None, "none", "auto"):
-        raise not_supported("function_call", "function calling is not implemented")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise not_supported("response_format", f"structured output ({body.response_format.type!r}) is not "
-                            "implemented; only {'type': 'text'}")
+        raise not_supported("function_call", "the legacy function_call field is not implemented; send tool_choice")
     if body.modalities not in (None, ["text"]) or body.audio:
         raise not_supported("modalities" if body.modalities not in (None, ["text"]) else "audio",
                             "only text output is implemented")

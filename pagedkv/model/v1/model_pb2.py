@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedkv/model/v1/model.proto\x12\x10pagedkv.model.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xdf\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x43\n\nlogit_bias\x18\x11 \x03(\x0b\x32/.pagedkv.model.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12\x17\n\ndetokenize\x18\x14 \x01(\x08H\x07\x88\x01\x01\x12\x17\n\x0fstream_interval\x18\x15 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .pagedkv.model.v1.SamplingParams\x12/\n\x08messages\x18\x05 \x03(\x0b\x32\x1d.pagedkv.model.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x13\n\x06stream\x18\t \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_stream\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.pagedkv.model.v1.TopLogprob\"\xed\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.pagedkv.model.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.pagedkv.model.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\r\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.pagedkv.model.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.pagedkv.model.v1.TokenLogprob\x12\x1a\n\x10matched_stop_str\x18\t \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\n \x01(\rH\x00\x42\x0e\n\x0cmatched_stop\"\x15\n\x13GetModelInfoRequest\"\x9b\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\x8c\x02\n\x0cModelService\x12S\n\x08Generate\x12!.pagedkv.model.v1.GenerateRequest\x1a\".pagedkv.model.v1.GenerateResponse0\x01\x12]\n\x0cGetModelInfo\x12%.pagedkv.model.v1.GetModelInfoRequest\x1a&.pagedkv.model.v1.GetModelInfoResponse\x12H\n\x05\x41\x62ort\x12\x1e.pagedkv.model.v1.AbortRequest\x1a\x1f.pagedkv.model.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedkv/model/v1/model.proto\x12\x10pagedkv.model.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x98\x06\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x43\n\nlogit_bias\x18\x11 \x03(\x0b\x32/.pagedkv.model.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12\x17\n\ndetokenize\x18\x14 \x01(\x08H\x07\x88\x01\x01\x12\x17\n\x0fstream_interval\x18\x15 \x01(\r\x12\x37\n\nstructured\x18\x16 \x01(\x0b\x32#.pagedkv.model.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\"\xd4\x01\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12*\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42 \n\x1e_disable_additional_properties\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .pagedkv.model.v1.SamplingParams\x12/\n\x08messages\x18\x05 \x03(\x0b\x32\x1d.pagedkv.model.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x13\n\x06stream\x18\t \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_stream\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x05 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x03top\x18\x03 \x03(\x0b\x32\x1c.pagedkv.model.v1.TopLogprob\"\xed\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.pagedkv.model.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.pagedkv.model.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\r\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.pagedkv.model.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.pagedkv.model.v1.TokenLogprob\x12\x1a\n\x10matched_stop_str\x18\t \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\n \x01(\rH\x00\x42\x0e\n\x0cmatched_stop\"\x15\n\x13GetModelInfoRequest\"\x9b\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x18\n\x10max_total_tokens\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\x8c\x02\n\x0cModelService\x12S\n\x08Generate\x12!.pagedkv.model.v1.GenerateRequest\x1a\".pagedkv.model.v1.GenerateResponse0\x01\x12]\n\x0cGetModelInfo\x12%.pagedkv.model.v1.GetModelInfoRequest\x1a&.pagedkv.model.v1.GetModelInfoResponse\x12H\n\x05\x41\x62ort\x12\x1e.pagedkv.model.v1.AbortRequest\x1a\x1f.pagedkv.model.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2203
-  _globals['_FINISHREASON']._serialized_end=2346
+  _globals['_FINISHREASON']._serialized_start=2475
+  _globals['_FINISHREASON']._serialized_end=2618
   _globals['_SAMPLINGPARAMS']._serialized_start=81
-  _globals['_SAMPLINGPARAMS']._serialized_end=816
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=635
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=683
-  _globals['_CHATMESSAGE']._serialized_start=818
-  _globals['_CHATMESSAGE']._serialized_end=862
-  _globals['_GENERATEREQUEST']._serialized_start=865
-  _globals['_GENERATEREQUEST']._serialized_end=1170
-  _globals['_USAGE']._serialized_start=1173
-  _globals['_USAGE']._serialized_end=1309
-  _globals['_TOPLOGPROB']._serialized_start=1311
-  _globals['_TOPLOGPROB']._serialized_end=1358
-  _globals['_TOKENLOGPROB']._serialized_start=1360
-  _globals['_TOKENLOGPROB']._serialized_end=1452
-  _globals['_GENERATERESPONSE']._serialized_start=1455
-  _globals['_GENERATERESPONSE']._serialized_end=1820
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1822
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1843
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1846
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2129
-  _globals['_ABORTREQUEST']._serialized_start=2131
-  _globals['_ABORTREQUEST']._serialized_end=2166
-  _globals['_ABORTRESPONSE']._serialized_start=2168
-  _globals['_ABORTRESPONSE']._serialized_end=2200
-  _globals['_MODELSERVICE']._serialized_start=2349
-  _globals['_MODELSERVICE']._serialized_end=2617
+  _globals['_SAMPLINGPARAMS']._serialized_end=873
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=692
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=740
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=876
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1088
+  _globals['_CHATMESSAGE']._serialized_start=1090
+  _globals['_CHATMESSAGE']._serialized_end=1134
+  _globals['_GENERATEREQUEST']._serialized_start=1137
+  _globals['_GENERATEREQUEST']._serialized_end=1442
+  _globals['_USAGE']._serialized_start=1445
+  _globals['_USAGE']._serialized_end=1581
+  _globals['_TOPLOGPROB']._serialized_start=1583
+  _globals['_TOPLOGPROB']._serialized_end=1630
+  _globals['_TOKENLOGPROB']._serialized_start=1632
+  _globals['_TOKENLOGPROB']._serialized_end=1724
+  _globals['_GENERATERESPONSE']._serialized_start=1727
+  _globals['_GENERATERESPONSE']._serialized_end=2092
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2094
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2115
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2118
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2401
+  _globals['_ABORTREQUEST']._serialized_start=2403
+  _globals['_ABORTREQUEST']._serialized_end=2438
+  _globals['_ABORTRESPONSE']._serialized_start=2440
+  _globals['_ABORTRESPONSE']._serialized_end=2472
+  _globals['_MODELSERVICE']._serialized_start=2621
+  _globals['_MODELSERVICE']._serialized_end=2889
 # @@protoc_insertion_point(module_scope)

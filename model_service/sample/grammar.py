@@ -1,0 +1,213 @@
+"""Structured output: a request's constraint, compiled once by xgrammar, and the token masks it puts on a step.
+
+`StructuredSpec` (params.py) is what a request asked for. `GrammarCompiler` compiles it against the model's vocabulary, off the engine
+thread (validation runs on a worker thread), and keeps the result by the spec's text, so
+the thousandth request with one schema pays a dictionary lookup. On the engine thread
+each constrained completion holds an xgrammar `GrammarMatcher` (its position in the
+grammar); `TokenMasks.prepare` fills one bitmask row per constrained row of a step and
+`TokenMask.apply` puts all of them on the logits in one call, before temperature, top-k,
+top-p and min-p, so a masked token can never be sampled. `accept` advances each matcher
+by its sampled token. A step without a constrained row never gets here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future
+
+import structlog
+import torch
+
+from model_service.sample.params import InvalidRequest, StructuredSpec
+
+log = structlog.get_logger()
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Bounds on what one request may ask to compile: the compile time and the memory of a
+# compiled grammar grow with the text.
+MAX_STRUCTURED_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+# Compiled grammars kept; a compiled JSON schema for a 49k-token vocabulary is tens of KiB.
+MAX_CACHED_GRAMMARS = 256
+# xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the client needs the rest.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
+_MAX_MESSAGE_CHARS = 400
+
+
+class InvalidStructure(InvalidRequest):
+    """A structured-output request that cannot be compiled; the message says why."""
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF for "exactly one of these strings": JSON string literals are EBNF ones."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Collection[int]):
+    """xgrammar's view of the vocabulary: each token's bytes, and which ones end a sequence."""
+    import xgrammar as xgr
+
+    from model_service.text.tokenizer import ByteTokenizer, HFTokenizer
+
+    stops = sorted(stop_token_ids)
+    if isinstance(tokenizer, HFTokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tokenizer)
+        return xgr.TokenizerInfo.from_huggingface(fast, vocab_size=vocab_size, stop_token_ids=stops)
+    if isinstance(tokenizer, ByteTokenizer):
+        # Special tokens have no text: xgrammar never lets the grammar produce them (only stops end it).
+        vocab = [bytes([byte]) for byte in range(ByteTokenizer.NUM_BYTES)] + [b""] * len(ByteTokenizer.SPECIAL_TOKENS)
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
+    raise InvalidStructure(f"structured output is not available for a {type(tokenizer).__name__}")
+
+
+class GrammarCompiler:
+    """Compiles specs for one model's vocabulary; thread-safe; keeps the last MAX_CACHED_GRAMMARS."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], max_threads: int = 2) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._max_threads = max_threads
+        self._compiler = None  # made at the first compile
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredSpec, object] = OrderedDict()
+        self._pending: dict[StructuredSpec, Future] = {}  # being compiled by one thread, awaited by others
+        self.compiles = 0  # cache misses, for tests and the benchmark
+
+    def compile(self, spec: StructuredSpec):
+        """The spec's xgrammar CompiledGrammar, or InvalidStructure with the compiler's message."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                return compiled
+            pending = self._pending.get(spec)
+            if pending is None:
+                pending = self._pending[spec] = Future()
+                compiling = True
+            else:
+                compiling = False  # another request compiles this very spec: wait for its result
+        if not compiling:
+            return pending.result()
+        # Compiled outside the lock: one slow grammar does not hold up the others.
+        try:
+            compiled = self._compile(spec)
+        except BaseException as error:
+            with self._lock:
+                self._pending.pop(spec, None)
+            pending.set_exception(error)
+            raise
+        with self._lock:
+            self.compiles += 1
+            self._pending.pop(spec, None)
+            self._cache[spec] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        pending.set_result(compiled)
+        return compiled
+
+    def _compile(self, spec: StructuredSpec):
+        started = time.perf_counter()
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                # Reading the vocabulary takes about a second: done once, at the first spec.
+                info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+        compiled = self._compile_with(self._compiler, spec)
+        log.info("grammar_compiled", kind=spec.kind, chars=len(spec.text),
+                 seconds=round(time.perf_counter() - started, 4))
+        return compiled
+
+    @staticmethod
+    def _compile_with(compiler, spec: StructuredSpec):
+        try:
+            if spec.kind == "json":
+                return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace,
+                                                    strict_mode=spec.strict)
+            if spec.kind == "json_object":
+                # Any object: strict mode would allow only {} (the schema names no property).
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
+                                                    strict_mode=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(spec.text)))
+            return compiler.compile_grammar(spec.text)
+        except Exception as error:  # xgrammar raises RuntimeError, ValueError and its own types
+            raise InvalidStructure(f"structured.{spec.kind} does not compile: {compiler_message(error)}") from None
+
+
+def compiler_message(error: BaseException) -> str:
+    message = _XGRAMMAR_PREFIX.sub("", str(error).strip())
+    return message if len(message) <= _MAX_MESSAGE_CHARS else message[:_MAX_MESSAGE_CHARS] + "..."
+
+
+def new_matcher(compiled, stop_token_ids: Collection[int]):
+    """A completion's position in its grammar, at the start. `stop_token_ids` (EOS and the
+    request's stop ids) are what may end the output, and only where the grammar is complete."""
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+
+
+class TokenMask:
+    """One step's masks: a bitmask row for each constrained row of the logits."""
+
+    __slots__ = ("bitmask", "rows")
+
+    def __init__(self, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self.bitmask = bitmask  # [B, ceil(V / 32)] int32, on the logits' device
+        self.rows = rows
+
+    def apply(self, logits: torch.Tensor, copied: bool) -> torch.Tensor:
+        """logits [B, V] with every forbidden token of a constrained row at -inf. In place
+        when `copied` (the pipeline's own float32 copy); otherwise on a new float32 copy,
+        so the raw logits stay what logprobs are computed from."""
+        import xgrammar as xgr
+
+        if not copied:
+            logits = logits.to(torch.float32, copy=True)
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+        return logits
+
+
+class TokenMasks:
+    """Fills the bitmask of each step's constrained rows; the buffer is reused across steps."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._words = (vocab_size + 31) // 32
+        self._host = torch.empty(0, self._words, dtype=torch.int32)  # filled on the CPU, where xgrammar writes
+
+    def prepare(self, matchers: Sequence[object | None]) -> TokenMask | None:
+        """The masks of this step's rows (None: unconstrained row), or None when no row is constrained."""
+        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
+            return None
+        if self._host.shape[0] < len(matchers):
+            self._host = torch.empty(max(len(matchers), 2 * self._host.shape[0]), self._words, dtype=torch.int32,
+                                     pin_memory=self.device.type == "cuda")
+        for row in rows:
+            matchers[row].fill_next_token_bitmask(self._host, row)
+        bitmask = self._host[:len(matchers)]
+        if self.device.type != "cpu":
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        return TokenMask(bitmask, rows)
+
+
+def accept(matchers: Sequence[object | None], tokens: Sequence[int]) -> None:
+    """Advances each constrained row's matcher by the token sampled for it."""
+    for matcher, token in zip(matchers, tokens):
+        if matcher is not None and not matcher.accept_token(token):
+            # The mask allowed only what the matcher accepts: this is a bug, not a client's error.
+            log.error("grammar_rejected_sampled_token", token_id=token)

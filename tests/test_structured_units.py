@@ -1,0 +1,100 @@
+"""Structured output without a server: specs, the grammar cache, the mask in the sampler, tool-call parsing.
+
+The byte tokenizer of the `tiny` model stands in for a real vocabulary (every byte a
+token), so the grammars compile in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from model_service.api.openai_http.errors import ApiError
+from model_service.api.openai_http.protocol import ChatCompletionRequest
+from model_service.api.openai_http.tools import parse_hermes, plan_tools
+from model_service.api.sampling_proto import structured_from_proto
+from model_service.sample.grammar import GrammarCompiler, InvalidStructure, TokenMasks, accept, new_matcher
+from model_service.sample.params import InvalidRequest, SamplingOptions, StructuredSpec
+from model_service.sample.sampler import make_generator, sample
+from model_service.text.tokenizer import ByteTokenizer
+from pagedkv.model.v1 import model_pb2
+
+EOS = ByteTokenizer.EOS
+VOCAB = ByteTokenizer().vocab_size
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return GrammarCompiler(ByteTokenizer(), VOCAB, {EOS})
+
+
+def test_a_spec_is_compiled_once_even_when_asked_for_at_once(grammars):
+    spec = StructuredSpec("regex", "[0-9]{4}")
+    before = grammars.compiles
+    with ThreadPoolExecutor(4) as pool:
+        compiled = list(pool.map(lambda _: grammars.compile(spec), range(8)))
+    assert grammars.compiles == before + 1 and all(c is compiled[0] for c in compiled)
+
+
+def test_spec_from_proto_checks_its_shape():
+    spec = structured_from_proto(model_pb2.StructuredOutputs(choice=["a", "b"], disable_any_whitespace=True))
+    assert spec == StructuredSpec("choice", '["a", "b"]', any_whitespace=False, strict=True)
+    assert not structured_from_proto(model_pb2.StructuredOutputs(json="{}", disable_additional_properties=False)).strict
+    with pytest.raises(InvalidRequest, match="not json and regex"):
+        structured_from_proto(model_pb2.StructuredOutputs(json="{}", regex="a"))
+    with pytest.raises(InvalidStructure, match="structured.grammar does not compile"):
+        GrammarCompiler(ByteTokenizer(), VOCAB, {EOS}).compile(StructuredSpec("grammar", "root ::= ("))
+
+
+def test_the_mask_bites_before_sampling_and_leaves_the_raw_logits(grammars):
+    compiled = grammars.compile(StructuredSpec("regex", "(yes|no)"))
+    options = [SamplingOptions(max_new_tokens=8, temperature=1.0), SamplingOptions(max_new_tokens=8)]
+    masks = TokenMasks(VOCAB, torch.device("cpu"))
+    for seed in range(8):
+        matchers = [new_matcher(compiled, {EOS}), None]  # row 1 is unconstrained
+        generators = [make_generator(seed, "cpu"), None]
+        texts = b""
+        logits = torch.randn(2, VOCAB)
+        raw = logits.clone()
+        while True:
+            tokens = sample(logits, options, generators, mask=masks.prepare(matchers)).tolist()
+            assert torch.equal(logits, raw)
+            assert tokens[1] == int(raw[1].argmax())  # the unconstrained greedy row: untouched
+            accept(matchers, tokens)
+            if tokens[0] == EOS:
+                break
+            texts += bytes([tokens[0]])
+        assert texts in (b"yes", b"no") and matchers[0].is_terminated()
+
+
+def test_hermes_tool_calls_parse():
+    content, calls = parse_hermes('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+                                  '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1}),
+                                                                                                 ("g", {})]
+    assert parse_hermes("no calls") == ("no calls", [])
+    assert parse_hermes("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
+
+
+def body(**fields) -> ChatCompletionRequest:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, **fields)
+
+
+def test_tool_choice_plans():
+    assert plan_tools(body(tool_choice="none"), None) is None
+    required = plan_tools(body(tool_choice="required", parallel_tool_calls=False), None)
+    schema = json.loads(required.structured.json)
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["f"]
+    named = plan_tools(body(tool_choice={"type": "function", "function": {"name": "f"}}), None)
+    assert named.mode == "named" and json.loads(named.structured.json) == {"type": "object"}
+    hermes = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>"
+    assert plan_tools(body(), hermes).mode == "auto"
+    with pytest.raises(ApiError, match='tool_choice "auto"'):
+        plan_tools(body(), "{{ messages }}")
+    with pytest.raises(ApiError, match="names the function 'g'"):
+        plan_tools(body(tool_choice={"type": "function", "function": {"name": "g"}}), None)
