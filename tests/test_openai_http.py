@@ -306,9 +306,8 @@ def test_bad_completion_is_400_with_an_openai_error_body(client, cache, fields, 
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # tools are implemented; the legacy field is not
+    ({"function_call": {"name": "f"}}, "function_call"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0"),
 ])
