@@ -51,7 +51,7 @@ def stack(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("smollm2-structured")
     with start_cache_service(tmp_path, "--kv-cache-bytes", "64MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", "smollm2", "--max-model-len", "512",
-                                "--max-batch-prefill-tokens", "512") as model:
+                                "--max-batch-prefill-tokens", "512", timeout_s=600) as model:
         channel = grpc.insecure_channel(model.address)
         yield model_pb2_grpc.ModelServiceStub(channel), cache, model
         channel.close()
