@@ -9,6 +9,11 @@ most 128 tokens reaches: both arms generate exactly the same number of tokens, a
 constrained arm pays for a bitmask filled and applied at every one of its steps.
 
     .venv/bin/python bench/bench_structured.py [--rounds 3] [--threads 2]
+
+--step-only times one W48 decode step's sampling alone (the engine's StepSampler, batch
+48, SmolLM2's vocabulary of 49,152, random logits), with no row constrained and with 12
+rows under LONG_SUMMARY, in turns: the mask's cost without the forward pass around it,
+for a machine too busy for the end-to-end rounds.
 """
 
 from __future__ import annotations
@@ -94,11 +99,68 @@ def compile_times() -> list[tuple[str, float, float, float]]:
     return rows
 
 
+def step_only(threads: int, repeats: int) -> None:
+    import torch
+    from dataclasses import replace
+
+    from model_service.engine.output import Completion, RequestOutput
+    from model_service.engine.step_sampler import StepSampler
+    from model_service.loading.embedded import embedded_model_path
+    from model_service.loading.gguf_file import GGUFFile
+    from model_service.loading.gguf_tokenizer import tokenizer_from_gguf
+    from model_service.sample.grammar import GrammarCompiler
+    from model_service.sample.params import SamplingOptions, StructuredSpec
+    from model_service.sched.sequence import Sequence
+
+    torch.set_num_threads(threads)
+    batch, vocab = 48, 49152
+    tokenizer = tokenizer_from_gguf(GGUFFile(embedded_model_path()), (2,), 1)
+    spec = StructuredSpec("json", json.dumps(LONG_SUMMARY))
+    plain = SamplingOptions(max_new_tokens=4096, ignore_eos=True)
+    constrained = replace(SamplingOptions(max_new_tokens=4096), structured=spec,
+                          grammar=GrammarCompiler(tokenizer, vocab, {2}).compile(spec))
+
+    def completions(constrained_rows: int):
+        seqs, table = [], {}
+        for row in range(batch):
+            options = constrained if row % 4 == 0 and row // 4 < constrained_rows else plain
+            seq = Sequence(request_id=f"r{row}", token_ids=list(range(100)), prompt_len=90, options=options,
+                           arrival=row)
+            request = RequestOutput(key=row, request_id=seq.request_id, sink=lambda d: None, options=options,
+                                    prompt_len=90, submitted_at=0.0, deadline=None, unfinished=1)
+            table[seq] = Completion(0, seq, None, None, request)
+            seqs.append(seq)
+        return seqs, table
+
+    logits = torch.randn(batch, vocab) * 3
+    paths = {}
+    for name, rows in (("no row constrained", 0), ("12 of 48 rows under LONG_SUMMARY", 12)):
+        sampler = StepSampler(vocab, [2], torch.device("cpu"))
+        seqs, table = completions(rows)
+        paths[name] = (lambda sampler=sampler, seqs=seqs, table=table: sampler.sample(seqs, logits, table))
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, run_step in paths.items():
+            started = time.perf_counter()
+            run_step()
+            times[name].append(time.perf_counter() - started)
+    print(f"one W48 decode step's sampling, vocab {vocab}, {threads} threads, median of {repeats} in turns\n")
+    print("| rows | ms a step |")
+    print("| --- | --- |")
+    for name, samples in times.items():
+        print(f"| {name} | {1e3 * statistics.median(samples):.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-only", action="store_true")
+    parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
+    if args.step_only:
+        step_only(args.threads, args.repeats)
+        return 0
     requests = workload()
     arms = {"all unconstrained": 0, "a quarter under a JSON schema": 4}
     rounds: dict[str, list[dict]] = {name: [] for name in arms}

@@ -74,7 +74,7 @@ def generate(stub, structured, *, messages=PERSON_ASK, seed=None, n=1, temperatu
     if seed is not None:
         params.seed = seed
     texts, tokens, last = [""] * n, [[] for _ in range(n)], [None] * n
-    for response in stub.Generate(model_pb2.GenerateRequest(messages=messages, sampling=params), timeout=600):
+    for response in stub.Generate(model_pb2.GenerateRequest(messages=messages, sampling=params), timeout=1200):
         texts[response.index] += response.text
         tokens[response.index].extend(response.token_ids)
         last[response.index] = response
@@ -144,7 +144,7 @@ def test_one_schema_is_compiled_once(stack):
     (dict(json='{"type": "objekt"}'), 'structured.json does not compile: Unsupported type "objekt"'),
     (dict(json='{"type": "integer", "minimum": 5, "maximum": 1}'), "minimum greater than maximum"),
     (dict(json="not json"), "Failed to parse JSON"),
-    (dict(regex="[a-"), "structured.regex does not compile: Regex parsing error at position 3"),
+    (dict(regex="[a-"), "structured.regex does not compile: Regex parsing error at position 4"),
     (dict(grammar='root ::= item'), 'structured.grammar does not compile: EBNF parser error at line 1, column 10: '
                                     'Rule "item" is not defined'),
     (dict(regex="a", choice=["a"]), "exactly one of json, json_object, regex, choice and grammar, not regex and choice"),

@@ -5,8 +5,8 @@ thread (validation runs on a worker thread), and keeps the result by the spec's 
 the thousandth request with one schema pays a dictionary lookup. On the engine thread
 each constrained completion holds an xgrammar `GrammarMatcher` (its position in the
 grammar); `TokenMasks.prepare` fills one bitmask row per constrained row of a step and
-`TokenMask.apply` puts all of them on the logits in one call, before temperature, top-k,
-top-p and min-p, so a masked token can never be sampled. `accept` advances each matcher
+`TokenMask.apply` puts all of them on those rows' logits in one call, before temperature,
+top-k, top-p and min-p, so a masked token can never be sampled. `accept` advances each matcher
 by its sampled token. A step without a constrained row never gets here.
 """
 
@@ -160,24 +160,21 @@ def new_matcher(compiled, stop_token_ids: Collection[int]):
 
 
 class TokenMask:
-    """One step's masks: a bitmask row for each constrained row of the logits."""
+    """One step's masks: the bitmask rows of the constrained rows of the logits, in row order."""
 
     __slots__ = ("bitmask", "rows")
 
     def __init__(self, bitmask: torch.Tensor, rows: list[int]) -> None:
-        self.bitmask = bitmask  # [B, ceil(V / 32)] int32, on the logits' device
-        self.rows = rows
+        self.bitmask = bitmask  # [C, ceil(V / 32)] int32, on the logits' device
+        self.rows = rows  # the logits rows they belong to
 
-    def apply(self, logits: torch.Tensor, copied: bool) -> torch.Tensor:
-        """logits [B, V] with every forbidden token of a constrained row at -inf. In place
-        when `copied` (the pipeline's own float32 copy); otherwise on a new float32 copy,
-        so the raw logits stay what logprobs are computed from."""
+    def apply(self, constrained: torch.Tensor) -> torch.Tensor:
+        """constrained: the constrained rows' float32 logits [C, V], a tensor of the caller's;
+        every token a row's grammar forbids becomes -inf, in place. Returns it."""
         import xgrammar as xgr
 
-        if not copied:
-            logits = logits.to(torch.float32, copy=True)
-        xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
-        return logits
+        xgr.apply_token_bitmask_inplace(constrained, self.bitmask)
+        return constrained
 
 
 class TokenMasks:
@@ -197,9 +194,9 @@ class TokenMasks:
         if self._host.shape[0] < len(matchers):
             self._host = torch.empty(max(len(matchers), 2 * self._host.shape[0]), self._words, dtype=torch.int32,
                                      pin_memory=self.device.type == "cuda")
-        for row in rows:
-            matchers[row].fill_next_token_bitmask(self._host, row)
-        bitmask = self._host[:len(matchers)]
+        for index, row in enumerate(rows):
+            matchers[row].fill_next_token_bitmask(self._host, index)
+        bitmask = self._host[:len(rows)]
         if self.device.type != "cpu":
             bitmask = bitmask.to(self.device, non_blocking=True)
         return TokenMask(bitmask, rows)

@@ -20,6 +20,31 @@ from model_service.sample.logits_processing import LogitsAdjustments, TokenHisto
 from model_service.sample.params import SamplingOptions
 
 
+# Stands in for a constrained row in the pass over the unconstrained ones: an argmax, discarded.
+_AS_GREEDY = SamplingOptions(max_new_tokens=1)
+
+
+def _sample_masked(logits: torch.Tensor, options: Sequence[SamplingOptions],
+                   generators: Sequence[torch.Generator | None], mask: TokenMask) -> torch.Tensor:
+    """sample() for a batch with constrained rows: those are gathered into their own float32
+    tensor, masked and sampled there; the others are sampled from `logits` as ever, while
+    the constrained rows take the cheap greedy path in that pass (their draw is the one from
+    the masked copy, and no generator is used twice). Copying only the constrained rows
+    keeps a batch with a few of them from paying a copy of the whole [B, V]."""
+    rows = mask.rows
+    index = torch.tensor(rows, device=logits.device)
+    # [C, V], a new tensor: stacking row views copies them in one pass, where index_select
+    # pays a whole-batch parallel region on CPU for a handful of rows.
+    constrained = mask.apply(torch.stack([logits[row] for row in rows]).float())
+    chosen = sample(constrained, [options[row] for row in rows], [generators[row] for row in rows])
+    if len(rows) == len(options):
+        return chosen
+    rest = set(rows)
+    token_ids = sample(logits, [_AS_GREEDY if row in rest else opts for row, opts in enumerate(options)],
+                       [None if row in rest else gen for row, gen in enumerate(generators)])
+    return token_ids.index_copy_(0, index.to(token_ids.device), chosen.to(token_ids.device))
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     """A generator for one request: seeded from `seed`, or from the OS when it is None."""
     generator = torch.Generator(device=device)
@@ -57,7 +82,7 @@ def sample(
     if adjustments is not None:
         logits = adjustments.apply(logits, history)
     if mask is not None:
-        logits = mask.apply(logits, copied=adjustments is not None)
+        return _sample_masked(logits, options, generators, mask)
     sampled_rows = [row for row, opts in enumerate(options) if not opts.greedy]
     # One argmax answers every greedy row; sampled rows overwrite their entries below.
     if len(sampled_rows) < batch:
