@@ -34,6 +34,9 @@ MAX_STRUCTURED_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 # Compiled grammars kept; a compiled JSON schema for a 49k-token vocabulary is tens of KiB.
 MAX_CACHED_GRAMMARS = 256
+# JSON with any whitespace: at most this many whitespace characters between two elements.
+# Room for indentation, never a run a small model can loop in until max_new_tokens.
+MAX_JSON_WHITESPACE = 12
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 _MAX_MESSAGE_CHARS = 400
@@ -129,14 +132,15 @@ class GrammarCompiler:
 
     @staticmethod
     def _compile_with(compiler, spec: StructuredSpec):
+        whitespace = MAX_JSON_WHITESPACE if spec.any_whitespace else None
         try:
             if spec.kind == "json":
                 return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace,
-                                                    strict_mode=spec.strict)
+                                                    strict_mode=spec.strict, max_whitespace_cnt=whitespace)
             if spec.kind == "json_object":
                 # Any object: strict mode would allow only {} (the schema names no property).
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
-                                                    strict_mode=False)
+                                                    strict_mode=False, max_whitespace_cnt=whitespace)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
             if spec.kind == "choice":
