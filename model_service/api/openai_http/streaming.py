@@ -47,19 +47,6 @@ class Running:
             raise errors[0]
         return cls(started)
 
-    @classmethod
-    async def open(cls, generation: GenerationService, requests: list[model_pb2.GenerateRequest]) -> Running:
-        """Starts them with a text prompt tokenized, and a structured output compiled, on a
-        worker thread (GenerationService.start_async): never on the event loop."""
-        running = cls(generation, [])
-        try:
-            for request in requests:
-                running.streams.append(await generation.start_async(request))
-        except BaseException:
-            running.close()
-            raise
-        return running
-
     async def results(self) -> AsyncIterator[tuple[int, model_pb2.GenerateResponse]]:
         """(prompt index, response) in arrival order; GenerateError if any request fails."""
         if len(self.streams) == 1:  # the common case, without a task per request
