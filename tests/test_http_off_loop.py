@@ -33,6 +33,7 @@ class RecordingEngine:
         self.loaded = SimpleNamespace(config=SimpleNamespace(vocab_size=64), tokenizer=RecordingTokenizer(),
                                       chat_template=None)
         self.settings = EngineSettings(max_model_len=256)
+        self.eos_token_ids = frozenset({0})
         self.max_total_tokens = 0
         self.submitted: list[str] = []
         self.cancelled: list[int] = []
