@@ -37,6 +37,21 @@ ENGINE_STEP_SECONDS = Counter(
     "pagedkv_model_engine_step_seconds", "Engine time spent in steps (forward passes, sampling and lease waits)"
 )
 CACHE_CONNECTED = Gauge("pagedkv_model_cache_connected", "1 while attached to the cache service")
+GRAMMAR_COMPILES = Counter(
+    "pagedkv_model_grammar_compiles",
+    "Structured-output specs compiled by xgrammar (cache misses), by kind and result (ok, invalid)",
+    ["kind", "result"],
+)
+GRAMMAR_CACHE_HITS = Counter(
+    "pagedkv_model_grammar_cache_hits",
+    "Structured-output requests whose spec was compiled already, or was being compiled for another, by kind",
+    ["kind"],
+)
+GRAMMAR_COMPILE_SECONDS = Histogram(
+    "pagedkv_model_grammar_compile_seconds",
+    "Time to compile one spec, refused ones included (the first compile also reads the vocabulary), by kind",
+    ["kind"], buckets=LATENCY_BUCKETS,
+)
 DECODE_GRAPH_MEMORY_BYTES = Gauge(
     "pagedkv_model_decode_graph_memory_bytes",
     "Device memory the decode CUDA graphs reserve (one shared pool; part of the workspace reported at Attach)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import grpc
 import openai
@@ -197,6 +198,44 @@ def test_chat_n_2_streams_both_choices(client):
                            if c.choices and c.choices[0].index == choice.index)
         assert streamed == choice.message.content
     assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 12
+
+
+# ---------------------------------------------------------------- structured output's compiles, on /metrics
+
+
+def metric(model, name: str, **labels) -> float:
+    import urllib.request
+
+    wanted = name + ("{" + ",".join(f'{key}="{value}"' for key, value in labels.items()) + "}" if labels else "")
+    for line in urllib.request.urlopen(model.metrics_url, timeout=10).read().decode().splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_grammar_compiles_cache_hits_and_compile_seconds_are_on_metrics(client, services):
+    _, model, _ = services
+    series = {
+        "ok": ("pagedkv_model_grammar_compiles_total", dict(kind="regex", result="ok")),
+        "invalid": ("pagedkv_model_grammar_compiles_total", dict(kind="regex", result="invalid")),
+        "hits": ("pagedkv_model_grammar_cache_hits_total", dict(kind="regex")),
+        "timed": ("pagedkv_model_grammar_compile_seconds_count", dict(kind="regex")),
+        "in_buckets": ("pagedkv_model_grammar_compile_seconds_bucket", dict(kind="regex", le="+Inf")),
+        "seconds": ("pagedkv_model_grammar_compile_seconds_sum", dict(kind="regex")),
+    }
+    before = {key: metric(model, name, **labels) for key, (name, labels) in series.items()}
+    for seed in (1, 2):  # one regex twice: compiled once, then found in the cache
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, seed=seed,
+                                                extra_body={"structured_outputs": {"regex": "[a-e]{3}metrics"}})
+        assert re.fullmatch("[a-e]{3}metrics", answer.choices[0].message.content)
+    for _ in range(2):  # a regex that does not compile is never cached: compiled (and refused) each time
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                           extra_body={"structured_outputs": {"regex": "[metrics-"}})
+    after = {key: metric(model, name, **labels) for key, (name, labels) in series.items()}
+    delta = {key: after[key] - before[key] for key in series}
+    assert delta["ok"] == 1 and delta["invalid"] == 2 and delta["hits"] == 1, delta
+    assert delta["timed"] == delta["in_buckets"] == 3 and delta["seconds"] > 0, delta
 
 
 # ---------------------------------------------------------------- what routers ask: /tokenize and render

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 import structlog
 import torch
 
+from model_service import metrics
 from model_service.sample.params import InvalidRequest, StructuredSpec
 
 log = structlog.get_logger()
@@ -90,6 +91,7 @@ class GrammarCompiler:
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
+                metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
                 return compiled
             pending = self._pending.get(spec)
             if pending is None:
@@ -98,6 +100,7 @@ class GrammarCompiler:
             else:
                 compiling = False  # another request compiles this very spec: wait for its result
         if not compiling:
+            metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
             return pending.result()
         # Compiled outside the lock: one slow grammar does not hold up the others.
         try:
@@ -125,9 +128,16 @@ class GrammarCompiler:
                 # Reading the vocabulary takes about a second: done once, at the first spec.
                 info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
-        compiled = self._compile_with(self._compiler, spec)
-        log.info("grammar_compiled", kind=spec.kind, chars=len(spec.text),
-                 seconds=round(time.perf_counter() - started, 4))
+        try:
+            compiled = self._compile_with(self._compiler, spec)
+        except InvalidStructure:
+            metrics.GRAMMAR_COMPILES.labels(spec.kind, "invalid").inc()
+            raise
+        finally:
+            seconds = time.perf_counter() - started
+            metrics.GRAMMAR_COMPILE_SECONDS.labels(spec.kind).observe(seconds)
+        metrics.GRAMMAR_COMPILES.labels(spec.kind, "ok").inc()
+        log.info("grammar_compiled", kind=spec.kind, chars=len(spec.text), seconds=round(seconds, 4))
         return compiled
 
     @staticmethod
