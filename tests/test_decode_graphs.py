@@ -346,7 +346,7 @@ class FakeEvent:
 def test_blocks_are_released_only_after_the_writes_behind_them():
     # A middle prefill chunk samples nothing, so nothing waits for the GPU; the runner records
     # an event behind each step's writes, and wait_for_writes (called by the engine before a
-    # lease call that releases blocks) waits for the latest, once.
+    # lease call that commits or releases blocks) waits for the latest, once.
     FakeEvent.log = []
     model = build_tiny_model(torch.float32, "cpu", attention_backend="torch")
     config = model.config

@@ -4,6 +4,7 @@ the cache service holds mid-run is read at a known moment, not raced for."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -325,3 +326,64 @@ def test_prompt_logprobs_of_a_long_chunk_are_computed_a_slice_of_rows_at_a_time(
             assert max(rows_at_once) <= PROMPT_LOGPROB_ROWS, rows_at_once
         finally:
             engine.stop(grace_s=0)
+
+
+class FakeEvent:
+    """A CUDA event as the runner uses it, writing what happens to it into a shared log."""
+
+    def __init__(self, log: list, numbers) -> None:
+        self.log = log
+        self.number = next(numbers)
+
+    def record(self) -> None:
+        self.log.append(("record", self.number))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.number))
+
+
+def test_no_block_enters_the_prefix_index_before_the_writes_behind_it(checkpoint, tmp_path):
+    """The runner records an event behind every step (as on CUDA, where a step with nothing
+    to sample never waits for the device); every lease call that commits full blocks or
+    releases them (both put blocks in the prefix index, readable by others at once) is
+    sent only after the latest step's event was waited for, and no other call waits."""
+    loaded, reference = checkpoint
+    streams = Streams()
+    log: list = []
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        # Chunks of 16: the 48-token prompt runs in 3 steps, the first two sample nothing,
+        # and the call made after the second (an extend for the third) commits 2 blocks.
+        engine = start_engine(loaded, cache.address, streams, max_batch_tokens=16, lease_ahead_blocks=0)
+        try:
+            engine.runner.new_event = lambda numbers=itertools.count(): FakeEvent(log, numbers)
+            lease = engine.cache.lease
+
+            def recording_lease(session_id, ops):
+                log.append(("lease", [tokens for _, tokens in ops.commits], len(ops.releases)))
+                return lease(session_id, ops)
+
+            engine.cache.lease = recording_lease
+            prompt = prompt_ids(48, seed=7)
+            engine.submit("r", prompt, greedy(20), streams.sink("r"))
+            wait_for(lambda: streams.finished("r"), 60, "the request to finish")
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+            assert streams.tokens("r") == hf_greedy(reference, prompt, 20)
+        finally:
+            engine.stop(grace_s=0)
+    unwaited = None  # the latest recorded event not yet waited for
+    fenced_calls = 0
+    for i, entry in enumerate(log):
+        match entry:
+            case ("record", number):
+                unwaited = number
+            case ("synchronize", number):
+                assert number == unwaited, f"waited for event {number}, not the latest ({unwaited}): {log}"
+                unwaited = None
+                # One wait a fenced call, none for calls that carry neither.
+                assert log[i + 1][0] == "lease" and (log[i + 1][1] or log[i + 1][2]), log
+            case ("lease", commits, releases) if commits or releases:
+                assert unwaited is None, f"call {entry} sent before the writes of step {unwaited} landed: {log}"
+                fenced_calls += 1
+    commit_calls = [commits for kind, commits, releases in (e for e in log if e[0] == "lease") if commits and not releases]
+    assert commit_calls and commit_calls[0] == [32], log  # the prompt's first 2 blocks, before the 3rd chunk ran
+    assert any(e[0] == "lease" and e[2] for e in log) and fenced_calls >= 2, log

@@ -627,26 +627,6 @@ def test_full_blocks_are_committed_in_calls_that_go_out_anyway():
     assert sum(len(c) for c in calls) == len(cache.commits)  # only in calls that went out anyway
 
 
-def test_no_commit_before_the_writes_are_done():
-    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=4), 100)
-    cache = FakeCache(100)
-    seq = make_seq(0, prompt_len=12, max_new=4)
-    scheduler.add(seq)
-    step = scheduler.schedule()
-    scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
-    step = scheduler.schedule()  # the first chunk of 4: nothing to sample, a CUDA step not yet synchronized
-    scheduler.update_from_output(step, StepOutput(writes_done=False))
-    assert seq.num_computed == 4 and seq.num_durable == 0
-    scheduler.add(make_seq(1, prompt_len=3))
-    step = scheduler.schedule()  # a call goes out (an allocation) while the first chunk's writes may still run
-    assert step.lease_ops.allocations and step.lease_ops.commits == []
-    scheduler.update_from_output(step, StepOutput(writes_done=True))  # this step synchronized
-    assert seq.num_durable == seq.num_computed == 8
-    scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
-    step = scheduler.schedule()
-    assert step.lease_ops.commits == [(seq, 8)]
-
-
 # --- the session's block quota (--max-session-blocks) -----------------------------------
 
 

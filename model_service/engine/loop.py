@@ -37,7 +37,7 @@ from model_service.engine.output import new_request
 from model_service.engine.step_sampler import StepSampler
 from model_service.loading.loader import LoadedModel
 from model_service.sample.params import SamplingOptions
-from model_service.sched.lease_ops import LeaseLost
+from model_service.sched.lease_ops import LeaseLost, LeaseOps
 from model_service.sched.scheduler import POLICIES, Scheduler, SchedulerLimits
 from model_service.sched.step import Step, StepOutput
 from model_service.sched.sequence import Finish
@@ -312,8 +312,7 @@ class Engine:
             metrics.PREEMPTIONS.inc(len(step.preempted))
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         if step.lease_ops:
-            if step.lease_ops.releases:
-                self.runner.wait_for_writes()  # released blocks may be cached prefix: fully written first
+            self._fence_writes(step.lease_ops)
             self._session.send(step.lease_ops)
         if step.batch:
             self._session.check_lease_deadline()
@@ -332,8 +331,7 @@ class Engine:
         """Runs the step's batch, samples the rows that are due, lets the scheduler write the
         results into its sequences, and queues each token's delta."""
         completions = self._requests.completions
-        # A CPU forward pass is synchronous; on CUDA only sampling waits for the device.
-        output = StepOutput(writes_done=self.device.type != "cuda")
+        output = StepOutput()
         prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
         due, logits = self.runner.execute(step.batch, prompt_logits)
         if prompt_logits:
@@ -344,11 +342,21 @@ class Engine:
             # At the first token of an n-request's completion 0, its other completions
             # sample theirs from the same row (and are forked by the scheduler).
             sampled = self._sampler.sample(due, logits, completions)
-            output.writes_done = True  # sampling read the logits back: the whole pass is done
             output.sampled = [(completion.seq, token) for completion, token in zip(sampled[0], sampled[1])]
         finished = self.scheduler.update_from_output(step, output)
         if due:
             self._requests.emit(*sampled, {ended.seq: ended for ended in finished})
+
+    def _fence_writes(self, ops: LeaseOps) -> None:
+        """Waits, before a lease call that releases or commits blocks, for every K/V write
+        enqueued so far: both put full blocks in the prefix index, where another request
+        (or another model service on the pool) may read them as soon as the call lands,
+        and a step with nothing to sample never waits for the device. The scheduler counts
+        a token computed once its step is enqueued; this is the one place that makes the
+        blocks it commits or releases hold what it counted. Nothing on CPU (a forward pass
+        returns after its writes), one event wait on CUDA."""
+        if ops.releases or ops.commits:
+            self.runner.wait_for_writes()
 
     def _fail_step(self, step: Step, error: Exception) -> None:
         """Ends the requests of a step whose forward pass or sampling raised, with a status
@@ -455,7 +463,9 @@ class Engine:
                 self._requests.end_request(request, Finish.ABORTED, error=(
                     grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
             self._retire_ended()
-            self._session.close(self.scheduler.schedule().lease_ops)  # only releases remain
+            final_ops = self.scheduler.schedule().lease_ops  # only releases remain
+            self._fence_writes(final_ops)
+            self._session.close(final_ops)
         except (grpc.RpcError, LeaseLost) as error:
             log.warning("detach_failed", error=describe_error(error))
             self._session.attachment.heartbeat.stop()

@@ -205,7 +205,7 @@ class Scheduler:
                     continue
                 child.lease_id = outcome.lease_id
                 child.block_table = list(outcome.block_ids)
-                child.num_computed = child.num_durable = fork.parent_tokens
+                child.num_computed = fork.parent_tokens
                 child.admitted_once = True
                 child.status = Status.RUNNING
                 self.running.append(child)
@@ -245,7 +245,7 @@ class Scheduler:
                     seq.lease_id = None
                     continue
                 seq.block_table = list(outcome.block_ids)
-                seq.num_computed = seq.num_durable = outcome.cached_tokens
+                seq.num_computed = outcome.cached_tokens
                 seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
                 if not seq.admitted_once:
                     seq.cached_tokens = outcome.cached_tokens
@@ -285,9 +285,6 @@ class Scheduler:
         Returns the sequences that ended."""
         for seq, new_tokens in step.batch:
             seq.num_computed += new_tokens
-        if output.writes_done:
-            for seq in self.running:  # earlier steps' writes are complete too
-                seq.num_durable = seq.num_computed
         for seq in output.prompt_logprobs_done:
             seq.reuse_prefix = True
         finished: list[Finished] = []
@@ -363,12 +360,14 @@ class Scheduler:
         return bool(self.running or self.allocating or self._releases)
 
     def _commits_due(self) -> list[tuple[Sequence, int]]:
-        """Running sequences with full blocks written since their last commit: committed in
-        a call that goes out anyway, so that a request arriving while they run shares them."""
+        """Running sequences with full blocks computed since their last commit: committed in
+        a call that goes out anyway, so that a request arriving while they run shares them.
+        Computed means enqueued on the device: the engine waits for those writes to land
+        before it sends a call that carries commits or releases (ModelRunner.wait_for_writes)."""
         block_size = self.limits.block_size
         due = []
         for seq in self.running:
-            full = seq.num_durable - seq.num_durable % block_size
+            full = seq.num_computed - seq.num_computed % block_size
             if full > seq.committed_tokens:
                 due.append((seq, full))
                 seq.committed_tokens = full

@@ -46,9 +46,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the pool (computed, or found in the prefix cache).
     num_computed: int = 0
-    # Tokens whose K/V writes are known complete on the device (the forward pass that
-    # wrote them synchronized): the most that may be committed to the prefix cache.
-    num_durable: int = 0
     # Tokens of full blocks committed to the prefix cache while leased (CommitOp), or
     # found there at allocation.
     committed_tokens: int = 0
@@ -86,6 +83,5 @@ class Sequence:
         self.lease_id = None
         self.block_table = []
         self.num_computed = 0
-        self.num_durable = 0
         self.committed_tokens = 0
         self.starved = False

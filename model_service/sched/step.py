@@ -33,9 +33,6 @@ class StepOutput:
     sampled: list[tuple[Sequence, int]] = field(default_factory=list)
     # Sequences whose prompt logprobs are now all collected (a recompute may reuse cached blocks).
     prompt_logprobs_done: list[Sequence] = field(default_factory=list)
-    # Whether the step's K/V writes are complete: always on CPU; on CUDA when the step
-    # synchronized with the device (it sampled). Only complete blocks are committed.
-    writes_done: bool = True
 
 
 @dataclass(frozen=True, slots=True)

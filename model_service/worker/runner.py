@@ -37,7 +37,8 @@ class ModelRunner:
         # An event recorded behind the latest step's K/V writes (CUDA; None elsewhere, where
         # a step has finished writing when execute returns). A step with nothing to sample
         # never waits for the GPU, so its blocks may still be being written when the next
-        # lease call releases them as prefix cache: wait_for_writes fences that.
+        # lease call commits or releases them as prefix cache: the engine calls
+        # wait_for_writes before such a call (Engine._fence_writes).
         self.new_event: Callable[[], Any] | None = torch.cuda.Event if self.device.type == "cuda" else None
         self._writes: Any = None
 
@@ -80,7 +81,8 @@ class ModelRunner:
 
     def wait_for_writes(self) -> None:
         """Returns once every K/V write enqueued so far has landed in the pool: call before
-        a lease call gives blocks back (another model service may read them at once)."""
+        a lease call commits or gives back blocks (another request or model service may
+        read them at once). Waits on the latest step's event only, and once."""
         if self._writes is not None:
             self._writes.synchronize()
             self._writes = None
