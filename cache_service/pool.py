@@ -134,7 +134,7 @@ class KvPool:
     # -- sessions -------------------------------------------------------------------
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
-               model_fingerprint: str = "", served_model_name: str = "") -> Attachment:
+               model_fingerprint: str = "", served_model_name: str = "", attach_key: str = "") -> Attachment:
         # 0: the client did not say (Attach's max_model_len is optional); the pool
         # must then hold at least one block.
         max_model_len = max_model_len or self.settings.block_size
@@ -147,7 +147,11 @@ class KvPool:
             )
         else:
             self._check_fits(max_model_len)
-        session = self.sessions.open(client_name, model_fingerprint, served_model_name)
+        session = self.sessions.opened_by(attach_key, client_name, model_fingerprint, served_model_name)
+        if session is not None:
+            log.info("session_attach_repeated", session=session.owner, client=client_name)
+            return Attachment(session, self.sizing, self._handle_for_attach())
+        session = self.sessions.open(client_name, model_fingerprint, served_model_name, attach_key)
         log.info("session_attached", session=session.owner, client=client_name, model_fingerprint=model_fingerprint,
                  served_model_name=served_model_name)
         return Attachment(session, self.sizing, self._handle_for_attach())

@@ -10,7 +10,7 @@ import grpc
 from cache_service import metrics
 from cache_service.ledger import InvalidLease, Ledger, LeaseError
 from cache_service.pool import GeometryMismatch, KvPool, NoPool
-from cache_service.sessions import UnknownSession
+from cache_service.sessions import MAX_ATTACH_KEY_CHARS, MIN_ATTACH_KEY_CHARS, UnknownSession
 from cache_service.sizing import SizingError
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry
@@ -62,9 +62,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if len(request.served_model_name) > MAX_SERVED_MODEL_NAME_CHARS:
                 raise ValueError(f"served_model_name is {len(request.served_model_name)} characters; "
                                  f"at most {MAX_SERVED_MODEL_NAME_CHARS}")
+            key = request.attach_key
+            if key and not MIN_ATTACH_KEY_CHARS <= len(key) <= MAX_ATTACH_KEY_CHARS:
+                raise ValueError(f"attach_key is {len(key)} characters; use {MIN_ATTACH_KEY_CHARS} to "
+                                 f"{MAX_ATTACH_KEY_CHARS} random ones (e.g. 128 random bits in hex), or none")
             attachment = self.pool.attach(
                 request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len,
-                request.model_fingerprint, request.served_model_name,
+                request.model_fingerprint, request.served_model_name, key,
             )
         except (ValueError, GeometryMismatch) as error:
             await abort_for(context, error)

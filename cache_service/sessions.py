@@ -18,6 +18,15 @@ class UnknownSession(LookupError):
     """The session id was never issued, or the session was detached or expired."""
 
 
+class AttachKeyMismatch(ValueError):
+    """An Attach named the key of a live session but another client, model or name."""
+
+
+# AttachRequest.attach_key: long enough to be picked at random, short enough to keep.
+MIN_ATTACH_KEY_CHARS = 16
+MAX_ATTACH_KEY_CHARS = 128
+
+
 @dataclass(slots=True)
 class Session:
     session_id: str
@@ -31,6 +40,8 @@ class Session:
     model_fingerprint: str = ""
     # The name its clients call the model by (AttachRequest.served_model_name), for logs and events.
     served_model_name: str = ""
+    # AttachRequest.attach_key: a retry of the Attach that opened it gets it back.
+    attach_key: str = ""
 
 
 class Sessions:
@@ -40,16 +51,37 @@ class Sessions:
         self.ttl_s = ttl_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._by_attach_key: dict[str, Session] = {}
         self._opened = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, client_name: str, model_fingerprint: str = "", served_model_name: str = "") -> Session:
+    def open(self, client_name: str, model_fingerprint: str = "", served_model_name: str = "",
+             attach_key: str = "") -> Session:
         # Unguessable: a session id is the capability to touch that session's blocks.
         session = Session(secrets.token_hex(16), client_name, self._clock(), f"{client_name}#{next(self._opened)}",
-                          model_fingerprint, served_model_name)
+                          model_fingerprint, served_model_name, attach_key)
         self._sessions[session.session_id] = session
+        if attach_key:
+            self._by_attach_key[attach_key] = session
+        return session
+
+    def opened_by(self, attach_key: str, client_name: str, model_fingerprint: str,
+                  served_model_name: str) -> Session | None:
+        """The live session an earlier Attach with this key opened (touched: the client is
+        alive), or None. A client whose Attach deadline passed while the session was being
+        opened retries with the same key and gets it, instead of leaving it to expire."""
+        session = self._by_attach_key.get(attach_key) if attach_key else None
+        if session is None:
+            return None
+        asked = (client_name, model_fingerprint, served_model_name)
+        if asked != (session.client_name, session.model_fingerprint, session.served_model_name):
+            raise AttachKeyMismatch(
+                "attach_key names a live session of another client, model fingerprint or served model name; "
+                "pick a new random key for each attaching client (and keep it only across retries of one Attach)"
+            )
+        session.last_seen = self._clock()
         return session
 
     def touch(self, session_id: str) -> Session:
@@ -64,7 +96,7 @@ class Sessions:
 
     def close(self, session_id: str) -> Session:
         session = self.touch(session_id)
-        del self._sessions[session_id]
+        self._forget(session)
         return session
 
     def expire(self) -> list[Session]:
@@ -72,5 +104,10 @@ class Sessions:
         deadline = self._clock() - self.ttl_s
         expired = [s for s in self._sessions.values() if s.last_seen < deadline]
         for session in expired:
-            del self._sessions[session.session_id]
+            self._forget(session)
         return expired
+
+    def _forget(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        if session.attach_key:
+            del self._by_attach_key[session.attach_key]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import threading
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from cache_helpers import (
-    allocate, attach, cache_stub, extend, fork, lease, leased_blocks, release, stats, wait_for,
+    TINY_GEOMETRY, allocate, attach, cache_stub, extend, fork, lease, leased_blocks, release, stats, wait_for,
 )
 from processes import start_cache_service
 
@@ -149,6 +150,101 @@ def test_unknown_session_is_not_found(stub):
         assert "Attach again" in error.value.details()
 
 
+def keyed_attach(stub, attach_key: str, name: str = "retrying", **fields) -> cache_pb2.AttachResponse:
+    request = cache_pb2.AttachRequest(client_name=name, geometry=cache_pb2.Geometry(**TINY_GEOMETRY),
+                                      max_model_len=64, attach_key=attach_key, **fields)
+    return stub.Attach(request, timeout=10)
+
+
+def test_an_attach_repeated_with_its_key_gets_the_same_session(stub):
+    # A retry of an Attach whose reply never came back (its deadline passed while the
+    # service went on to open the session) names the same key and gets that session.
+    key = "a1" * 16
+    first = keyed_attach(stub, key)
+    again = keyed_attach(stub, key)
+    assert again.session_id == first.session_id and stats(stub).sessions == 1
+    assert again.sizing == first.sizing and again.pool.shared_memory.path == first.pool.shared_memory.path
+    # Another key, or none (the behaviour before attach_key), opens a session of its own.
+    other = keyed_attach(stub, "b2" * 16).session_id
+    plain = [attach(stub, "retrying").session_id for _ in range(2)]
+    assert len({first.session_id, other, *plain}) == 4 and stats(stub).sessions == 4
+    for attach_key, fields, expected in [
+        (key, dict(name="someone-else"), "another client"),
+        (key, dict(model_fingerprint="f" * 32), "another client, model fingerprint"),
+        ("short", {}, "attach_key is 5 characters; use 16 to 128"),
+        ("x" * 129, {}, "attach_key is 129 characters"),
+    ]:
+        with pytest.raises(grpc.RpcError) as error:
+            keyed_attach(stub, attach_key, **fields)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and expected in error.value.details()
+    assert stats(stub).sessions == 4
+    detach(stub, first.session_id, other, *plain)
+    # A detached session's key is forgotten: it opens a new session.
+    fresh = keyed_attach(stub, key).session_id
+    assert fresh != first.session_id
+    detach(stub, fresh)
+
+
+class ReplyLost:
+    """A CacheService stub whose first Attach reaches the service, which opens the session,
+    but whose reply the client never reads: the deadline passed first."""
+
+    def __init__(self, stub) -> None:
+        self.stub = stub
+        self.attach_keys: list[str] = []
+
+    def Attach(self, request, timeout, metadata):
+        self.attach_keys.append(request.attach_key)
+        reply = self.stub.Attach(request, timeout=timeout, metadata=metadata)
+        if len(self.attach_keys) == 1:
+            raise DeadlineExceeded()
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
+
+
+class DeadlineExceeded(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+def test_a_model_service_whose_attach_timed_out_leaves_no_orphan_session(stub, cache):
+    from model_service.cache.attachment import AttachSettings, attach as attach_engine
+    from model_service.cache.client import CacheClient
+    from pagedkv.kv_geometry import KvGeometry
+
+    client = CacheClient(cache.address)
+    lossy = ReplyLost(client.stub)
+    client.stub = lossy
+    settings = AttachSettings(client_name="engine", geometry=KvGeometry(
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu"),
+        workspace_bytes=0, max_model_len=64, model_fingerprint="")
+    unreachable = []
+    attachments = []
+    try:
+        for _ in range(2):
+            attachments.append(attach_engine(client, settings, torch.device("cpu"), stopping=threading.Event(),
+                                             on_unreachable=lambda: unreachable.append(1),
+                                             on_heartbeat_failure=lambda session_id, error: None))
+            if len(attachments) == 1:
+                # The retry named the first try's key: the session that try opened, not a second.
+                assert unreachable == [1] and len(lossy.attach_keys) == 2
+                assert lossy.attach_keys[0] == lossy.attach_keys[1] and len(lossy.attach_keys[0]) == 32
+                assert stats(stub).sessions == 1
+        # A new attach (after a lost session) picks a new key, and so a new session.
+        assert lossy.attach_keys[2] != lossy.attach_keys[0]
+        assert attachments[1].session_id != attachments[0].session_id and stats(stub).sessions == 2
+    finally:
+        for attachment in attachments:
+            attachment.heartbeat.stop()
+            client.detach(attachment.session_id)
+        client.close()
+
+
 def test_pool_handle_maps_in_this_process_and_is_private(stub):
     reply = attach(stub)
     assert reply.pool.WhichOneof("memory") == "shared_memory"
@@ -167,7 +263,7 @@ def test_detach_and_ttl_reclaim_leases(tmp_path):
     with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "3000", "--reclaim-grace-ms", "0") as service:
         stub = cache_stub(service.address)
         alive = attach(stub, "alive").session_id
-        silent = attach(stub, "silent").session_id
+        silent = keyed_attach(stub, "k" * 32, "silent").session_id
         lease(stub, silent, allocate(64), allocate(20))
         lease(stub, alive, allocate(16))
         assert leased_blocks(stub) == 7
@@ -179,6 +275,10 @@ def test_detach_and_ttl_reclaim_leases(tmp_path):
         with pytest.raises(grpc.RpcError) as error:
             lease(stub, silent, allocate(16))
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        # An expired session's attach key is forgotten with it: the key opens a new one.
+        again = keyed_attach(stub, "k" * 32, "silent").session_id
+        assert again != silent
+        detach(stub, again)
         assert stub.Detach(cache_pb2.DetachRequest(session_id=alive), timeout=10).blocks_reclaimed == 1
         assert leased_blocks(stub) == 0 and stats(stub).sessions == 0
 

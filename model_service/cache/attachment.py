@@ -10,6 +10,7 @@ left to expire at its TTL, when the cache service can still be reached
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -60,14 +61,20 @@ def attach(cache: CacheClient, asked: AttachSettings, device: torch.device, *, s
            on_heartbeat_failure: Callable[[str, BaseException], None]) -> Attachment | None:
     """Attaches, retrying while the cache service is unreachable (calling on_unreachable
     before each wait); None once `stopping` is set. Raises FatalAttachError when retrying
-    cannot help."""
+    cannot help.
+
+    Every try sends one attach key, new for this call: a try whose deadline passed may
+    still have opened a session, and the next try then gets that session back rather
+    than leaving it to expire at its TTL. A later attach() (after the session was lost)
+    picks a new key, so it never gets the lost session back."""
     delay = 0.2
+    attach_key = secrets.token_hex(16)
     while not stopping.is_set():
         sent_at = time.monotonic()
         try:
             reply = cache.attach(asked.client_name, asked.geometry, asked.workspace_bytes, asked.max_model_len,
                                  model_fingerprint=asked.model_fingerprint,
-                                 served_model_name=asked.served_model_name)
+                                 served_model_name=asked.served_model_name, attach_key=attach_key)
             break
         except grpc.RpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -38,9 +38,9 @@ RECONNECT_OPTIONS = [
 
 # Attach's own deadline, longer than other calls' timeout_s: the first Attach builds the
 # pool (maps or allocates all of it, and on CPU the shared-memory file), which can take
-# longer than 10 s for a large pool; a client-side deadline that the cache service then
-# completes anyway leaves a session nobody holds (it expires after its TTL, holding no
-# blocks) while the retry opens another.
+# longer than 10 s for a large pool. A deadline that passes anyway is retried with the
+# same attach_key (attachment.attach), which gets back the session the cache service
+# went on to open instead of opening a second one.
 ATTACH_TIMEOUT_S = 120.0
 
 
@@ -64,11 +64,11 @@ class CacheClient:
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
                max_model_len: int, model_fingerprint: str = "",
-               served_model_name: str = "") -> cache_pb2.AttachResponse:
+               served_model_name: str = "", attach_key: str = "") -> cache_pb2.AttachResponse:
         request = cache_pb2.AttachRequest(
             client_name=client_name, geometry=geometry.to_proto(),
             workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
-            served_model_name=served_model_name,
+            served_model_name=served_model_name, attach_key=attach_key,
         )
         reply = self.stub.Attach(request, timeout=max(self.timeout_s, ATTACH_TIMEOUT_S), metadata=self.metadata)
         self.num_blocks = reply.sizing.num_blocks

@@ -54,20 +54,22 @@ class Geometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len", "model_fingerprint", "served_model_name")
+    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len", "model_fingerprint", "served_model_name", "attach_key")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_KEY_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     geometry: Geometry
     workspace_bytes: int
     max_model_len: int
     model_fingerprint: str
     served_model_name: str
-    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    attach_key: str
+    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., attach_key: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease_ttl_ms", "sizing", "pool")
