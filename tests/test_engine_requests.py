@@ -1,6 +1,7 @@
 """The engine in-process against a real cache service: n completions on forked blocks,
-Abort, deadlines. A deliver hook can hold the engine thread between two steps, so what
-the cache service holds mid-run is read at a known moment, not raced for."""
+Abort, deadlines, a constrained request across preemption. A deliver hook can hold the
+engine thread between two steps, so what the cache service holds mid-run is read at a
+known moment, not raced for."""
 
 from __future__ import annotations
 
@@ -387,3 +388,55 @@ def test_no_block_enters_the_prefix_index_before_the_writes_behind_it(checkpoint
     commit_calls = [commits for kind, commits, releases in (e for e in log if e[0] == "lease") if commits and not releases]
     assert commit_calls and commit_calls[0] == [32], log  # the prompt's first 2 blocks, before the 3rd chunk ran
     assert any(e[0] == "lease" and e[2] for e in log) and fenced_calls >= 2, log
+
+
+# A constrained output long enough that 4 of them overflow a 10-block pool: {"word": "<41
+# letters>", "n": <2 digits>} is 62 bytes, a token each with the tiny model's byte tokenizer.
+WORD_SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{41}$"},
+                                                "n": {"type": "integer", "minimum": 10, "maximum": 99}},
+               "required": ["word", "n"]}
+
+
+def test_a_constrained_request_preempted_and_recomputed_keeps_its_grammar(tmp_path):
+    """n=4 JSON-schema completions at temperature 1 on the tiny model, in a 10-block pool
+    where they want 2 shared + 4 x 4 blocks: they are preempted and recomputed, and each
+    output still validates and is token for token what its seed gives alone (one at a
+    time, each fits: no preemption). So each completion's grammar matcher stays where its
+    tokens left it across the recompute."""
+    import json
+
+    import jsonschema
+
+    from model_service.engine.output import completion_seed
+    from model_service.sample.grammar import GrammarCompiler
+    from model_service.sample.params import StructuredSpec
+
+    loaded = load_model("tiny")
+    spec = StructuredSpec("json", json.dumps(WORD_SCHEMA), any_whitespace=False)
+    compiled = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids).compile(spec)
+    prompt = list(b"Describe one word and one number as JSON.")  # 41 bytes: 2 full blocks and 9 tokens
+
+    def constrained(n: int, seed: int) -> SamplingOptions:
+        return SamplingOptions(max_new_tokens=80, temperature=1.0, seed=seed, n=n, structured=spec, grammar=compiled)
+
+    def run(name: str, options: SamplingOptions) -> list[list[int]]:
+        engine.submit(name, prompt, options, streams.sink(name))
+        wait_for(lambda: len(streams.finished(name)) == options.n, 120, f"{name}'s completions to finish")
+        assert all(d.error is None and d.finish is Finish.EOS for d in streams.finished(name))
+        return [streams.tokens(name, i)[:-1] for i in range(options.n)]  # EOS ends each
+
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", str(10 * block_bytes(loaded)), "--headroom", "0") as cache:
+        engine = start_engine(loaded, cache.address, streams, max_model_len=128)
+        try:
+            alone = [run(f"alone{i}", constrained(1, completion_seed(7, i)))[0] for i in range(4)]
+            assert engine.scheduler.preemptions == 0
+            together = run("together", constrained(4, 7))
+            assert engine.scheduler.preemptions > 0, "the small pool forced no preemption"
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+    for tokens in together:
+        jsonschema.validate(json.loads(bytes(tokens)), WORD_SCHEMA)
+    assert together == alone
+    assert len({bytes(tokens) for tokens in together}) == 4  # four seeds: not one output four times
