@@ -140,6 +140,10 @@ def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp
             expected = hf_greedy(reference, prompt, 40)
             assert all(streams.tokens("small", i) == expected for i in range(4))
             assert all(d.error is None for d in streams.finished("small"))
+            # Each completion's usage: the 5 blocks of its 79 written positions (none is
+            # leased past prompt + max_new_tokens), and what preemption made it compute again.
+            assert [d.peak_kv_blocks for d in streams.finished("small")] == [5] * 4
+            assert sum(d.recomputed_tokens for d in streams.finished("small")) > 0
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)

@@ -97,11 +97,18 @@ def test_preemption_and_prefix_cache_keep_outputs_exact(llama, tmp_path):
         batch = [p + p[:20] for p in batch]  # longer prompts
         expected = [reference_greedy(reference, p, 40) for p in batch]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda p: generate(stub, p, 40)[0], batch))
-        assert results == expected, f"{kind}: outputs changed under preemption"
+            answers = list(pool.map(lambda p: generate(stub, p, 40), batch))
+        assert [tokens for tokens, _ in answers] == expected, f"{kind}: outputs changed under preemption"
         metrics = urllib.request.urlopen(model.metrics_url).read().decode()
         preemptions = [line for line in metrics.splitlines() if line.startswith("pagedkv_model_preemptions_total")]
         assert preemptions and float(preemptions[0].split()[-1]) > 0, "the small pool forced no preemption"
+        # Each request's usage says what the pool lent it and what preemption cost it: K/V
+        # at prompt + 39 positions at least, never past prompt + 40 nor the 24 blocks, and
+        # a preempted request computes again what its released blocks no longer hold.
+        for prompt, (_, last) in zip(batch, answers):
+            assert -(-(len(prompt) + 39) // 16) <= last.usage.peak_kv_blocks <= min(24, -(-(len(prompt) + 40) // 16))
+            assert last.usage.peak_kv_bytes == last.usage.peak_kv_blocks * block_bytes
+        assert sum(last.usage.recomputed_tokens for _, last in answers) > 0, "preempted, yet nothing recomputed"
 
         # The longest prompt again, twice: the second run's full blocks come from the prefix
         # cache. (After the batch alone they may not: with 24 blocks, requests that finished

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from processes import start_cache_service, start_model_service
 from transformers.generation.logits_process import MinPLogitsWarper
 
+from pagedkv.cache.v1 import cache_pb2
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 VOCAB = 384
@@ -208,6 +209,23 @@ def test_n_greedy_gives_n_equal_completions_equal_to_transformers(stack):
         assert messages[-1].usage.completion_tokens == 12
         lasts.append(messages[-1])
     assert sum(m.usage.prompt_tokens for m in lasts) == len(prompt), "usage counts the prompt once"
+    wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
+
+
+def test_usage_has_each_completion_s_peak_kv_blocks_and_bytes_and_no_recompute(stack):
+    stub, cache, _ = stack
+    sizing = cache.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
+    prompt = prompt_ids(37, seed=13)
+    by_index = run(stub, prompt, n=2, max_new_tokens=4, ignore_eos=True)
+    # 37 + 4 tokens, of which the last sampled one is never written: K/V at 40 positions,
+    # 3 blocks of 16. Completion 1 forks the 2 full prompt blocks and a copy of the third,
+    # and no block is leased past prompt + max_new_tokens, so each held exactly 3.
+    assert sizing.block_size == 16
+    for index, messages in by_index.items():
+        usage = messages[-1].usage
+        assert (usage.peak_kv_blocks, usage.recomputed_tokens) == (3, 0), f"completion {index}"
+        assert usage.peak_kv_bytes == 3 * sizing.bytes_per_block
+        assert all(not m.HasField("usage") for m in messages[:-1])
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
 
 

@@ -161,6 +161,25 @@ def test_completion_stream_with_usage(client, stub):
     assert len({chunk.id for chunk in chunks}) == 1
 
 
+def test_usage_carries_the_peak_kv_blocks_and_recomputed_tokens_summed_over_choices(client, stub):
+    by_index = {}
+    request = model_pb2.GenerateRequest(prompt=PROMPT, sampling=model_pb2.SamplingParams(
+        n=2, max_new_tokens=6, temperature=0, ignore_eos=True))
+    for response in stub.Generate(request, timeout=120, metadata=METADATA):
+        if response.finish_reason:
+            by_index[response.index] = response.usage
+    assert sorted(by_index) == [0, 1] and all(usage.peak_kv_blocks > 0 for usage in by_index.values())
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    for usage in (whole.usage, chunks[-1].usage):  # the openai package keeps fields it does not know
+        assert usage.peak_kv_blocks == sum(u.peak_kv_blocks for u in by_index.values())
+        assert usage.peak_kv_bytes == sum(u.peak_kv_bytes for u in by_index.values()) > 0
+        assert usage.recomputed_tokens == 0
+        assert usage.completion_tokens == 12
+
+
 def test_async_client_completion_stream_and_whole(model, stub):
     expected, _ = grpc_text(stub, prompt=PROMPT, sampling=dict(max_new_tokens=8, temperature=0, ignore_eos=True))
 

@@ -184,6 +184,29 @@ def test_full_pool_preempts_the_newest_and_everyone_finishes():
     assert not cache.tables and len(cache.free) == 10
 
 
+def test_each_sequence_keeps_its_peak_blocks_and_what_preemption_made_it_compute_again():
+    # As above: the pool forces preemptions. A sequence writes K/V at 5 + 11 = 16
+    # positions (4 blocks) and may be leased the block of its 17th; one that is preempted
+    # computes again what it had computed (this fake cache keeps no prefix).
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 10)
+    cache = FakeCache(10)
+    seqs = [make_seq(i, prompt_len=5, max_new=12) for i in range(3)]
+    computed_when_preempted = {id(seq): 0 for seq in seqs}
+
+    def observe(step) -> None:
+        for victim in step.preempted:
+            computed_when_preempted[id(victim)] += victim.ever_computed
+
+    for seq in seqs:
+        scheduler.add(seq)
+    drive(scheduler, cache, observe=observe)
+    assert scheduler.preemptions > 0
+    for seq in seqs:
+        assert 4 <= seq.peak_blocks <= 5
+        assert (seq.recomputed_tokens > 0) == (seq.preemptions > 0)
+    assert sum(s.recomputed_tokens for s in seqs) == sum(computed_when_preempted.values())
+
+
 def test_prefill_is_chunked_to_the_token_budget():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=8), 100)
     cache = FakeCache(100)

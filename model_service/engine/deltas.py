@@ -27,6 +27,11 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: from the host, the disk tier
+    # This completion's own, in its last delta: the most blocks (and bytes) of the pool it
+    # held at once, and the tokens it computed again after preemptions.
+    peak_kv_blocks: int = 0
+    peak_kv_bytes: int = 0
+    recomputed_tokens: int = 0
     # (grpc.StatusCode, message) when the request ends with an error status.
     error: tuple[grpc.StatusCode, str] | None = None
     index: int = 0  # which of the n completions
@@ -54,6 +59,9 @@ def join_into(first: Delta, following: Delta) -> Delta:
     first.completion_tokens = following.completion_tokens
     first.cached_tokens = following.cached_tokens
     first.cached_tokens_tiers = following.cached_tokens_tiers
+    first.peak_kv_blocks = following.peak_kv_blocks
+    first.peak_kv_bytes = following.peak_kv_bytes
+    first.recomputed_tokens = following.recomputed_tokens
     first.error = following.error
     first.matched_stop = following.matched_stop
     return first

@@ -183,6 +183,12 @@ class Engine:
     def block_size(self) -> int:
         return self.sizing.block_size if self.sizing is not None else 0
 
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block of the pool holds, in bytes (0 while not attached)."""
+        block_size = self.block_size
+        return self.geometry.bytes_per_block(block_size) if block_size else 0
+
     # -- the callers' side ------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
@@ -195,7 +201,8 @@ class Engine:
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
         key = self._admission.admit(request_id)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
-                              self.device, deadline, priority, arrival=key, cache_salt=cache_salt)
+                              self.device, deadline, priority, arrival=key, cache_salt=cache_salt,
+                              bytes_per_block=self.bytes_per_block)
         self._inbox.put(Submit(request))
         return key
 

@@ -82,6 +82,7 @@ class RequestOutput:
     unfinished: int = 0
     cached_tokens: int = 0
     cached_tokens_tiers: tuple[int, int] = (0, 0)
+    bytes_per_block: int = 0  # of the pool it runs on: Usage.peak_kv_bytes
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -104,15 +105,20 @@ class RequestOutput:
 
     def finished(self, completion: Completion, finish: Finish, delta: Delta | None = None,
                  error: tuple[grpc.StatusCode, str] | None = None) -> Delta:
-        """The last delta of a completion. Usage: each completion's own completion_tokens;
-        prompt_tokens and cached_tokens only in the request's last one, so that summing the
-        usage of the n last messages counts the prompt once."""
+        """The last delta of a completion. Usage: each completion's own completion_tokens,
+        peak KV blocks and recomputed tokens; prompt_tokens and cached_tokens only in the
+        request's last one, so that summing the usage of the n last messages counts the
+        prompt once."""
         completion.finished = True
         self.unfinished -= 1
         delta = delta or Delta(index=completion.index)
         delta.finish = finish
         delta.error = error
-        delta.completion_tokens = completion.seq.num_output
+        seq = completion.seq
+        delta.completion_tokens = seq.num_output
+        delta.peak_kv_blocks = seq.peak_blocks
+        delta.peak_kv_bytes = seq.peak_blocks * self.bytes_per_block
+        delta.recomputed_tokens = seq.recomputed_tokens
         if self.unfinished == 0:
             delta.prompt_tokens = self.prompt_len
             delta.cached_tokens = self.cached_tokens
@@ -122,12 +128,12 @@ class RequestOutput:
 
 def new_request(key: int, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink,
                 tokenizer, device: torch.device, deadline: float | None, priority: int,
-                arrival: int, cache_salt: str = "") -> RequestOutput:
+                arrival: int, cache_salt: str = "", bytes_per_block: int = 0) -> RequestOutput:
     """A request and its n completions' sequences; completion 0's sequence prefills the
     prompt, the others wait to fork from it (Sequence.fork_children)."""
     request = RequestOutput(key=key, request_id=request_id, sink=sink, options=options,
                             prompt_len=len(prompt_token_ids), submitted_at=time.perf_counter(),
-                            deadline=deadline, unfinished=options.n)
+                            deadline=deadline, unfinished=options.n, bytes_per_block=bytes_per_block)
     for index in range(options.n):
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        options=options, arrival=arrival, index=index, priority=priority,

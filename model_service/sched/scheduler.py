@@ -206,6 +206,8 @@ class Scheduler:
                 child.lease_id = outcome.lease_id
                 child.block_table = list(outcome.block_ids)
                 child.num_computed = fork.parent_tokens
+                child.ever_computed = max(child.ever_computed, fork.parent_tokens)
+                self._grew(child)
                 child.admitted_once = True
                 child.status = Status.RUNNING
                 self.running.append(child)
@@ -219,6 +221,7 @@ class Scheduler:
             if outcome.ok:
                 seq.block_table.extend(outcome.block_ids)
                 seq.starved = False
+                self._grew(seq)
             elif outcome.code == "NO_FREE_BLOCKS":
                 seq.starved = True
             elif outcome.code == "LIMIT_EXCEEDED":
@@ -246,6 +249,8 @@ class Scheduler:
                     continue
                 seq.block_table = list(outcome.block_ids)
                 seq.num_computed = outcome.cached_tokens
+                seq.ever_computed = max(seq.ever_computed, outcome.cached_tokens)
+                self._grew(seq)
                 seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
                 if not seq.admitted_once:
                     seq.cached_tokens = outcome.cached_tokens
@@ -272,9 +277,15 @@ class Scheduler:
             outcome = next(results)
             if outcome.ok:  # refused: the sequence asks again when it needs the block
                 seq.block_table.extend(outcome.block_ids)
+                self._grew(seq)
         # Back to the front, in their original order: first come, first served.
         self.waiting.extendleft(reversed(requeue))
         return failed
+
+    def _grew(self, seq: Sequence) -> None:
+        """A lease call's answer gave `seq` blocks."""
+        if len(seq.block_table) > seq.peak_blocks:
+            seq.peak_blocks = len(seq.block_table)
 
     # -- a step's results -------------------------------------------------------------
 
@@ -284,7 +295,11 @@ class Scheduler:
         tokens, and the ends they made (their blocks go back with the next lease call).
         Returns the sequences that ended."""
         for seq, new_tokens in step.batch:
-            seq.num_computed += new_tokens
+            start = seq.num_computed
+            seq.num_computed = start + new_tokens
+            if start < seq.ever_computed:  # back over what a preemption gave away
+                seq.recomputed_tokens += min(seq.num_computed, seq.ever_computed) - start
+            seq.ever_computed = max(seq.ever_computed, seq.num_computed)
         for seq in output.prompt_logprobs_done:
             seq.reuse_prefix = True
         finished: list[Finished] = []

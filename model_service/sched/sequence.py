@@ -56,6 +56,12 @@ class Sequence:
     # Set when the cache service had no block for this sequence's next token.
     starved: bool = False
     preemptions: int = 0
+    # The longest its block table has been (Usage.peak_kv_blocks); kept across preemptions.
+    peak_blocks: int = 0
+    # Tokens whose K/V were in the pool at some point (computed, forked or found cached):
+    # computing one of them again is a recompute, after a preemption (Usage.recomputed_tokens).
+    ever_computed: int = 0
+    recomputed_tokens: int = 0
     finish: Finish | None = None
     # Completion 0 of an n-request: the other completions, to fork once the prompt is in
     # the pool and this sequence's first token is sampled (they sample theirs from the same row).

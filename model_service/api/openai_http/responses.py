@@ -36,13 +36,22 @@ def stop_reason(response: model_pb2.GenerateResponse) -> str | int | None:
 
 @dataclass(slots=True)
 class Usage:
-    """Token counts of one body: each prompt counted once, whatever its n."""
+    """Token counts of one body: each prompt counted once, whatever its n.
+
+    pagedkv's own `peak_kv_blocks`, `peak_kv_bytes` and `recomputed_tokens` (at the top
+    level of `usage`, where the openai package keeps fields it does not know) are summed
+    over the choices, as completion_tokens is: a body has one usage, and gRPC's are per
+    completion. A prompt block the n completions of one prompt share counts in each, so
+    the sum can exceed the blocks the body held at once."""
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
     cached_tokens: dict[int, int] = field(default_factory=dict)
     # Of cached_tokens, per prompt: promoted from the cache service's host and disk tiers.
     cached_tiers: dict[int, tuple[int, int]] = field(default_factory=dict)
     completion_tokens: int = 0
+    peak_kv_blocks: int = 0
+    peak_kv_bytes: int = 0
+    recomputed_tokens: int = 0
 
     def add(self, prompt_index: int, response: model_pb2.GenerateResponse) -> None:
         usage = response.usage
@@ -51,6 +60,9 @@ class Usage:
             self.cached_tiers[prompt_index] = (usage.cached_tokens_host, usage.cached_tokens_disk)
         self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), usage.cached_tokens)
         self.completion_tokens += usage.completion_tokens
+        self.peak_kv_blocks += usage.peak_kv_blocks
+        self.peak_kv_bytes += usage.peak_kv_bytes
+        self.recomputed_tokens += usage.recomputed_tokens
 
     def body(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
@@ -63,6 +75,9 @@ class Usage:
                 "cached_tokens_host": sum(host for host, _ in self.cached_tiers.values()),
                 "cached_tokens_disk": sum(disk for _, disk in self.cached_tiers.values()),
             },
+            "peak_kv_blocks": self.peak_kv_blocks,
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "recomputed_tokens": self.recomputed_tokens,
         }
 
 
