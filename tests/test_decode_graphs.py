@@ -103,13 +103,15 @@ def test_graph_decode_matches_eager_and_never_recaptures():
 
 def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly(monkeypatch):
     # A decode step selects its rows by slicing: no index tensor to copy to the device (on
-    # CUDA a copy from pageable memory waits for the stream: a second host sync a step).
+    # CUDA even a copy from pinned memory is a kernel of its own), and the graphs stage
+    # their inputs themselves. Every list the runner sends goes through to_device (a copy
+    # from pageable memory waits for the stream: a second host sync a step).
     from model_service.worker import runner as runner_module
 
     indexed = []
-    device_index = runner_module.device_index
-    monkeypatch.setattr(runner_module, "device_index", lambda values, device: indexed.append(values) or
-                        device_index(values, device))
+    to_device = runner_module.to_device
+    monkeypatch.setattr(runner_module, "to_device", lambda values, dtype, device: indexed.append(values) or
+                        to_device(values, dtype, device))
     torch.manual_seed(0)
     model = build_tiny_model(attention=SkipPaddingAttention())
     config = model.config
@@ -120,11 +122,11 @@ def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly(monkeyp
 
     decode = decode_batch([9, 30, 2])
     due, logits = with_graphs.execute(decode)
-    assert graphs.replays == 1
+    assert graphs.replays == 1 and indexed == []
     expected_due, expected = eager.execute(decode)
     assert due == expected_due == [seq for seq, _ in decode]
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    assert indexed == []
+    assert [8, 29, 1] in indexed  # the eager step's positions went through to_device
 
     prefill = decode_batch([20], first_block=100)
     prefill[0][0].num_computed = 0
@@ -132,7 +134,8 @@ def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly(monkeyp
     due, logits = with_graphs.execute(prefill)
     assert graphs.replays == 1, "a prefill step went through a decode graph"
     torch.testing.assert_close(logits, eager.execute(prefill)[1], atol=1e-5, rtol=1e-5)
-    assert indexed == [[19], [19]]  # a prefill's last position, by index
+    assert indexed.count([19]) == 2  # a prefill's last position, by index
+    assert [list(range(20))] * 2 == [values for values in indexed if values == list(range(20))]  # positions
 
 
 def test_graphs_are_captured_largest_bucket_first():

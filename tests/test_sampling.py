@@ -231,3 +231,107 @@ def test_rows_with_and_without_filters_in_one_batch():
     for _ in range(20):
         token_ids = sample(logits, [tiny_p, hot, top_1, hot], generators)
         assert token_ids[0] == logits[0].argmax() and token_ids[2] == logits[2].argmax()
+
+
+# --- one host sync a step: the nucleus sorted in full off the CPU ----------------------
+
+
+def spread_logits(batch: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from peaked to nearly flat (whose top-p nucleus outruns the 1024 candidates),
+    one with ties at the nucleus's edge."""
+    generator = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([3.0, 1.0, 0.3, 0.01, 1e-4, 0.0, 2.0, 0.05])[torch.arange(batch) % 8]
+    logits = torch.randn(batch, vocab, generator=generator) * scales.unsqueeze(1)
+    logits[batch // 2, : vocab // 2] = 1.0  # half the vocabulary tied
+    return logits
+
+
+SAMPLED_ROWS = [
+    dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.999), dict(top_p=0.05), dict(top_p=0.9, top_k=40),
+    dict(top_p=0.7, top_k=2000), dict(top_k=5), dict(min_p=0.1), dict(top_p=0.8, min_p=0.05),
+    dict(top_p=0.95, temperature=0.3), dict(temperature=2.0), dict(top_p=0.6, top_k=1500, min_p=0.01),
+]
+
+
+@pytest.mark.parametrize("greedy_rows", [0, 3])
+@pytest.mark.parametrize("seed", range(2))
+def test_sorting_every_row_in_full_draws_what_the_candidate_window_drew(monkeypatch, seed, greedy_rows):
+    # Off the CPU the nucleus is found by sorting each row in full (finding which rows
+    # outrun the 1024 candidates would read the device); the tokens are those the CPU's
+    # candidate window (and its per-row full sort for flat rows) draws, for fixed seeds.
+    from model_service.sample import sampler as sampler_module
+
+    vocab = 4096
+    options = [SamplingOptions(max_new_tokens=1, **{"temperature": 1.0, **row}) for row in SAMPLED_ROWS]
+    options += [SamplingOptions(max_new_tokens=1)] * greedy_rows
+    logits = spread_logits(len(options), vocab, seed)
+    drawn = {}
+    for in_full in (False, True):
+        monkeypatch.setattr(sampler_module, "_nucleus_in_full", lambda device, in_full=in_full: in_full)
+        generators = [make_generator(1000 * seed + row, "cpu") for row in range(len(options))]
+        drawn[in_full] = torch.stack([sample(logits, options, generators) for _ in range(12)])
+    assert torch.equal(drawn[True], drawn[False])
+    # The same thresholds, too, for the top-p rows without top-k (whose nucleus may be
+    # anywhere in the row): the flat ones sort in full either way, the others see the
+    # same prefix sums (the CPU's cumsum accumulates in order).
+    probs = torch.softmax(logits[:4].float(), dim=-1)
+    top_p = torch.tensor([[0.9], [0.5], [0.999], [0.05]])
+    thresholds = {}
+    for in_full in (False, True):
+        monkeypatch.setattr(sampler_module, "_nucleus_in_full", lambda device, in_full=in_full: in_full)
+        thresholds[in_full] = sampler_module._nucleus_threshold(probs, top_p, vocab)
+    assert torch.equal(thresholds[True], thresholds[False])
+
+
+HOST_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy",
+              "masked_select", "unique", "nonzero_static", "argwhere"}
+
+
+def test_a_sampling_step_reads_nothing_back_from_the_device(monkeypatch):
+    # What would make the host wait for a CUDA device, run on CPU with the CUDA branches:
+    # no value read back (tolist, item, int(), nonzero, ...) and no list copied with
+    # torch.tensor(..., device=...) (a copy from pageable memory, which waits for the
+    # stream); lists go through to_device. The step's one sync is its caller's tolist.
+    from torch.overrides import TorchFunctionMode
+
+    from model_service.sample import logits_processing, sampler as sampler_module
+    from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
+
+    copied = []
+
+    def to_device(values, dtype, device):
+        copied.append(values)
+        return torch.tensor(values, dtype=dtype)
+
+    for module in (sampler_module, logits_processing):
+        monkeypatch.setattr(module, "to_device", to_device)
+    monkeypatch.setattr(sampler_module, "_nucleus_in_full", lambda device: True)
+    monkeypatch.setattr(sampler_module, "argmax_rows", lambda logits: logits.argmax(dim=-1))  # CUDA's
+
+    class HostWaits(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.found = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", str(func))
+            if name in HOST_READS or (func is torch.tensor and "device" in kwargs):
+                self.found.append(name)
+            return func(*args, **kwargs)
+
+    vocab = 4096
+    options = [SamplingOptions(max_new_tokens=1, **{"temperature": 1.0, **row}) for row in SAMPLED_ROWS]
+    options += [SamplingOptions(max_new_tokens=1), SamplingOptions(max_new_tokens=1, temperature=0.8, top_p=0.9,
+                                                                   repetition_penalty=1.3, logit_bias=((7, 5.0),))]
+    logits = spread_logits(len(options), vocab, seed=5)
+    history = TokenHistory(vocab, "cpu")
+    slot = history.open([1, 2, 3])
+    rows = [None] * (len(options) - 1) + [RowAdjustment(history_slot=slot, repetition_penalty=1.3,
+                                                        logit_bias=((7, 5.0),), suppressed_token_ids=(0,))]
+    generators = [make_generator(row, "cpu") for row in range(len(options))]
+    with HostWaits() as waits:
+        adjustments = prepare(rows, "cpu")
+        token_ids = sample(logits, options, generators, adjustments, history)
+    assert waits.found == [] and token_ids.shape == (len(options),)
+    assert copied, "the per-row parameters did not go through to_device"

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence as Seq
 
 import torch
 
+from model_service.host_to_device import to_device
 from model_service.sample.grammar import TokenMasks, accept, new_matcher
 from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
 from model_service.sample.logprobs import token_logprobs
@@ -45,7 +46,7 @@ class StepSampler:
                 family = [seq, *seq.fork_children] if seq.fork_children and seq.num_output == 0 else [seq]
                 rows.extend([row] * len(family))
                 ordered.extend(family)
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
             due = ordered
         chosen = [completions[seq] for seq in due]
         options = [completion.seq.options for completion in chosen]
@@ -67,7 +68,7 @@ class StepSampler:
             if len(asked) == len(options):
                 found = token_logprobs(logits, token_tensor, tops)
             else:
-                index = torch.tensor(asked, device=logits.device)
+                index = to_device(asked, torch.int64, logits.device)
                 found = token_logprobs(logits.index_select(0, index),
                                        token_tensor.to(logits.device).index_select(0, index), tops)
             for row, logprob in zip(asked, found):

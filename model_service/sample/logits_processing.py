@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model_service.host_to_device import to_device
+
 
 # Each stage below is a few whole-width passes over [R, V], done in place: at batch 48
 # and a 32k vocabulary one pass is ~1 ms on these CPUs, so the pass count is the cost.
@@ -54,7 +56,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
 
 def suppress_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Sets logits[rows[j], token_ids[j]] to -inf, in place (min_tokens); returns logits."""
-    return logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put_((rows, token_ids), torch.full((), float("-inf"), device=logits.device))
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ class TokenHistory:
         self.counts[slot].zero_()
         self.seen[slot].zero_()
         if prompt_token_ids:
-            self.seen[slot, torch.tensor(list(prompt_token_ids), device=self.device)] = True
+            self.seen[slot, to_device(list(prompt_token_ids), torch.int64, self.device)] = True
         return slot
 
     def copy(self, source: int) -> int:
@@ -106,8 +108,8 @@ class TokenHistory:
         """Adds one generated token to each slot's row: one scatter for the whole step."""
         if not slots:
             return
-        rows = torch.tensor(list(slots), device=self.device)
-        tokens = torch.tensor(list(token_ids), device=self.device)
+        rows = to_device(list(slots), torch.int64, self.device)
+        tokens = to_device(list(token_ids), torch.int64, self.device)
         self.counts.index_put_((rows, tokens), torch.ones(len(slots), device=self.device), accumulate=True)
         self.seen[rows, tokens] = True
 
@@ -204,10 +206,10 @@ def prepare(rows: Iterable[RowAdjustment | None], device: torch.device | str) ->
         return None
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+        return to_device(values, torch.float32, device).unsqueeze(1)
 
     def indices(values) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.int64, device=device)
+        return to_device(list(values), torch.int64, device)
 
     return LogitsAdjustments(
         penalty_rows=indices(penalty_rows) if penalty_rows else None,
@@ -220,7 +222,7 @@ def prepare(rows: Iterable[RowAdjustment | None], device: torch.device | str) ->
         every_row=len(penalty_rows) == len(rows),
         bias_rows=indices(r for r, _, _ in bias) if bias else None,
         bias_token_ids=indices(t for _, t, _ in bias) if bias else None,
-        bias_values=torch.tensor([v for _, _, v in bias], dtype=torch.float32, device=device) if bias else None,
+        bias_values=to_device([v for _, _, v in bias], torch.float32, device) if bias else None,
         suppress_rows=indices(r for r, _ in suppress) if suppress else None,
         suppress_token_ids=indices(t for _, t in suppress) if suppress else None,
     )

@@ -4,6 +4,10 @@
 min_tokens) when some row uses them, then greedy rows by one argmax, sampled rows by
 temperature, min_p, top-k and top-p, each drawn with the row's own `torch.Generator`
 so that a seeded request gives the same tokens whatever else shares its batch.
+
+On CUDA nothing here makes the host wait for the device: per-row parameters go over
+with to_device, and no value is read back. The step's one sync is its caller reading
+the tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from model_service.cpu_kernels import argmax as cpu_argmax
 from model_service.cpu_kernels import layer_ops
+from model_service.host_to_device import to_device
 from model_service.sample.grammar import TokenMask
 from model_service.sample.logits_processing import LogitsAdjustments, TokenHistory, apply_min_p
 from model_service.sample.params import SamplingOptions
@@ -32,7 +37,7 @@ def _sample_masked(logits: torch.Tensor, options: Sequence[SamplingOptions],
     the masked copy, and no generator is used twice). Copying only the constrained rows
     keeps a batch with a few of them from paying a copy of the whole [B, V]."""
     rows = mask.rows
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, torch.int64, logits.device)
     # [C, V], a new tensor: stacking row views copies them in one pass, where index_select
     # pays a whole-batch parallel region on CPU for a handful of rows.
     constrained = mask.apply(torch.stack([logits[row] for row in rows]).float())
@@ -94,13 +99,13 @@ def sample(
 
     device = logits.device
     every_row = len(sampled_rows) == batch
-    rows = torch.tensor(sampled_rows, device=device)
+    rows = None if every_row else to_device(sampled_rows, torch.int64, device)
     sampled = [options[row] for row in sampled_rows]
-    temperature = torch.tensor([o.temperature for o in sampled], dtype=torch.float32, device=device)
+    temperature = to_device([o.temperature for o in sampled], torch.float32, device)
     chosen = logits if every_row else logits.index_select(0, rows)
     scaled = chosen.float() / temperature.unsqueeze(1)  # [S, V], a new tensor: edited in place
     if any(o.min_p > 0 for o in sampled):
-        apply_min_p(scaled, torch.tensor([o.min_p for o in sampled], device=device).unsqueeze(1))
+        apply_min_p(scaled, to_device([o.min_p for o in sampled], torch.float32, device).unsqueeze(1))
 
     # Every step below works row by row (elementwise, or a reduction along V) and keeps
     # vocabulary order, so a row's result does not depend on the rows beside it. Top-k
@@ -108,8 +113,8 @@ def sample(
     top_ks = [o.top_k if 0 < o.top_k < vocab else 0 for o in sampled]  # 0: no top-k
     if any(top_ks):
         best = torch.topk(scaled, max(top_ks), dim=-1).values  # [S, K], descending
-        kth_index = torch.tensor([max(k - 1, 0) for k in top_ks], device=device).unsqueeze(1)
-        has_top_k = torch.tensor([k > 0 for k in top_ks], device=device).unsqueeze(1)
+        kth_index = to_device([max(k - 1, 0) for k in top_ks], torch.int64, device).unsqueeze(1)
+        has_top_k = to_device([k > 0 for k in top_ks], torch.bool, device).unsqueeze(1)
         # The k-th best logit, or -inf (nothing below it) for rows without top-k: [S, 1]
         threshold = best.gather(1, kth_index).masked_fill_(~has_top_k, float("-inf"))
         scaled.masked_fill_(scaled < threshold, float("-inf"))
@@ -119,8 +124,8 @@ def sample(
     top_p_rows = [index for index, o in enumerate(sampled) if o.top_p < 1.0]
     if top_p_rows:
         all_top_p = len(top_p_rows) == len(sampled)
-        top_p_index = torch.tensor(top_p_rows, device=device)
-        top_p = torch.tensor([sampled[i].top_p for i in top_p_rows], device=device).unsqueeze(1)
+        top_p_index = to_device(top_p_rows, torch.int64, device)
+        top_p = to_device([sampled[i].top_p for i in top_p_rows], torch.float32, device).unsqueeze(1)
         # After top-k, at most max(k) tokens per row have a probability above 0.
         row_ks = [top_ks[i] for i in top_p_rows]
         support = max(row_ks) if all(row_ks) else vocab
@@ -147,8 +152,7 @@ def sample(
     drawn.clamp_(max=vocab - 1)  # only NaN logits could reach vocab
     if every_row:
         return drawn
-    token_ids[rows] = drawn
-    return token_ids
+    return token_ids.index_copy_(0, rows, drawn)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -169,6 +173,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 NUCLEUS_CANDIDATES = 1024
 
 
+def _nucleus_in_full(device: torch.device) -> bool:
+    """Whether every row is sorted in full to find its nucleus, rather than its best
+    NUCLEUS_CANDIDATES first. Off the CPU: which rows' nuclei outrun the candidates is
+    known only on the device, and asking would make the host wait for it (a second sync
+    a step); a [B, V] sort is one kernel there (vLLM's apply_top_k_top_p sorts in full
+    too). On the CPU the answer costs nothing and the sort ~3 times topk(1024)."""
+    return device.type != "cpu"
+
+
 def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, support: int) -> torch.Tensor:
     """probs [P, V], top_p [P, 1] → [P, 1]: the smallest probability in each nucleus.
 
@@ -177,6 +190,8 @@ def _nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor, support: int) -
     The nucleus is the best tokens, in order, up to and including the first at which
     the mass of those ranked above it reaches top_p; the best token is always in it.
     """
+    if _nucleus_in_full(probs.device):
+        return _threshold_in_sorted(torch.sort(probs, dim=-1, descending=True).values, top_p)[0]
     candidates = min(NUCLEUS_CANDIDATES, support, probs.shape[1])
     best = torch.topk(probs, candidates, dim=-1).values  # [P, C], descending
     threshold, kept = _threshold_in_sorted(best, top_p)

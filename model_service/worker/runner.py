@@ -18,6 +18,7 @@ import torch
 from model_service.attention.kv_quant import pool_absmax
 from pagedkv.kv_geometry import copyable
 from model_service.attention.metadata import AttentionMetadata
+from model_service.host_to_device import to_device
 from model_service.worker.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
 from model_service.sched.sequence import Sequence
@@ -75,7 +76,7 @@ class ModelRunner:
             # A decode step (graphs or eager): every row, in order; a slice needs no index tensor.
             selected = hidden[: len(selected_rows)]
         else:
-            selected = hidden.index_select(0, device_index(selected_rows, self.device))
+            selected = hidden.index_select(0, to_device(selected_rows, torch.int64, self.device))
         logits = self.model.compute_logits(selected, float32=False)
         return [batch[i][0] for i in due], logits
 
@@ -110,8 +111,8 @@ class ModelRunner:
         """Copy-on-write after forks: each (src, dst) block's K/V, every layer."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = to_device([s for s, _ in copies], torch.int64, self.device)
+        dst = to_device([d for _, d in copies], torch.int64, self.device)
         # kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         pool = copyable(self.kv_pool)
         pool.index_copy_(2, dst, pool.index_select(2, src))
@@ -142,30 +143,21 @@ class ModelRunner:
         # Exactly as wide as the longest table: on CPU, padding is gathered and costs time.
         width = max(len(seq.block_table) for seq, _ in batch)
         rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
-        tables = torch.tensor(rows, dtype=torch.int32)
         device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=tables.to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            block_tables=to_device(rows, torch.int32, device),
+            context_lens=to_device(context_lens, torch.int32, device),
             query_lens=tuple(query_lens),
             context_lens_host=tuple(context_lens),
             num_decode_seqs=num_decode,
             block_size=block_size,
             step_memo={},
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        ids = to_device(input_ids, torch.int64, device)
+        pos = to_device(positions, torch.int64, device)
         return ids, pos, meta
 
-
-def device_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 index tensor on device, copied from pinned memory without waiting: a step's
-    one host sync is its sampled tokens, and torch.tensor(list, device="cuda") copies from
-    pageable memory, which blocks the host until the copy is done."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ...], dtype: torch.dtype,
