@@ -10,10 +10,25 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 REQUESTS = Counter("pagedkv_model_requests", "Finished Generate requests, by finish reason", ["finish_reason"])
 REJECTED = Counter("pagedkv_model_requests_rejected", "Generate requests refused before queueing, by status", ["code"])
-TENANT_REQUESTS = Counter("pagedkv_model_tenant_requests", "Generate requests accepted, by tenant (--api-keys)",
-                          ["tenant"])
+# The `tenant` label of requests that carry no tenant (no --api-keys, or --auth-token's key);
+# --api-keys refuses a tenant of this name.
+NO_TENANT = "none"
+
+
+def tenant_label(tenant: str) -> str:
+    return tenant or NO_TENANT
+
+
+TENANT_REQUESTS = Counter("pagedkv_model_tenant_requests", "Generate requests accepted, by tenant (--api-keys; "
+                          "none: no tenant)", ["tenant"])
 TENANT_TOKENS = Counter("pagedkv_model_tenant_tokens", "Prompt and completion tokens of finished completions, "
-                        "by tenant (--api-keys)", ["tenant", "kind"])
+                        "by tenant (--api-keys; none: no tenant)", ["tenant", "kind"])
+TENANT_KV_BLOCKS = Gauge("pagedkv_model_tenant_kv_blocks", "KV blocks the tenant's sequences hold now, a block "
+                         "shared among them counted once (--api-keys; none: no tenant)", ["tenant"])
+TENANT_KV_BLOCKS_PEAK = Gauge("pagedkv_model_tenant_kv_blocks_peak", "The most KV blocks the tenant's sequences "
+                              "held at once since the model service started", ["tenant"])
+TENANT_PREEMPTIONS = Counter("pagedkv_model_tenant_preemptions", "The tenant's sequences preempted for recompute",
+                             ["tenant"])
 PROMPT_TOKENS = Counter("pagedkv_model_prompt_tokens", "Prompt tokens of accepted requests")
 GENERATED_TOKENS = Counter("pagedkv_model_generated_tokens", "Tokens generated")
 QUEUE_LENGTH = Gauge("pagedkv_model_queue_length", "Requests waiting for blocks or a batch slot")

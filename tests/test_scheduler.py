@@ -207,6 +207,37 @@ def test_each_sequence_keeps_its_peak_blocks_and_what_preemption_made_it_compute
     assert sum(s.recomputed_tokens for s in seqs) == sum(computed_when_preempted.values())
 
 
+def test_each_tenant_s_blocks_are_its_sequences_distinct_blocks_at_every_step():
+    # Two tenants in a pool that forces preemptions, one with n = 3 completions sharing
+    # their prompt's blocks: the count is of distinct blocks, and nothing stays counted
+    # (a sequence that ends while its extend is on the wire gives those blocks back too).
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 14)
+    cache = FakeCache(14)
+    # 17 tokens each: the extend for a 5th block goes out in the step that samples the last.
+    family = make_family(0, prompt_len=9, n=3, max_new=8)
+    others = [make_seq(1, prompt_len=6, max_new=11), make_seq(2, prompt_len=3, max_new=14)]
+    for seq in family:
+        seq.tenant = "a"
+    for seq in others:
+        seq.tenant = "b"
+    counted = []
+
+    def observe(step) -> None:
+        for tenant, seqs in (("a", family), ("b", others)):
+            distinct = {block for seq in seqs if seq.status is Status.RUNNING for block in seq.block_table}
+            assert scheduler.tenant_blocks.held(tenant) == len(distinct), tenant
+            counted.append(len(distinct))
+
+    scheduler.add(family[0])
+    for seq in others:
+        scheduler.add(seq)
+    drive(scheduler, cache, observe=observe)
+    assert scheduler.preemptions > 0 and max(counted) > 0
+    assert all(s.status is Status.FINISHED for s in family + others)
+    assert scheduler.tenant_blocks.held("a") == scheduler.tenant_blocks.held("b") == 0
+    assert scheduler.tenant_blocks.take_changed() == {"a": 0, "b": 0}
+
+
 def test_prefill_is_chunked_to_the_token_budget():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=8), 100)
     cache = FakeCache(100)

@@ -41,6 +41,7 @@ def test_yaml_and_json_files_give_the_same_tenants(tmp_path):
     ('{"sk-aaaaaaaa": {"tenant": "a", "max_queued_requests": -1}}', "must be a non-negative integer"),
     ('{"sk-aaaaaaaa": {"max_queued_requests": 1}}', "tenant must be a name"),
     ('{"short": {"tenant": "a"}}', "8 characters or more"),
+    ('{"sk-aaaaaaaa": {"tenant": "none"}}', "the metrics' label of requests without a tenant"),
     ('{"sk-aaaaaaaa": {"tenant": "a"}, "sk-bbbbbbbb": {"tenant": "a", "min_priority": 1}}', "different limits"),
     ("[1, 2]", "must map each key"),
 ])

@@ -1,8 +1,9 @@
 """Tenants through both doors of a real model service started with --api-keys (a JSON
-file, two tenants): keys map to tenants on gRPC and HTTP alike, a tenant past its
-max_concurrent_requests gets RESOURCE_EXHAUSTED / 429 while the other runs, cached
-prefixes are not shared between tenants (cache_salt defaults to the tenant), and the
-per-tenant Prometheus series count what each ran.
+file, two tenants) and --auth-token (a key of no tenant), on a pool of 32 blocks: keys map
+to tenants on gRPC and HTTP alike, a tenant past its max_concurrent_requests gets
+RESOURCE_EXHAUSTED / 429 while the other runs, cached prefixes are not shared between
+tenants (cache_salt defaults to the tenant), and the per-tenant Prometheus series, scraped
+from /metrics, count what each ran, held and lost to preemption.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import openai
 import pytest
 from cache_helpers import cache_stub, stats, wait_for
 from processes import start_cache_service, start_model_service
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
 KEY_A, KEY_B = "sk-tenant-a-key", "sk-tenant-b-key"
+SINGLE_TOKEN = "sk-no-tenant-token"  # --auth-token: requests of no tenant
+POOL_BLOCKS = 32  # of 16 tokens: two completions of 300 tokens cannot run side by side
 # Long enough for several full blocks: the prefix cache keys whole blocks.
 PROMPT = "Paged attention keeps each sequence's keys and values in fixed-size blocks. " * 2
 
@@ -30,8 +34,9 @@ def services(tmp_path_factory):
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "max_concurrent_requests": 1},
                                 KEY_B: {"tenant": "b"}}))
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache, \
-            start_model_service(tmp, cache.address, "--api-keys", str(keys)) as model:
+    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB", "--max-blocks", str(POOL_BLOCKS)) as cache, \
+            start_model_service(tmp, cache.address, "--api-keys", str(keys), "--auth-token", SINGLE_TOKEN,
+                                "--max-model-len", "512") as model:
         channel = grpc.insecure_channel(model.address)
         yield cache, model, model_pb2_grpc.ModelServiceStub(channel)
         channel.close()
@@ -47,6 +52,14 @@ def metric(model, line_start: str) -> float:
         if line.startswith(line_start + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def by_tenant(model, name: str, **labels) -> dict[str, float]:
+    """The samples of one metric from /metrics, by their tenant label."""
+    text = urllib.request.urlopen(model.metrics_url, timeout=10).read().decode()
+    return {sample.labels["tenant"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name
+            and all(sample.labels.get(key) == value for key, value in labels.items())}
 
 
 def test_a_key_outside_the_file_is_refused_on_both_doors(services):
@@ -85,3 +98,36 @@ def test_tenants_do_not_share_cached_prefixes_unless_given_one_salt(services):
     # The same salt, given by both, shares again.
     generate(stub, KEY_A, prompt=PROMPT, cache_salt="shared")
     assert generate(stub, KEY_B, prompt=PROMPT, cache_salt="shared").usage.cached_tokens > 0
+
+
+def test_the_tenant_series_count_requests_tokens_blocks_and_preemptions_and_none_is_no_tenant(services):
+    cache, model, stub = services
+    requests_before = by_tenant(model, "pagedkv_model_tenant_requests_total")
+    tokens_before = by_tenant(model, "pagedkv_model_tenant_tokens_total", kind="completion")
+    preempted_before = by_tenant(model, "pagedkv_model_tenant_preemptions_total")
+    # b's one request of two completions that cannot both fit: they grow side by side to
+    # 2 x 19 blocks in a pool of 32, so one of them is preempted, and b holds blocks meanwhile.
+    request = model_pb2.GenerateRequest(prompt="grow", sampling=model_pb2.SamplingParams(
+        n=2, max_new_tokens=300, ignore_eos=True, temperature=0))
+    call = stub.Generate(request, timeout=120, metadata=bearer_metadata(KEY_B))
+    next(call)
+    held = wait_for(lambda: by_tenant(model, "pagedkv_model_tenant_kv_blocks").get("b", 0), 30,
+                    "b's blocks to be counted")
+    assert 1 <= held <= POOL_BLOCKS
+    assert sum(response.usage.completion_tokens for response in call if response.finish_reason) == 600
+    assert generate(stub, SINGLE_TOKEN, prompt="no tenant").usage.completion_tokens == 2
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
+
+    requests = by_tenant(model, "pagedkv_model_tenant_requests_total")
+    assert requests["b"] - requests_before.get("b", 0) == 1
+    assert requests["none"] - requests_before.get("none", 0) == 1, "a request of no tenant is counted as none"
+    tokens = by_tenant(model, "pagedkv_model_tenant_tokens_total", kind="completion")
+    assert tokens["b"] - tokens_before.get("b", 0) == 600 and tokens["none"] - tokens_before.get("none", 0) == 2
+    preempted = by_tenant(model, "pagedkv_model_tenant_preemptions_total")
+    assert preempted["b"] > preempted_before.get("b", 0), "the pool of 32 blocks preempted none of b's"
+    assert preempted.get("a", 0) == preempted_before.get("a", 0)
+    # Now: nothing held (the gauge follows releases); peak: at least what was seen, at most the pool.
+    wait_for(lambda: set(by_tenant(model, "pagedkv_model_tenant_kv_blocks").values()) == {0}, 30,
+             "every tenant's gauge to come back to 0")
+    peaks = by_tenant(model, "pagedkv_model_tenant_kv_blocks_peak")
+    assert held <= peaks["b"] <= POOL_BLOCKS and 1 <= peaks["none"] <= 2

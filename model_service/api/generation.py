@@ -125,8 +125,7 @@ class GenerationService:
         except GenerateError:
             structlog.contextvars.unbind_contextvars("request_id")
             raise
-        if tenant.name:
-            metrics.TENANT_REQUESTS.labels(tenant.name).inc()
+        metrics.TENANT_REQUESTS.labels(metrics.tenant_label(tenant.name)).inc()
         return stream
 
     def _check_limits(self, tenant: Tenant) -> None:
@@ -196,7 +195,8 @@ class GenerationService:
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
             key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
-                                     deadline=deadline, priority=priority, cache_salt=cache_salt)
+                                     deadline=deadline, priority=priority, cache_salt=cache_salt,
+                                     tenant=tenant.name)
         except QueueFull as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
         except EngineUnavailable as error:
@@ -250,9 +250,9 @@ class ResponseStream:
         if delta.finish is not None:
             self._unfinished -= 1
             self._finished = self._unfinished == 0
-            if self._tenant.name:
-                metrics.TENANT_TOKENS.labels(self._tenant.name, "prompt").inc(delta.prompt_tokens)
-                metrics.TENANT_TOKENS.labels(self._tenant.name, "completion").inc(delta.completion_tokens)
+            label = metrics.tenant_label(self._tenant.name)
+            metrics.TENANT_TOKENS.labels(label, "prompt").inc(delta.prompt_tokens)
+            metrics.TENANT_TOKENS.labels(label, "completion").inc(delta.completion_tokens)
         return to_response(delta, self.request_id)
 
     def close(self) -> None:

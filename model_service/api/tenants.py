@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model_service.metrics import NO_TENANT
+
 FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks")
 
 
@@ -95,6 +97,9 @@ def load_api_keys(path: Path) -> dict[str, Tenant]:
         name = entry.get("tenant")
         if not isinstance(name, str) or not name or len(name) > 64 or not name.isprintable():
             raise ValueError(f"{where}: tenant must be a name of 1 to 64 printable characters")
+        if name == NO_TENANT:
+            raise ValueError(f"{where}: tenant {NO_TENANT!r} is the metrics' label of requests without a tenant; "
+                             "give this one another name")
         tenants[key] = Tenant(name, **{name_: _count(entry, name_, where) for name_ in FIELDS[1:]
                                        if entry.get(name_) is not None})
     return _one_tenant_object_per_name(tenants, path)

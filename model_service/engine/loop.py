@@ -150,6 +150,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
         self.connected = threading.Event()
+        self._tenant_peaks: dict[str, int] = {}  # the most blocks each tenant held, across attachments
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -192,9 +193,10 @@ class Engine:
     # -- the callers' side ------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
-               deadline: float | None = None, priority: int = 0, cache_salt: str = "") -> int:
+               deadline: float | None = None, priority: int = 0, cache_salt: str = "", tenant: str = "") -> int:
         """Queues a validated request; returns the key that cancel() takes. `deadline` is a
-        time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise)."""
+        time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise); `tenant` names
+        whose it is (--api-keys; "": no tenant)."""
         if not self._accepting or self._stopping.is_set():
             raise EngineUnavailable("the model service is shutting down; retry elsewhere")
         if not self.connected.is_set():
@@ -202,7 +204,7 @@ class Engine:
         key = self._admission.admit(request_id)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
                               self.device, deadline, priority, arrival=key, cache_salt=cache_salt,
-                              bytes_per_block=self.bytes_per_block)
+                              bytes_per_block=self.bytes_per_block, tenant=tenant)
         self._inbox.put(Submit(request))
         return key
 
@@ -313,10 +315,13 @@ class Engine:
         self._requests.expire_deadlines()
         self._retire_ended()
         if not scheduler.has_work():
+            self._count_tenant_blocks(scheduler.tenant_blocks.take_changed())
             return
         step = scheduler.schedule()
         if step.preempted:
             metrics.PREEMPTIONS.inc(len(step.preempted))
+            for seq in step.preempted:
+                metrics.TENANT_PREEMPTIONS.labels(metrics.tenant_label(seq.tenant)).inc()
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         if step.lease_ops:
             self._fence_writes(step.lease_ops)
@@ -333,6 +338,16 @@ class Engine:
         metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
+        self._count_tenant_blocks(scheduler.tenant_blocks.take_changed())
+
+    def _count_tenant_blocks(self, held: dict[str, int]) -> None:
+        """The per-tenant block gauges, for the tenants whose count changed."""
+        for tenant, blocks in held.items():
+            label = metrics.tenant_label(tenant)
+            metrics.TENANT_KV_BLOCKS.labels(label).set(blocks)
+            if blocks > self._tenant_peaks.get(tenant, 0):
+                self._tenant_peaks[tenant] = blocks
+                metrics.TENANT_KV_BLOCKS_PEAK.labels(label).set(blocks)
 
     def _execute(self, step: Step) -> None:
         """Runs the step's batch, samples the rows that are due, lets the scheduler write the
@@ -451,6 +466,7 @@ class Engine:
         self._fail_queued(grpc.StatusCode.UNAVAILABLE,
                           f"the cache service at {self.cache.address} went away; retry")
         self._session.lost(error)
+        self._count_tenant_blocks({tenant: 0 for tenant in self._tenant_peaks})  # the lost session held them
         self.scheduler = self.runner = None
         if self.decode_graph_pool is not None:
             self.decode_graph_pool.drop()  # its graphs would replay into the lost pool

@@ -128,7 +128,7 @@ class RequestOutput:
 
 def new_request(key: int, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink,
                 tokenizer, device: torch.device, deadline: float | None, priority: int,
-                arrival: int, cache_salt: str = "", bytes_per_block: int = 0) -> RequestOutput:
+                arrival: int, cache_salt: str = "", bytes_per_block: int = 0, tenant: str = "") -> RequestOutput:
     """A request and its n completions' sequences; completion 0's sequence prefills the
     prompt, the others wait to fork from it (Sequence.fork_children)."""
     request = RequestOutput(key=key, request_id=request_id, sink=sink, options=options,
@@ -137,7 +137,7 @@ def new_request(key: int, request_id: str, prompt_token_ids: list[int], options:
     for index in range(options.n):
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        options=options, arrival=arrival, index=index, priority=priority,
-                       cache_salt=cache_salt)  # forks inherit it at the cache service too
+                       cache_salt=cache_salt, tenant=tenant)  # forks inherit it at the cache service too
         generator = None if options.greedy else make_generator(completion_seed(options.seed, index), device)
         detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.stop,
                                              include_stop_str=options.include_stop_str_in_output,

@@ -47,6 +47,7 @@ from model_service.sched.lease_ahead import PendingReleases, top_ups
 from model_service.sched.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
 from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
+from model_service.sched.tenant_blocks import TenantBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,7 @@ class Scheduler:
         self._forks: list[ForkRequest] = []
         self._copies: list[tuple[int, int]] = []
         self.preemptions = 0
+        self.tenant_blocks = TenantBlocks()
 
     # -- requests come and go -------------------------------------------------------
 
@@ -169,6 +171,7 @@ class Scheduler:
         if seq.lease_id is not None:
             self._releases.add(Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]),
                                        len(seq.block_table)), urgent)
+        self.tenant_blocks.drop(seq.tenant, seq.block_table)
         seq.drop_blocks()
 
     def preempt(self, seq: Sequence) -> None:
@@ -207,7 +210,7 @@ class Scheduler:
                 child.block_table = list(outcome.block_ids)
                 child.num_computed = fork.parent_tokens
                 child.ever_computed = max(child.ever_computed, fork.parent_tokens)
-                self._grew(child)
+                self._grew(child, outcome.block_ids)
                 child.admitted_once = True
                 child.status = Status.RUNNING
                 self.running.append(child)
@@ -218,10 +221,12 @@ class Scheduler:
             next(results)  # a release of a lease the service already reclaimed is harmless
         for seq, _ in ops.extends:
             outcome = next(results)
+            if outcome.ok and seq.status is not Status.RUNNING:
+                continue  # ended since the call went out: its lease's release gives these back too
             if outcome.ok:
                 seq.block_table.extend(outcome.block_ids)
                 seq.starved = False
-                self._grew(seq)
+                self._grew(seq, outcome.block_ids)
             elif outcome.code == "NO_FREE_BLOCKS":
                 seq.starved = True
             elif outcome.code == "LIMIT_EXCEEDED":
@@ -250,7 +255,7 @@ class Scheduler:
                 seq.block_table = list(outcome.block_ids)
                 seq.num_computed = outcome.cached_tokens
                 seq.ever_computed = max(seq.ever_computed, outcome.cached_tokens)
-                self._grew(seq)
+                self._grew(seq, outcome.block_ids)
                 seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
                 if not seq.admitted_once:
                     seq.cached_tokens = outcome.cached_tokens
@@ -275,17 +280,20 @@ class Scheduler:
                 failed.append((seq, f"{outcome.code}: {outcome.message}"))
         for seq, _ in ops.top_ups:
             outcome = next(results)
-            if outcome.ok:  # refused: the sequence asks again when it needs the block
+            # Refused: the sequence asks again when it needs the block; ended meanwhile:
+            # its lease's release gives it back.
+            if outcome.ok and seq.status is Status.RUNNING:
                 seq.block_table.extend(outcome.block_ids)
-                self._grew(seq)
+                self._grew(seq, outcome.block_ids)
         # Back to the front, in their original order: first come, first served.
         self.waiting.extendleft(reversed(requeue))
         return failed
 
-    def _grew(self, seq: Sequence) -> None:
-        """A lease call's answer gave `seq` blocks."""
+    def _grew(self, seq: Sequence, block_ids: tuple[int, ...]) -> None:
+        """A lease call's answer gave `seq` these blocks (now in its table)."""
         if len(seq.block_table) > seq.peak_blocks:
             seq.peak_blocks = len(seq.block_table)
+        self.tenant_blocks.hold(seq.tenant, block_ids)
 
     # -- a step's results -------------------------------------------------------------
 

@@ -71,6 +71,8 @@ class Sequence:
     reuse_prefix: bool = True
     # GenerateRequest.cache_salt: only sequences of the same salt share cached blocks.
     cache_salt: str = ""
+    # Whose request it is (--api-keys), by name; "": no tenant.
+    tenant: str = ""
 
     @property
     def num_output(self) -> int:
