@@ -2,9 +2,10 @@
 
 The ledger reports two things and knows nothing of events: which blocks a release
 registered (``registered``) and which blocks an allocation took from the free list
-(``taken``: a registered block taken is evicted). This log mirrors the prefix cache in
-vLLM's hashes (``vllm_block_hash.py``), keyed by (model fingerprint, digest), so it
-needs nothing from the block pool's internals:
+(``taken``: a registered block taken is evicted); a ResetPrefixCache reports the blocks
+it dropped (``reset``). This log mirrors the prefix cache in vLLM's hashes
+(``vllm_block_hash.py``), keyed by (model fingerprint, digest), so it needs nothing from
+the block pool's internals:
 
 - A release's newly registered blocks are the first ``count`` of its full blocks that
   were not registered before, in chain order: ``BlockPool.register`` registers a run of
@@ -15,36 +16,75 @@ needs nothing from the block pool's internals:
   ``tier_removed`` under the key the pool block had: a demotion is a ``BlockStored`` with
   medium "CPU" (host) or "STORAGE" (disk), the pool's eviction its usual "GPU" removal.
 
-The router sees one set of hashes per worker, without the model: two models of one
-pool caching the same tokens store one hash, so a hash is published when its first copy
-is stored and removed when its last copy goes.
+Each endpoint is a channel (``kv_event_channel.py``): every model's blocks, or one served
+model name's. A router takes one event source per worker and a worker serves one name,
+so a block belongs to a name's channel when its model fingerprint is served under that
+name by some session, now or earlier (``serves``, at Attach). The fingerprint, not the
+session that registered the block, is the key: sessions of one checkpoint share its
+prefix cache, so a block registered under one name is a hit for every name of that
+checkpoint, and each of their channels tells of it. A name newly seen for a fingerprint
+catches up: its channel is told of every block that fingerprint already holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from cache_service.vllm_block_hash import block_hash, external, none_hash, salt_extra_keys
+from cache_service.kv_event_channel import EventChannel
+from cache_service.kv_events import KvEvent
+from cache_service.vllm_block_hash import block_hash, none_hash, salt_extra_keys
 
 Key = tuple[str, bytes]  # (model fingerprint, vLLM digest of the block's chain)
 
 
+@dataclass(slots=True)
+class _Registered:
+    """A registered pool block as its channels were told of it."""
+
+    key: Key
+    token_ids: Sequence[int]
+    parent: bytes | None  # the digest before it in its chain (None: the chain's first block)
+    cache_salt: str
+
+
 class BlockEventLog:
-    def __init__(self, block_size: int, root: bytes | None = None) -> None:
+    def __init__(self, block_size: int, root: bytes | None = None, models: Iterable[str | None] = (None,)) -> None:
+        """``models``: one channel per entry, None for every model's blocks."""
         self.block_size = block_size
         self.root = none_hash() if root is None else root
-        self._by_block: dict[int, Key] = {}  # registered block id -> its key
+        self.channels = {model: EventChannel(model, block_size) for model in models}
+        self._by_block: dict[int, _Registered] = {}  # registered block id -> what was told of it
         self._keys: set[Key] = set()
-        self._copies: dict[int, int] = {}  # published hash -> registered blocks holding it
-        self._pending: list[KvEvent] = []
+        self._tier: dict[tuple[Key, str], tuple[Sequence[int], int]] = {}  # (key, medium) -> (token ids, copies)
+        self._served: dict[str, set[str]] = {}  # fingerprint -> the names sessions served it under
+        self._routes: dict[str, list[EventChannel]] = {}  # fingerprint -> the channels that see its blocks
+
+    def serves(self, fingerprint: str, served_model_name: str) -> None:
+        """A session serves the checkpoint ``fingerprint`` under ``served_model_name`` (Attach)."""
+        names = self._served.setdefault(fingerprint, set())
+        if not served_model_name or served_model_name in names:
+            return
+        names.add(served_model_name)
+        self._routes.pop(fingerprint, None)
+        channel = self.channels.get(served_model_name)
+        if channel is None:
+            return
+        for entry in self._by_block.values():  # registration order: parents before children
+            if entry.key[0] == fingerprint:
+                channel.stored_block(entry.key[1], entry.parent, entry.token_ids, entry.cache_salt)
+        for (key, medium), (token_ids, copies) in self._tier.items():
+            if key[0] == fingerprint:
+                for _ in range(copies):
+                    channel.tier_stored(key[1], token_ids, medium)
 
     def cleared(self) -> None:
         """A new, empty pool: consumers drop what they knew of this worker."""
         self._by_block.clear()
         self._keys.clear()
-        self._copies.clear()
-        self._pending.append(AllBlocksCleared())
+        self._tier.clear()
+        for channel in self.channels.values():
+            channel.cleared()
 
     def registered(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
                    count: int) -> None:
@@ -60,93 +100,105 @@ class BlockEventLog:
         digests: list[bytes] = []
         new_indices: list[int] = []
         for index in range(full):
-            block_id = blocks[index].block_id
-            known = by_block.get(block_id)
+            block = blocks[index]
+            known = by_block.get(block.block_id)
             if known is not None:
-                digest = known[1]  # this block is the cached copy: its digest is known
+                digest = known.key[1]  # this block is the cached copy: its digest is known
             else:
                 chunk = token_ids[index * block_size : (index + 1) * block_size]
                 digest = block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None)
                 key = (fingerprint, digest)
                 if key not in keys:  # not cached before, so this block is the new copy
-                    by_block[block_id] = key
+                    # The pool's own tuple of the block's tokens: nothing copied per block.
+                    tokens = block.token_ids if block.token_ids is not None else tuple(chunk)
+                    by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
                     keys.add(key)
                     new_indices.append(index)
             digests.append(digest)
             parent = digest
             if len(new_indices) == count:
                 break  # nothing after the registered run was registered
-        self._stored(new_indices, digests, token_ids, cache_salt)
+        if new_indices:
+            for channel in self._route(fingerprint):
+                channel.stored_chain(new_indices, digests, token_ids, cache_salt)
 
     def taken(self, blocks: Sequence) -> None:
         """``blocks`` left the free list for new leases: the registered ones are evicted."""
-        by_block = self._by_block
-        if not by_block:
-            return
-        removed = []
-        for block in blocks:
-            key = by_block.pop(block.block_id, None)
-            if key is None:
-                continue
-            self._keys.discard(key)
-            published = external(key[1])
-            copies = self._copies[published] - 1
-            if copies:
-                self._copies[published] = copies
+        for channel, gone in self._lose(blocks):
+            channel.removed(gone)
+
+    def reset(self, blocks: Sequence) -> None:
+        """ResetPrefixCache dropped ``blocks`` from the prefix cache. A channel left with
+        nothing cached in any medium says AllBlocksCleared (exactly true there), any
+        other a BlockRemoved."""
+        for channel, gone in self._lose(blocks):
+            if channel.empty():
+                channel.cleared()
             else:
-                del self._copies[published]
-                removed.append(published)
-        if removed:
-            self._pending.append(BlockRemoved(block_hashes=removed))
+                channel.removed(gone)
 
     def key_of(self, block_id: int) -> Key | None:
         """The key of a registered pool block (None if events never saw it registered)."""
-        return self._by_block.get(block_id)
+        entry = self._by_block.get(block_id)
+        return entry.key if entry is not None else None
 
     def tier_stored(self, key: Key, token_ids: Sequence[int], medium: str) -> None:
         """A copy of the block of ``key`` is now in a KV tier (``medium`` "CPU" or "STORAGE")."""
-        self._pending.append(BlockStored(block_hashes=[external(key[1])], parent_block_hash=None,
-                                         token_ids=list(token_ids), block_size=self.block_size, medium=medium))
+        told, copies = self._tier.get((key, medium), (token_ids, 0))
+        self._tier[(key, medium)] = (told, copies + 1)
+        for channel in self._route(key[0]):
+            channel.tier_stored(key[1], token_ids, medium)
 
     def tier_removed(self, key: Key, medium: str) -> None:
         """The KV tier ``medium`` no longer holds the block of ``key``."""
-        self._pending.append(BlockRemoved(block_hashes=[external(key[1])], medium=medium))
+        told = self._tier.get((key, medium))
+        if told is None:
+            return  # never told of: nothing to take back
+        if told[1] > 1:
+            self._tier[(key, medium)] = (told[0], told[1] - 1)
+        else:
+            del self._tier[(key, medium)]
+        for channel in self._route(key[0]):
+            channel.tier_removed(key[1], medium)
 
-    def drain(self) -> list[KvEvent]:
-        """The events since the last drain, oldest first."""
-        events, self._pending = self._pending, []
-        return events
+    def drain(self, model: str | None = None) -> list[KvEvent]:
+        """The events of ``model``'s channel (None: every model's) since its last drain, oldest first."""
+        channel = self.channels.get(model)
+        return channel.drain() if channel is not None else []
+
+    def drain_all(self) -> dict[str | None, list[KvEvent]]:
+        """Every channel's events since the last drain, for the channels that have some."""
+        out = {}
+        for model, channel in self.channels.items():
+            if channel.pending:
+                out[model] = channel.drain()
+        return out
 
     def registered_blocks(self) -> int:
         return len(self._by_block)
 
-    def _stored(self, new_indices: list[int], digests: list[bytes], token_ids: Sequence[int], cache_salt: str) -> None:
-        # One BlockStored per run of consecutive blocks whose hash is new to consumers.
-        copies = self._copies
-        run: list[int] = []
-        for index in new_indices:
-            published = external(digests[index])
-            seen = copies.get(published, 0)
-            copies[published] = seen + 1
-            if seen:
-                self._flush(run, digests, token_ids, cache_salt)
-                run = []
-                continue
-            if run and run[-1] != index - 1:
-                self._flush(run, digests, token_ids, cache_salt)
-                run = []
-            run.append(index)
-        self._flush(run, digests, token_ids, cache_salt)
+    def _route(self, fingerprint: str) -> list[EventChannel]:
+        route = self._routes.get(fingerprint)
+        if route is None:
+            names = self._served.get(fingerprint, ())
+            route = [channel for model, channel in self.channels.items() if model is None or model in names]
+            self._routes[fingerprint] = route
+        return route
 
-    def _flush(self, run: list[int], digests: list[bytes], token_ids: Sequence[int], cache_salt: str) -> None:
-        if not run:
-            return
-        block_size = self.block_size
-        first, last = run[0], run[-1]
-        self._pending.append(BlockStored(
-            block_hashes=[external(digests[index]) for index in run],
-            parent_block_hash=external(digests[first - 1]) if first else None,
-            token_ids=list(token_ids[first * block_size : (last + 1) * block_size]),
-            block_size=block_size,
-            extra_keys=[salt_extra_keys(cache_salt) if index == 0 else None for index in run],
-        ))
+    def _lose(self, blocks: Sequence) -> list[tuple[EventChannel, list[int]]]:
+        """Forgets the registered ones among ``blocks``; per channel, the hashes whose last copy went."""
+        by_block = self._by_block
+        if not by_block:
+            return []
+        lost: dict[str, list[bytes]] = {}
+        for block in blocks:
+            entry = by_block.pop(block.block_id, None)
+            if entry is None:
+                continue
+            self._keys.discard(entry.key)
+            lost.setdefault(entry.key[0], []).append(entry.key[1])
+        per_channel: dict[EventChannel, list[bytes]] = {}
+        for fingerprint, digests in lost.items():
+            for channel in self._route(fingerprint):
+                per_channel.setdefault(channel, []).extend(digests)
+        return [(channel, gone) for channel, digests in per_channel.items() if (gone := channel.lost(digests))]

@@ -9,7 +9,9 @@ gets ``(seq, payload)`` frames for each batch still buffered, then ``(-1, b"")``
 
 Sending happens on the event loop that serves Lease: a PUB send never blocks and costs
 a few µs, so no thread is needed; the replay socket is served by a task on that loop.
-Both sockets bind (a server's sockets bind in pagedkv, whatever the address).
+Both sockets bind (a server's sockets bind in pagedkv, whatever the address). A publisher
+sends one channel's batches (``model``: one served model name's blocks, None: every
+model's), with a seq and a replay buffer of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ SEND_HWM = 100_000
 
 class KvEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 data_parallel_rank: int = 0, buffer_batches: int = REPLAY_BUFFER_BATCHES) -> None:
+                 data_parallel_rank: int = 0, buffer_batches: int = REPLAY_BUFFER_BATCHES,
+                 model: str | None = None) -> None:
+        self.model = model
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(SEND_HWM)
@@ -50,8 +54,9 @@ class KvEventPublisher:
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as error:
             self.close()
-            raise ValueError(f"cannot bind the KV events socket ({endpoint}, replay {replay_endpoint}): {error}; "
-                             "give tcp://HOST:PORT with a free port") from error
+            for_model = f" of model {model!r}" if model is not None else ""
+            raise ValueError(f"cannot bind the KV events socket{for_model} ({endpoint}, replay {replay_endpoint}): "
+                             f"{error}; give tcp://HOST:PORT with a free port") from error
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode() if self._replay else None
         self._topic = topic.encode()
@@ -107,4 +112,4 @@ async def replay_forever(publisher: KvEventPublisher) -> None:
     except asyncio.CancelledError:
         raise
     except Exception:  # a replay failure must not end the service's event publishing
-        log.exception("kv_events_replay_failed")
+        log.exception("kv_events_replay_failed", model=publisher.model)

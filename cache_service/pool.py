@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -116,9 +117,10 @@ RELEASE_CHUNK_BLOCKS = 8192
 
 class KvPool:
     def __init__(self, settings: PoolSettings, clock=time.monotonic,
-                 kv_events: KvEventPublisher | None = None) -> None:
+                 kv_events: Sequence[KvEventPublisher] = ()) -> None:
         self.settings = settings
-        self.kv_events = kv_events
+        # One publisher per KV events endpoint, each for one served model name or (None) every model.
+        self.kv_events = list(kv_events)
         self._clock = clock
         self.sessions = Sessions(settings.lease_ttl_ms / 1000, clock)
         # Expired sessions whose blocks wait out the reclaim grace: (release at, session).
@@ -152,6 +154,9 @@ class KvPool:
             log.info("session_attach_repeated", session=session.owner, client=client_name)
             return Attachment(session, self.sizing, self._handle_for_attach())
         session = self.sessions.open(client_name, model_fingerprint, served_model_name, attach_key)
+        if self.ledger.events is not None:
+            self.ledger.events.serves(model_fingerprint, served_model_name)
+            self.publish_kv_events()  # a name's endpoint catches up on what its model already holds
         log.info("session_attached", session=session.owner, client=client_name, model_fingerprint=model_fingerprint,
                  served_model_name=served_model_name)
         return Attachment(session, self.sizing, self._handle_for_attach())
@@ -240,7 +245,8 @@ class KvPool:
             self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
         self.sizing = sizing
-        events = BlockEventLog(sizing.block_size) if self.kv_events is not None else None
+        events = (BlockEventLog(sizing.block_size, models=[publisher.model for publisher in self.kv_events])
+                  if self.kv_events else None)
         self.ledger = Ledger(sizing.num_blocks, sizing.block_size, limits=self.settings.session_limits, events=events)
         if self.settings.tiers.enabled:
             self._create_tiers(geometry, sizing)
@@ -270,12 +276,14 @@ class KvPool:
                  disk_blocks_restored=self.tiers.index.count("disk"))
 
     def publish_kv_events(self) -> None:
-        """Sends what the prefix cache gained and lost since the last call, as one batch."""
-        if self.kv_events is None or self.ledger is None:
+        """Sends what the prefix cache gained and lost since the last call, as one batch per endpoint."""
+        if not self.kv_events or self.ledger is None:
             return
-        events = self.ledger.events.drain()
-        if events:
-            self.kv_events.publish(events)
+        batches = self.ledger.events.drain_all()
+        for publisher in self.kv_events:
+            events = batches.get(publisher.model)
+            if events:
+                publisher.publish(events)
 
     def _check_fits(self, max_model_len: int) -> None:
         needed = -(-max_model_len // self.sizing.block_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 
 import structlog
 
@@ -51,12 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
              help="block-table entries one session may hold at once (a fork's shared blocks count again); "
                   "an op past it fails with LIMIT_EXCEEDED")
     add_flag(parser, "--shm-dir", default="/dev/shm", help="CPU: where the pool's shared-memory file lives")
-    add_flag(parser, "--kv-events-endpoint", default=None,
+    add_flag(parser, "--kv-events-endpoint", default=None, repeat=True, type=parse_event_endpoint,
              help="publish vLLM-format KV events (BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket "
-                  "bound here, e.g. tcp://*:5557, for prefix-aware routers such as vllm-router's kv_aware policy")
-    add_flag(parser, "--kv-events-replay-endpoint", default=None,
+                  "bound here, e.g. tcp://*:5557, for prefix-aware routers such as vllm-router's kv_aware policy; "
+                  "MODEL=tcp://*:5559 publishes only the blocks of the model served under that name there "
+                  "(repeat the flag: one endpoint per model, and one without MODEL= for every model's)")
+    add_flag(parser, "--kv-events-replay-endpoint", default=None, repeat=True, type=parse_event_endpoint,
              help="also bind a ZMQ ROUTER socket here (e.g. tcp://*:5558) from which a subscriber replays missed "
-                  "event batches from a seq on")
+                  "event batches from a seq on; MODEL=tcp://*:5560 replays that model's endpoint (repeatable)")
     add_flag(parser, "--host-cache-bytes", default=0, type=parse_bytes,
              help="host-memory KV tier beyond the pool, e.g. 8GiB: evicted prefix blocks are kept there and copied "
                   "back on a hit (0: off; CUDA: pinned memory; CPU: memory apart from the pool's budget)")
@@ -93,7 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
         tiers=TierSettings(host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
                            disk_cache_bytes=args.disk_cache_bytes),
     )
-    kv_events = kv_event_publisher(args)
+    kv_events = kv_event_publishers(args)
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)
     if removed:
         log.warning("stale_pools_removed", files=removed)
@@ -109,26 +112,64 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await server.start()
         tasks.append(asyncio.create_task(reap_forever(pool)))
-        if kv_events is not None:
-            tasks.append(asyncio.create_task(replay_forever(kv_events)))
+        tasks.extend(asyncio.create_task(replay_forever(publisher)) for publisher in kv_events)
         await server.set_serving(True)
         await serve_until_signal(server, grace_s=args.grace_s)
     finally:
         for task in tasks:
             task.cancel()
         pool.close()
-        if kv_events is not None:
-            kv_events.close()
+        for publisher in kv_events:
+            publisher.close()
 
 
-def kv_event_publisher(args: argparse.Namespace) -> KvEventPublisher | None:
-    if not args.kv_events_endpoint:
-        if args.kv_events_replay_endpoint:
-            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint: it replays what that publishes")
-        return None
-    publisher = KvEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
-    log.info("kv_events_publishing", endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
-    return publisher
+# [MODEL=]ENDPOINT: the model is what comes before the "=" that precedes the endpoint's scheme.
+_MODEL_ENDPOINT = re.compile(r"(?:(?P<model>.+?)=)?(?P<endpoint>[A-Za-z][A-Za-z0-9+.-]*://.+)", re.S)
+
+
+def parse_event_endpoint(raw: str) -> tuple[str | None, str]:
+    """A --kv-events-(replay-)endpoint value: (served model name or None for every model, ZMQ endpoint)."""
+    match = _MODEL_ENDPOINT.fullmatch(raw)
+    if match is None:
+        return None, raw  # not an endpoint: binding it fails with a message that says so
+    return match["model"], match["endpoint"]
+
+
+def _by_model(values: list[tuple[str | None, str]] | None, flag: str) -> dict[str | None, str]:
+    out: dict[str | None, str] = {}
+    for model, endpoint in values or ():
+        if model in out:
+            raise ValueError(f"{flag} is given twice for {_whose(model)} ({out[model]} and {endpoint}); "
+                             "one endpoint each")
+        out[model] = endpoint
+    return out
+
+
+def _whose(model: str | None) -> str:
+    return "every model" if model is None else f"model {model!r}"
+
+
+def kv_event_publishers(args: argparse.Namespace) -> list[KvEventPublisher]:
+    """One publisher per --kv-events-endpoint, each with its replay socket if one was given."""
+    endpoints = _by_model(args.kv_events_endpoint, "--kv-events-endpoint")
+    replays = _by_model(args.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
+    for model in replays:
+        if model not in endpoints:
+            prefix = "" if model is None else f"{model}="
+            raise ValueError(f"--kv-events-replay-endpoint {prefix}{replays[model]} needs --kv-events-endpoint "
+                             f"{prefix}...: it replays what that publishes")
+    publishers: list[KvEventPublisher] = []
+    try:
+        for model, endpoint in endpoints.items():
+            publishers.append(KvEventPublisher(endpoint, replays.get(model), model=model))
+    except ValueError:
+        for publisher in publishers:
+            publisher.close()
+        raise
+    for publisher in publishers:
+        log.info("kv_events_publishing", model=publisher.model, endpoint=publisher.endpoint,
+                 replay_endpoint=publisher.replay_endpoint)
+    return publishers
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,9 @@
 """Command-line flags with PAGEDKV_* environment twins.
 
 Every flag `--some-flag` can also be set by `PAGEDKV_SOME_FLAG`; the command line wins.
-The twin is shown in --help so nobody has to guess it.
+The twin is shown in --help so nobody has to guess it. A flag that can be repeated
+(`repeat=True`) takes its twin as values separated by whitespace, and the command line's
+values replace the twin's rather than add to them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,33 @@ def env_name(flag: str) -> str:
     return "PAGEDKV_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any = None, help: str, **kwargs: Any) -> None:
-    """Adds --flag whose default comes from its PAGEDKV_* twin when that is set."""
+class _Repeated(argparse.Action):
+    """argparse's append, except that the first value on the command line replaces the
+    default (the twin's values) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest, None)
+        if current is self.default:
+            current = []
+        setattr(namespace, self.dest, [*current, values])
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, default: Any = None, help: str, repeat: bool = False,
+             **kwargs: Any) -> None:
+    """Adds --flag whose default comes from its PAGEDKV_* twin when that is set; with
+    ``repeat`` the flag may be given several times and its value is a list."""
     twin = env_name(flag)
     raw = os.environ.get(twin)
+    if repeat:
+        kwargs["action"] = _Repeated
     if raw is not None:
-        if kwargs.get("action") == "store_true":
+        if repeat:
+            convert = kwargs.get("type", str)
+            try:
+                default = [convert(item) for item in raw.split()] or None
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+                parser.error(f"{twin}={raw!r} is not valid for {flag}: {error}")
+        elif kwargs.get("action") == "store_true":
             default = raw.strip().lower() in {"1", "true", "yes", "on"}
         else:
             convert = kwargs.get("type", str)

@@ -15,11 +15,14 @@ def cache_stub(address: str) -> cache_pb2_grpc.CacheServiceStub:
     return cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(address))
 
 
-def attach(stub, name: str = "test", metadata=(), max_model_len: int = 64, **geometry) -> cache_pb2.AttachResponse:
+def attach(stub, name: str = "test", metadata=(), max_model_len: int = 64, model_fingerprint: str = "",
+           served_model_name: str = "", **geometry) -> cache_pb2.AttachResponse:
     request = cache_pb2.AttachRequest(
         client_name=name,
         geometry=cache_pb2.Geometry(**{**TINY_GEOMETRY, **geometry}),
         max_model_len=max_model_len,
+        model_fingerprint=model_fingerprint,
+        served_model_name=served_model_name,
     )
     return stub.Attach(request, timeout=10, metadata=metadata)
 

@@ -18,7 +18,7 @@ from cache_helpers import allocate, attach, cache_stub, lease, release
 from cache_service.block_event_log import BlockEventLog
 from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.ledger import Ledger
-from cache_service.server import build_parser, kv_event_publisher
+from cache_service.server import build_parser, kv_event_publishers
 from cache_service.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
 from processes import free_port, start_cache_service
 
@@ -147,6 +147,65 @@ def test_what_a_consumer_knows_mirrors_the_prefix_cache():
         ledger.check_invariants()
 
 
+def fold(known: set[int], events, medium: str = "GPU") -> set[int]:
+    """What a consumer knows after ``events`` (of one medium), checking that each makes sense."""
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            known.clear()
+        elif event.medium != medium:
+            continue
+        elif isinstance(event, BlockStored):
+            assert known.isdisjoint(event.block_hashes), "stored twice"
+            known.update(event.block_hashes)
+        else:
+            assert known.issuperset(event.block_hashes), "removed what was never stored"
+            known.difference_update(event.block_hashes)
+    return known
+
+
+def hashes(tokens, salt: str = "") -> set[int]:
+    return {external(digest) for digest in chain(tokens, BS, salt, root=ROOT)}
+
+
+def test_a_model_channel_tells_only_of_the_blocks_of_the_checkpoints_served_under_its_name():
+    events = BlockEventLog(BS, root=ROOT, models=[None, "alpha", "beta", "alpha-chat"])
+    ledger = Ledger(16, BS, events=events)
+    events.serves("fp-alpha", "alpha")
+    events.serves("fp-beta", "beta")
+    alpha_tokens, beta_tokens, shared = list(range(1, 33)), list(range(100, 132)), list(range(500, 516))
+    cache(ledger, alpha_tokens, ("fp-alpha", ""))
+    cache(ledger, beta_tokens, ("fp-beta", "tenant"))
+    cache(ledger, shared, ("fp-alpha", ""))
+    cache(ledger, shared, ("fp-beta", ""))  # the same tokens, so the same hash, from the other model
+    told = {model: fold(set(), as_consumer(events.drain(model))) for model in (None, "alpha", "beta", "alpha-chat")}
+    assert told["alpha"] == hashes(alpha_tokens) | hashes(shared)
+    assert told["beta"] == hashes(beta_tokens, "tenant") | hashes(shared)
+    assert told[None] == told["alpha"] | told["beta"]
+    assert told["alpha-chat"] == set()  # nobody serves that name yet
+
+    # A copy of alpha's first block in the host tier is told on alpha's endpoints only.
+    first, second = chain(alpha_tokens, BS, root=ROOT)
+    events.tier_stored(("fp-alpha", first), tuple(alpha_tokens[:16]), "CPU")
+    assert [fold(set(), as_consumer(events.drain(model)), "CPU") for model in ("alpha", "beta", None)] == [
+        {external(first)}, set(), {external(first)}]
+
+    # A second name for the alpha checkpoint shares its prefix cache: its endpoint catches
+    # up on the blocks alpha already holds (pool and tiers), each with its parent, and nothing of beta's.
+    events.serves("fp-alpha", "alpha-chat")
+    caught_up = as_consumer(events.drain("alpha-chat"))
+    assert fold(set(), caught_up) == told["alpha"]
+    assert fold(set(), caught_up, "CPU") == {external(first)}
+    [second_stored] = [event for event in caught_up if event.block_hashes == [external(second)]]
+    assert second_stored.parent_block_hash == external(first) and second_stored.token_ids == alpha_tokens[16:]
+    assert all(events.drain(model) == [] for model in (None, "alpha", "beta"))
+    told["alpha-chat"] = set(told["alpha"])
+
+    # Every block is evicted: each endpoint takes back exactly what it told.
+    ledger.allocate("owner", 16 * BS)
+    for model, known in told.items():
+        assert fold(known, as_consumer(events.drain(model))) == set(), model
+
+
 # ---------------------------------------------------------------- the cache service's sockets
 
 
@@ -222,11 +281,49 @@ def test_cache_service_publishes_and_replays(tmp_path):
         subscriber.close()
 
 
+def test_an_endpoint_per_model_carries_only_that_models_blocks(tmp_path):
+    # Endpoints from the env twin (whitespace between them), replay sockets from the flags.
+    endpoints = {model: f"tcp://127.0.0.1:{free_port()}" for model in (None, "alpha", "beta")}
+    replays = {model: f"tcp://127.0.0.1:{free_port()}" for model in endpoints}
+    twin = " ".join(endpoint if model is None else f"{model}={endpoint}" for model, endpoint in endpoints.items())
+    flags = [argument for model, endpoint in replays.items()
+             for argument in ("--kv-events-replay-endpoint", endpoint if model is None else f"{model}={endpoint}")]
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", *flags,
+                             env={"PYTHONHASHSEED": "0", "PAGEDKV_KV_EVENTS_ENDPOINT": twin}) as service:
+        stub = cache_stub(service.address)
+        sessions = {name: attach(stub, name, model_fingerprint=f"fp-{name}", served_model_name=name).session_id
+                    for name in ("alpha", "beta")}
+        prompts = {"alpha": list(range(1, 33)), "beta": list(range(200, 248))}
+        for name, tokens in prompts.items():
+            [allocated] = lease(stub, sessions[name], allocate(len(tokens), tokens)).results
+            lease(stub, sessions[name], release(allocated.sequence_id, cache_prefix=True, token_ids=tokens))
+
+        root = sha256_cbor("0")  # the service's PYTHONHASHSEED
+        expected = {name: {external(digest) for digest in chain(tokens, BS, root=root)}
+                    for name, tokens in prompts.items()}
+        expected[None] = expected["alpha"] | expected["beta"]
+        for model, endpoint in replays.items():
+            batches = [decode_batch(payload) for _, payload in replay(endpoint, 0)]
+            assert batches[0].events == [AllBlocksCleared()], model  # the new pool, on every endpoint
+            assert fold(set(), [event for batch in batches for event in batch.events]) == expected[model], model
+
+
 @pytest.mark.parametrize("args, message", [
     (["--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], "needs --kv-events-endpoint"),
+    (["--kv-events-endpoint", "tcp://127.0.0.1:1", "--kv-events-replay-endpoint", "alpha=tcp://127.0.0.1:2"],
+     "needs --kv-events-endpoint alpha="),
     (["--kv-events-endpoint", "nowhere"], "cannot bind the KV events socket"),
+    (["--kv-events-endpoint", "alpha=tcp://127.0.0.1:1", "--kv-events-endpoint", "alpha=tcp://127.0.0.1:2"],
+     "given twice for model 'alpha'"),
 ])
 def test_bad_kv_event_flags_are_refused_with_a_message(args, message):
     # A ValueError at start-up: `python -m cache_service` prints it and exits 2 (run_server_main).
     with pytest.raises(ValueError, match=message):
-        kv_event_publisher(build_parser().parse_args(args))
+        kv_event_publishers(build_parser().parse_args(args))
+
+
+def test_endpoint_values_name_their_model_and_the_command_line_replaces_the_twin(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_KV_EVENTS_ENDPOINT", "tcp://*:5557 org/model=v2=tcp://*:5559")
+    assert build_parser().parse_args([]).kv_events_endpoint == [(None, "tcp://*:5557"), ("org/model=v2", "tcp://*:5559")]
+    args = build_parser().parse_args(["--kv-events-endpoint", "ipc:///run/a=b", "--kv-events-endpoint", "m=tcp://h:1"])
+    assert args.kv_events_endpoint == [(None, "ipc:///run/a=b"), ("m", "tcp://h:1")]
