@@ -283,43 +283,16 @@ def test_sorting_every_row_in_full_draws_what_the_candidate_window_drew(monkeypa
     assert torch.equal(thresholds[True], thresholds[False])
 
 
-HOST_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy",
-              "masked_select", "unique", "nonzero_static", "argwhere"}
-
-
 def test_a_sampling_step_reads_nothing_back_from_the_device(monkeypatch):
-    # What would make the host wait for a CUDA device, run on CPU with the CUDA branches:
-    # no value read back (tolist, item, int(), nonzero, ...) and no list copied with
-    # torch.tensor(..., device=...) (a copy from pageable memory, which waits for the
-    # stream); lists go through to_device. The step's one sync is its caller's tolist.
-    from torch.overrides import TorchFunctionMode
+    # Run on CPU with the CUDA branches (tests/host_waits.py): no value read back and no
+    # list copied with torch.tensor(..., device=...); the step's one read is its caller's.
+    from host_waits import HostWaits
 
     from model_service.sample import logits_processing, sampler as sampler_module
     from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
 
-    copied = []
-
-    def to_device(values, dtype, device):
-        copied.append(values)
-        return torch.tensor(values, dtype=dtype)
-
-    for module in (sampler_module, logits_processing):
-        monkeypatch.setattr(module, "to_device", to_device)
     monkeypatch.setattr(sampler_module, "_nucleus_in_full", lambda device: True)
     monkeypatch.setattr(sampler_module, "argmax_rows", lambda logits: logits.argmax(dim=-1))  # CUDA's
-
-    class HostWaits(TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.found = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            name = getattr(func, "__name__", str(func))
-            if name in HOST_READS or (func is torch.tensor and "device" in kwargs):
-                self.found.append(name)
-            return func(*args, **kwargs)
-
     vocab = 4096
     options = [SamplingOptions(max_new_tokens=1, **{"temperature": 1.0, **row}) for row in SAMPLED_ROWS]
     options += [SamplingOptions(max_new_tokens=1), SamplingOptions(max_new_tokens=1, temperature=0.8, top_p=0.9,
@@ -330,8 +303,8 @@ def test_a_sampling_step_reads_nothing_back_from_the_device(monkeypatch):
     rows = [None] * (len(options) - 1) + [RowAdjustment(history_slot=slot, repetition_penalty=1.3,
                                                         logit_bias=((7, 5.0),), suppressed_token_ids=(0,))]
     generators = [make_generator(row, "cpu") for row in range(len(options))]
-    with HostWaits() as waits:
+    with HostWaits(monkeypatch, sampler_module, logits_processing) as waits:
         adjustments = prepare(rows, "cpu")
         token_ids = sample(logits, options, generators, adjustments, history)
     assert waits.found == [] and token_ids.shape == (len(options),)
-    assert copied, "the per-row parameters did not go through to_device"
+    assert waits.sent, "the per-row parameters did not go through to_device"

@@ -56,3 +56,28 @@ def test_logprobs_of_bfloat16_logits_are_float32_log_softmax():
     for row, (token, logprob) in enumerate(zip(tokens, logprobs)):
         assert logprob.token_id == token
         assert abs(logprob.logprob - expected[row, token].item()) < 1e-5  # bfloat16's would be ~1e-2 off
+
+
+def test_a_step_with_logprobs_waits_for_the_device_once(monkeypatch):
+    # The tokens and the logprobs asked for (some rows, with top alternatives) come back in
+    # one to_host; nothing else is read back, nothing copied with torch.tensor(device=).
+    from host_waits import HostWaits
+
+    from model_service.engine import step_sampler
+    from model_service.sample import logits_processing, logprobs, sampler
+
+    monkeypatch.setattr(sampler, "_nucleus_in_full", lambda device: True)
+    monkeypatch.setattr(sampler, "argmax_rows", lambda logits: logits.argmax(dim=-1))  # CUDA's
+    logits = bf16_logits(4)
+    options = [SamplingOptions(max_new_tokens=4, detokenize=False, logprobs=3),
+               SamplingOptions(max_new_tokens=4, detokenize=False, temperature=0.7, top_p=0.9, top_k=50, seed=1),
+               SamplingOptions(max_new_tokens=4, detokenize=False, temperature=1.0, min_p=0.05, logprobs=0, seed=2),
+               SamplingOptions(max_new_tokens=4, detokenize=False, presence_penalty=0.5, logprobs=1)]
+    due, completions = due_rows(options)
+    expected = StepSampler(VOCAB, [], torch.device("cpu")).sample(due, logits, completions)
+    due, completions = due_rows(options)  # fresh generators: the same draws
+    with HostWaits(monkeypatch, step_sampler, sampler, logits_processing, logprobs) as waits:
+        got = StepSampler(VOCAB, [], torch.device("cpu")).sample(due, logits, completions)
+    assert waits.found == [] and waits.read_backs == 1
+    assert got[1] == expected[1] and got[2] == expected[2]
+    assert [len(entry.top) if entry else None for entry in got[2]] == [3, None, 0, 1]

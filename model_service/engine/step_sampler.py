@@ -16,10 +16,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence as Seq
 
 import torch
 
-from model_service.host_to_device import to_device
+from model_service.device_copies import to_device, to_host
 from model_service.sample.grammar import TokenMasks, accept, new_matcher
 from model_service.sample.logits_processing import RowAdjustment, TokenHistory, prepare
-from model_service.sample.logprobs import token_logprobs
+from model_service.sample.logprobs import logprob_tensors, read_logprobs, token_logprobs
 from model_service.sample.logprobs import TokenLogprob
 from model_service.engine.output import Completion
 from model_service.sample.sampler import sample
@@ -58,20 +58,25 @@ class StepSampler:
             matchers = [self._matcher(c) for c in chosen]
         mask = self.masks.prepare(matchers) if matchers else None
         token_tensor = sample(logits, options, [c.generator for c in chosen], adjustments, self.history, mask)
-        tokens = token_tensor.tolist()
+        # The logprobs asked for are computed before anything is read back, and come back
+        # with the tokens: the step's one wait for the device.
+        asked = [row for row, o in enumerate(options) if o.logprobs is not None]
+        tops = [options[row].logprobs for row in asked]
+        found: list[torch.Tensor] = []
+        if asked:
+            if len(asked) == len(options):
+                found = logprob_tensors(logits, token_tensor, tops)
+            else:
+                index = to_device(asked, torch.int64, logits.device)
+                found = logprob_tensors(logits.index_select(0, index),
+                                        token_tensor.to(logits.device).index_select(0, index), tops)
+        host_tokens, *found = to_host(token_tensor, *found)
+        tokens = host_tokens.tolist()
         if matchers:
             accept(matchers, tokens)
         logprobs: list[TokenLogprob | None] = [None] * len(chosen)
-        asked = [row for row, o in enumerate(options) if o.logprobs is not None]
         if asked:
-            tops = [options[row].logprobs for row in asked]
-            if len(asked) == len(options):
-                found = token_logprobs(logits, token_tensor, tops)
-            else:
-                index = to_device(asked, torch.int64, logits.device)
-                found = token_logprobs(logits.index_select(0, index),
-                                       token_tensor.to(logits.device).index_select(0, index), tops)
-            for row, logprob in zip(asked, found):
+            for row, logprob in zip(asked, read_logprobs([tokens[row] for row in asked], found, tops)):
                 logprobs[row] = logprob
         counted = [(c.history_slot, token) for c, token in zip(chosen, tokens) if c.history_slot is not None]
         if counted:
@@ -153,7 +158,7 @@ class StepSampler:
                 continue
             for first in range(skip, hidden.shape[0], PROMPT_LOGPROB_ROWS):
                 last = min(first + PROMPT_LOGPROB_ROWS, hidden.shape[0])
-                targets = torch.tensor(seq.token_ids[start + 1 + first:start + 1 + last])
+                targets = to_device(seq.token_ids[start + 1 + first:start + 1 + last], torch.int64, hidden.device)
                 request.prompt_logprobs.extend(token_logprobs(
                     compute_logits(hidden[first:last]), targets, [request.options.prompt_logprobs] * len(targets)))
             if request.prompt_logprobs_done:

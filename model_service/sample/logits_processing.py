@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_service.host_to_device import to_device
+from model_service.device_copies import to_device
 
 
 # Each stage below is a few whole-width passes over [R, V], done in place: at batch 48

@@ -19,7 +19,7 @@ import torch
 
 from model_service.cpu_kernels import argmax as cpu_argmax
 from model_service.cpu_kernels import layer_ops
-from model_service.host_to_device import to_device
+from model_service.device_copies import to_device
 from model_service.sample.grammar import TokenMask
 from model_service.sample.logits_processing import LogitsAdjustments, TokenHistory, apply_min_p
 from model_service.sample.params import SamplingOptions

@@ -18,7 +18,7 @@ import torch
 from model_service.attention.kv_quant import pool_absmax
 from pagedkv.kv_geometry import copyable
 from model_service.attention.metadata import AttentionMetadata
-from model_service.host_to_device import to_device
+from model_service.device_copies import to_device
 from model_service.worker.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
 from model_service.sched.sequence import Sequence
