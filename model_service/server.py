@@ -198,6 +198,7 @@ async def serve(args: argparse.Namespace) -> int:
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
+        tenant_kv_blocks=api_keys.kv_block_shares() if api_keys else (),
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),
     )

@@ -520,6 +520,77 @@ def test_unknown_policy_is_refused():
         Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=1, max_batch_tokens=8), 10, policy="lifo")
 
 
+# --- tenants' shares of the pool (--api-keys kv_blocks) -----------------------------------
+
+
+def tenant_seq(tenant: str, arrival: int, prompt_len: int, max_new: int, priority: int = 0) -> Sequence:
+    seq = make_seq(arrival, prompt_len, max_new, priority=priority)
+    seq.tenant = tenant
+    return seq
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_tenant_past_its_share_is_preempted_before_a_newer_sequence_of_another(policy):
+    # 10 blocks of 4: two sequences writing 5 + 12 positions need 10 together, and a third
+    # more. Without shares the newest (b's) is preempted; a holds more than its 2 blocks.
+    victims = {}
+    for shares in ({}, {"a": 2}):
+        scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 10,
+                              policy=policy, tenant_kv_blocks=shares)
+        cache = FakeCache(10)
+        seqs = [tenant_seq("a", 0, 5, 12), tenant_seq("a", 1, 5, 12), tenant_seq("b", 2, 5, 12)]
+        for seq in seqs:
+            scheduler.add(seq)
+        steps = drive(scheduler, cache)
+        assert all(s.status is Status.FINISHED and s.num_output == 12 for s in seqs)
+        victims[bool(shares)] = [victim.tenant for step in steps for victim in step.preempted]
+    assert victims[False][0] == "b", victims
+    assert victims[True] and set(victims[True]) == {"a"}, victims
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_tenant_past_its_share_waits_while_another_tenant_s_request_is_admitted(policy):
+    # Two seats, both a's, within its share of 4 blocks when admitted (2 each). Then a's
+    # third request and b's arrive, in that order. a's short first request ends while its
+    # long second one, grown past the share, runs: the seat goes to the next in line, a's
+    # third (arrived first, and more urgent under the priority policy), unless a is past
+    # its share; then to b's. a's third still runs once nobody else waits: a share gives
+    # way, it does not refuse.
+    admitted = {}
+    for shares in ({}, {"a": 4}):
+        scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=2, max_batch_tokens=64), 100,
+                              policy=policy, tenant_kv_blocks=shares)
+        cache = FakeCache(100)
+        seqs = [tenant_seq("a", 0, 5, 12), tenant_seq("a", 1, 5, 30), tenant_seq("a", 2, 5, 3, priority=0),
+                tenant_seq("b", 3, 5, 3, priority=5)]
+        scheduler.add(seqs[0])
+        scheduler.add(seqs[1])
+
+        def observe(step) -> None:
+            if step.batch and seqs[2].status is Status.WAITING and seqs[2] not in scheduler.waiting:
+                scheduler.add(seqs[2])  # while the first two run
+                scheduler.add(seqs[3])
+
+        steps = drive(scheduler, cache, observe=observe)
+        assert all(s.status is Status.FINISHED for s in seqs) and not cache.tables
+        admitted[bool(shares)] = [seq.arrival for step in steps for seq in step.lease_ops.allocations]
+    assert admitted[False] == [0, 1, 2, 3], admitted
+    assert admitted[True] == [0, 1, 3, 2], admitted
+
+
+def test_only_the_tenant_past_its_share_waits_and_its_blocks_count_once_for_all_its_sequences():
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100,
+                          tenant_kv_blocks={"a": 6, "b": 0})
+    blocks = scheduler.tenant_blocks
+    blocks.hold("a", [1, 2, 3])
+    blocks.hold("a", [1, 2, 4])  # a fork: the shared blocks count once
+    assert blocks.held("a") == 4 and not blocks.over_share("a") and not blocks.over_share("a", 2)
+    assert blocks.over_share("a", 3)
+    assert not blocks.over_share("b", 1000) and not blocks.over_share("", 1000), "no share: no limit"
+    blocks.drop("a", [1, 2, 3])
+    assert blocks.held("a") == 3
+
+
 # --- n completions on forked blocks ----------------------------------------------------
 
 

@@ -1,9 +1,10 @@
 """Tenants through both doors of a real model service started with --api-keys (a JSON
-file, two tenants) and --auth-token (a key of no tenant), on a pool of 32 blocks: keys map
-to tenants on gRPC and HTTP alike, a tenant past its max_concurrent_requests gets
+file, three tenants) and --auth-token (a key of no tenant), on a pool of 32 blocks: keys
+map to tenants on gRPC and HTTP alike, a tenant past its max_concurrent_requests gets
 RESOURCE_EXHAUSTED / 429 while the other runs, cached prefixes are not shared between
-tenants (cache_salt defaults to the tenant), and the per-tenant Prometheus series, scraped
-from /metrics, count what each ran, held and lost to preemption.
+tenants (cache_salt defaults to the tenant), a tenant past its kv_blocks share is the one
+preempted when the pool runs short, and the per-tenant Prometheus series, scraped from
+/metrics, count what each ran, held and lost to preemption.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
-KEY_A, KEY_B = "sk-tenant-a-key", "sk-tenant-b-key"
+KEY_A, KEY_B, KEY_C = "sk-tenant-a-key", "sk-tenant-b-key", "sk-tenant-c-key"
 SINGLE_TOKEN = "sk-no-tenant-token"  # --auth-token: requests of no tenant
 POOL_BLOCKS = 32  # of 16 tokens: two completions of 300 tokens cannot run side by side
 # Long enough for several full blocks: the prefix cache keys whole blocks.
@@ -33,7 +34,7 @@ def services(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "max_concurrent_requests": 1},
-                                KEY_B: {"tenant": "b"}}))
+                                KEY_B: {"tenant": "b"}, KEY_C: {"tenant": "c", "kv_blocks": 4}}))
     with start_cache_service(tmp, "--kv-cache-bytes", "16MiB", "--max-blocks", str(POOL_BLOCKS)) as cache, \
             start_model_service(tmp, cache.address, "--api-keys", str(keys), "--auth-token", SINGLE_TOKEN,
                                 "--max-model-len", "512") as model:
@@ -131,3 +132,25 @@ def test_the_tenant_series_count_requests_tokens_blocks_and_preemptions_and_none
              "every tenant's gauge to come back to 0")
     peaks = by_tenant(model, "pagedkv_model_tenant_kv_blocks_peak")
     assert held <= peaks["b"] <= POOL_BLOCKS and 1 <= peaks["none"] <= 2
+
+
+def test_the_tenant_past_its_kv_blocks_share_is_preempted_not_the_newer_request_of_another(services):
+    cache, model, stub = services
+    preempted_before = by_tenant(model, "pagedkv_model_tenant_preemptions_total")
+    # Two requests of 8 + 480 tokens (31 blocks each) in a pool of 32: once both run, one
+    # must be preempted. c's arrives first, so by arrival b's, the newest, would be; but
+    # c holds more than its share of 4 blocks.
+    sampling = model_pb2.SamplingParams(max_new_tokens=480, ignore_eos=True, temperature=0)
+    c_call = stub.Generate(model_pb2.GenerateRequest(prompt="c grows", sampling=sampling), timeout=120,
+                           metadata=bearer_metadata(KEY_C))
+    next(c_call)  # c runs
+    b_call = stub.Generate(model_pb2.GenerateRequest(prompt="b grows", sampling=sampling), timeout=120,
+                           metadata=bearer_metadata(KEY_B))
+    b_last = [response for response in b_call][-1]
+    c_last = [response for response in c_call][-1]
+    assert b_last.usage.completion_tokens == c_last.usage.completion_tokens == 480
+    preempted = by_tenant(model, "pagedkv_model_tenant_preemptions_total")
+    assert preempted.get("c", 0) > preempted_before.get("c", 0), "c was never preempted"
+    assert preempted.get("b", 0) == preempted_before.get("b", 0), "b was preempted though c was past its share"
+    assert c_last.usage.recomputed_tokens > 0 and b_last.usage.recomputed_tokens == 0
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")

@@ -8,8 +8,9 @@
 Every field but `tenant` is optional (0 or absent: no limit). `--auth-token` stays the
 single-tenant form: one key, no tenant, no limits. A tenant's requests are counted
 against its limits (RESOURCE_EXHAUSTED, HTTP 429, past them), a priority it asks below its
-`min_priority` becomes `min_priority` (lower runs first), and its `cache_salt` defaults
-to its name, so tenants never share cached prefixes unless given the same salt.
+`min_priority` becomes `min_priority` (lower runs first), its `cache_salt` defaults
+to its name, so tenants never share cached prefixes unless given the same salt, and its
+`kv_blocks` goes to the scheduler by its name (kv_block_shares).
 Keys are looked up by their SHA-256, so no comparison runs over a key's own bytes.
 """
 
@@ -32,7 +33,9 @@ class Tenant:
     max_concurrent_requests: int = 0  # open Generate requests (queued or running); 0: no limit
     max_queued_requests: int = 0  # of them, those not yet past their first token; 0: no limit
     min_priority: int | None = None  # the most urgent priority it may ask for (lower runs first)
-    kv_blocks: int = 0  # its share of the pool, in blocks (0: no share); not enforced yet
+    # Its share of the pool, in blocks (0: none): past it, its sequences are preempted
+    # first and its waiting ones admitted after other tenants' (sched/scheduler.py).
+    kv_blocks: int = 0
     # Counted on the event loop by GenerationService.
     open_requests: int = field(default=0, compare=False)
     queued_requests: int = field(default=0, compare=False)
@@ -61,6 +64,10 @@ class ApiKeys:
 
     def tenant_of(self, token: bytes) -> Tenant | None:
         return self._by_digest.get(_digest(token)) if token else None
+
+    def kv_block_shares(self) -> tuple[tuple[str, int], ...]:
+        """(tenant, kv_blocks) of each tenant given a share of the pool, for the scheduler."""
+        return tuple(sorted((name, tenant.kv_blocks) for name, tenant in self.tenants.items() if tenant.kv_blocks))
 
 
 def _digest(key: bytes) -> bytes:

@@ -74,6 +74,9 @@ class EngineSettings:
     lease_ahead_blocks: int = 1
     # What the pool stores (--kv-cache-dtype); None: the compute dtype.
     kv_cache_dtype: torch.dtype | None = None
+    # (tenant, blocks): each tenant's share of the pool (--api-keys kv_blocks), which the
+    # scheduler makes it give up first when the pool is short.
+    tenant_kv_blocks: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
@@ -295,7 +298,7 @@ class Engine:
                             max_model_len=settings.max_model_len,
                             release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),
             blocks_available=attachment.sizing.num_blocks, policy=settings.scheduling_policy,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, tenant_kv_blocks=dict(settings.tenant_kv_blocks),
         )
 
     def _step(self) -> None:

@@ -26,6 +26,10 @@ nearly one a step.
 
 Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
 (priority, arrival) and preempts the lowest priority (largest number), newest first.
+Under either, tenants with a share of the pool (`tenant_kv_blocks`, from --api-keys
+`kv_blocks`) may hold more while there is room, but a tenant past its share is preempted
+before any other, and its waiting sequences that would put it past its share are
+admitted only after every other tenant's that can be (tenant_blocks.py keeps the counts).
 
 A request with n completions is admitted as its completion 0, holding seats for all n.
 Once completion 0 has prefilled the prompt and sampled its first token (the engine
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from model_service.sched.lease_ahead import PendingReleases, top_ups
@@ -86,7 +90,8 @@ RETRY_REFUSED_MAX_S = 0.5
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
-                 clock=time.monotonic, eos_token_ids: Collection[int] = ()) -> None:
+                 clock=time.monotonic, eos_token_ids: Collection[int] = (),
+                 tenant_kv_blocks: Mapping[str, int] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
@@ -105,7 +110,7 @@ class Scheduler:
         self._forks: list[ForkRequest] = []
         self._copies: list[tuple[int, int]] = []
         self.preemptions = 0
-        self.tenant_blocks = TenantBlocks()
+        self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
 
     # -- requests come and go -------------------------------------------------------
 
@@ -161,6 +166,27 @@ class Scheduler:
         if self.policy == "priority":
             return (seq.priority, seq.arrival, seq.index)
         return (0, seq.arrival, seq.index)
+
+    def _victim_order(self, seq: Sequence) -> tuple[bool, int, int, int]:
+        """Preemption takes the largest: a tenant past its share first."""
+        return (self.tenant_blocks.over_share(seq.tenant), *self._order(seq))
+
+    def _next_waiting(self, admitted: dict[str, int]) -> Sequence:
+        """The waiting sequence to admit next. With tenant shares, one whose tenant would
+        pass its share (counting `admitted`, the blocks it was given this step) goes after
+        every other tenant's."""
+        waiting = self.waiting
+        if not self.tenant_blocks.shares:
+            return waiting[0] if self.policy == "fcfs" else min(waiting, key=self._order)
+        block_size = self.limits.block_size
+        over_share = self.tenant_blocks.over_share
+
+        def deferred(seq: Sequence) -> bool:
+            return over_share(seq.tenant, admitted.get(seq.tenant, 0) + blocks_for(len(seq.token_ids), block_size))
+
+        if self.policy == "fcfs":  # the queue's order: preempted sequences are at its front
+            return next((seq for seq in waiting if not deferred(seq)), waiting[0])
+        return min(waiting, key=lambda seq: (deferred(seq), *self._order(seq)))
 
     def seats_taken(self) -> int:
         """Sequences running or on their way, and the completions that will fork from them."""
@@ -402,7 +428,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.starved]:
             if seq.status is not Status.RUNNING:
                 continue  # preempted already, as someone's victim
-            victim = max(self.running, key=self._order)
+            victim = max(self.running, key=self._victim_order)
             self.preempt(victim)
             preempted.append(victim)
         return preempted
@@ -412,8 +438,9 @@ class Scheduler:
         block_size = self.limits.block_size
         prompt_tokens = 0
         seats = self.seats_taken()
+        admitted: dict[str, int] = {}  # blocks given to each tenant's sequences in this call
         while self.waiting:
-            seq = self.waiting[0] if self.policy == "fcfs" else min(self.waiting, key=self._order)
+            seq = self._next_waiting(admitted)
             busy = bool(self.running or self.allocating or ops.allocations)
             wanted = 1 + len(seq.fork_children)
             # An n-request bigger than --max-num-seqs runs alone rather than never.
@@ -435,6 +462,7 @@ class Scheduler:
             self._allocating_children += len(seq.fork_children)
             ops.allocations.append(seq)
             available -= needed
+            admitted[seq.tenant] = admitted.get(seq.tenant, 0) + needed
             prompt_tokens += len(seq.token_ids)
         return available
 

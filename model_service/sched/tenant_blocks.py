@@ -3,19 +3,27 @@ share (the prompt blocks of n forked completions, a prefix found in the cache) c
 once, as the cache service counts it.
 
 Tenants are names here (the empty name: requests of no tenant); the scheduler tells this
-ledger each block a sequence gains (`hold`) and each table it gives back (`drop`), and
-the engine reads the counts that changed (`take_changed`) for its per-tenant metrics.
+ledger each block a sequence gains (`hold`) and each table it gives back (`drop`), asks
+it which tenants are past their share of the pool (`over_share`: --api-keys `kv_blocks`),
+and the engine reads the counts that changed (`take_changed`) for its per-tenant metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class TenantBlocks:
-    def __init__(self) -> None:
+    def __init__(self, shares: Mapping[str, int] | None = None) -> None:
+        # Tenant -> its share of the pool, in blocks; a tenant without one has no limit.
+        self.shares = {tenant: blocks for tenant, blocks in (shares or {}).items() if blocks > 0}
         self._refs: dict[str, dict[int, int]] = {}  # tenant -> block id -> its sequences holding it
         self._changed: set[str] = set()
+
+    def over_share(self, tenant: str, more: int = 0) -> bool:
+        """Whether the tenant holds more than its share, or would with `more` blocks."""
+        share = self.shares.get(tenant)
+        return share is not None and self.held(tenant) + more > share
 
     def held(self, tenant: str) -> int:
         """Distinct blocks the tenant's sequences hold now."""
