@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from concurrent.futures import Future
@@ -340,3 +341,76 @@ def test_attach_waits_longer_than_other_cache_calls():
     finally:
         client.close()
     assert seen == {"attach": ATTACH_TIMEOUT_S, "stats": 10.0}
+
+
+class RecordedEvent:
+    """A CUDA event as the runner uses it, writing what happens to it into a shared log."""
+
+    def __init__(self, log: list, numbers) -> None:
+        self.log = log
+        self.number = next(numbers)
+
+    def record(self) -> None:
+        self.log.append(("record", self.number))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.number))
+
+
+class FailsTheSecondAllocation(HealthyCache):
+    """Lends its one block to the first sequence (with room for more, it says), then fails
+    the next allocation as a lost lease; logs its detaches beside the runner's events."""
+
+    def __init__(self, handle, block_size: int, log: list) -> None:
+        super().__init__(handle, block_size, ttl_ms=60_000)
+        self.log = log
+        self.allocations = 0
+
+    def lease(self, session_id, ops):
+        self.allocations += len(ops.allocations)
+        if self.allocations > 1:
+            result: Future = Future()
+            result.set_exception(LeaseLost("allocate failed: INVALID_ARGUMENT"))
+            return result
+        outcomes, _ = super().lease(session_id, ops).result()
+        result = Future()
+        result.set_result((outcomes, 10))
+        return result
+
+    def detach(self, session_id):
+        self.log.append(("detach", session_id))
+        return super().detach(session_id)
+
+
+def test_a_lost_session_is_given_back_only_after_the_writes_in_flight(tmp_path):
+    # The engine sends a lease call and runs a step while it is on the wire; when the
+    # answer says the session is lost, that step's kernels may still write into the pool.
+    # The session is given back (its blocks to others) only after they landed.
+    loaded = load_model("tiny")
+    config = loaded.config
+    block_size = 2048
+    shared = pool_memory.create_shared_pool(
+        (config.num_layers, 2, 1, block_size, config.num_kv_heads, config.head_dim), torch.float32, str(tmp_path))
+    log: list = []
+    cache = FailsTheSecondAllocation(pool_memory.shared_handle_to_proto(shared.handle), block_size, log)
+    engine = Engine(loaded, EngineSettings(max_model_len=block_size), cache, torch.device("cpu"), torch.float32)
+    engine.start()
+    try:
+        assert engine.connected.wait(10)
+        engine.runner.new_event = lambda numbers=itertools.count(): RecordedEvent(log, numbers)
+        first_token = threading.Event()
+        ended = threading.Event()
+        engine.submit("first", [1, 2, 3], SamplingOptions(max_new_tokens=1000, ignore_eos=True),
+                      lambda delta: (delta.token_ids and first_token.set(), delta.finish and ended.set()))
+        assert first_token.wait(30)
+        engine.submit("second", [4, 5, 6], SamplingOptions(max_new_tokens=4), lambda delta: None)
+        assert ended.wait(30), "the lost session's request never ended"
+        deadline = time.monotonic() + 30
+        while not any(entry[0] == "detach" for entry in log) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop(0)
+        shared.close()
+    detach = next(i for i, entry in enumerate(log) if entry[0] == "detach")
+    last_record = max(i for i, entry in enumerate(log[:detach]) if entry[0] == "record")
+    assert ("synchronize", log[last_record][1]) in log[last_record:detach], log[max(last_record - 3, 0):detach + 1]

@@ -468,6 +468,10 @@ class Engine:
                        f"the cache service at {self.cache.address} went away mid-request ({describe_error(error)}); retry")
         self._fail_queued(grpc.StatusCode.UNAVAILABLE,
                           f"the cache service at {self.cache.address} went away; retry")
+        if self.runner is not None:
+            # Losing the session gives its blocks back (a detach, or its TTL), and dropping
+            # the runner unmaps the pool: neither while a step's kernels may still write.
+            self.runner.wait_for_writes()
         self._session.lost(error)
         self._count_tenant_blocks({tenant: 0 for tenant in self._tenant_peaks})  # the lost session held them
         self.scheduler = self.runner = None
