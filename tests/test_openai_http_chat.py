@@ -23,10 +23,18 @@ from processes import start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 MODEL = "llama-chat"
-# A ChatML-like template with a variable of its own, as real checkpoints have.
+# A ChatML-like template with a variable of its own, as real checkpoints have, which shows
+# the model its tools, its calls and their results in Hermes's format (as Qwen2.5's does),
+# so tool_choice "auto" is served with it.
 TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|extra|>{{ message['role'] }}\n"
-    "{{ message['content'] }}</s>\n{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|extra|>system\nTools:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call></s>\n{% endif %}"
+    "{% for message in messages %}<|extra|>{{ message['role'] }}\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>{\"name\": "
+    "{{ call.function.name | tojson }}, \"arguments\": {{ call.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}{% elif message['role'] == 'tool' %}<tool_response>{{ message.tool_call_id }}: "
+    "{{ message['content'] }}</tool_response>{% else %}{{ message['content'] }}{% endif %}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|extra|>assistant\n{% if brief %}Briefly: {% endif %}{% endif %}"
 )
 MESSAGES = [
@@ -236,6 +244,77 @@ def test_grammar_compiles_cache_hits_and_compile_seconds_are_on_metrics(client, 
     delta = {key: after[key] - before[key] for key in series}
     assert delta["ok"] == 1 and delta["invalid"] == 2 and delta["hits"] == 1, delta
     assert delta["timed"] == delta["in_buckets"] == 3 and delta["seconds"] > 0, delta
+
+
+# ---------------------------------------------------------------- tools: calls, results and tool_choice "auto"
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "The quick brown fox?"}]
+
+
+def sent_back(call, result: str) -> list[dict]:
+    """ASK, the call and its result in transformers' form (arguments a dict; content "" for null)."""
+    return ASK + [{"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
+        "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+                  {"role": "tool", "tool_call_id": call.id, "content": result}]
+
+
+def test_tool_call_round_trip_with_the_openai_client(client, services, checkpoint):
+    """tools -> a tool call -> the assistant's call and the tool's result sent back -> an
+    answer over exactly the prompt transformers renders from that conversation."""
+    cache, _, stub = services
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=160,
+                                           seed=1)
+    assert first.usage.prompt_tokens == len(template_ids(checkpoint, ASK, tools=TOOLS))
+    assert first.choices[0].finish_reason == "tool_calls"
+    [call] = first.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and arguments["city"] in ("Paris", "Rome"), arguments
+    # Sent back as the client's users do: the answer's message object itself, then the result.
+    conversation = ASK + [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "22 C"}]
+    final = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    ids = template_ids(checkpoint, sent_back(call, "22 C"), tools=TOOLS)
+    assert final.usage.prompt_tokens == len(ids)
+    assert final.choices[0].message.content == grpc_text(stub, prompt_token_ids=ids, sampling=GREEDY | dict(
+        max_new_tokens=8))
+    assert final.choices[0].finish_reason == "length" and not final.choices[0].message.tool_calls
+    # /tokenize renders tools and calls as generation does.
+    status, body = post(services, "/tokenize", {"model": MODEL, "messages": [m if isinstance(m, dict) else
+                                                m.model_dump(exclude_unset=True) for m in conversation],
+                                                "tools": TOOLS})
+    assert status == 200 and body["tokens"] == ids
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
+
+
+@pytest.mark.parametrize("messages, param, phrase", [
+    (ASK + [{"role": "tool", "content": "22 C"}], None,
+     'messages[1] is a tool result (role "tool") without tool_call_id'),
+    (ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]}],
+     "messages.1.tool_calls.0.function.arguments", "arguments is a JSON object, not a string"),
+    (ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Rome}"}}]}],
+     None, "messages[1].tool_calls[0]'s arguments are not JSON text"),
+], ids=["tool-without-id", "arguments-a-dict", "arguments-not-json"])
+def test_bad_tool_messages_are_400_and_invalid_argument(client, services, messages, param, phrase):
+    cache, _, stub = services
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert phrase in error.value.message and error.value.param == param, error.value.message
+    if param is None:  # the shared validation's: gRPC says the same
+        grpc_messages = [model_pb2.ChatMessage(role=m["role"], content=m["content"] or "", tool_calls=[
+            model_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+            for c in m.get("tool_calls", ())]) for m in messages]
+        with pytest.raises(grpc.RpcError) as grpc_error:
+            list(stub.Generate(model_pb2.GenerateRequest(messages=grpc_messages), timeout=30))
+        assert grpc_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert grpc_error.value.details() == error.value.body["message"]
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
 
 
 # ---------------------------------------------------------------- what routers ask: /tokenize and render

@@ -105,7 +105,7 @@ def test_prompt_batches_become_one_request_each():
     {"modalities": ["text", "audio"]},
     {"reasoning_effort": "low"},
     {"add_generation_prompt": False},
-    {"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]},
+    {"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},  # tool_calls: implemented
 ])
 def test_unsupported_chat_fields_are_refused_by_name(fields):
     body = ChatCompletionRequest(**({"model": "m", "messages": [{"role": "user", "content": "x"}]} | fields))

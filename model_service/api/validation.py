@@ -13,7 +13,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from model_service.text.chat_template import KNOWN_ROLES, ChatTemplate, ChatTemplateError
+from model_service.api.chat_messages import message_bytes, message_chars, template_messages, template_tools
+from model_service.text.chat_template import ChatTemplate, ChatTemplateError
 from model_service.sample.grammar import GrammarCompiler
 from model_service.sample.params import InvalidRequest, MAX_COMPLETIONS, SamplingOptions
 from model_service.api.sampling_proto import options_from_proto
@@ -128,9 +129,10 @@ def check_text_bytes(request: model_pb2.GenerateRequest, limits: GenerateLimits)
     if request.prompt:
         check_prompt_bytes(request.prompt, limits)
     elif request.messages:
-        check_prompt_bytes_of(sum(len(message.content) + len(message.role) for message in request.messages),
-                              lambda: sum(len(message.content.encode()) + len(message.role.encode())
-                                          for message in request.messages), limits, "the messages' text is")
+        # The tools are rendered into the prompt with the messages: their text counts too.
+        check_prompt_bytes_of(sum(message_chars(message) for message in request.messages) + len(request.tools_json),
+                              lambda: sum(message_bytes(message) for message in request.messages)
+                              + len(request.tools_json.encode()), limits, "the messages' text is")
 
 
 def check_prompt_bytes(prompt: str, limits: GenerateLimits) -> None:
@@ -165,8 +167,10 @@ def prompt_token_ids_of(
                                       ("messages", bool(request.messages))) if given]
     if len(forms) > 1:
         raise InvalidRequest(f"set exactly one of prompt, prompt_token_ids and messages, not {' and '.join(forms)}")
-    if request.HasField("chat_template_kwargs") and forms != ["messages"]:
-        raise InvalidRequest("chat_template_kwargs apply to messages only; this request sets no messages")
+    for name, given in (("chat_template_kwargs apply", request.HasField("chat_template_kwargs")),
+                        ("tools_json applies", bool(request.tools_json))):
+        if given and forms != ["messages"]:
+            raise InvalidRequest(f"{name} to messages only; this request sets no messages")
     check_text_bytes(request, limits)
     if request.prompt:
         prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
@@ -195,28 +199,27 @@ def render_messages(request: model_pb2.GenerateRequest, chat_template: ChatTempl
             "this model has no chat template, so messages cannot be rendered; send prompt or prompt_token_ids "
             "(or serve a checkpoint with a chat template: chat_template.jinja, tokenizer_config.json or GGUF metadata)"
         )
-    for index, message in enumerate(request.messages):
-        if message.role not in KNOWN_ROLES:
-            raise InvalidRequest(
-                f"messages[{index}].role is {message.role!r}; known roles: {', '.join(KNOWN_ROLES)}"
-            )
+    messages = template_messages(request.messages)
     kwargs = template_kwargs(request)
     try:
-        return chat_template.render(
-            [{"role": message.role, "content": message.content} for message in request.messages],
-            add_generation_prompt=True, max_chars=max_template_chars(limits), **kwargs,
-        )
+        return chat_template.render(messages, add_generation_prompt=True, max_chars=max_template_chars(limits),
+                                    **kwargs)
     except ChatTemplateError as error:
         raise InvalidRequest(str(error)) from None
 
 
 def template_kwargs(request: model_pb2.GenerateRequest) -> dict[str, Any]:
-    if not request.HasField("chat_template_kwargs"):
-        return {}
-    kwargs = _integral_floats_as_ints(json_format.MessageToDict(request.chat_template_kwargs))
-    reserved = sorted(set(kwargs) & set(_RESERVED_TEMPLATE_KWARGS))
-    if reserved:
-        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(reserved)}: the service sets it")
+    kwargs = {}
+    if request.HasField("chat_template_kwargs"):
+        kwargs = _integral_floats_as_ints(json_format.MessageToDict(request.chat_template_kwargs))
+        reserved = sorted(set(kwargs) & set(_RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(reserved)}: the service sets it")
+    if request.tools_json:
+        if "tools" in kwargs:
+            raise InvalidRequest("tools are set twice, in tools_json and in chat_template_kwargs; send them in "
+                                 "tools_json alone (it keeps their keys in order)")
+        kwargs["tools"] = template_tools(request.tools_json)
     return kwargs
 
 

@@ -4,7 +4,8 @@ Templates are Jinja, written for transformers' `apply_chat_template`, and come f
 checkpoint (untrusted code): they run in Jinja's immutable sandbox, with a time and a
 size budget (template_limits.py), and with what transformers gives them, so a template renders here exactly as there: `trim_blocks` and
 `lstrip_blocks`, the loop-controls extension, `raise_exception`, `strftime_now`, a `tojson`
-that does not HTML-escape, and `bos_token` / `eos_token` as variables.
+that does not HTML-escape, `bos_token` / `eos_token`, and `tools` / `documents` (None unless
+given) as variables.
 
 Where a template comes from: a GGUF file's `tokenizer.chat_template`; a Hugging Face
 directory's chat_template.jinja, else the `chat_template` of its tokenizer_config.json (a
@@ -72,7 +73,9 @@ class ChatTemplate:
                max_chars: int = DEFAULT_MAX_CHARS, seconds: float = RENDER_SECONDS, **template_kwargs: Any) -> str:
         """The prompt text; ChatTemplateError with the template's own message when it
         refuses, or when it builds more than `max_chars` or runs longer than `seconds`."""
-        variables = {**self._special_tokens, **template_kwargs}
+        # transformers passes tools and documents always, None when there are none: templates
+        # test `tools is not none` (Llama 3.1's does).
+        variables = {"tools": None, "documents": None, **self._special_tokens, **template_kwargs}
         # One environment per template, its budget set per render (renders of one template
         # run on worker threads at once; every caller passes the service's one budget).
         self._environment.max_chars = max_chars

@@ -10,7 +10,7 @@ Unknown fields are refused (400 naming the field) rather than ignored: a misspel
 that this server does not implement (tools, structured output, audio, ...) are declared so
 that a request using them gets a 400 saying so; their "off" values are accepted, since
 clients send those routinely. Structured output and tools are implemented (structured.py,
-tools.py).
+tools.py), tool calls and tool results in the conversation too (to_generate.py).
 """
 
 from __future__ import annotations
@@ -103,9 +103,11 @@ class ChatMessage(Body):
     # A string, or content parts of which only text ones are supported.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    # Unsupported with any value but empty: function calling.
-    tool_calls: list[dict[str, Any]] | None = None
+    # An assistant turn's calls (a list of function calls, checked in to_generate.py so a
+    # wrong shape gets a message that shows the right one) and a tool turn's call id.
+    tool_calls: Any = None
     tool_call_id: str | None = None
+    # The legacy form of tool_calls: refused (unsupported.py).
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
 

@@ -31,12 +31,12 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> m
     if isinstance(body, TokenizeCompletionRequest):
         request.prompt = body.prompt
         return request
-    if body.tools:
-        raise not_supported("tools", "function calling is not implemented")
     if not body.add_generation_prompt or body.continue_final_message:
         name = "add_generation_prompt" if not body.add_generation_prompt else "continue_final_message"
         raise not_supported(name, "messages are always rendered with the generation prompt appended")
     to_generate.add_messages(request, body.messages, body.chat_template_kwargs)
+    if body.tools:
+        request.tools_json = json.dumps(body.tools, ensure_ascii=False)  # rendered as generation renders them
     return request
 
 

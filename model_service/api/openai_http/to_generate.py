@@ -9,6 +9,7 @@ negative seed into a uint64, a logit_bias key that is not a token id).
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any
 
@@ -60,7 +61,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str, tools: ToolPlan |
     request = model_pb2.GenerateRequest(request_id=request_id)
     add_messages(request, body.messages, body.chat_template_kwargs)
     if tools is not None:
-        request.chat_template_kwargs.update({"tools": tools.tools})  # the template's variable, as transformers'
+        request.tools_json = json.dumps(tools.tools, ensure_ascii=False)  # the template's `tools`, in order
     structured = structured_of(body)
     if tools is not None and tools.structured is not None:
         if structured is not None:
@@ -82,9 +83,46 @@ def chat_request(body: ChatCompletionRequest, request_id: str, tools: ToolPlan |
 def add_messages(request: model_pb2.GenerateRequest, messages: list[ChatMessage],
                  chat_template_kwargs: dict | None) -> None:
     for index, message in enumerate(messages):
-        request.messages.add(role=message.role, content=_message_text(message.content, index))
+        request.messages.add(role=message.role, content=_message_text(message.content, index),
+                             tool_calls=_tool_calls(message.tool_calls, index), tool_call_id=message.tool_call_id or "")
     if chat_template_kwargs:
         request.chat_template_kwargs.update(chat_template_kwargs)
+
+
+_CALL_FORM = '{"id": "call_...", "type": "function", "function": {"name": "...", "arguments": "{...}"}}'
+
+
+def _tool_calls(calls: Any, index: int) -> list[model_pb2.ToolCall]:
+    """An assistant message's tool_calls, in OpenAI's form. Whether the arguments are JSON,
+    and whether the message may carry calls at all, is the shared validation's to say
+    (chat_messages.py), for gRPC as for HTTP."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{index}].tool_calls is a {type(calls).__name__}, not a list: send the calls "
+                       f"as the answer gave them, a list of {_CALL_FORM}", param=f"messages.{index}.tool_calls",
+                       code="invalid_value")
+    return [_tool_call(call, index, number) for number, call in enumerate(calls)]
+
+
+def _tool_call(call: Any, index: int, number: int) -> model_pb2.ToolCall:
+    where, param = f"messages[{index}].tool_calls[{number}]", f"messages.{index}.tool_calls.{number}"
+    function = call.get("function") if isinstance(call, dict) else None
+    if (not isinstance(function, dict) or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str) or not isinstance(call.get("id", ""), str)):
+        raise ApiError(400, f"{where} is not a function call: send it as the answer gave it, {_CALL_FORM}",
+                       param=param, code="invalid_value")
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        got = "missing" if arguments is None else f"a JSON {_json_type(arguments)}"
+        raise ApiError(400, f"{where}.function.arguments is {got}, not a string: send the arguments as JSON text "
+                       "(json.dumps of them, as the answer gave them), e.g. '{\"city\": \"Paris\"}'",
+                       param=f"{param}.function.arguments", code="invalid_value")
+    return model_pb2.ToolCall(id=call.get("id") or "", name=function["name"], arguments=arguments)
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", bool: "boolean", int: "number", float: "number"}.get(type(value), "value")
 
 
 @refusing_surrogates

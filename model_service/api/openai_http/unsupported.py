@@ -2,7 +2,8 @@
 
 A request that uses one gets a 400 naming it, never an answer that silently ignores it;
 the values clients send to mean "off" (functions=[], function_call="none", ...) pass.
-Tools and response_format are implemented (tools.py, structured.py).
+Tools and response_format are implemented (tools.py, structured.py), and so are tool
+calls and tool results in the messages (to_generate.py).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def _refuse_chat(body: ChatCompletionRequest) -> None:
         name = "add_generation_prompt" if not body.add_generation_prompt else "continue_final_message"
         raise not_supported(name, "messages are always rendered with the generation prompt appended")
     for index, message in enumerate(body.messages):
-        if message.tool_calls or message.function_call or message.tool_call_id:
-            raise not_supported(f"messages[{index}]", "tool calls and tool results are not implemented")
+        if message.function_call:
+            raise not_supported(f"messages[{index}].function_call", "the legacy function_call of a message is not "
+                                "implemented; send the call in tool_calls")
 
 
 def _refuse_completion(body: CompletionRequest) -> None:
