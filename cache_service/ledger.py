@@ -104,6 +104,19 @@ class LedgerStats:
     prefix_hits: int  # prompt tokens found cached
 
 
+@dataclass(slots=True)
+class ModelUsage:
+    """What the sequences of one model (the fingerprint of their namespace) hold now, and
+    what its allocations asked of the prefix cache since start-up."""
+
+    sequences: int = 0
+    # Distinct blocks: sequences share a block (prefix hits, forks) only within their
+    # namespace, so no block is counted for two models.
+    blocks_leased: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up
+    prefix_hits: int = 0  # prompt tokens found cached
+
+
 class _Sequence:
     __slots__ = ("owner", "num_tokens", "blocks", "namespace")
 
@@ -130,6 +143,7 @@ class Ledger:
         self._last_sequence_id = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._models: dict[str, ModelUsage] = {}  # by model fingerprint
         # The host and disk tiers (cache_service/tiers), when the service has them: set
         # once, right after construction, by the pool.
         self.tiers: KvTiers | None = None
@@ -199,6 +213,10 @@ class Ledger:
         cached_tokens = len(hits) * block_size
         self._prefix_queries += prompt_len
         self._prefix_hits += cached_tokens
+        model = self._model(namespace[0])
+        model.blocks_leased += fresh + revived  # the hits already leased were counted already
+        model.prefix_queries += prompt_len
+        model.prefix_hits += cached_tokens
         self._last_sequence_id += 1
         sequence_id = self._last_sequence_id
         self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace))
@@ -223,6 +241,7 @@ class Ledger:
         sequence.blocks += new_blocks
         sequence.num_tokens = num_tokens
         self._owner_blocks[owner] += len(new_blocks)
+        self._model(sequence.namespace[0]).blocks_leased += len(new_blocks)
         return [block.block_id for block in new_blocks]
 
     def fork(self, owner: str, sequence_id: int, num_tokens: int = 0) -> Fork:
@@ -259,6 +278,7 @@ class Ledger:
             new_block = self._take(1)[0]
             copy = (parent.blocks[full].block_id, new_block.block_id)
             blocks = shared + [new_block]
+            self._model(parent.namespace[0]).blocks_leased += 1
         else:
             blocks = shared
         self._last_sequence_id += 1
@@ -286,7 +306,7 @@ class Ledger:
             if self.tiers is not None:
                 self.tiers.registered(sequence.blocks[:len(token_ids) // self.block_size])
         self._forget(owner, sequence_id)
-        self.pool.free(sequence.blocks)
+        self._model(sequence.namespace[0]).blocks_leased -= self.pool.free(sequence.blocks)
         return len(sequence.blocks)
 
     def commit(self, owner: str, sequence_id: int, token_ids: Sequence[int]) -> int:
@@ -343,7 +363,7 @@ class Ledger:
             if sequence is None or sequence.owner != owner:
                 continue  # released by an op since the draining began
             self._forget(owner, sequence_id)
-            self.pool.free(sequence.blocks)
+            self._model(sequence.namespace[0]).blocks_leased -= self.pool.free(sequence.blocks)
             released += len(sequence.blocks)
         done = owner not in self._by_owner
         if done or not order:
@@ -369,6 +389,11 @@ class Ledger:
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
         )
+
+    def model_usage(self) -> dict[str, ModelUsage]:
+        """Each model fingerprint's usage (a copy), for every model that has had a sequence."""
+        return {fingerprint: ModelUsage(usage.sequences, usage.blocks_leased, usage.prefix_queries,
+                                        usage.prefix_hits) for fingerprint, usage in self._models.items()}
 
     def owner_usage(self, owner: str) -> tuple[int, int]:
         """(sequences, block-table entries) ``owner`` holds now."""
@@ -427,6 +452,17 @@ class Ledger:
         stats = self.stats()
         if stats.blocks_free + stats.blocks_leased + stats.blocks_cached != stats.blocks_total:
             raise AssertionError(f"free + leased + cached != total in {stats}")
+        by_model: dict[str, tuple[int, set[int]]] = {}
+        for sequence in self._sequences.values():
+            count, blocks = by_model.get(sequence.namespace[0], (0, set()))
+            by_model[sequence.namespace[0]] = (count + 1, blocks | {block.block_id for block in sequence.blocks})
+        for fingerprint, usage in self._models.items():
+            count, blocks = by_model.pop(fingerprint, (0, set()))
+            if (usage.sequences, usage.blocks_leased) != (count, len(blocks)):
+                raise AssertionError(f"model {fingerprint!r} counted {usage.sequences} sequences and "
+                                     f"{usage.blocks_leased} blocks, holds {count} and {len(blocks)}")
+        if by_model:
+            raise AssertionError(f"models {sorted(by_model)} hold sequences but have no usage")
 
     # ---------------------------------------------------------------- internals
 
@@ -458,8 +494,15 @@ class Ledger:
                 f"more; the per-session limit (--max-session-blocks) is {limits.max_blocks}; release some first"
             )
 
+    def _model(self, fingerprint: str) -> ModelUsage:
+        usage = self._models.get(fingerprint)
+        if usage is None:
+            usage = self._models[fingerprint] = ModelUsage()
+        return usage
+
     def _add(self, sequence_id: int, sequence: _Sequence) -> None:
         self._sequences[sequence_id] = sequence
+        self._model(sequence.namespace[0]).sequences += 1
         owner = sequence.owner
         owned = self._by_owner.get(owner)
         if owned is None:
@@ -471,6 +514,7 @@ class Ledger:
 
     def _forget(self, owner: str, sequence_id: int) -> None:
         sequence = self._sequences.pop(sequence_id)
+        self._model(sequence.namespace[0]).sequences -= 1
         owned = self._by_owner[owner]
         owned.discard(sequence_id)
         if owned:

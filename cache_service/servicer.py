@@ -195,7 +195,28 @@ def stats_proto(pool: KvPool) -> cache_pb2.CacheStats:
         prefix_hits=stats.prefix_hits,
         bytes_reserved=pool.sizing.pool_bytes,
         tiers=[cache_pb2.TierStats(**values) for values in tier_stats(pool)],
+        models=model_stats(pool),
     )
+
+
+def model_stats(pool: KvPool) -> list[cache_pb2.ModelStats]:
+    """One ModelStats per model fingerprint that has attached: its live sessions (and their
+    served names) from the sessions, what its sequences hold and asked from the ledger."""
+    sessions: dict[str, list[str]] = {}
+    for session in pool.sessions:
+        sessions.setdefault(session.model_fingerprint, []).append(session.served_model_name)
+    usage = pool.ledger.model_usage()
+    out = []
+    for fingerprint in sorted(set(sessions) | set(usage)):
+        names = sessions.get(fingerprint, [])
+        model = usage.get(fingerprint)
+        out.append(cache_pb2.ModelStats(
+            model_fingerprint=fingerprint, served_model_names=sorted({name for name in names if name}),
+            sessions=len(names), sequences=model.sequences if model else 0,
+            blocks_leased=model.blocks_leased if model else 0, prefix_queries=model.prefix_queries if model else 0,
+            prefix_hits=model.prefix_hits if model else 0,
+        ))
+    return out
 
 
 def tier_stats(pool: KvPool) -> list[dict]:

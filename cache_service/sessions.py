@@ -57,6 +57,9 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __iter__(self):
+        return iter(list(self._sessions.values()))
+
     def open(self, client_name: str, model_fingerprint: str = "", served_model_name: str = "",
              attach_key: str = "") -> Session:
         # Unguessable: a session id is the capability to touch that session's blocks.

@@ -107,6 +107,40 @@ def test_extend_fork_and_prefix_reuse(stub):
     detach(stub, session)
 
 
+def test_stats_per_model_fingerprint(stub):
+    a1 = attach(stub, "a1", model_fingerprint="fp-stats-a", served_model_name="alpha").session_id
+    a2 = attach(stub, "a2", model_fingerprint="fp-stats-a", served_model_name="alpha-2").session_id
+    b = attach(stub, "b", model_fingerprint="fp-stats-b").session_id
+    prompt = list(range(200, 240))  # 40 tokens: two full blocks and a partial one
+    first = lease(stub, a1, allocate(40, prompt)).results[0]
+    lease(stub, a1, release(first.sequence_id, True, prompt))  # its 2 full blocks cached, for model a only
+    shared = lease(stub, a2, allocate(40, prompt)).results[0]
+    assert shared.cached_tokens == 32
+    child = lease(stub, a2, fork(shared.sequence_id)).results[0]  # the 2 full blocks again, a copy of the third
+    other = lease(stub, b, allocate(40, prompt)).results[0]
+    assert other.cached_tokens == 0 and child.status == OK
+
+    now = stats(stub)
+    assert [m.model_fingerprint for m in now.models] == sorted(m.model_fingerprint for m in now.models)
+    models = {m.model_fingerprint: m for m in now.models}
+    a, b_stats = models["fp-stats-a"], models["fp-stats-b"]
+    assert (a.sessions, list(a.served_model_names), a.sequences, a.blocks_leased) == (2, ["alpha", "alpha-2"], 2, 4)
+    assert (a.prefix_queries, a.prefix_hits) == (80, 32)
+    assert (b_stats.sessions, list(b_stats.served_model_names), b_stats.sequences, b_stats.blocks_leased) == (1, [], 1, 3)
+    assert (b_stats.prefix_queries, b_stats.prefix_hits) == (40, 0)
+    assert sum(m.blocks_leased for m in now.models) == now.blocks_leased == 7
+
+    lease(stub, a2, release(child.sequence_id), release(shared.sequence_id))
+    lease(stub, b, release(other.sequence_id))
+    detach(stub, a2, b)
+    models = {m.model_fingerprint: m for m in stats(stub).models}
+    a, b_stats = models["fp-stats-a"], models["fp-stats-b"]
+    assert (a.sessions, list(a.served_model_names), a.sequences, a.blocks_leased) == (1, ["alpha"], 0, 0)
+    assert (a.prefix_queries, a.prefix_hits) == (80, 32), "what was asked stays counted"
+    assert (b_stats.sessions, b_stats.sequences, b_stats.blocks_leased) == (0, 0, 0)
+    detach(stub, a1)
+
+
 def test_another_sessions_sequence_is_permission_denied(stub):
     owner, intruder = attach(stub, "owner").session_id, attach(stub, "intruder").session_id
     sequence = lease(stub, owner, allocate(16)).results[0].sequence_id

@@ -322,7 +322,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved", "tiers")
+    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved", "tiers", "models")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,7 @@ class CacheStats(_message.Message):
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     blocks_leased: int
@@ -343,7 +344,26 @@ class CacheStats(_message.Message):
     prefix_hits: int
     bytes_reserved: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ModelStats]
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ...) -> None: ...
+
+class ModelStats(_message.Message):
+    __slots__ = ("model_fingerprint", "served_model_names", "sessions", "sequences", "blocks_leased", "prefix_queries", "prefix_hits")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    sessions: int
+    sequences: int
+    blocks_leased: int
+    prefix_queries: int
+    prefix_hits: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "blocks_total", "blocks_cached", "blocks_free", "hit_tokens", "demotions", "promotions", "bytes_in", "bytes_out", "seconds_in", "seconds_out", "evictions", "errors", "bytes_used")
