@@ -4,7 +4,8 @@ template written into its tokenizer_config.json).
 
 The messages go into GenerateRequest.messages and are rendered by the same code as a gRPC
 call's: the prompt equals transformers' `apply_chat_template`, and the greedy answer equals
-gRPC's for those token ids.
+gRPC's for those token ids. The template shows tools, calls and results in Hermes's format,
+so a tool call's round trip and tool_choice "auto" run here too.
 """
 
 from __future__ import annotations
@@ -289,6 +290,69 @@ def test_tool_call_round_trip_with_the_openai_client(client, services, checkpoin
                                                 "tools": TOOLS})
     assert status == 200 and body["tokens"] == ids
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
+
+
+def check_auto_choice(choice) -> None:
+    """What tool_choice "auto" may answer: content, or well-formed calls of the given tools."""
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+            assert isinstance(json.loads(call.function.arguments), dict)
+    else:
+        assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+
+
+def test_tool_choice_auto_answers_content_or_well_formed_tool_calls(client):
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, n=3, seed=4)
+    for choice in answer.choices:
+        check_auto_choice(choice)
+
+
+# What a model that chooses to call writes in Hermes's format, forced with a regex so that
+# the random model writes it: the parser, the answer's shape and the stream are the real ones.
+SAYS_A_CALL = (r'Let me look\. <tool_call>\{"name": "get_weather", "arguments": '
+               r'\{"city": "(Paris|Rome)", "unit": "C"\}\}</tool_call>')
+
+
+def test_tool_choice_auto_parses_the_model_s_call_into_tool_calls(client):
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, seed=5,
+                                            extra_body={"structured_outputs": {"regex": SAYS_A_CALL}})
+    [choice] = answer.choices
+    check_auto_choice(choice)
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    [call] = choice.message.tool_calls
+    assert json.loads(call.function.arguments) in ({"city": "Paris", "unit": "C"}, {"city": "Rome", "unit": "C"})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, seed=5,
+                                                 stream=True, extra_body={"structured_outputs": {"regex": SAYS_A_CALL}}))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(delta.content or "" for delta in deltas) == "Let me look."
+    [streamed] = [call for delta in deltas for call in delta.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("regex", [
+    r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Par',  # cut short: never closed
+    r'<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>',  # a function it was not given
+    r'<tool_call>\{"name": "get_weather", "arguments": \[1\]\}</tool_call>',  # arguments not an object
+], ids=["unclosed", "unknown-function", "arguments-array"])
+def test_tool_choice_auto_answers_malformed_calls_as_content(client, services, regex):
+    import re as regexes
+
+    for stream in (False, True):
+        answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, seed=6,
+                                                stream=stream, extra_body={"structured_outputs": {"regex": regex}})
+        if stream:
+            deltas = [chunk.choices[0] for chunk in answer if chunk.choices]
+            text = "".join(choice.delta.content or "" for choice in deltas)
+            assert not any(choice.delta.tool_calls for choice in deltas) and deltas[-1].finish_reason == "stop"
+        else:
+            [choice] = answer.choices
+            text = choice.message.content
+            assert not choice.message.tool_calls and choice.finish_reason == "stop"
+        assert regexes.fullmatch(regex, text), text
+    wait_for(lambda: stats(cache_stub(services[0].address)).blocks_leased == 0, 30, "every block released")
 
 
 @pytest.mark.parametrize("messages, param, phrase", [

@@ -77,7 +77,32 @@ def test_hermes_tool_calls_parse():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1}),
                                                                                                  ("g", {})]
     assert parse_hermes("no calls") == ("no calls", [])
-    assert parse_hermes("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
+    # Arguments written as JSON text (some models do) come out as the same object.
+    _, [call] = parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": [1, 2]}"}</tool_call>\n')
+    assert json.loads(call["function"]["arguments"]) == {"x": [1, 2]}
+    _, [call] = parse_hermes('<tool_call>{"name": "f"}</tool_call>')  # no arguments: an empty object
+    assert call["function"]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>{broken</tool_call>",
+    '<tool_call>{"name": "f", "arguments": {}}',  # never closed (EOS came first)
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"',  # the second never closed
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call> and then I changed my mind',  # text after the calls
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call>so<tool_call>{"name": "g"}</tool_call>',  # text between
+    '<tool_call>["f", {}]</tool_call>',  # not an object
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>',  # arguments text that is not JSON
+    '<tool_call>{"name": "f", "arguments": "[1]"}</tool_call>',
+    "<tool_call></tool_call>",
+    "<tool_call>",
+], ids=["not-json", "unclosed", "second-unclosed", "text-after", "text-between", "array", "no-name", "name-number",
+        "name-empty", "arguments-array", "arguments-text", "arguments-text-array", "empty", "bare-tag"])
+def test_malformed_hermes_output_is_content(text):
+    assert parse_hermes(text) == (text, [])
 
 
 def body(**fields) -> ChatCompletionRequest:
@@ -93,7 +118,12 @@ def test_tool_choice_plans():
     named = plan_tools(body(tool_choice={"type": "function", "function": {"name": "f"}}), None)
     assert named.mode == "named" and json.loads(named.structured.json) == {"type": "object"}
     hermes = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>"
-    assert plan_tools(body(), hermes).mode == "auto"
+    auto = plan_tools(body(), hermes)
+    assert auto.mode == "auto"
+    content, [call] = auto.parse('Sure.\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert content == "Sure." and call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    unknown = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'  # g is not among the tools
+    assert auto.parse(unknown) == (unknown, [])
     with pytest.raises(ApiError, match='tool_choice "auto"'):
         plan_tools(body(), "{{ messages }}")
     with pytest.raises(ApiError, match="names the function 'g'"):

@@ -10,6 +10,9 @@
   here. The one parser is Hermes's (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
   the format of Qwen2.5, Qwen3 and Hermes templates); a template that does not render
   `tools` in it is refused with a 400 that says to use "required" or a named function.
+  Output that is not exactly text then well-formed calls of the given functions (a block
+  that is not such JSON or never closes, text after the calls, an unknown function,
+  arguments that are not an object) is answered as the content it is, never a 500.
 - tool_choice "none": the tools are neither rendered nor called; plain text.
 In every mode but "none" the tools go to the chat template as its `tools` variable.
 A choice that ends with its calls parsed has finish_reason "tool_calls".
@@ -50,7 +53,11 @@ class ToolPlan:
                               for item in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
-        return parse_hermes(text)
+        content, calls = parse_hermes(text)
+        names = {tool["function"]["name"] for tool in self.tools}
+        if any(call["function"]["name"] not in names for call in calls):
+            return text, []  # a call to a function it was not given: what it wrote is text
+        return content, calls
 
 
 def plan_tools(body: ChatCompletionRequest, template_source: str | None) -> ToolPlan | None:
@@ -120,18 +127,41 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
 
 def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Hermes's format: text, then `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-    blocks. A block that does not parse leaves the whole output as content."""
-    calls = []
-    for block in HERMES_CALL.findall(text):
-        try:
-            call = json.loads(block)
-            calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-        except (ValueError, TypeError, KeyError):
-            return text, []
-    if not calls:
+    blocks with nothing but whitespace between and after them. Anything else (a block that is
+    not such JSON, an unclosed block, text after the calls) leaves the whole output as
+    content: the client gets what the model wrote, never part of a call."""
+    start = text.find("<tool_call>")
+    if start < 0:
         return text, []
-    content = text[:text.index("<tool_call>")].strip()
+    calls, position = [], start
+    for match in HERMES_CALL.finditer(text, start):
+        call = _hermes_call(match.group(1))
+        if call is None or text[position:match.start()].strip():
+            return text, []
+        calls.append(call)
+        position = match.end()
+    if not calls or text[position:].strip():
+        return text, []
+    content = text[:start].strip()
     return content or None, calls
+
+
+def _hermes_call(block: str) -> dict[str, Any] | None:
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None  # OpenAI's arguments are an object: clients json.loads them and index it
+    return tool_call(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 @dataclass(slots=True)
