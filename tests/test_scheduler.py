@@ -1,4 +1,5 @@
-"""The scheduler alone: pure Python, with a fake cache service answering its lease ops."""
+"""The scheduler alone: pure Python, its lease ops answered by the real Ledger in process
+(tests/ledger_cache.py: the engine's mapping of ops and the servicer's, without gRPC)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import itertools
 from collections import deque
 
 import pytest
+from ledger_cache import BLOCK, LedgerCache
 
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOutcome, blocks_for
@@ -13,93 +15,12 @@ from model_service.sched.scheduler import Scheduler, SchedulerLimits
 from model_service.sched.step import Finished, StepOutput
 from model_service.sched.sequence import Finish, Sequence, Status
 
-BLOCK = 4
-
-
-class FakeCache:
-    """A block pool with just enough behaviour to answer lease ops like the real one."""
-
-    def __init__(self, num_blocks: int, session_max_blocks: int = 0) -> None:
-        self.free = list(range(num_blocks))
-        self.session_max_blocks = session_max_blocks  # --max-session-blocks; 0: none
-        self.tables: dict[int, list[int]] = {}
-        self.refs: dict[int, int] = {}  # block -> tables holding it, when shared by a fork
-        self.ids = itertools.count(1)
-        self.calls = 0
-        self.forks = 0
-        self.top_ups = 0
-        self.refuse_top_ups = False
-        self.commits: list[tuple[str, int]] = []  # (request id, tokens) of each commit op
-
-    def answer(self, ops) -> tuple[list[LeaseOutcome], int]:
-        self.calls += 1
-        outcomes = []
-        for fork in ops.forks:
-            parent = self.tables.get(fork.parent_lease_id)
-            partial = fork.parent_tokens % BLOCK != 0
-            if parent is None or (partial and not self.free):
-                outcomes.append(LeaseOutcome(ok=False, code="NOT_FOUND" if parent is None else "NO_FREE_BLOCKS"))
-                continue
-            written = blocks_for(fork.parent_tokens, BLOCK)
-            shared = parent[:written - 1] if partial else parent[:written]
-            for block in shared:
-                self.refs[block] = self.refs.get(block, 1) + 1
-            copy = None
-            table = list(shared)
-            if partial:
-                table.append(self.free.pop())
-                copy = (parent[written - 1], table[-1])
-            lease_id = next(self.ids)
-            self.tables[lease_id] = table
-            self.forks += 1
-            outcomes.append(LeaseOutcome(ok=True, lease_id=lease_id, block_ids=tuple(table), copy=copy))
-        for release in ops.releases:
-            for block in self.tables.pop(release.lease_id):
-                self.refs[block] = self.refs.get(block, 1) - 1
-                if self.refs[block] == 0:
-                    del self.refs[block]
-                    self.free.append(block)
-            outcomes.append(LeaseOutcome(ok=True))
-        for seq, tokens in ops.extends:
-            outcomes.append(self._extend(seq, tokens))
-        for seq, tokens in ops.commits:
-            self.commits.append((seq.request_id, tokens))
-            outcomes.append(LeaseOutcome(ok=True))
-        for seq in ops.allocations:
-            need = blocks_for(len(seq.token_ids), BLOCK)
-            if self.past_quota(need):
-                outcomes.append(LeaseOutcome(ok=False, code="LIMIT_EXCEEDED", message="past --max-session-blocks"))
-                continue
-            if need > len(self.free):
-                outcomes.append(LeaseOutcome(ok=False, code="NO_FREE_BLOCKS"))
-                continue
-            lease_id = next(self.ids)
-            self.tables[lease_id] = [self.free.pop() for _ in range(need)]
-            outcomes.append(LeaseOutcome(ok=True, lease_id=lease_id, block_ids=tuple(self.tables[lease_id])))
-        for seq, tokens in ops.top_ups:
-            self.top_ups += 1
-            outcomes.append(self._extend(seq, tokens) if not self.refuse_top_ups
-                            else LeaseOutcome(ok=False, code="NO_FREE_BLOCKS"))
-        return outcomes, len(self.free)
-
-    def past_quota(self, more: int) -> bool:
-        held = sum(len(table) for table in self.tables.values())
-        return bool(self.session_max_blocks) and held + more > self.session_max_blocks
-
-    def _extend(self, seq, tokens) -> LeaseOutcome:
-        table = self.tables[seq.lease_id]
-        more = blocks_for(tokens, BLOCK) - len(table)
-        if more > 0 and self.past_quota(more):
-            return LeaseOutcome(ok=False, code="LIMIT_EXCEEDED", message="past --max-session-blocks")
-        if more > len(self.free):
-            return LeaseOutcome(ok=False, code="NO_FREE_BLOCKS")
-        new = [self.free.pop() for _ in range(more)]
-        table.extend(new)
-        return LeaseOutcome(ok=True, block_ids=tuple(new))
 
 
 def make_seq(arrival: int, prompt_len: int, max_new: int = 8, priority: int = 0, index: int = 0) -> Sequence:
-    return Sequence(request_id=f"r{arrival}", token_ids=list(range(prompt_len)), prompt_len=prompt_len,
+    """A request's sequence; prompts of different arrivals share no token, so no prefix."""
+    prompt = [1000 * arrival + i for i in range(prompt_len)]
+    return Sequence(request_id=f"r{arrival}", token_ids=prompt, prompt_len=prompt_len,
                     options=SamplingOptions(max_new_tokens=max_new), arrival=arrival, priority=priority, index=index)
 
 
@@ -112,7 +33,7 @@ def make_family(arrival: int, prompt_len: int, n: int, max_new: int = 8) -> list
     return family
 
 
-def run_step(scheduler: Scheduler, cache: FakeCache, pending, observe=None):
+def run_step(scheduler: Scheduler, cache: LedgerCache, pending, observe=None):
     """One engine iteration without a model: apply last step's answers, schedule, 'compute'.
     `observe(step)` sees each step as scheduled, before the fake cache answers its call."""
     if pending is not None:
@@ -147,7 +68,7 @@ def drive(scheduler, cache, max_steps=500, observe=None):
 
 def test_lease_calls_only_when_a_block_boundary_is_crossed():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     seq = make_seq(0, prompt_len=6, max_new=12)
     scheduler.add(seq)
     steps = drive(scheduler, cache)
@@ -157,23 +78,23 @@ def test_lease_calls_only_when_a_block_boundary_is_crossed():
     # blocks 2, 3 and 4 (positions 8, 12, 16): one extend each, asked a step ahead.
     assert len(with_ops) == 3, [len(s.lease_ops) for s in decode_steps]
     assert all(len(s.lease_ops.extends) == 1 for s in with_ops)
-    assert seq.status is Status.FINISHED and not cache.tables
+    assert seq.status is Status.FINISHED and not cache.leases
 
 
 def test_at_most_one_call_per_step_with_every_kind_of_op():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=16), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     for i in range(6):
         scheduler.add(make_seq(i, prompt_len=3 + 2 * i, max_new=5 + i))
     steps = drive(scheduler, cache)
     assert cache.calls <= len(steps)
-    assert not cache.tables and len(cache.free) == 100
+    assert not cache.leases and cache.available() == 100
 
 
 def test_full_pool_preempts_the_newest_and_everyone_finishes():
     # 10 blocks of 4 tokens: three sequences writing 16 positions need 12 blocks together.
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 10)
-    cache = FakeCache(10)
+    cache = LedgerCache(10)
     seqs = [make_seq(i, prompt_len=5, max_new=12) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
@@ -181,15 +102,17 @@ def test_full_pool_preempts_the_newest_and_everyone_finishes():
     assert scheduler.preemptions > 0
     assert all(s.status is Status.FINISHED and s.num_output == 12 for s in seqs)
     assert max(seqs, key=lambda s: s.preemptions) is seqs[-1], "the newest should be preempted first"
-    assert not cache.tables and len(cache.free) == 10
+    assert not cache.leases and cache.available() == 10
 
 
-def test_each_sequence_keeps_its_peak_blocks_and_what_preemption_made_it_compute_again():
+@pytest.mark.parametrize("reuse_prefix", [False, True])
+def test_each_sequence_keeps_its_peak_blocks_and_what_preemption_made_it_compute_again(reuse_prefix):
     # As above: the pool forces preemptions. A sequence writes K/V at 5 + 11 = 16
-    # positions (4 blocks) and may be leased the block of its 17th; one that is preempted
-    # computes again what it had computed (this fake cache keeps no prefix).
+    # positions (4 blocks) and may be leased the block of its 17th. One that is preempted
+    # computes again what it had computed, less, when it may reuse cached blocks (as
+    # without prompt logprobs), what the prefix cache gave back of it.
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 10)
-    cache = FakeCache(10)
+    cache = LedgerCache(10)
     seqs = [make_seq(i, prompt_len=5, max_new=12) for i in range(3)]
     computed_when_preempted = {id(seq): 0 for seq in seqs}
 
@@ -198,13 +121,16 @@ def test_each_sequence_keeps_its_peak_blocks_and_what_preemption_made_it_compute
             computed_when_preempted[id(victim)] += victim.ever_computed
 
     for seq in seqs:
+        seq.reuse_prefix = reuse_prefix
         scheduler.add(seq)
     drive(scheduler, cache, observe=observe)
     assert scheduler.preemptions > 0
     for seq in seqs:
         assert 4 <= seq.peak_blocks <= 5
-        assert (seq.recomputed_tokens > 0) == (seq.preemptions > 0)
-    assert sum(s.recomputed_tokens for s in seqs) == sum(computed_when_preempted.values())
+        assert seq.recomputed_tokens <= computed_when_preempted[id(seq)]
+        if not reuse_prefix:
+            assert seq.recomputed_tokens == computed_when_preempted[id(seq)]
+            assert (seq.recomputed_tokens > 0) == (seq.preemptions > 0)
 
 
 def test_each_tenant_s_blocks_are_its_sequences_distinct_blocks_at_every_step():
@@ -212,7 +138,7 @@ def test_each_tenant_s_blocks_are_its_sequences_distinct_blocks_at_every_step():
     # their prompt's blocks: the count is of distinct blocks, and nothing stays counted
     # (a sequence that ends while its extend is on the wire gives those blocks back too).
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 14)
-    cache = FakeCache(14)
+    cache = LedgerCache(14)
     # 17 tokens each: the extend for a 5th block goes out in the step that samples the last.
     family = make_family(0, prompt_len=9, n=3, max_new=8)
     others = [make_seq(1, prompt_len=6, max_new=11), make_seq(2, prompt_len=3, max_new=14)]
@@ -240,7 +166,7 @@ def test_each_tenant_s_blocks_are_its_sequences_distinct_blocks_at_every_step():
 
 def test_prefill_is_chunked_to_the_token_budget():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=8), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     scheduler.add(make_seq(0, prompt_len=20, max_new=1))
     steps = drive(scheduler, cache)
     chunks = [n for s in steps for _, n in s.batch]
@@ -249,7 +175,7 @@ def test_prefill_is_chunked_to_the_token_budget():
 
 def test_cancel_while_allocating_releases_the_late_allocation():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     seq = make_seq(0, prompt_len=9)
     scheduler.add(seq)
     step = scheduler.schedule()
@@ -258,14 +184,14 @@ def test_cancel_while_allocating_releases_the_late_allocation():
     scheduler.finish(seq, Finish.ABORTED)  # the client left while the call was on the wire
     scheduler.apply(step.lease_ops, *answer)
     follow_up = scheduler.schedule()
-    assert [r.lease_id for r in follow_up.lease_ops.releases] == list(cache.tables)
+    assert [r.lease_id for r in follow_up.lease_ops.releases] == sorted(cache.leases)
     cache.answer(follow_up.lease_ops)
-    assert not cache.tables and not scheduler.has_work()
+    assert not cache.leases and not scheduler.has_work()
 
 
 def test_cancel_of_a_running_sequence_releases_with_its_computed_prefix():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     seq = make_seq(0, prompt_len=9, max_new=50)
     scheduler.add(seq)
     pending = None
@@ -281,7 +207,7 @@ def test_cancel_of_a_running_sequence_releases_with_its_computed_prefix():
 
 def test_waiting_request_is_admitted_when_blocks_free_up():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 4)
-    cache = FakeCache(4)
+    cache = LedgerCache(4)
     first, second = make_seq(0, prompt_len=12, max_new=2), make_seq(1, prompt_len=12, max_new=2)
     scheduler.add(first)
     scheduler.add(second)
@@ -291,7 +217,7 @@ def test_waiting_request_is_admitted_when_blocks_free_up():
 
 def test_an_unexpected_lease_failure_means_the_session_is_lost():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     seq = make_seq(0, prompt_len=3, max_new=10)
     scheduler.add(seq)
     drive_steps = 0
@@ -317,13 +243,13 @@ def test_leasing_ahead_cuts_the_lease_calls_of_many_decoding_streams():
     calls = {}
     for lookahead in (0, 2 * BLOCK):
         scheduler = Scheduler(ahead_limits(lookahead), 400)
-        cache = FakeCache(400)
+        cache = LedgerCache(400)
         seqs = [make_seq(i, prompt_len=3 + i, max_new=40) for i in range(8)]  # boundaries staggered
         for seq in seqs:
             scheduler.add(seq)
         drive(scheduler, cache)  # run_step fails any step that writes past its table
         assert all(s.status is Status.FINISHED and s.num_output == 40 for s in seqs)
-        assert not cache.tables and len(cache.free) == 400
+        assert not cache.leases and cache.available() == 400
         calls[lookahead] = cache.calls
         assert (cache.top_ups > 0) == (lookahead > 0)
     # Without: someone crosses a block boundary nearly every step. With: a call is due
@@ -333,7 +259,7 @@ def test_leasing_ahead_cuts_the_lease_calls_of_many_decoding_streams():
 
 def test_top_ups_never_reach_past_what_a_sequence_can_grow_to():
     scheduler = Scheduler(ahead_limits(10 * BLOCK, max_model_len=14), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     short, capped = make_seq(0, prompt_len=5, max_new=6), make_seq(1, prompt_len=6, max_new=30)
     scheduler.add(short)
     scheduler.add(capped)
@@ -346,7 +272,7 @@ def test_top_ups_never_reach_past_what_a_sequence_can_grow_to():
 
 def test_no_top_ups_while_a_sequence_waits_for_a_seat():
     scheduler = Scheduler(ahead_limits(4 * BLOCK, max_num_seqs=1), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     first, second = make_seq(0, prompt_len=5, max_new=20), make_seq(1, prompt_len=5, max_new=20)
     scheduler.add(first)
     scheduler.add(second)
@@ -363,7 +289,7 @@ def test_no_top_ups_while_a_sequence_waits_for_a_seat():
 
 def test_top_ups_take_at_most_half_of_the_free_blocks():
     scheduler = Scheduler(ahead_limits(8 * BLOCK), 12)
-    cache = FakeCache(12)
+    cache = LedgerCache(12)
     seq = make_seq(0, prompt_len=5, max_new=40)  # could grow to all 12 blocks
     scheduler.add(seq)
     asked = []
@@ -371,18 +297,18 @@ def test_top_ups_take_at_most_half_of_the_free_blocks():
     def observe(step) -> None:
         ops = step.lease_ops
         needed = {id(s): blocks_for(tokens, BLOCK) for s, tokens in ops.extends}
-        free = len(cache.free) - sum(needed[id(s)] - len(s.block_table) for s, _ in ops.extends)
+        free = cache.available() - sum(needed[id(s)] - len(s.block_table) for s, _ in ops.extends)
         for topped, tokens in ops.top_ups:
             asked.append((blocks_for(tokens, BLOCK) - needed.get(id(topped), len(topped.block_table)), free))
 
     drive(scheduler, cache, observe=observe)
     assert asked and all(more <= free // 2 for more, free in asked), asked
-    assert seq.status is Status.FINISHED and seq.num_output == 40 and len(cache.free) == 12
+    assert seq.status is Status.FINISHED and seq.num_output == 40 and cache.available() == 12
 
 
 def test_a_refused_top_up_leaves_the_sequence_to_ask_when_it_needs_the_block():
     scheduler = Scheduler(ahead_limits(2 * BLOCK), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     cache.refuse_top_ups = True  # another session took the blocks meanwhile
     seqs = [make_seq(i, prompt_len=3 + i, max_new=20) for i in range(4)]
     for seq in seqs:
@@ -390,14 +316,14 @@ def test_a_refused_top_up_leaves_the_sequence_to_ask_when_it_needs_the_block():
     drive(scheduler, cache)
     assert cache.top_ups > 0 and scheduler.preemptions == 0
     assert all(s.status is Status.FINISHED and s.num_output == 20 for s in seqs)
-    assert not cache.tables
+    assert not cache.leases
 
 
 def held_release_run(finish_reason: Finish, advance_s: float):
     """A short sequence finishes while a long one decodes; returns the steps after that."""
     now = [0.0]
     scheduler = Scheduler(ahead_limits(0, hold_s=0.1), 100, clock=lambda: now[0])
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     short, long = make_seq(0, prompt_len=4, max_new=50), make_seq(1, prompt_len=6, max_new=40)
     scheduler.add(short)
     scheduler.add(long)
@@ -412,7 +338,7 @@ def held_release_run(finish_reason: Finish, advance_s: float):
         now[0] += advance_s
         step, pending = run_step(scheduler, cache, pending)
         steps.append(step)
-    assert not cache.tables and long.status is Status.FINISHED
+    assert not cache.leases and long.status is Status.FINISHED
     return steps, short
 
 
@@ -446,7 +372,7 @@ def test_a_refused_allocation_is_not_asked_again_every_step_when_nothing_runs():
     now = [0.0]
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64),
                           blocks_available=0, clock=lambda: now[0])
-    cache = FakeCache(0)
+    cache = LedgerCache(8, held_by_another=8)
     scheduler.add(make_seq(0, 6))
     step, pending = run_step(scheduler, cache, None)
     assert len(step.lease_ops.allocations) == 1  # nothing runs: it asks anyway
@@ -465,7 +391,7 @@ def test_a_refused_allocation_is_not_asked_again_every_step_when_nothing_runs():
                 break
         waits.append(round(now[0] - before, 3))
     assert waits == sorted(waits) and 0.4 < waits[-1] < 0.6, waits
-    cache.free = list(range(8))  # another session released blocks
+    cache.release_others()  # another session released its blocks
     for _ in range(100):
         if not scheduler.has_work() and pending is None:
             break
@@ -480,7 +406,7 @@ def test_a_refused_allocation_is_not_asked_again_every_step_when_nothing_runs():
 def test_priority_policy_admits_by_priority_then_arrival():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=1, max_batch_tokens=64), 100,
                           policy="priority")
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     seqs = [make_seq(0, 5, 2, priority=5), make_seq(1, 5, 2, priority=-1), make_seq(2, 5, 2, priority=5),
             make_seq(3, 5, 2, priority=0)]
     for seq in seqs:
@@ -491,7 +417,7 @@ def test_priority_policy_admits_by_priority_then_arrival():
 
 def test_fcfs_policy_ignores_priority():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=1, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     for arrival, priority in enumerate([5, -1, 0]):
         scheduler.add(make_seq(arrival, 5, 2, priority=priority))
     admitted = [s.lease_ops.allocations[0].arrival for s in drive(scheduler, cache) if s.lease_ops.allocations]
@@ -503,7 +429,7 @@ def test_priority_policy_preempts_the_lowest_priority_newest_first():
     # priority-9 ones, newest first, never the priority-0 ones that arrived later.
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 12,
                           policy="priority")
-    cache = FakeCache(12)
+    cache = LedgerCache(12)
     seqs = [make_seq(0, 5, 12, priority=9), make_seq(1, 5, 12, priority=9), make_seq(2, 5, 12, priority=0),
             make_seq(3, 5, 12, priority=0)]
     for seq in seqs:
@@ -512,7 +438,7 @@ def test_priority_policy_preempts_the_lowest_priority_newest_first():
     assert victims and victims[0] == 1, victims
     assert seqs[2].preemptions == seqs[3].preemptions == 0
     assert all(s.status is Status.FINISHED and s.num_output == 12 for s in seqs)
-    assert not cache.tables and len(cache.free) == 12
+    assert not cache.leases and cache.available() == 12
 
 
 def test_unknown_policy_is_refused():
@@ -537,7 +463,7 @@ def test_a_tenant_past_its_share_is_preempted_before_a_newer_sequence_of_another
     for shares in ({}, {"a": 2}):
         scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 10,
                               policy=policy, tenant_kv_blocks=shares)
-        cache = FakeCache(10)
+        cache = LedgerCache(10)
         seqs = [tenant_seq("a", 0, 5, 12), tenant_seq("a", 1, 5, 12), tenant_seq("b", 2, 5, 12)]
         for seq in seqs:
             scheduler.add(seq)
@@ -560,7 +486,7 @@ def test_a_tenant_past_its_share_waits_while_another_tenant_s_request_is_admitte
     for shares in ({}, {"a": 4}):
         scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=2, max_batch_tokens=64), 100,
                               policy=policy, tenant_kv_blocks=shares)
-        cache = FakeCache(100)
+        cache = LedgerCache(100)
         seqs = [tenant_seq("a", 0, 5, 12), tenant_seq("a", 1, 5, 30), tenant_seq("a", 2, 5, 3, priority=0),
                 tenant_seq("b", 3, 5, 3, priority=5)]
         scheduler.add(seqs[0])
@@ -572,7 +498,7 @@ def test_a_tenant_past_its_share_waits_while_another_tenant_s_request_is_admitte
                 scheduler.add(seqs[3])
 
         steps = drive(scheduler, cache, observe=observe)
-        assert all(s.status is Status.FINISHED for s in seqs) and not cache.tables
+        assert all(s.status is Status.FINISHED for s in seqs) and not cache.leases
         admitted[bool(shares)] = [seq.arrival for step in steps for seq in step.lease_ops.allocations]
     assert admitted[False] == [0, 1, 2, 3], admitted
     assert admitted[True] == [0, 1, 3, 2], admitted
@@ -596,7 +522,7 @@ def test_only_the_tenant_past_its_share_waits_and_its_blocks_count_once_for_all_
 
 def test_n_completions_fork_the_prompt_once_and_each_finishes_on_its_own():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     family = make_family(0, prompt_len=10, n=4, max_new=6)
     family[2].options = SamplingOptions(max_new_tokens=2)  # finishes before its siblings
     scheduler.add(family[0])
@@ -605,12 +531,12 @@ def test_n_completions_fork_the_prompt_once_and_each_finishes_on_its_own():
     assert sum(len(s.lease_ops.allocations) for s in steps) == 1, "the prompt is allocated once"
     assert [s.num_output for s in family] == [6, 6, 2, 6]
     assert all(s.status is Status.FINISHED for s in family)
-    assert not cache.tables and len(cache.free) == 100 and not cache.refs
+    assert not cache.leases and cache.available() == 100 and cache.leased() == 0
 
 
 def test_n_completions_hold_seats_for_all_of_them():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     family = make_family(0, prompt_len=6, n=4, max_new=5)
     other = make_seq(1, prompt_len=6, max_new=5)
     scheduler.add(family[0])
@@ -620,24 +546,24 @@ def test_n_completions_hold_seats_for_all_of_them():
     # Without seats held for the forks, the other request is admitted with completion 0
     # and five sequences run at once.
     assert admitted_at[1] > admitted_at[0] and all(len(step.batch) <= 4 for step in steps)
-    assert other.status is Status.FINISHED and not cache.tables
+    assert other.status is Status.FINISHED and not cache.leases
 
 
 @pytest.mark.parametrize("num_blocks", [9, 12])
 def test_n_completions_under_a_small_pool_preempt_and_leave_nothing_leased(num_blocks):
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), num_blocks)
-    cache = FakeCache(num_blocks)
+    cache = LedgerCache(num_blocks)
     family = make_family(0, prompt_len=9, n=4, max_new=10)
     scheduler.add(family[0])
     drive(scheduler, cache)
     assert scheduler.preemptions > 0
     assert all(s.status is Status.FINISHED and s.num_output == 10 for s in family)
-    assert not cache.tables and len(cache.free) == num_blocks and not cache.refs
+    assert not cache.leases and cache.available() == num_blocks and cache.leased() == 0
 
 
 def test_finishing_the_parent_at_its_first_token_still_forks_the_children():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     family = make_family(0, prompt_len=6, n=3, max_new=4)
     family[0].options = SamplingOptions(max_new_tokens=1)
     scheduler.add(family[0])
@@ -645,13 +571,13 @@ def test_finishing_the_parent_at_its_first_token_still_forks_the_children():
     assert cache.forks == 2, "the parent's release comes after the forks in the same call"
     assert sum(len(s.lease_ops.allocations) for s in steps) == 1
     assert [s.num_output for s in family] == [1, 4, 4]
-    assert not cache.tables and len(cache.free) == 100
+    assert not cache.leases and cache.available() == 100
 
 
 def test_cancelling_every_completion_mid_flight_leaves_nothing_leased():
     for cancel_at in range(1, 8):
         scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
-        cache = FakeCache(100)
+        cache = LedgerCache(100)
         family = make_family(0, prompt_len=6, n=4, max_new=20)
         scheduler.add(family[0])
         pending = None
@@ -661,13 +587,13 @@ def test_cancelling_every_completion_mid_flight_leaves_nothing_leased():
             scheduler.finish(seq, Finish.ABORTED)
         while scheduler.has_work() or pending is not None:
             _, pending = run_step(scheduler, cache, pending)
-        assert not cache.tables and len(cache.free) == 100, f"leaked after a cancel at step {cancel_at}"
+        assert not cache.leases and cache.available() == 100, f"leaked after a cancel at step {cancel_at}"
 
 
 # --- update_from_output: the one writer of a step's results ------------------------------
 
 
-def one_step(scheduler: Scheduler, cache: FakeCache, seqs: list[Sequence]):
+def one_step(scheduler: Scheduler, cache: LedgerCache, seqs: list[Sequence]):
     """Admits `seqs` and runs their prefill step; returns that step."""
     for seq in seqs:
         scheduler.add(seq)
@@ -679,7 +605,7 @@ def one_step(scheduler: Scheduler, cache: FakeCache, seqs: list[Sequence]):
 def test_update_from_output_applies_eos_stop_tokens_and_length():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64, max_model_len=7),
                           100, eos_token_ids=[2])
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     eos, ignoring, stop, length, running = (make_seq(i, prompt_len=5, max_new=8) for i in range(5))
     model_len = make_seq(5, prompt_len=6, max_new=8)
     ignoring.options = SamplingOptions(max_new_tokens=8, ignore_eos=True)
@@ -704,7 +630,7 @@ def test_update_from_output_applies_eos_stop_tokens_and_length():
 
 def test_update_from_output_forks_at_the_first_token_and_skips_the_finished():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     parent, child, gone = make_family(0, prompt_len=6, n=3)
     step = one_step(scheduler, cache, [parent])
     assert child.status is Status.FORK_PENDING and gone.status is Status.FORK_PENDING
@@ -721,7 +647,7 @@ def test_update_from_output_marks_prompt_logprobs_done():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64), 100)
     seq = make_seq(0, prompt_len=6)
     seq.reuse_prefix = False
-    step = one_step(scheduler, FakeCache(100), [seq])
+    step = one_step(scheduler, LedgerCache(100), [seq])
     scheduler.update_from_output(step, StepOutput(prompt_logprobs_done=[seq]))
     assert seq.reuse_prefix and seq.num_computed == 6 and seq.num_output == 0
 
@@ -731,7 +657,7 @@ def test_update_from_output_marks_prompt_logprobs_done():
 
 def test_full_blocks_are_committed_in_calls_that_go_out_anyway():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
-    cache = FakeCache(100)
+    cache = LedgerCache(100)
     seq = make_seq(0, prompt_len=10, max_new=12)
     late = make_seq(1, prompt_len=3, max_new=2)
     calls = []
@@ -761,7 +687,7 @@ def test_a_sequence_past_the_session_quota_fails_alone_and_the_others_finish():
     raises LeaseLost (which would end every stream of the engine)."""
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100,
                           clock=itertools.count().__next__)
-    cache = FakeCache(100, session_max_blocks=6)
+    cache = LedgerCache(100, session_max_blocks=6)
     long = make_seq(0, prompt_len=8, max_new=40)  # 48 tokens: 12 blocks, twice the quota
     bystander = make_seq(1, prompt_len=4, max_new=8)  # 12 tokens: 3 blocks
     failures = []
@@ -778,13 +704,13 @@ def test_a_sequence_past_the_session_quota_fails_alone_and_the_others_finish():
     drive(scheduler, cache)
     assert failures == [long] and long.num_output < 40
     assert bystander.num_output == 8 and bystander.status is Status.FINISHED
-    assert sum(len(table) for table in cache.tables.values()) == 0  # every block back
+    assert cache.ledger.owner_usage("engine#1") == (0, 0)  # every block back
 
 
 def test_an_allocation_past_the_quota_waits_while_others_hold_blocks():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100,
                           clock=itertools.count().__next__)
-    cache = FakeCache(100, session_max_blocks=5)
+    cache = LedgerCache(100, session_max_blocks=5)
     first = make_seq(0, prompt_len=8, max_new=4)  # 3 blocks at most
     second = make_seq(1, prompt_len=8, max_new=4)  # fits only once the first is gone
     scheduler.add(first)
