@@ -5,7 +5,9 @@ template written into its tokenizer_config.json).
 The messages go into GenerateRequest.messages and are rendered by the same code as a gRPC
 call's: the prompt equals transformers' `apply_chat_template`, and the greedy answer equals
 gRPC's for those token ids. The template shows tools, calls and results in Hermes's format,
-so a tool call's round trip and tool_choice "auto" run here too.
+so a tool call's round trip and tool_choice "auto" run here too. The client CLI
+(model_service/client.py) runs against the same service: --chat and --system, --n,
+--logprobs and --abort, each compared with what gRPC gives.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service, start_model_service
 
+from model_service import client as cli
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 MODEL = "llama-chat"
@@ -454,3 +457,79 @@ def test_render_and_tokenize_refuse_as_generation_does(services, path, body, sta
     answer_status, answer = post(services, path, {"model": MODEL, **body})
     assert answer_status == status, answer
     assert in_message in answer["error"]["message"]
+
+
+# -- the client CLI against this service ---------------------------------------------------------
+
+
+def run_cli(services, capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
+    """The CLI's exit code, stdout and stderr, run in process against the service."""
+    monkeypatch.delenv(cli.AUTH_TOKEN_ENV, raising=False)
+    code = cli.main([*argv, "--address", services[1].address, "--timeout", "120"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def grpc_messages(stub, **fields) -> dict[int, list[model_pb2.GenerateResponse]]:
+    sampling = fields.pop("sampling")
+    request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(**sampling), **fields)
+    by_index: dict[int, list[model_pb2.GenerateResponse]] = {}
+    for response in stub.Generate(request, timeout=120):
+        by_index.setdefault(response.index, []).append(response)
+    return by_index
+
+
+def test_cli_chat_with_a_system_message_renders_the_template_and_answers_as_grpc(services, checkpoint, capsys,
+                                                                               monkeypatch):
+    _, _, stub = services
+    system, user = MESSAGES[0]["content"], MESSAGES[1]["content"]
+    code, out, err = run_cli(services, capsys, monkeypatch, "--system", system, user, "--max-new-tokens", "10",
+                             "--ignore-eos")
+    assert code == 0, err
+    assert out == grpc_text(stub, prompt_token_ids=template_ids(checkpoint, MESSAGES), sampling=GREEDY)
+    assert f"[prompt_tokens={len(template_ids(checkpoint, MESSAGES))} completion_tokens=10 " in err
+    code, out, err = run_cli(services, capsys, monkeypatch, "--chat", user, "--max-new-tokens", "10", "--ignore-eos")
+    only_user = [MESSAGES[1]]
+    assert code == 0 and out == grpc_text(stub, prompt_token_ids=template_ids(checkpoint, only_user), sampling=GREEDY)
+    assert f"[prompt_tokens={len(template_ids(checkpoint, only_user))} " in err
+
+
+def test_cli_n_prints_each_completion_whole_as_grpc_samples_them(services, capsys, monkeypatch):
+    _, _, stub = services
+    code, out, err = run_cli(services, capsys, monkeypatch, "Paged blocks", "--n", "3", "--temperature", "1",
+                             "--seed", "7", "--max-new-tokens", "6", "--ignore-eos")
+    assert code == 0, err
+    expected = grpc_messages(stub, prompt="Paged blocks",
+                             sampling=dict(n=3, temperature=1, seed=7, max_new_tokens=6, ignore_eos=True))
+    texts = {index: "".join(m.text for m in messages) for index, messages in expected.items()}
+    assert len(set(texts.values())) > 1, "three seeded completions should not all be equal"
+    assert out == "".join(f"--- completion {index} ---\n{texts[index]}\n" for index in range(3))
+    assert "completion_tokens=18 " in err and "finish_reason=LENGTH,LENGTH,LENGTH]" in err
+
+
+def test_cli_logprobs_prints_each_token_s_logprob_and_top_as_grpc_gives_them(services, capsys, monkeypatch):
+    _, _, stub = services
+    code, out, err = run_cli(services, capsys, monkeypatch, "The quick brown fox", "--logprobs", "2",
+                             "--max-new-tokens", "4", "--ignore-eos")
+    assert code == 0, err
+    [messages] = grpc_messages(stub, prompt="The quick brown fox",
+                               sampling=dict(logprobs=2, max_new_tokens=4, temperature=0, ignore_eos=True)).values()
+    entries = [entry for message in messages for entry in message.logprobs]
+    assert len(entries) == 4 and all(len(entry.top) == 2 for entry in entries)
+    lines = [line for line in err.splitlines() if line.startswith("[0] ")]
+    assert lines == ["[0] " + cli._logprob_text(entry) for entry in entries]
+    assert out == "".join(message.text for message in messages)
+
+
+def test_cli_abort_ends_a_live_request_and_counts_only_live_ones(services, capsys, monkeypatch):
+    cache, _, stub = services
+    request = model_pb2.GenerateRequest(prompt="abort me", request_id="cli-abort-me", sampling=model_pb2.SamplingParams(
+        max_new_tokens=500, ignore_eos=True))
+    call = stub.Generate(request, timeout=120)
+    first = next(call)  # it runs
+    code, out, err = run_cli(services, capsys, monkeypatch, "--abort", "cli-abort-me", "--abort", "not-a-live-one")
+    assert code == 0, err
+    assert out == "aborted: 1 of 2\n"
+    last = [first, *call][-1]
+    assert last.finish_reason == model_pb2.FINISH_REASON_ABORT and last.usage.completion_tokens < 500
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "the aborted request's blocks released")
