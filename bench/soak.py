@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/soak.py                      # tiny model, 150 s, 2 MiB pool
     .venv/bin/python bench/soak.py --duration-s 60 --model /path/to/checkpoint
+    .venv/bin/python bench/soak.py --abusive-concurrency 8   # two tenants, one abusive (issue 28)
 
 Each client loops until the duration is over: a random prompt (--prompt-tokens range),
 random max_new_tokens (--new-tokens range), sampled at temperature 0.8 with eos ignored
@@ -12,17 +13,33 @@ between tokens (a message carrying n tokens counts as n gaps of gap/n). At the e
 every client is done, the cache service must show no leased block. Prints a markdown
 table; exits 1 if blocks leaked or a request failed with an unexpected status.
 
+With --abusive-concurrency N, the model service runs --api-keys with two tenants, and the
+soak runs twice on the same services: the normal tenant's clients alone, then again with
+N clients of an abusive tenant (max_concurrent_requests 4, max_queued_requests 2, a
+kv_blocks share) beside them. Each abusive client loops over four abuses at random:
+an oversized HTTP body sent without a token (401 or 413 before it is read), a prompt of
+max_model_len - 1 tokens, the whole vocabulary as stop ids with min_tokens, and a burst of
+3 × its max_concurrent_requests at once (RESOURCE_EXHAUSTED past the limit). The table
+compares the normal tenant's throughput and inter-token p99 between the runs (the target:
+within 10 %), counts its failures (the target: 0) and the abuses' answers by status;
+exits 1 if the normal tenant failed or blocks leaked.
+
 Not run in CI: it takes minutes and its numbers depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
+import os
 import random
+import resource
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -37,6 +54,10 @@ from processes import start_cache_service, start_model_service  # noqa: E402
 
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc  # noqa: E402
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
+from pagedkv.serving import bearer_metadata  # noqa: E402
+
+NORMAL_KEY, ABUSER_KEY = "sk-soak-normal-tenant", "sk-soak-abusive-tenant"
+ABUSER_MAX_CONCURRENT = 4
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -53,9 +74,11 @@ class Results:
         self.tokens = 0
         self.ttft: list[float] = []
         self.itl: list[float] = []
+        self.abuses: Counter[str] = Counter()  # "abuse: answer"
+        self.cpu = 0.0  # CPU seconds (run_phase)
 
 
-def client(stub, args, rng: random.Random, vocab: int, deadline: float, results: Results) -> None:
+def client(stub, args, rng: random.Random, vocab: int, deadline: float, results: Results, metadata=None) -> None:
     while time.monotonic() < deadline:
         prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(*args.prompt_tokens))]
         max_new_tokens = rng.randint(*args.new_tokens)
@@ -67,7 +90,7 @@ def client(stub, args, rng: random.Random, vocab: int, deadline: float, results:
         )
         started = last = time.perf_counter()
         tokens, ttft, gaps = 0, None, []
-        call = stub.Generate(request, timeout=args.request_timeout_s)
+        call = stub.Generate(request, timeout=args.request_timeout_s, metadata=metadata)
         try:
             for response in call:
                 now = time.perf_counter()
@@ -98,6 +121,70 @@ def client(stub, args, rng: random.Random, vocab: int, deadline: float, results:
                 results.errors[outcome] += 1
 
 
+def abuser(stub, http_url: str, args, rng: random.Random, vocab: int, max_model_len: int, deadline: float,
+           results: Results) -> None:
+    """One abusive tenant's client: each iteration one abuse, its answer counted by status."""
+    metadata = bearer_metadata(ABUSER_KEY)
+
+    def generate(prompt: list[int], **sampling) -> str:
+        request = model_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=model_pb2.SamplingParams(**sampling))
+        try:
+            for _ in stub.Generate(request, timeout=args.request_timeout_s, metadata=metadata):
+                pass
+            return "OK"
+        except grpc.RpcError as error:
+            return error.code().name
+
+    def oversized_body() -> str:
+        body = b'{"model": "x", "prompt": "' + b"a" * (args.abusive_body_bytes) + b'"}'
+        request = urllib.request.Request(f"{http_url}/completions", data=body, method="POST",
+                                         headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=60).read()
+            return "200"
+        except urllib.error.HTTPError as error:
+            return str(error.code)
+        except (urllib.error.URLError, ConnectionError) as error:  # closed before the body was all sent
+            return f"closed ({type(getattr(error, 'reason', error)).__name__})"
+
+    def burst() -> str:
+        answers: Counter[str] = Counter()
+        lock = threading.Lock()
+
+        def one() -> None:
+            answer = generate([rng.randrange(4, vocab) for _ in range(8)], max_new_tokens=4, ignore_eos=True)
+            with lock:
+                answers[answer] += 1
+
+        threads = [threading.Thread(target=one) for _ in range(3 * ABUSER_MAX_CONCURRENT)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return " ".join(f"{answer}×{count}" for answer, count in sorted(answers.items()))
+
+    abuses = {
+        "oversized body, no token": oversized_body,
+        "max-size prompt": lambda: generate([rng.randrange(4, vocab) for _ in range(max_model_len - 1)],
+                                            max_new_tokens=1),
+        "whole vocabulary as stop ids": lambda: generate([rng.randrange(4, vocab) for _ in range(16)],
+                                                         max_new_tokens=16, min_tokens=8,
+                                                         stop_token_ids=list(range(vocab)), temperature=1.0),
+        "burst past its limits": burst,
+    }
+    chosen = [name for name in abuses if any(word in name for word in args.abuses.split(","))]
+    while time.monotonic() < deadline:
+        name = rng.choice(chosen)
+        answer = abuses[name]()
+        with results.lock:
+            if name == "burst past its limits":
+                for part in answer.split():
+                    status, _, count = part.partition("×")
+                    results.abuses[f"{name}: {status}"] += int(count)
+            else:
+                results.abuses[f"{name}: {answer}"] += 1
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -126,7 +213,16 @@ def main() -> int:
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="where logs and port files go (default: a temp dir)")
+    parser.add_argument("--abusive-concurrency", type=int, default=0,
+                        help="clients of an abusive tenant; > 0 runs the normal clients alone, then beside them")
+    parser.add_argument("--abuser-kv-blocks", type=int, default=32, help="the abusive tenant's kv_blocks share")
+    parser.add_argument("--abuses", default="body,prompt,stop,burst",
+                        help="which abuses to run, by a word of their name (body, prompt, stop, burst), comma-separated")
+    parser.add_argument("--abusive-body-bytes", type=int, default=32 * 1024 * 1024,
+                        help="size of the oversized HTTP bodies the abusive tenant sends without a token")
     args = parser.parse_args()
+    if args.abusive_concurrency:
+        return two_tenants(args)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pagedkv-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -189,6 +285,135 @@ def main() -> int:
         print(f"| {name} | {value} |")
     print(f"\nlogs: {workdir}", file=sys.stderr)
     return 1 if cache_stats.blocks_leased or results.errors else 0
+
+
+def settled_stats(cache_stub, metadata=None) -> cache_pb2.CacheStats:
+    """GetStats once the last releases are in: they go with the engine's next lease call."""
+    stats = cache_stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10, metadata=metadata)
+    settle_until = time.monotonic() + 5
+    while stats.blocks_leased and time.monotonic() < settle_until:
+        time.sleep(0.05)
+        stats = cache_stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10, metadata=metadata)
+    return stats
+
+
+def tenant_samples(url: str, name: str) -> dict[str, float]:
+    """One metric's samples by their tenant label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {sample.labels.get("tenant", ""): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
+def abusers(model_address: str, http_url: str, args, seeds: list[int], vocab: int, max_model_len: int,
+            deadline: float, answers) -> None:
+    """A process of its own for the abusive clients (one thread each): the bodies they build
+    and the bursts they start must not hold the measuring clients' GIL."""
+    stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_address))
+    results = Results()
+    threads = [threading.Thread(target=abuser, args=(stub, http_url, args, random.Random(seed), vocab, max_model_len,
+                                                     deadline, results)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    answers.put((dict(results.abuses), usage.ru_utime + usage.ru_stime))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_phase(model, args, vocab: int, max_model_len: int, abusive: int) -> tuple[Results, Results, float]:
+    """The normal tenant's clients, and `abusive` clients of the abusive one, for --duration-s.
+    Results.cpu: the model service's CPU seconds meanwhile, and the abusive clients'."""
+    normal, abuses = Results(), Results()
+    server_cpu = cpu_seconds(model.pid)
+    stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
+    process = None
+    if abusive:  # started first: a new interpreter takes a second or two to import
+        context = multiprocessing.get_context("spawn")
+        answers = context.Queue()
+        seeds = [args.seed * 1000 + 500 + i for i in range(abusive)]
+        process = context.Process(target=abusers, args=(model.address, model.http_url, args, seeds, vocab,
+                                                        max_model_len, time.monotonic() + args.duration_s, answers))
+        process.start()
+    started = time.monotonic()
+    deadline = started + args.duration_s
+    threads = [threading.Thread(target=client, args=(stub, args, random.Random(args.seed * 1000 + i), vocab, deadline,
+                                                     normal, bearer_metadata(NORMAL_KEY)), daemon=True)
+               for i in range(args.concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    normal.cpu = cpu_seconds(model.pid) - server_cpu
+    if process is not None:
+        answered, abuses.cpu = answers.get(timeout=args.request_timeout_s)
+        abuses.abuses.update(answered)
+        process.join()
+    return normal, abuses, elapsed
+
+
+def two_tenants(args) -> int:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pagedkv-soak-tenants-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    shm_dir = workdir / "shm"
+    shm_dir.mkdir(exist_ok=True)
+    keys = workdir / "keys.json"
+    keys.write_text(json.dumps({
+        NORMAL_KEY: {"tenant": "normal"},
+        ABUSER_KEY: {"tenant": "abuser", "max_concurrent_requests": ABUSER_MAX_CONCURRENT, "max_queued_requests": 2,
+                     "kv_blocks": args.abuser_kv_blocks},
+    }))
+    metadata = bearer_metadata(NORMAL_KEY)
+    with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes, "--shm-dir", shm_dir) as cache, \
+            start_model_service(workdir, cache.address, "--model", args.model, "--max-model-len", args.max_model_len,
+                                "--api-keys", keys) as model:
+        stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
+        cache_stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
+        info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10, metadata=metadata)
+        vocab = min(info.vocab_size, 256)
+        phases = {}
+        for name, abusive in (("alone", 0), ("beside the abusive tenant", args.abusive_concurrency)):
+            normal, abuses, elapsed = run_phase(model, args, vocab, info.max_model_len, abusive)
+            phases[name] = (normal, abuses, elapsed, settled_stats(cache_stub))
+        preempted = tenant_samples(model.metrics_url, "pagedkv_model_tenant_preemptions_total")
+        peaks = tenant_samples(model.metrics_url, "pagedkv_model_tenant_kv_blocks_peak")
+        sizing = cache_stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
+
+    (alone, _, alone_s, _), (beside, abuses, beside_s, stats) = phases.values()
+    rate = {id(alone): alone.tokens / alone_s, id(beside): beside.tokens / beside_s}
+    itl_p99 = {id(r): percentile(r.itl, 0.99) for r in (alone, beside)}
+    print(f"pool: {sizing.num_blocks} blocks × {sizing.block_size} tokens; model {info.model_id}; "
+          f"{args.concurrency} normal clients, {args.abusive_concurrency} abusive ones, {args.duration_s:g} s a run\n")
+    print("| normal tenant | alone | beside the abusive tenant | change |\n| --- | --- | --- | --- |")
+    for label, values, unit in (
+        ("throughput (tokens/s)", rate, "{:.0f}"),
+        ("inter-token latency p99 (ms)", {k: v * 1e3 for k, v in itl_p99.items()}, "{:.2f}"),
+    ):
+        before, after = values[id(alone)], values[id(beside)]
+        print(f"| {label} | {unit.format(before)} | {unit.format(after)} | {100 * (after - before) / before:+.1f} % |")
+    for label, pick in (
+        ("time to first token p99 (ms)", lambda r: f"{percentile(r.ttft, 0.99) * 1e3:.1f}"),
+        ("requests completed / cancelled", lambda r: f"{r.completed} / {r.cancelled}"),
+        ("requests failed", lambda r: ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"),
+        ("model service CPU (s)", lambda r: f"{r.cpu:.1f}"),
+    ):
+        print(f"| {label} | {pick(alone)} | {pick(beside)} | |")
+    print(f"\nthe abusive clients' own CPU: {abuses.cpu:.1f} s (a process of their own); "
+          f"preemptions by tenant: {preempted}; peak KV blocks by tenant: {peaks}; "
+          f"blocks leased after the runs: {stats.blocks_leased}\n")
+    print("| abuse: answer | count |\n| --- | --- |")
+    for name, count in sorted(abuses.abuses.items()):
+        print(f"| {name} | {count} |")
+    print(f"\nlogs: {workdir}", file=sys.stderr)
+    return 1 if stats.blocks_leased or alone.errors or beside.errors else 0
 
 
 if __name__ == "__main__":
