@@ -325,6 +325,40 @@ class BlockPool:
         block.namespace = namespace
         self.cached[block_hash] = block
 
+    def drop_cached(self, fingerprint: str | None = None) -> tuple[list[Block], int]:
+        """Unregisters every cached block (registered, held by no sequence) of the model
+        ``fingerprint`` (None: of every model); leased blocks keep their registration.
+
+        The dropped blocks become plain free and move to the front of the linked free list
+        (behind the never-leased ids, which are plain free too), so allocations take them
+        before evicting any block still cached. Returns (the blocks dropped, how many
+        registered blocks of the model were kept because they are leased).
+        """
+        dropped: list[Block] = []
+        kept = 0
+        cached = self.cached
+        head = self._head
+        for block_hash, block in list(cached.items()):
+            if fingerprint is not None and block.namespace[0] != fingerprint:
+                continue
+            if block.ref_count:
+                kept += 1
+                continue
+            del cached[block_hash]
+            block.block_hash = None
+            block.token_ids = None
+            prev, nxt = block.prev, block.next  # to the front of the linked free list
+            prev.next = nxt
+            nxt.prev = prev
+            first = head.next
+            head.next = block
+            block.prev = head
+            block.next = first
+            first.prev = block
+            dropped.append(block)
+        self.num_cached -= len(dropped)
+        return dropped, kept
+
     def new_reg_id(self) -> int:
         """A registration id no block has had (the tiers number what they load from disk)."""
         self._last_reg_id += 1

@@ -335,6 +335,15 @@ class Ledger:
             self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered)
         return registered
 
+    def reset_prefix_cache(self, fingerprint: str | None = None) -> tuple[int, int]:
+        """Drops the cached blocks (held by no sequence) of model ``fingerprint`` (None:
+        every model) from the prefix cache; returns (blocks dropped, registered blocks kept
+        because sequences hold them). Lookups of those prefixes miss from now on."""
+        dropped, kept = self.pool.drop_cached(fingerprint)
+        if self.events is not None:
+            self.events.reset(dropped)
+        return len(dropped), kept
+
     def release_owner(self, owner: str) -> int:
         """Release every sequence of a dead or detached session; returns block references released."""
         released, _ = self.release_owner_some(owner, None)

@@ -211,6 +211,18 @@ class KvPool:
                 return total
             await asyncio.sleep(0)
 
+    def reset_prefix_cache(self, session: Session, all_models: bool = False) -> tuple[int, int]:
+        """Drops the cached blocks of ``session``'s model (or of every model) nobody holds;
+        returns (blocks dropped, blocks kept because leased). Tier copies stay."""
+        ledger, _ = self.require_pool()
+        fingerprint = None if all_models else session.model_fingerprint
+        dropped, kept = ledger.reset_prefix_cache(fingerprint)
+        self.publish_kv_events()
+        log.info("prefix_cache_reset", session=session.owner, model_fingerprint=fingerprint,
+                 served_model_name=session.served_model_name, all_models=all_models, blocks_dropped=dropped,
+                 blocks_kept=kept)
+        return dropped, kept
+
     def require_pool(self) -> tuple[Ledger, SizingReport]:
         if self.ledger is None:
             raise NoPool("no pool yet: it is created when the first model service attaches")

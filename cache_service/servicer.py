@@ -109,6 +109,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
         return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
 
+    async def ResetPrefixCache(self, request, context):
+        try:
+            session = self.pool.heartbeat(request.session_id)
+            dropped, kept = self.pool.reset_prefix_cache(session, request.all_models)
+        except (UnknownSession, NoPool) as error:
+            await abort_for(context, error)
+        return cache_pb2.ResetPrefixCacheResponse(blocks_dropped=dropped, blocks_kept=kept)
+
     async def GetSizing(self, request, context):
         try:
             _, sizing = self.pool.require_pool()

@@ -533,6 +533,50 @@ def test_blocks_available_counts_free_and_cached():
     assert ledger.blocks_available() == 7
 
 
+def test_reset_drops_one_models_cached_blocks_keeps_leased_ones_and_reuses_them_first():
+    ledger = Ledger(10, BS)
+    alpha, beta = ("fp-alpha", ""), ("fp-beta", "")
+    cached_beta = tokens(2 * BS + 1, start=500)  # first, so its blocks lead the free list
+    other = ledger.allocate("b", len(cached_beta), cached_beta, beta)
+    ledger.release("b", other.sequence_id, cache_prefix=True, token_ids=cached_beta)
+    cached_alpha = tokens(2 * BS + 1)
+    first = ledger.allocate("a", len(cached_alpha), cached_alpha, alpha)
+    ledger.release("a", first.sequence_id, cache_prefix=True, token_ids=cached_alpha)
+    salted = ledger.allocate("a", len(cached_alpha), cached_alpha, ("fp-alpha", "tenant"))  # same model, other salt
+    ledger.release("a", salted.sequence_id, cache_prefix=True, token_ids=cached_alpha)
+    held_alpha = tokens(BS + 1, start=300)  # registered while its sequence still holds it
+    held = ledger.allocate("a", len(held_alpha), held_alpha, alpha)
+    assert ledger.commit("a", held.sequence_id, held_alpha) == 1
+    assert ledger.stats().blocks_cached == 6
+
+    assert ledger.reset_prefix_cache("fp-alpha") == (4, 1)  # both salts' chains dropped, the held block kept
+    stats = ledger.stats()
+    assert (stats.blocks_cached, stats.blocks_leased, stats.blocks_free) == (2, 2, 6)
+    ledger.check_invariants()
+    dropped = {*first.block_ids[:2], *salted.block_ids[:2]}
+    assert set(free_ids(ledger)[:4]) == dropped  # taken before any block still cached
+    taken = ledger.allocate("c", 4 * BS)
+    assert set(taken.block_ids) == dropped
+    assert len(ledger.pool.lookup(cached_beta, 2, beta)) == 2
+    ledger.release("c", taken.sequence_id)
+    assert ledger.allocate("a", len(cached_alpha), cached_alpha, alpha).cached_tokens == 0
+    probe = held_alpha[:BS] + [7]
+    assert ledger.allocate("a", len(probe), probe, alpha).cached_tokens == BS  # the held block still hits
+    ledger.check_invariants()
+
+
+def test_reset_of_every_model_leaves_no_cached_block():
+    ledger = Ledger(8, BS)
+    for namespace in (("fp-alpha", ""), ("fp-beta", "")):
+        prompt = tokens(2 * BS + 1)
+        allocation = ledger.allocate("a", len(prompt), prompt, namespace)
+        ledger.release("a", allocation.sequence_id, cache_prefix=True, token_ids=prompt)
+    assert ledger.reset_prefix_cache(None) == (4, 0)
+    assert ledger.stats().blocks_cached == 0 and ledger.pool.cached == {}
+    assert ledger.reset_prefix_cache(None) == (0, 0)
+    ledger.check_invariants()
+
+
 def test_every_lease_error_has_a_code():
     for cls, code in [
         (NoFreeBlocks, "NO_FREE_BLOCKS"),

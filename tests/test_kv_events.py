@@ -10,16 +10,18 @@ import itertools
 import random
 import time
 
+import grpc
 import msgspec
 import pytest
 import zmq
 
-from cache_helpers import allocate, attach, cache_stub, lease, release
+from cache_helpers import allocate, attach, cache_stub, lease, release, stats
 from cache_service.block_event_log import BlockEventLog
 from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.ledger import Ledger
 from cache_service.server import build_parser, kv_event_publishers
 from cache_service.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
+from pagedkv.cache.v1 import cache_pb2
 from processes import free_port, start_cache_service
 
 BS = 16
@@ -206,6 +208,45 @@ def test_a_model_channel_tells_only_of_the_blocks_of_the_checkpoints_served_unde
         assert fold(known, as_consumer(events.drain(model))) == set(), model
 
 
+def test_a_reset_takes_back_what_it_dropped_and_clears_an_endpoint_left_with_nothing():
+    events = BlockEventLog(BS, root=ROOT, models=[None, "alpha", "beta"])
+    ledger = Ledger(16, BS, events=events)
+    events.serves("fp-alpha", "alpha")
+    events.serves("fp-beta", "beta")
+    alpha_tokens, held_tokens, beta_tokens = list(range(1, 33)), list(range(40, 56)), list(range(100, 132))
+    cache(ledger, alpha_tokens, ("fp-alpha", ""))
+    held = ledger.allocate("owner", len(held_tokens) + 1, held_tokens, ("fp-alpha", ""))
+    ledger.commit("owner", held.sequence_id, held_tokens)  # cached while its sequence holds it
+    cache(ledger, beta_tokens, ("fp-beta", ""))
+    for model in (None, "alpha", "beta"):
+        events.drain(model)
+
+    assert ledger.reset_prefix_cache("fp-alpha") == (2, 1)
+    [removed] = as_consumer(events.drain("alpha"))
+    assert isinstance(removed, BlockRemoved) and set(removed.block_hashes) == hashes(alpha_tokens)
+    assert as_consumer(events.drain(None)) == [removed]
+    assert events.drain("beta") == []
+
+    # Its sequence ends, the held block stays cached; a second reset leaves alpha nothing:
+    # AllBlocksCleared on alpha's endpoint, a removal on the one that still has beta's.
+    ledger.release("owner", held.sequence_id)
+    assert ledger.reset_prefix_cache("fp-alpha") == (1, 0)
+    assert as_consumer(events.drain("alpha")) == [AllBlocksCleared()]
+    assert as_consumer(events.drain(None)) == [BlockRemoved(block_hashes=list(hashes(held_tokens)))]
+
+    # A copy of beta's first block in the host tier stays: no endpoint may say it holds nothing.
+    first_beta = chain(beta_tokens, BS, root=ROOT)[0]
+    events.tier_stored(("fp-beta", first_beta), tuple(beta_tokens[:16]), "CPU")
+    events.drain("beta"), events.drain(None)
+    assert ledger.reset_prefix_cache(None) == (2, 0)
+    for model in ("beta", None):
+        [removed] = as_consumer(events.drain(model))
+        assert isinstance(removed, BlockRemoved) and set(removed.block_hashes) == hashes(beta_tokens), model
+    events.tier_removed(("fp-beta", first_beta), "CPU")
+    assert as_consumer(events.drain("beta")) == [BlockRemoved(block_hashes=[external(first_beta)], medium="CPU")]
+    ledger.check_invariants()
+
+
 # ---------------------------------------------------------------- the cache service's sockets
 
 
@@ -281,7 +322,7 @@ def test_cache_service_publishes_and_replays(tmp_path):
         subscriber.close()
 
 
-def test_an_endpoint_per_model_carries_only_that_models_blocks(tmp_path):
+def test_an_endpoint_per_model_carries_only_that_models_blocks_through_a_reset(tmp_path):
     # Endpoints from the env twin (whitespace between them), replay sockets from the flags.
     endpoints = {model: f"tcp://127.0.0.1:{free_port()}" for model in (None, "alpha", "beta")}
     replays = {model: f"tcp://127.0.0.1:{free_port()}" for model in endpoints}
@@ -302,10 +343,26 @@ def test_an_endpoint_per_model_carries_only_that_models_blocks(tmp_path):
         expected = {name: {external(digest) for digest in chain(tokens, BS, root=root)}
                     for name, tokens in prompts.items()}
         expected[None] = expected["alpha"] | expected["beta"]
+        seen = {}
         for model, endpoint in replays.items():
             batches = [decode_batch(payload) for _, payload in replay(endpoint, 0)]
             assert batches[0].events == [AllBlocksCleared()], model  # the new pool, on every endpoint
             assert fold(set(), [event for batch in batches for event in batch.events]) == expected[model], model
+            seen[model] = len(batches)
+
+        # alpha's session resets its model's prefix cache: alpha's endpoint is left with
+        # nothing (AllBlocksCleared), the every-model one removes alpha's blocks, beta's hears nothing.
+        reply = stub.ResetPrefixCache(cache_pb2.ResetPrefixCacheRequest(session_id=sessions["alpha"]), timeout=10)
+        assert (reply.blocks_dropped, reply.blocks_kept) == (2, 0)
+        assert stats(stub).blocks_cached == 3
+        after = {model: [decode_batch(payload).events for _, payload in replay(endpoint, seen[model])]
+                 for model, endpoint in replays.items()}
+        assert after["alpha"] == [[AllBlocksCleared()]] and after["beta"] == []
+        [[removed]] = after[None]
+        assert isinstance(removed, BlockRemoved) and set(removed.block_hashes) == expected["alpha"]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ResetPrefixCache(cache_pb2.ResetPrefixCacheRequest(session_id="0" * 32), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "Attach again" in refused.value.details()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -476,3 +476,26 @@ def test_not_attached_is_503(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as health:
             urllib.request.urlopen(f"http://127.0.0.1:{detached.http_port}/health", timeout=10)
         assert health.value.code == 503
+        with pytest.raises(urllib.error.HTTPError) as reset:
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{detached.http_port}/reset_prefix_cache",
+                                                          data=b"", method="POST"), timeout=10)
+        assert reset.value.code == 503 and "not attached to the cache service" in reset.value.read().decode()
+
+
+def test_reset_prefix_cache_needs_the_token_and_drops_this_models_cached_blocks(model, cache, client):
+    url = model.http_url.removesuffix("/v1") + "/reset_prefix_cache"
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60)
+    assert error.value.code == 401
+    client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=2, temperature=0)
+    no_block_leased(cache)  # its release registered the prompt's full blocks
+    before = stats(cache_stub(cache.address), metadata=METADATA).blocks_cached
+    request = urllib.request.Request(url, data=b"", method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    assert answer["blocks_dropped"] >= 1 and answer["blocks_kept"] == 0, answer
+    after = stats(cache_stub(cache.address), metadata=METADATA).blocks_cached
+    assert after == before - answer["blocks_dropped"]  # another model's blocks in this pool stay
+    usage = client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=2, temperature=0).usage
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    no_block_leased(cache)

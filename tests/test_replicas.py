@@ -5,7 +5,8 @@ model; vllm-router (a Rust binary from the `vllm-router` wheel in the test extra
 subscribes to both event streams, renders each request on the workers
 (/v1/completions/render) and routes it to the worker holding the longest prefix of its
 blocks. A prompt warmed on replica A alone draws every request that shares its prefix
-to A, which serves it from its prefix cache.
+to A, which serves it from its prefix cache; once A's prefix cache is reset, such a
+request goes where the rest of the prefix is.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_helpers import wait_for
-from cache_service.kv_events import BlockStored, decode_batch
+from cache_helpers import cache_stub, leased_blocks, wait_for
+from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.vllm_block_hash import chain, external
 from processes import free_port, start_cache_service, start_model_service
 
@@ -102,19 +103,31 @@ def replicas(tmp_path_factory):
             cache.stop()
 
 
-def wait_for_stored(subscriber, block_hash: int) -> None:
-    """Reads A's event stream until a BlockStored names ``block_hash``."""
+def subscribe(endpoint: str) -> zmq.Socket:
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.setsockopt(zmq.LINGER, 0)
+    subscriber.connect(endpoint)
+    return subscriber
+
+
+def wait_for_event(subscriber, wanted, what: str) -> None:
+    """Reads an event stream until ``wanted(event)`` holds for an event."""
     poller = zmq.Poller()
     poller.register(subscriber, zmq.POLLIN)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 60  # a bound on a loaded machine, not a pace: it ends at the event
     while time.monotonic() < deadline:
         if not poller.poll(1000):
             continue
         _, _, payload = subscriber.recv_multipart()
-        for event in decode_batch(payload).events:
-            if isinstance(event, BlockStored) and block_hash in event.block_hashes:
-                return
-    raise AssertionError(f"no BlockStored for block hash {block_hash} within 60 s")
+        if any(wanted(event) for event in decode_batch(payload).events):
+            return
+    raise AssertionError(f"no {what} within 60 s")
+
+
+def wait_for_stored(subscriber, block_hash: int) -> None:
+    wait_for_event(subscriber, lambda event: isinstance(event, BlockStored) and block_hash in event.block_hashes,
+                   f"BlockStored for block hash {block_hash}")
 
 
 def test_requests_sharing_a_warm_prefix_go_to_the_replica_holding_it(replicas):
@@ -123,10 +136,7 @@ def test_requests_sharing_a_warm_prefix_go_to_the_replica_holding_it(replicas):
     tokens = post(model_a.http_url.removesuffix("/v1") + "/tokenize", {"model": MODEL, "prompt": PREFIX})["tokens"]
     full_blocks = len(tokens) // BLOCK_SIZE
     last_block_hash = external(chain(tokens, BLOCK_SIZE)[full_blocks - 1])
-    subscriber = zmq.Context.instance().socket(zmq.SUB)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.setsockopt(zmq.LINGER, 0)
-    subscriber.connect(events_a)
+    subscriber = subscribe(events_a)
     try:
         # Warm the prefix on A alone, straight to its HTTP port; the router has subscribed
         # to A's events since it started, so once they are out it knows A holds the prefix.
@@ -144,3 +154,49 @@ def test_requests_sharing_a_warm_prefix_go_to_the_replica_holding_it(replicas):
     assert finished_requests(model_b) == served["b"]
     # Served from A's prefix cache: every full block of the prefix.
     assert min(cached) >= full_blocks * BLOCK_SIZE, cached
+
+
+def routed(url: str, models, prompt: str) -> tuple[str, dict]:
+    """Sends ``prompt`` through the router; which replica served it ("a" or "b") and the answer."""
+    before = [finished_requests(model) for model in models]
+    answer = post(url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    served = [finished_requests(model) - count for model, count in zip(models, before)]
+    assert sorted(served) == [0, 1], served
+    return "ab"[served.index(1)], answer
+
+
+def test_after_a_reset_of_a_the_prefix_goes_to_the_replica_holding_more_of_it(replicas):
+    # kv_aware (vllm-router 0.1.17) sends a request to the worker whose cost is lowest, the
+    # cost growing with the prompt tokens a worker does not hold (its "KV prefix decision"
+    # debug log: new_prefill_tokens, credited_prefix_tokens) and with its load; between
+    # equal costs, as when no worker holds any of the prompt, it takes one fixed worker per
+    # router process, A or B by its registry's order (seen both ways). So after A's reset
+    # the prefix would follow that tie. Instead B holds the prefix's first two blocks
+    # (warmed on B alone): while A holds all six, A still wins; once A's reset is out, B
+    # holds the longest prefix and wins, whatever the tie-break. Requests go one at a time,
+    # so load never decides.
+    url, [(cache_a, model_a, events_a), (_, model_b, events_b)] = replicas
+    models = (model_a, model_b)
+    tokens = post(model_a.http_url.removesuffix("/v1") + "/tokenize", {"model": MODEL, "prompt": PREFIX})["tokens"]
+    digests = chain(tokens, BLOCK_SIZE)
+    partial = PREFIX[:40] + "~" * 12  # BOS and 40 bytes: the prefix's first two full blocks, then others
+    subscriber_a, subscriber_b = subscribe(events_a), subscribe(events_b)
+    try:
+        post(model_b.http_url + "/completions", {"model": MODEL, "prompt": partial, "max_tokens": 1, "temperature": 0})
+        wait_for_stored(subscriber_b, external(digests[1]))
+        # A holds the whole prefix (the test before warmed it): A still wins over B's two blocks.
+        assert routed(url, models, PREFIX + "before the reset?")[0] == "a"
+
+        stub_a = cache_stub(cache_a.address)
+        wait_for(lambda: leased_blocks(stub_a) == 0, 60, "replica A's requests to release their blocks")
+        reset = post(model_a.http_url.removesuffix("/v1") + "/reset_prefix_cache", {})
+        assert reset["blocks_dropped"] >= len(tokens) // BLOCK_SIZE and reset["blocks_kept"] == 0, reset
+        last = external(digests[len(tokens) // BLOCK_SIZE - 1])
+        wait_for_event(subscriber_a, lambda event: isinstance(event, AllBlocksCleared) or (
+            isinstance(event, BlockRemoved) and last in event.block_hashes), "A's events of the reset")
+    finally:
+        subscriber_a.close()
+        subscriber_b.close()
+    where, answer = routed(url, models, PREFIX + "after the reset?")
+    assert where == "b", "with A's prefix cache reset, the prefix goes to B, which holds its first blocks"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK_SIZE  # B's two blocks

@@ -172,6 +172,22 @@ class GenerationService:
 
         return await asyncio.to_thread(run) if request.prompt or request.messages else run()
 
+    async def reset_prefix_cache(self) -> tuple[int, int]:
+        """Drops this model's cached prefix blocks from the pool, those no request holds
+        (POST /reset_prefix_cache); returns (blocks dropped, blocks kept because held).
+        Raises GenerateError (UNAVAILABLE) while the cache service cannot be asked."""
+        engine = self.engine
+        session_id = engine.session_id
+        if session_id is None:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "not attached to the cache service, whose pool holds "
+                                "the prefix cache; retry once /health answers 200", retry_later=True)
+        try:
+            reply = await asyncio.to_thread(engine.cache.reset_prefix_cache, session_id)
+        except grpc.RpcError as error:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"the cache service did not reset the prefix cache "
+                                f"({error.code().name}: {error.details()}); retry shortly", retry_later=True) from None
+        return reply.blocks_dropped, reply.blocks_kept
+
     def _validate(self, request: model_pb2.GenerateRequest):
         try:
             return validate_generate_request(

@@ -86,6 +86,10 @@ class CacheClient:
     def stats(self) -> cache_pb2.CacheStats:
         return self.stub.GetStats(cache_pb2.GetStatsRequest(), timeout=self.timeout_s, metadata=self.metadata)
 
+    def reset_prefix_cache(self, session_id: str, all_models: bool = False) -> cache_pb2.ResetPrefixCacheResponse:
+        return self.stub.ResetPrefixCache(cache_pb2.ResetPrefixCacheRequest(session_id=session_id, all_models=all_models),
+                                          timeout=self.timeout_s, metadata=self.metadata)
+
     def lease(self, session_id: str, ops: LeaseOps) -> Future:
         """Sends ops as one Lease call; the future yields (outcomes, blocks_available).
 

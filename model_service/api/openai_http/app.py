@@ -134,6 +134,13 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
                                        plan_tools(body, template_source))
         return render.rendered(one, model_name, *await generation.render(one), body)
 
+    # vLLM's endpoint of the same name: the pool drops this model's cached prefixes (its
+    # KV events tell routers), so requests sharing them stop being drawn here.
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        dropped, kept = await generation.reset_prefix_cache()
+        return {"blocks_dropped": dropped, "blocks_kept": kept}
+
     def _names(body: GenerationFields) -> TokenNames:
         return token_ids_as_names if body.return_tokens_as_token_ids else token_names
 

@@ -321,6 +321,22 @@ class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("session_id", "all_models")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_MODELS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    all_models: bool
+    def __init__(self, session_id: _Optional[str] = ..., all_models: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("blocks_dropped", "blocks_kept")
+    BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    blocks_dropped: int
+    blocks_kept: int
+    def __init__(self, blocks_dropped: _Optional[int] = ..., blocks_kept: _Optional[int] = ...) -> None: ...
+
 class CacheStats(_message.Message):
     __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved", "tiers", "models")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]

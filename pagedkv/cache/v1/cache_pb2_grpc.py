@@ -64,6 +64,11 @@ class CacheServiceStub:
                 request_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.CacheStats.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pagedkv.cache.v1.CacheService/ResetPrefixCache',
+                request_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -115,6 +120,17 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Drops the prefix cache's blocks that no sequence holds, of the caller's model (its
+        session's model_fingerprint, every salt) or of every model; blocks still leased stay
+        cached. KV events: BlockRemoved for the dropped blocks, or AllBlocksCleared on an
+        endpoint whose subscribers then know of nothing still cached. Copies in the KV tiers
+        stay. vLLM's POST /reset_prefix_cache on the model service calls this.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +163,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.GetStatsRequest.FromString,
                     response_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.CacheStats.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +332,33 @@ class CacheService:
             '/pagedkv.cache.v1.CacheService/GetStats',
             pagedkv_dot_cache_dot_v1_dot_cache__pb2.GetStatsRequest.SerializeToString,
             pagedkv_dot_cache_dot_v1_dot_cache__pb2.CacheStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.cache.v1.CacheService/ResetPrefixCache',
+            pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
