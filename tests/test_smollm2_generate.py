@@ -16,12 +16,11 @@ import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
 from google.protobuf import struct_pb2
-from processes import start_cache_service, start_model_service
 from test_smollm2_tokenizer import CONVERSATIONS
 
 from model_service.loading.embedded import embedded_model_path
 from pagedkv.stack import example_arguments
-from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+from pagedkv.model.v1 import model_pb2
 
 MAX_NEW_TOKENS = 16
 EIGHT_CONVERSATIONS = CONVERSATIONS + [
@@ -43,14 +42,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("smollm2")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "64MiB") as cache, \
-            start_model_service(tmp_path, cache.address, "--model", "smollm2", "--max-model-len", "512",
-                                "--max-batch-prefill-tokens", "512", "--weights", "dequantize") as model:
-        channel = grpc.insecure_channel(model.address)
-        yield model_pb2_grpc.ModelServiceStub(channel), cache, model.address
-        channel.close()
+def stack(smollm2_stack):
+    return smollm2_stack.stub, smollm2_stack.cache, smollm2_stack.model.address
 
 
 def reference_greedy(reference, messages) -> list[int]:

@@ -5,7 +5,7 @@ with `jsonschema`, every regex output matches, every choice output is a choice: 
 grammar's mask is what makes that so, since the raw model would wander. Greedy under a
 constraint that never bites equals greedy without one, logprobs included (they are the
 raw model's). A bad schema, regex or grammar is INVALID_ARGUMENT / 400 naming the
-problem, and no block stays leased. One service serves every test of the file.
+problem, and no block stays leased. The suite's one SmolLM2 stack (conftest) serves every test.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import openai
 import pydantic
 import pytest
 from cache_helpers import cache_stub, stats, wait_for
-from processes import start_cache_service, start_model_service
 
-from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+from pagedkv.model.v1 import model_pb2
 
 SEEDS = (1, 2, 3)
 PERSON = {
@@ -47,14 +46,8 @@ PERSON_ASK = [model_pb2.ChatMessage(role="user", content="Describe a person as J
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("smollm2-structured")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "64MiB") as cache, \
-            start_model_service(tmp_path, cache.address, "--model", "smollm2", "--max-model-len", "512",
-                                "--max-batch-prefill-tokens", "512", timeout_s=600) as model:
-        channel = grpc.insecure_channel(model.address)
-        yield model_pb2_grpc.ModelServiceStub(channel), cache, model
-        channel.close()
+def stack(smollm2_stack):
+    return smollm2_stack.stub, smollm2_stack.cache, smollm2_stack.model
 
 
 @pytest.fixture(scope="module")
