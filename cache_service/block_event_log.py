@@ -15,6 +15,9 @@ the block pool's internals:
 - The KV tiers (``cache_service/tiers``) report their copies with ``tier_stored`` and
   ``tier_removed`` under the key the pool block had: a demotion is a ``BlockStored`` with
   medium "CPU" (host) or "STORAGE" (disk), the pool's eviction its usual "GPU" removal.
+  A promotion registers pool blocks without a release (``adopted``): they are stored on
+  "GPU" again at once, and known here, so the release that follows does not count them
+  among its new blocks. The tier keeps its copy, so no tier removal goes with it.
 
 Each endpoint is a channel (``kv_event_channel.py``): every model's blocks, or one served
 model name's. A router takes one event source per worker and a worker serves one name,
@@ -121,6 +124,50 @@ class BlockEventLog:
         if new_indices:
             for channel in self._route(fingerprint):
                 channel.stored_chain(new_indices, digests, token_ids, cache_salt)
+
+    def adopted(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
+                adopted: Sequence) -> list[Key]:
+        """A promotion registered ``adopted`` (some of ``blocks``, the chain of
+        ``token_ids``'s first full blocks, in order) with K/V copied in from a KV tier.
+        Returns their keys, in order."""
+        adopted_ids = {block.block_id for block in adopted}
+        by_block = self._by_block
+        keys = self._keys
+        block_size = self.block_size
+        parent = self.root
+        digests: list[bytes] = []
+        new_indices: list[int] = []
+        out: list[Key] = []
+        for index, block in enumerate(blocks):
+            if len(out) == len(adopted_ids):
+                break
+            known = by_block.get(block.block_id)
+            if known is not None:
+                digest = known.key[1]
+            else:
+                chunk = token_ids[index * block_size : (index + 1) * block_size]
+                digest = block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None)
+            if block.block_id in adopted_ids:
+                key = (fingerprint, digest)
+                out.append(key)
+                if known is None and key not in keys:
+                    tokens = block.token_ids if block.token_ids is not None else tuple(chunk)
+                    by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
+                    keys.add(key)
+                    new_indices.append(index)
+            digests.append(digest)
+            parent = digest
+        if new_indices:
+            for channel in self._route(fingerprint):
+                channel.stored_chain(new_indices, digests, token_ids, cache_salt)
+        return out
+
+    def chain_key(self, fingerprint: str, cache_salt: str, parent: Key | None, token_ids: Sequence[int]) -> Key:
+        """The key of a block of ``token_ids`` after the block of ``parent`` (None: a chain's
+        first block), for copies the pool never registered (the disk tier's after a restart)."""
+        if parent is None:
+            return fingerprint, block_hash(self.root, token_ids, salt_extra_keys(cache_salt))
+        return fingerprint, block_hash(parent[1], token_ids)
 
     def taken(self, blocks: Sequence) -> None:
         """``blocks`` left the free list for new leases: the registered ones are evicted."""

@@ -204,6 +204,10 @@ class Ledger:
             fresh_blocks = iter(promoted)
             blocks = [hit if type(hit) is Block else next(fresh_blocks) for hit in chain] + taken[len(entries):]
             cached_host, cached_disk = tiers.promote(entries, payloads, promoted)
+            if self.events is not None:
+                keys = self.events.adopted(namespace[0], namespace[1], prompt_token_ids, blocks[:len(chain)], promoted)
+                for entry, key in zip(entries, keys):
+                    entry.event_key = entry.event_key or key  # a tier removal of it is told from now on
             hits = chain
         elif hits:
             pool.acquire(hits)

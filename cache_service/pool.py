@@ -260,10 +260,11 @@ class KvPool:
         events = (BlockEventLog(sizing.block_size, models=[publisher.model for publisher in self.kv_events])
                   if self.kv_events else None)
         self.ledger = Ledger(sizing.num_blocks, sizing.block_size, limits=self.settings.session_limits, events=events)
-        if self.settings.tiers.enabled:
-            self._create_tiers(geometry, sizing)
         if events is not None:
             events.cleared()  # subscribers forget whatever an earlier pool of this endpoint held
+        if self.settings.tiers.enabled:
+            self._create_tiers(geometry, sizing)  # a disk tier's blocks are told of, after the clear
+        if events is not None:
             self.publish_kv_events()
         log.info("pool_created", geometry=describe(geometry), num_blocks=sizing.num_blocks,
                  block_size=sizing.block_size, bytes_per_block=sizing.bytes_per_block,
@@ -280,7 +281,7 @@ class KvPool:
                              events=self.ledger.events)
         self.ledger.tiers = self.tiers
         try:
-            self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run())
+            self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run(self.publish_kv_events))
         except RuntimeError:
             self._tier_task = None  # no event loop (unit tests): the caller runs demotions itself
         log.info("kv_tiers_created", host_blocks=sizing.host_blocks, host_cache_bytes=sizing.host_cache_bytes,

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from cache_helpers import allocate, attach, cache_stub, lease, release, stats
+from cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
 from cache_service.block_event_log import BlockEventLog
 from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.ledger import Ledger
@@ -384,3 +384,41 @@ def test_endpoint_values_name_their_model_and_the_command_line_replaces_the_twin
     assert build_parser().parse_args([]).kv_events_endpoint == [(None, "tcp://*:5557"), ("org/model=v2", "tcp://*:5559")]
     args = build_parser().parse_args(["--kv-events-endpoint", "ipc:///run/a=b", "--kv-events-endpoint", "m=tcp://h:1"])
     assert args.kv_events_endpoint == [(None, "ipc:///run/a=b"), ("m", "tcp://h:1")]
+
+
+def test_a_restarted_cache_service_tells_of_its_disk_tier_and_of_promotions_back_to_the_pool(tmp_path):
+    def events_of(replay_endpoint):
+        return [event for _, payload in replay(replay_endpoint, 0) for event in decode_batch(payload).events]
+
+    tokens = list(range(1, 41))  # two full blocks cached (the last block holds the prompt's last token)
+    hashes = [external(digest) for digest in chain(tokens, BS, root=sha256_cbor("0"))]
+    disk = ("--disk-cache-dir", tmp_path / "kv-disk", "--disk-cache-bytes", "1MiB")
+    for restart in (False, True):
+        replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        with start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", "--max-blocks", "4", *disk,
+                                 "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                                 "--kv-events-replay-endpoint", replay_endpoint,
+                                 env={"PYTHONHASHSEED": "0"}) as service:
+            stub = cache_stub(service.address)
+            session = attach(stub).session_id  # creates the pool (and reads the disk tier)
+            if not restart:
+                [allocated] = lease(stub, session, allocate(48, tokens)).results
+                lease(stub, session, release(allocated.sequence_id, cache_prefix=True, token_ids=tokens))
+                wait_for(lambda: next(t for t in stats(stub).tiers if t.tier == "disk").blocks_cached == 2, 30,
+                         "both blocks written to disk")
+                stored = [event for event in events_of(replay_endpoint) if isinstance(event, BlockStored)]
+                assert [(event.medium, event.block_hashes) for event in stored] == [
+                    ("GPU", hashes), ("STORAGE", hashes[:1]), ("STORAGE", hashes[1:])]
+                continue
+            # After the restart: the pool is new (AllBlocksCleared) and the disk's blocks are told of.
+            assert [(type(event), event.block_hashes if isinstance(event, BlockStored) else None, getattr(
+                event, "medium", None)) for event in events_of(replay_endpoint)] == [
+                (AllBlocksCleared, None, None), (BlockStored, hashes[:1], "STORAGE"), (BlockStored, hashes[1:], "STORAGE")]
+            # A promotion stores the blocks on "GPU" again, as one chain; the disk keeps its copies.
+            [allocated] = lease(stub, session, allocate(48, tokens)).results
+            assert (allocated.cached_tokens, allocated.cached_tokens_disk) == (32, 32)
+            promoted = events_of(replay_endpoint)[3:]
+            assert [(event.medium, event.block_hashes, event.parent_block_hash) for event in promoted] == [
+                ("GPU", hashes, None)]
+            lease(stub, session, release(allocated.sequence_id, cache_prefix=True, token_ids=tokens))
+            assert stats(stub).blocks_leased == 0

@@ -31,11 +31,12 @@ MODEL = ("model-1", "")
 class Stack:
     """A ledger with tiers over a pool tensor, and what each sequence wrote."""
 
-    def __init__(self, settings: TierSettings, geometry: DiskGeometry = GEOMETRY, hash_fn=hash) -> None:
+    def __init__(self, settings: TierSettings, geometry: DiskGeometry = GEOMETRY, hash_fn=hash, events=None) -> None:
         self.pool_tensor = torch.zeros(geometry.num_layers, 2, NUM_BLOCKS, geometry.block_size,
                                        geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype)
-        self.ledger = Ledger(NUM_BLOCKS, BS, hash_fn=hash_fn)
-        self.tiers = KvTiers(self.ledger.pool, self.pool_tensor, settings, geometry.payload_bytes, geometry)
+        self.ledger = Ledger(NUM_BLOCKS, BS, hash_fn=hash_fn, events=events)
+        self.tiers = KvTiers(self.ledger.pool, self.pool_tensor, settings, geometry.payload_bytes, geometry,
+                             events=events)
         self.ledger.tiers = self.tiers
 
     def expected(self, tokens: list[int], index: int, namespace=MODEL) -> torch.Tensor:
@@ -301,3 +302,80 @@ def test_the_background_copy_runs_in_a_thread_and_promotes_the_same_bytes():
     assert asyncio.run(stack.tiers.demote_some_async(16)) == 3
     stack.evict_everything()
     assert stack.run(tokens).cached_tokens_host == 12
+
+
+def vllm_hashes_by_pool_hash(pool, prompts) -> dict[int, int]:
+    """Each full block of ``prompts`` ((tokens, namespace) pairs): its pool hash -> the hash
+    its KV events carry, both computed from the tokens (not from the event log)."""
+    from cache_service.prefix_hash import namespace_root
+    from cache_service.vllm_block_hash import chain, external
+
+    out = {}
+    for tokens, namespace in prompts:
+        parent = namespace_root(namespace, pool.hash_fn)
+        for index, digest in enumerate(chain(tokens, BS, namespace[1])):
+            parent = pool.hash_fn((parent, tuple(tokens[index * BS : (index + 1) * BS])))
+            out[parent] = external(digest)
+    return out
+
+
+def test_kv_events_follow_every_block_between_the_pool_and_the_tiers(tmp_path):
+    """Random prompts, demotions, disk writes and evictions; after each step a consumer of
+    the events knows, per medium, exactly the blocks the pool ("GPU"), the host tier ("CPU")
+    and the disk tier ("STORAGE") hold. A promotion is a store on "GPU" again (the tier
+    keeps its copy); a restart over the same disk tells of the files it found."""
+    import asyncio
+    import random
+
+    from cache_service.block_event_log import BlockEventLog
+    from cache_service.tiers.disk_tier import file_bytes
+    from test_kv_events import fold
+
+    rng = random.Random(23)
+    settings = TierSettings(host_cache_bytes=3 * BYTES_PER_BLOCK, disk_cache_dir=str(tmp_path),
+                            disk_cache_bytes=5 * file_bytes(GEOMETRY, MODEL))
+    namespaces = [MODEL, ("model-1", "salt"), ("model-2", "")]
+    prompts: list[tuple[list[int], tuple[str, str]]] = []
+    promoted = {"host": 0, "disk": 0}
+    bases = [[rng.randrange(1, 50) for _ in range(18)] for _ in range(4)]
+
+    def check(stack, events, known, step) -> None:
+        batch = events.drain()
+        for medium in known:
+            fold(known[medium], batch, medium)
+        by_pool_hash = vllm_hashes_by_pool_hash(stack.ledger.pool, prompts)
+        index = stack.tiers.index
+        want = {"GPU": {by_pool_hash[h] for h in stack.ledger.pool.cached},
+                "CPU": {by_pool_hash[h] for h in index.lru["host"]},
+                "STORAGE": {by_pool_hash[h] for h in index.lru["disk"]}}
+        assert known == want, f"step {step}"
+
+    events = BlockEventLog(BS)
+    stack = Stack(settings, events=events)
+    known = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    for step in range(200):
+        action = rng.random()
+        if action < 0.5:
+            base = bases[rng.randrange(len(bases))]  # shared prefixes, so that tiers get hits
+            tokens = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(1, 4) for _ in range(rng.randrange(3))]
+            namespace = rng.choice(namespaces)
+            prompts.append((tokens, namespace))
+            allocation = stack.run(tokens, namespace)
+            promoted["host"] += allocation.cached_tokens_host
+            promoted["disk"] += allocation.cached_tokens_disk
+        elif action < 0.75:
+            stack.tiers.demote_some(rng.randrange(1, 4))
+        elif action < 0.9:
+            asyncio.run(stack.write_all())
+        else:
+            stack.evict_everything()
+        check(stack, events, known, step)
+        if step == 150:  # a restart over the same disk: a new event log, a new consumer view
+            asyncio.run(stack.write_all())
+            events = BlockEventLog(BS)
+            events.cleared()
+            stack = Stack(settings, events=events)
+            known = {"GPU": {0}, "CPU": {0}, "STORAGE": {0}}  # the AllBlocksCleared empties them
+            check(stack, events, known, step)
+            assert known["STORAGE"] and stack.tiers.index.count("disk") == len(known["STORAGE"])
+    assert promoted["host"] and promoted["disk"], f"the walk promoted too little to test: {promoted}"

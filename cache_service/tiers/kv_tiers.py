@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -111,6 +112,8 @@ class KvTiers:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers", initializer=_lower_priority)
         if self.disk is not None:
             restore_disk_index(self.disk, self.index, pool)
+            if events is not None:
+                self._tell_restored()
 
     # -- hooks the ledger calls ----------------------------------------------------------
 
@@ -210,14 +213,20 @@ class KvTiers:
 
     # -- demotion, off the Lease path ----------------------------------------------------
 
-    async def run(self) -> None:
-        """The background task: demote a chunk, write a block to disk, yield; sleep when idle."""
+    async def run(self, after_step: Callable[[], None] | None = None) -> None:
+        """The background task: demote a chunk, write a block to disk, yield; sleep when idle.
+
+        ``after_step`` (the pool's KV-event publishing) runs after each step, so that the
+        tier copies made between Lease calls reach subscribers without waiting for one.
+        """
         while True:
             if not self.queue and not self.disk_queue:
                 self._wake.clear()
                 await self._wake.wait()
             await self.demote_some_async(DEMOTE_CHUNK_BLOCKS)
             await self.write_some()
+            if after_step is not None:
+                after_step()
             await asyncio.sleep(0)
 
     def demote_some(self, limit: int) -> int:
@@ -346,13 +355,19 @@ class KvTiers:
         counters.seconds_in += self.clock() - started
         counters.demotions += 1
         counters.bytes_in += self.bytes_per_block
+        # The identity the hash has now. While this copy was in no index (on its way from
+        # the host tier, or staged from the pool), the pool may have computed the block
+        # again and registered it under a new reg_id; a tier entry beside it under the old
+        # one would break the one-identity-per-hash rule, so the pool's wins.
         known = self.index.get(entry.block_hash)
-        if known is None:
-            known = entry
-        elif known.reg_id != entry.reg_id:
+        in_pool = self.pool.cached.get(entry.block_hash)
+        current_reg = known.reg_id if known is not None else in_pool.reg_id if in_pool is not None else entry.reg_id
+        if current_reg != entry.reg_id:
             if entry.digest not in disk.sizes:
                 disk.path(entry.digest).unlink(missing_ok=True)  # the hash went to another identity meanwhile
             return
+        if known is None:
+            known = entry
         elif known.on_disk:
             return  # written twice: the same bytes under the same name
         known.digest, known.parent_digest = entry.digest, entry.parent_digest
@@ -416,9 +431,22 @@ class KvTiers:
         self.index.drop(entry, DISK)
         self._event(entry, MEDIUM_STORAGE, stored=False)
 
+    def _tell_restored(self) -> None:
+        """The blocks found on disk at start-up as KV events ("STORAGE"): their keys are
+        computed down each chain (the index holds parents before children, as restored)."""
+        by_reg = self.index.by_reg
+        for entry in list(self.index.entries.values()):
+            parent = by_reg.get(entry.parent_reg) if entry.parent_reg else None
+            if entry.parent_reg and (parent is None or parent.event_key is None):
+                continue
+            fingerprint, salt = entry.namespace
+            entry.event_key = self.events.chain_key(fingerprint, salt, parent.event_key if parent else None,
+                                                    entry.token_ids)
+            self._event(entry, MEDIUM_STORAGE, stored=True)
+
     def _event(self, entry: TierEntry, medium: str, stored: bool) -> None:
         if self.events is None or entry.event_key is None:
-            return  # events off, or a block restored from disk (its vLLM hash was never computed here)
+            return  # events off, or a copy of a block whose registration events never saw
         if stored:
             self.events.tier_stored(entry.event_key, entry.token_ids, medium)
         else:
