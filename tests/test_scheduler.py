@@ -173,6 +173,84 @@ def test_prefill_is_chunked_to_the_token_budget():
     assert chunks == [8, 8, 4] and all(sum(n for _, n in s.batch) <= 8 for s in steps)
 
 
+def prefill_chunks(step) -> list[tuple[str, int]]:
+    return [(seq.request_id, n) for seq, n in step.batch if n > 1]
+
+
+def decode_until_running(scheduler, cache, seq, pending=None):
+    """Steps until `seq` has sampled its first token and decodes."""
+    scheduler.add(seq)
+    for _ in range(20):
+        _, pending = run_step(scheduler, cache, pending)
+        if seq.num_output:
+            return pending
+    raise AssertionError(f"{seq.request_id} never decoded")
+
+
+def steps_until(scheduler, cache, pending, done, each=lambda step: None, max_steps=50):
+    """Steps until done(); returns (the steps, the lease call in flight)."""
+    steps = []
+    while not done():
+        assert len(steps) < max_steps, "the scheduler did not get there"
+        step, pending = run_step(scheduler, cache, pending)
+        steps.append(step)
+        each(step)
+    return steps, pending
+
+
+def test_while_sequences_decode_a_step_carries_at_most_the_prefill_cap():
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64, max_prefill_tokens_while_decoding=8)
+    scheduler, cache = Scheduler(limits, 100), LedgerCache(100)
+    decoding = make_seq(0, prompt_len=6, max_new=30)
+    pending = decode_until_running(scheduler, cache, decoding)
+    prompt = make_seq(1, prompt_len=40, max_new=2)
+    scheduler.add(prompt)
+    steps, _ = steps_until(scheduler, cache, pending, lambda: prompt.num_output > 0)
+    # The decoding stream runs in every step, each beside one chunk of at most 8 tokens,
+    # not beside the whole 40-token prompt that the 64-token budget would take.
+    assert [chunk for step in steps for chunk in prefill_chunks(step)] == [("r1", 8)] * 5
+    assert all(any(seq is decoding for seq, _ in step.batch) for step in steps)
+
+
+def test_with_nothing_decoding_a_prompt_takes_the_whole_step_budget():
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64, max_prefill_tokens_while_decoding=8)
+    scheduler, cache = Scheduler(limits, 100), LedgerCache(100)
+    scheduler.add(make_seq(0, prompt_len=40, max_new=1))
+    assert [chunk for step in drive(scheduler, cache) for chunk in prefill_chunks(step)] == [("r0", 40)]
+
+
+def test_no_prefill_cap_leaves_the_step_budget_to_prompts_beside_decodes():
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64)
+    scheduler, cache = Scheduler(limits, 100), LedgerCache(100)
+    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=30))
+    prompt = make_seq(1, prompt_len=40, max_new=2)
+    scheduler.add(prompt)
+    steps, _ = steps_until(scheduler, cache, pending, lambda: prompt.num_output > 0)
+    assert [chunk for step in steps for chunk in prefill_chunks(step)] == [("r1", 40)]
+
+
+@pytest.mark.parametrize(("policy", "order"), [("fcfs", ["r1", "r1", "r1", "r1", "r2"]),
+                                               ("priority", ["r1", "r1", "r2", "r1", "r1"])])
+def test_prefill_chunks_go_as_admitted_and_by_priority_under_the_priority_policy(policy, order):
+    """A later, shorter prompt never overtakes one being computed (none waits forever);
+    under the priority policy a more urgent one does."""
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64, max_prefill_tokens_while_decoding=8)
+    scheduler, cache = Scheduler(limits, 100, policy=policy), LedgerCache(100)
+    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=30, priority=5))
+    long_prompt, short_prompt = make_seq(1, prompt_len=32, max_new=2, priority=5), make_seq(2, prompt_len=8, max_new=2)
+    scheduler.add(long_prompt)
+    chunks = []
+
+    def arrive(step) -> None:
+        chunks.extend(prefill_chunks(step))
+        if chunks == [("r1", 8)]:  # the long prompt is being computed: the short one arrives
+            scheduler.add(short_prompt)
+
+    steps_until(scheduler, cache, pending, lambda: long_prompt.num_output > 0 and short_prompt.num_output > 0, arrive)
+    assert [request_id for request_id, _ in chunks] == order
+    assert all(n == 8 for _, n in chunks)
+
+
 def test_cancel_while_allocating_releases_the_late_allocation():
     scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100)
     cache = LedgerCache(100)
@@ -364,6 +442,8 @@ def test_a_cancelled_sequence_s_blocks_go_back_with_the_next_step_s_call():
 def test_limits_validate():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerLimits(block_size=16, max_num_seqs=0, max_batch_tokens=8)
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerLimits(block_size=16, max_num_seqs=1, max_batch_tokens=8, max_prefill_tokens_while_decoding=-1)
 
 
 def test_a_refused_allocation_is_not_asked_again_every_step_when_nothing_runs():

@@ -52,6 +52,11 @@ log = structlog.get_logger()
 # be a call of its own, and at 48 streams one finishes nearly every other step.
 RELEASE_HOLD_S = 0.1
 
+# SmolLM2 bfloat16 on 2 CPU cores: a step with 32 decoding streams and a 512-token chunk takes
+# about 3x the decode-only step, one with 2,048 tokens 10x or more; at 512 a burst's prompts
+# still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md, "Issue 29").
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
@@ -59,6 +64,8 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     max_queued_requests: int = 256
+    # Prompt tokens a step carries beside decoding sequences; 0: max_batch_tokens alone.
+    max_prefill_tokens_while_decoding: int = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     client_name: str = "model_service"
     workspace_bytes: int = 0
     # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
@@ -82,14 +89,15 @@ class EngineSettings:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.lease_ahead_blocks < 0:
-            raise ValueError(f"--lease-ahead-blocks must be 0 or more, got {self.lease_ahead_blocks}")
+        for name in ("lease_ahead_blocks", "max_prefill_tokens_while_decoding"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
 
 
-__all__ = ["Delta", "Engine", "EngineSettings", "Sink"]
+__all__ = ["DEFAULT_PREFILL_TOKENS_WHILE_DECODING", "Delta", "Engine", "EngineSettings", "Sink"]
 
 
 def deliver_here(deliveries: list[tuple[Sink, Delta]]) -> None:
@@ -294,6 +302,7 @@ class Engine:
         return Scheduler(
             SchedulerLimits(block_size=block_size, max_num_seqs=settings.max_num_seqs,
                             max_batch_tokens=settings.max_batch_tokens,
+                            max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
                             lookahead_tokens=settings.lease_ahead_blocks * block_size,
                             max_model_len=settings.max_model_len,
                             release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),

@@ -68,12 +68,16 @@ class SchedulerLimits:
     # How long the release of a sequence that finished normally may wait for a call that
     # goes out anyway, while others run and nobody waits for blocks; 0: the next step's.
     release_hold_s: float = 0.0
+    # Prefill tokens a step carries beside decoding sequences; 0: max_batch_tokens alone
+    # bounds them. Every decoding stream waits for the whole step, so a prompt's chunk is
+    # what each of them waits for once more: a long prompt is cut into short steps.
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("lookahead_tokens", "max_model_len", "release_hold_s"):
+        for name in ("lookahead_tokens", "max_model_len", "release_hold_s", "max_prefill_tokens_while_decoding"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
 
@@ -363,13 +367,14 @@ class Scheduler:
         for seq in decodes[:budget]:
             batch.append((seq, 1))
         budget -= len(batch)
-        for seq in self.running:
+        if batch and self.limits.max_prefill_tokens_while_decoding:
+            budget = min(budget, self.limits.max_prefill_tokens_while_decoding)
+        for seq in self._prefill_order():
             if budget <= 0:
                 break
-            if seq.num_uncomputed > 1:
-                chunk = min(seq.num_uncomputed, budget)
-                batch.append((seq, chunk))
-                budget -= chunk
+            chunk = min(seq.num_uncomputed, budget)
+            batch.append((seq, chunk))
+            budget -= chunk
 
         ops = LeaseOps()
         for fork in self._forks:
@@ -402,6 +407,18 @@ class Scheduler:
             ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
                                   self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted)
+
+    def _prefill_order(self) -> list[Sequence]:
+        """Running sequences with prompt tokens to compute, in the order they get chunks: as
+        admitted (by arrival; under the priority policy by priority, then as admitted), so
+        no later prompt of the same priority overtakes one being computed and none waits
+        forever. Shortest first was measured against it (bench/sched_sim.py, BENCHMARKS.md
+        "Issue 29"): it brought a burst's median first token sooner, its last one later.
+        """
+        prefills = [seq for seq in self.running if seq.num_uncomputed > 1]
+        if self.policy == "priority":
+            prefills.sort(key=lambda seq: seq.priority)  # stable: as admitted within a priority
+        return prefills
 
     def _others_hold_blocks(self) -> bool:
         """Whether this session holds blocks at the cache service that will come back: a
