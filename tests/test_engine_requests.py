@@ -172,6 +172,35 @@ def test_abort_of_queued_and_running_requests(checkpoint, tmp_path):
             engine.stop(grace_s=0)
 
 
+def test_a_prompt_admitted_while_another_decodes_starts_in_that_step(checkpoint, tmp_path):
+    """Its allocation is waited for, not left on the wire while the step runs: its first
+    token comes with the decoding stream's next token, not one step after it."""
+    loaded, _ = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams)
+        try:
+            streams.hold_when(lambda: len(streams.tokens("decoding")) >= 3)
+            engine.submit("decoding", prompt_ids(10, 5), greedy(40), streams.sink("decoding"))
+            assert streams.held.wait(60)
+            decoded_before = len(streams.tokens("decoding"))
+            decoded_at_first_token = []
+            collect = streams.sink("new")
+
+            def new_sink(delta) -> None:
+                if delta.token_ids and not decoded_at_first_token:
+                    decoded_at_first_token.append(len(streams.tokens("decoding")))
+                collect(delta)
+
+            engine.submit("new", prompt_ids(20, 6), greedy(2), new_sink)
+            streams.resume()
+            wait_for(lambda: streams.finished("decoding") and streams.finished("new"), 30, "both to end")
+            # A step delivers its decodes' tokens before its prefills'.
+            assert decoded_at_first_token == [decoded_before + 1]
+        finally:
+            engine.stop(grace_s=0)
+
+
 def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path):
     loaded, _ = checkpoint
     streams = Streams()

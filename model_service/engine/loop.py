@@ -3,7 +3,9 @@
 Each step: collect the answer to the lease call made last step and apply it, schedule,
 send the next lease call, execute the batch while that call is on the wire, sample, and
 hand the results to `scheduler.update_from_output`, the one writer of sequences; then
-stream what the tokens made. Callers talk to it only through submit(), cancel() and
+stream what the tokens made. A step that admits new sequences while others run first
+sends its call and waits for the answer, then schedules again, so the new prompts start
+in that step rather than the next. Callers talk to it only through submit(), cancel() and
 abort(), which post typed messages (inbox.py; admission.py keeps the ids and the queue
 limit they share with it); it talks back through each request's sink. Its record of live
 requests, their deadlines and the deltas going out is live_requests.py; what a stream
@@ -315,29 +317,24 @@ class Engine:
         idle = not scheduler.has_work() and not self._session.in_flight
         self._drain_inbox(block=idle)
         started = time.perf_counter()
-        answer = self._session.collect()
-        if answer is not None:
-            for seq, reason in scheduler.apply(*answer):
-                completion = self._requests.completions.get(seq)
-                if completion is not None:
-                    self._requests.end_request(completion.request, Finish.ABORTED,
-                                               error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
-            # Forks' copy-on-write, before this step's forward pass writes into a copy.
-            self.runner.copy_blocks(scheduler.take_copies())
+        self._apply_answer()
         self._requests.expire_deadlines()
         self._retire_ended()
         if not scheduler.has_work():
             self._count_tenant_blocks(scheduler.tenant_blocks.take_changed())
             return
-        step = scheduler.schedule()
-        if step.preempted:
-            metrics.PREEMPTIONS.inc(len(step.preempted))
-            for seq in step.preempted:
-                metrics.TENANT_PREEMPTIONS.labels(metrics.tenant_label(seq.tenant)).inc()
-            log.info("preempted", requests=[s.request_id for s in step.preempted])
-        if step.lease_ops:
-            self._fence_writes(step.lease_ops)
-            self._session.send(step.lease_ops)
+        step = self._schedule()
+        if step.lease_ops.allocations and step.batch:
+            # Admitted while others run: their blocks would come with this step's call, so
+            # their prompts would start a whole step later (a step of every stream, ~90 ms
+            # at 32 SmolLM2 streams on CPU). A loopback lease call is about a millisecond:
+            # wait for it, and run their first chunks in this step (bench/sched_sim.py
+            # --admit-now; BENCHMARKS.md, "Issue 29").
+            self._send(step.lease_ops)
+            self._apply_answer()
+            self._retire_ended()
+            step = self._schedule()
+        self._send(step.lease_ops)
         if step.batch:
             self._session.check_lease_deadline()
             try:
@@ -360,6 +357,34 @@ class Engine:
             if blocks > self._tenant_peaks.get(tenant, 0):
                 self._tenant_peaks[tenant] = blocks
                 metrics.TENANT_KV_BLOCKS_PEAK.labels(label).set(blocks)
+
+    def _apply_answer(self) -> None:
+        """Applies the answer to the lease call in flight, if any (waiting for it); ends
+        the requests it can never serve."""
+        answer = self._session.collect()
+        if answer is None:
+            return
+        for seq, reason in self.scheduler.apply(*answer):
+            completion = self._requests.completions.get(seq)
+            if completion is not None:
+                self._requests.end_request(completion.request, Finish.ABORTED,
+                                           error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
+        # Forks' copy-on-write, before this step's forward pass writes into a copy.
+        self.runner.copy_blocks(self.scheduler.take_copies())
+
+    def _schedule(self) -> Step:
+        step = self.scheduler.schedule()
+        if step.preempted:
+            metrics.PREEMPTIONS.inc(len(step.preempted))
+            for seq in step.preempted:
+                metrics.TENANT_PREEMPTIONS.labels(metrics.tenant_label(seq.tenant)).inc()
+            log.info("preempted", requests=[s.request_id for s in step.preempted])
+        return step
+
+    def _send(self, ops: LeaseOps) -> None:
+        if ops:
+            self._fence_writes(ops)
+            self._session.send(ops)
 
     def _execute(self, step: Step) -> None:
         """Runs the step's batch, samples the rows that are due, lets the scheduler write the
