@@ -66,7 +66,7 @@ def tier_metrics(pool):
         return
     blocks = GaugeMetricFamily("pagedkv_cache_tier_blocks", "KV tier blocks by state", labels=["tier", "state"])
     for row in rows:
-        for state in ("total", "cached", "free"):
+        for state in ("total", "cached", "free", "queued"):
             blocks.add_metric([row["tier"], state], row[f"blocks_{state}"])
     yield blocks
     counters = (

@@ -245,5 +245,6 @@ def tier_stats(pool: KvPool) -> list[dict]:
             bytes_in=counters.bytes_in, bytes_out=counters.bytes_out, seconds_in=counters.seconds_in,
             seconds_out=counters.seconds_out, evictions=counters.evictions, errors=counters.errors,
             bytes_used=tiers.disk.used_bytes if tier == "disk" else cached * tiers.bytes_per_block,
+            blocks_queued=tiers.blocks_queued(tier),
         ))
     return out

@@ -238,12 +238,16 @@ def test_a_host_tier_pushes_its_coldest_blocks_to_disk(tmp_path):
     settings = TierSettings(host_cache_bytes=3 * BYTES_PER_BLOCK, disk_cache_dir=str(tmp_path),
                             disk_cache_bytes=1 << 20)
     stack = Stack(settings)
+    tiers = stack.tiers
     first, second = tokens_of(6), tokens_of(7)
     stack.run(first)
+    assert (tiers.blocks_queued("host"), tiers.blocks_queued("disk")) == (3, 0)
     stack.demote_all()
     stack.run(second)
     stack.demote_all()
+    assert (tiers.blocks_queued("host"), tiers.blocks_queued("disk")) == (0, 3)  # the first prompt's, pushed out
     asyncio.run(stack.write_all())
+    assert (tiers.blocks_queued("host"), tiers.blocks_queued("disk")) == (0, 0)
     assert stack.tiers.index.count("disk") == 3 and stack.tiers.index.count("host") == 3
     stack.evict_everything()
     assert stack.run(first).cached_tokens_disk == 12

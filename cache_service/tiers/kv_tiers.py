@@ -105,6 +105,7 @@ class KvTiers:
         self.disk_full_until = 0.0
         self.writing = 0  # disk writes in flight
         self.reserved_slots = 0  # host slots a demotion in flight is copying into
+        self.copying = 0  # blocks of the demotion in flight
         self._recent: OrderedDict[int, bytes | None] = OrderedDict()
         self._wake = asyncio.Event()
         # One thread for the copies and the disk writes, at a lower CPU priority than the
@@ -242,7 +243,11 @@ class KvTiers:
         batch = self._begin_demotion(limit)
         if batch is None:
             return 0
-        await asyncio.get_running_loop().run_in_executor(self._worker, self._copy, batch)
+        self.copying = len(batch.blocks)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self._copy, batch)
+        finally:
+            self.copying = 0
         return self._finish_demotion(batch)
 
     def _begin_demotion(self, limit: int) -> _Demotion | None:
@@ -383,6 +388,15 @@ class KvTiers:
         if tier == HOST:
             return self.host.num_slots if self.host is not None else 0
         return self.disk.capacity_blocks if self.disk is not None else 0
+
+    def blocks_queued(self, tier: str) -> int:
+        """Blocks on their way into ``tier``: queued or being copied (or written)."""
+        from_pool = len(self.queue) + self.copying
+        if tier == HOST:
+            return from_pool if self.host is not None else 0
+        if self.disk is None:
+            return 0
+        return len(self.disk_queue) + self.writing + (from_pool if self.host is None else 0)
 
     def check_invariants(self) -> None:
         host_slots = self.host.num_slots if self.host is not None else 0

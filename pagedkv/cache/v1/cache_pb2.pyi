@@ -382,7 +382,7 @@ class ModelStats(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "blocks_total", "blocks_cached", "blocks_free", "hit_tokens", "demotions", "promotions", "bytes_in", "bytes_out", "seconds_in", "seconds_out", "evictions", "errors", "bytes_used")
+    __slots__ = ("tier", "blocks_total", "blocks_cached", "blocks_free", "hit_tokens", "demotions", "promotions", "bytes_in", "bytes_out", "seconds_in", "seconds_out", "evictions", "errors", "bytes_used", "blocks_queued")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     tier: str
     blocks_total: int
     blocks_cached: int
@@ -411,4 +412,5 @@ class TierStats(_message.Message):
     evictions: int
     errors: int
     bytes_used: int
-    def __init__(self, tier: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., seconds_in: _Optional[float] = ..., seconds_out: _Optional[float] = ..., evictions: _Optional[int] = ..., errors: _Optional[int] = ..., bytes_used: _Optional[int] = ...) -> None: ...
+    blocks_queued: int
+    def __init__(self, tier: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_free: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., seconds_in: _Optional[float] = ..., seconds_out: _Optional[float] = ..., evictions: _Optional[int] = ..., errors: _Optional[int] = ..., bytes_used: _Optional[int] = ..., blocks_queued: _Optional[int] = ...) -> None: ...
