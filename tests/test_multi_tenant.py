@@ -12,16 +12,19 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
+import sys
 import threading
+import urllib.request
 
 import grpc
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
+from processes import DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service, start_model_service
 
 from pagedkv.health_probe import check as health_check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -102,6 +105,78 @@ def test_two_models_share_the_pool_but_never_a_prefix(two_models, tmp_path):
                     for (run_a, run_b), (exp_a, exp_b) in zip(runs, expected):
                         assert run_a.result()[0] == exp_a and run_b.result()[0] == exp_b
         wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
+
+
+def start_at_once(tmp_path, cache_args, *model_paths) -> list[ServiceProcess]:
+    """A cache service on the port in ``cache_args`` and a model service per checkpoint,
+    started together so that their imports and loading overlap (all from this thread: see
+    test_faults.start_both)."""
+    port = cache_args[cache_args.index("--port") + 1]
+    services = [ServiceProcess("cache", [sys.executable, "-m", "cache_service", *map(str, cache_args)], tmp_path,
+                               _test_env(None))]
+    services += [ServiceProcess("model", [sys.executable, "-m", "model_service", "--model", str(path),
+                                          "--cache-service", f"127.0.0.1:{port}"], tmp_path, _test_env(None))
+                 for path in model_paths]
+    try:
+        return [service.wait_started(DEFAULT_TIMEOUT_S) for service in services]
+    except BaseException:
+        for service in services:
+            service.kill()
+        raise
+
+
+def test_two_models_on_one_disk_tier_never_share_a_block_even_after_a_restart(two_models, tmp_path):
+    """A's blocks go to the disk tier and leave the pool (A's ResetPrefixCache): B never
+    gets them (cached_tokens 0), A does (from disk); the same after the cache service is
+    restarted over the same folder, with both model services re-attaching by themselves."""
+    (path_a, path_b), (ref_a, ref_b) = two_models
+    before, after = prompt(3, 40), prompt(4, 40)  # two full blocks each outlive A's request
+    want = {(name, tuple(tokens)): reference_greedy(reference, tokens, 4)
+            for name, reference in (("a", ref_a), ("b", ref_b)) for tokens in (before, after)}
+    cache_args = ("--kv-cache-bytes", "16MiB", "--disk-cache-dir", tmp_path / "kv-disk", "--disk-cache-bytes", "4MiB",
+                  "--port", free_port())
+
+    def settled(cache_rpc) -> bool:
+        cache_stats = stats(cache_rpc)
+        return cache_stats.blocks_leased == 0 and cache_stats.tiers[0].blocks_queued == 0
+
+    def serving(service) -> bool:
+        with grpc.insecure_channel(service.address) as channel:
+            return health_check(channel) == "SERVING"
+
+    def run(name: str, stub, tokens: list[int]) -> model_pb2.Usage:
+        out, last = generate(stub, tokens, 4)
+        assert out == want[(name, tuple(tokens))], f"model {name}'s output changed"
+        return last.usage
+
+    cache, model_a, model_b = start_at_once(tmp_path, cache_args, path_a, path_b)
+    with model_a, model_b:
+        stub_a, stub_b = model_stub(model_a), model_stub(model_b)
+        with cache:
+            cache_rpc = cache_stub(cache.address)
+            for tokens in (before, after):
+                assert run("a", stub_a, tokens).cached_tokens == 0
+            wait_for(lambda: settled(cache_rpc), 30, "A's blocks written to disk")
+            assert stats(cache_rpc).tiers[0].blocks_cached == 4
+            reset = urllib.request.Request(model_a.http_url.removesuffix("/v1") + "/reset_prefix_cache", data=b"{}",
+                                           method="POST", headers={"content-type": "application/json"})
+            with urllib.request.urlopen(reset, timeout=30) as response:
+                assert json.loads(response.read())["blocks_dropped"] == 4
+            assert run("b", stub_b, before).cached_tokens == 0, "model B was given model A's blocks from disk"
+            usage = run("a", stub_a, before)
+            assert (usage.cached_tokens, usage.cached_tokens_disk) == (32, 32)
+            wait_for(lambda: settled(cache_rpc), 30, "B's blocks written to disk")
+            cache.kill()
+        with start_cache_service(tmp_path, *cache_args) as restarted:  # the same port: both re-attach
+            cache_rpc = cache_stub(restarted.address)
+            wait_for(lambda: serving(model_a) and serving(model_b), 60, "both model services to re-attach", poll_s=0.1)
+            assert stats(cache_rpc).tiers[0].blocks_cached == 6  # A's two prompts, B's one
+            assert run("b", stub_b, after).cached_tokens == 0, "model B was given model A's blocks after a restart"
+            usage = run("a", stub_a, after)
+            assert (usage.cached_tokens, usage.cached_tokens_disk) == (32, 32)
+            usage = run("b", stub_b, before)
+            assert (usage.cached_tokens, usage.cached_tokens_disk) == (32, 32)  # its own, from disk
+            wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 30, "every block to be released")
 
 
 def test_cache_salt_isolates_tenants(tmp_path):
