@@ -10,13 +10,14 @@ bench/step_time_vs_chunk.py and the ITL p50 / p99 that issue 29 measured (BENCHM
 "Issue 29"). Clients behave as `vllm bench serve --max-concurrency C` with no request
 rate: C requests at once, each next one sent when one ends.
 
-    .venv/bin/python bench/sched_sim.py [--caps 0,512,256,128,64] [--orders admitted,shortest]
-        [--a0 48 --a1 1.3 --b 0.9] [--workloads random1,random8,random32,prefix16] [--admit-now]
+    .venv/bin/python bench/sched_sim.py [--caps 0,512,256,128,64] [--orders scheduler,admitted,shortest]
+        [--a0 48 --a1 1.3 --b 0.9] [--workloads random1,random8,random32,prefix16] [--admit-now] [--aging N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import random
 import statistics
@@ -107,13 +108,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: float, b: float,
-             admit_now: bool = False) -> dict:
+             admit_now: bool = False, aging: int | None = None) -> dict:
     limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=64, max_batch_tokens=2048, lookahead_tokens=BLOCK,
                              max_model_len=1024, max_prefill_tokens_while_decoding=cap)
+    if aging is not None:
+        limits = dataclasses.replace(limits, prefill_aging_tokens=aging)
     scheduler = Scheduler(limits, NUM_BLOCKS)
-    if order == "shortest":  # fewest prompt tokens left first, instead of the scheduler's own order
+    if order == "shortest":  # fewest prompt tokens left first, not aged
         scheduler._prefill_order = lambda: sorted((seq for seq in scheduler.running if seq.num_uncomputed > 1),
                                                   key=lambda seq: (seq.num_uncomputed, seq.arrival))
+    elif order == "admitted":  # first come, first chunked
+        scheduler._prefill_order = lambda: [seq for seq in scheduler.running if seq.num_uncomputed > 1]
     cache = RoomyCache()
     arrivals: dict[str, float] = {}
     tokens_at: dict[str, list[float]] = {}
@@ -161,13 +166,15 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--caps", default="0,512,256,128,64", help="max_prefill_tokens_while_decoding values (0: none)")
-    parser.add_argument("--orders", default="admitted,shortest",
-                        help="admitted: the scheduler's (as admitted); shortest: fewest prompt tokens left first")
+    parser.add_argument("--orders", default="scheduler,admitted,shortest",
+                        help="scheduler: its own (shortest first, aged); admitted: first come, first chunked; "
+                             "shortest: fewest prompt tokens left first, not aged")
     parser.add_argument("--workloads", default="random1,random8,random32,prefix16", help=", ".join(WORKLOADS))
     parser.add_argument("--a0", type=float, default=48.0, help="ms of a step, fixed")
     parser.add_argument("--a1", type=float, default=1.3, help="ms a decoding stream adds to a step")
     parser.add_argument("--b", type=float, default=0.9, help="ms a prefill token adds to a step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--aging", type=int, default=None, help="the scheduler's prefill_aging_tokens (default: its own)")
     parser.add_argument("--admit-now", action="store_true",
                         help="a step that admits waits for those allocations and runs their prompts at once")
     args = parser.parse_args()
@@ -179,7 +186,8 @@ def main() -> int:
         prompts = make(count, args.seed)
         for cap in (int(c) for c in args.caps.split(",")):
             for order in args.orders.split(","):
-                r = simulate(prompts, concurrency, cap, order, args.a0, args.a1, args.b, args.admit_now)
+                r = simulate(prompts, concurrency, cap, order, args.a0, args.a1, args.b, args.admit_now,
+                             args.aging)
                 print(f"| {name} | {cap or 'none'} | {order} | {r['tok_s']:.1f} | {r['ttft50']:.0f} | "
                       f"{r['ttft99']:.0f} | {r['itl50']:.0f} | {r['itl99']:.0f} |", flush=True)
     return 0

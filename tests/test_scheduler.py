@@ -229,15 +229,36 @@ def test_no_prefill_cap_leaves_the_step_budget_to_prompts_beside_decodes():
     assert [chunk for step in steps for chunk in prefill_chunks(step)] == [("r1", 40)]
 
 
-@pytest.mark.parametrize(("policy", "order"), [("fcfs", ["r1", "r1", "r1", "r1", "r2"]),
-                                               ("priority", ["r1", "r1", "r2", "r1", "r1"])])
-def test_prefill_chunks_go_as_admitted_and_by_priority_under_the_priority_policy(policy, order):
-    """A later, shorter prompt never overtakes one being computed (none waits forever);
-    under the priority policy a more urgent one does."""
-    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64, max_prefill_tokens_while_decoding=8)
-    scheduler, cache = Scheduler(limits, 100, policy=policy), LedgerCache(100)
+def capped(policy: str = "fcfs", **limits) -> tuple[Scheduler, LedgerCache]:
+    """A scheduler whose steps carry 8 prompt tokens beside decodes, and its cache."""
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64,
+                             max_prefill_tokens_while_decoding=8, **limits)
+    return Scheduler(limits, 200, policy=policy), LedgerCache(200)
+
+
+@pytest.mark.parametrize(("policy", "first"), [("fcfs", "r2"), ("priority", "r1")])
+def test_prompts_ready_together_are_chunked_shortest_first_or_by_priority(policy, first):
+    scheduler, cache = capped(policy)
     pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=30, priority=5))
-    long_prompt, short_prompt = make_seq(1, prompt_len=32, max_new=2, priority=5), make_seq(2, prompt_len=8, max_new=2)
+    long_prompt, short_prompt = make_seq(1, prompt_len=32, max_new=2), make_seq(2, prompt_len=8, max_new=2, priority=5)
+    scheduler.add(long_prompt)
+    scheduler.add(short_prompt)
+    steps, _ = steps_until(scheduler, cache, pending,
+                           lambda: long_prompt.num_output > 0 and short_prompt.num_output > 0)
+    chunks = [chunk for step in steps for chunk in prefill_chunks(step)]
+    # The short prompt's one chunk first brings a first token 4 steps sooner and the long
+    # one's a step later; under the priority policy the urgent long prompt goes first.
+    expected = [("r2", 8)] + [("r1", 8)] * 4 if first == "r2" else [("r1", 8)] * 4 + [("r2", 8)]
+    assert chunks == expected
+
+
+@pytest.mark.parametrize(("aging", "order"), [(2, ["r1", "r1", "r2", "r1", "r1"]), (8, ["r1"] * 4 + ["r2"])])
+def test_a_later_prompt_overtakes_one_being_computed_only_if_shorter_by_its_wait(aging, order):
+    """The long prompt has 24 tokens left when the short one (8) is ready 2 steps after it:
+    each step waited counts as `aging` of its tokens done, 4 or 16 in all."""
+    scheduler, cache = capped(prefill_aging_tokens=aging)
+    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=30))
+    long_prompt, short_prompt = make_seq(1, prompt_len=32, max_new=2), make_seq(2, prompt_len=8, max_new=2)
     scheduler.add(long_prompt)
     chunks = []
 
@@ -248,7 +269,29 @@ def test_prefill_chunks_go_as_admitted_and_by_priority_under_the_priority_policy
 
     steps_until(scheduler, cache, pending, lambda: long_prompt.num_output > 0 and short_prompt.num_output > 0, arrive)
     assert [request_id for request_id, _ in chunks] == order
-    assert all(n == 8 for _, n in chunks)
+
+
+@pytest.mark.parametrize("aging", [0, 2])
+def test_shorter_prompts_arriving_every_step_delay_a_long_one_only_while_it_is_young(aging):
+    """An 8-token prompt arrives every step, each filling a step's prefill budget alone:
+    shortest first without aging computes none of the long prompt; with aging 2 it goes
+    first once it has waited (40 - 8) / 2 = 16 steps more than the newest."""
+    scheduler, cache = capped(prefill_aging_tokens=aging)
+    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=200))
+    long_prompt = make_seq(1, prompt_len=40, max_new=1)
+    scheduler.add(long_prompt)
+    steps = []
+    for arrival in range(2, 42):
+        scheduler.add(make_seq(arrival, prompt_len=8, max_new=1))
+        step, pending = run_step(scheduler, cache, pending)
+        steps.append(step)
+    long_chunks = [i for i, step in enumerate(steps) if ("r1", 8) in prefill_chunks(step)]
+    if aging == 0:
+        assert long_chunks == [] and long_prompt.num_computed == 0
+    else:
+        # Ready at step 1 with the first short prompt; the 16 ready in steps 1-16 go first.
+        assert long_chunks == [17, 18, 19, 20, 21] and long_prompt.num_output == 1
+        assert [len(prefill_chunks(step)) for step in steps[1:17]] == [1] * 16
 
 
 def test_cancel_while_allocating_releases_the_late_allocation():

@@ -72,12 +72,18 @@ class SchedulerLimits:
     # bounds them. Every decoding stream waits for the whole step, so a prompt's chunk is
     # what each of them waits for once more: a long prompt is cut into short steps.
     max_prefill_tokens_while_decoding: int = 0
+    # Prompts being computed go shortest first, each step a prompt has waited counting as
+    # this many of its tokens done: only prompts ready within (its tokens left) / this
+    # steps after it can overtake it (bench/sched_sim.py chose 8: fewer is shortest first
+    # with no bound, more is first come, first chunked).
+    prefill_aging_tokens: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("lookahead_tokens", "max_model_len", "release_hold_s", "max_prefill_tokens_while_decoding"):
+        for name in ("lookahead_tokens", "max_model_len", "release_hold_s", "max_prefill_tokens_while_decoding",
+                     "prefill_aging_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
 
@@ -114,6 +120,7 @@ class Scheduler:
         self._forks: list[ForkRequest] = []
         self._copies: list[tuple[int, int]] = []
         self.preemptions = 0
+        self.steps = 0  # schedule() calls so far: how long a prompt has waited (_prefill_order)
         self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
 
     # -- requests come and go -------------------------------------------------------
@@ -242,6 +249,7 @@ class Scheduler:
                 child.ever_computed = max(child.ever_computed, fork.parent_tokens)
                 self._grew(child, outcome.block_ids)
                 child.admitted_once = True
+                child.ready_step = self.steps
                 child.status = Status.RUNNING
                 self.running.append(child)
             elif child.status is not Status.FINISHED:
@@ -291,6 +299,7 @@ class Scheduler:
                     seq.cached_tokens = outcome.cached_tokens
                     seq.cached_tokens_tiers = outcome.cached_tokens_tiers
                     seq.admitted_once = True
+                seq.ready_step = self.steps
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 self._retry_refused_wait = 0.0
@@ -375,6 +384,7 @@ class Scheduler:
             chunk = min(seq.num_uncomputed, budget)
             batch.append((seq, chunk))
             budget -= chunk
+        self.steps += 1
 
         ops = LeaseOps()
         for fork in self._forks:
@@ -409,16 +419,19 @@ class Scheduler:
         return Step(batch=batch, lease_ops=ops, preempted=preempted)
 
     def _prefill_order(self) -> list[Sequence]:
-        """Running sequences with prompt tokens to compute, in the order they get chunks: as
-        admitted (by arrival; under the priority policy by priority, then as admitted), so
-        no later prompt of the same priority overtakes one being computed and none waits
-        forever. Shortest first was measured against it (bench/sched_sim.py, BENCHMARKS.md
-        "Issue 29"): it brought a burst's median first token sooner, its last one later.
+        """Running sequences with prompt tokens to compute, in the order they get chunks:
+        fewest tokens left first, which brings the most first tokens soonest (TTFT), less
+        `prefill_aging_tokens` for each step a prompt has waited since it was ready, so a
+        later prompt overtakes one only if it is that much shorter, and none waits forever.
+        Under the priority policy, by priority first. First come, first chunked gave later
+        median first tokens under steady load, and shortest first unaged later last ones
+        in a burst (bench/sched_sim.py; BENCHMARKS.md, "Issue 29").
         """
+        aging = self.limits.prefill_aging_tokens
         prefills = [seq for seq in self.running if seq.num_uncomputed > 1]
-        if self.policy == "priority":
-            prefills.sort(key=lambda seq: seq.priority)  # stable: as admitted within a priority
-        return prefills
+        return sorted(prefills, key=lambda seq: (seq.priority if self.policy == "priority" else 0,
+                                                 seq.num_uncomputed + aging * seq.ready_step,
+                                                 seq.arrival, seq.index))
 
     def _others_hold_blocks(self) -> bool:
         """Whether this session holds blocks at the cache service that will come back: a

@@ -53,6 +53,8 @@ class Sequence:
     cached_tokens: int = 0
     cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: from the host, the disk tier
     admitted_once: bool = False
+    # The scheduler's step count when it last became RUNNING: its prompt could start then.
+    ready_step: int = 0
     # Set when the cache service had no block for this sequence's next token.
     starved: bool = False
     preemptions: int = 0
