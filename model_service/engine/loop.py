@@ -54,9 +54,10 @@ log = structlog.get_logger()
 # be a call of its own, and at 48 streams one finishes nearly every other step.
 RELEASE_HOLD_S = 0.1
 
-# SmolLM2 bfloat16 on 2 CPU cores: a step with 32 decoding streams and a 512-token chunk takes
-# about 3x the decode-only step, one with 2,048 tokens 10x or more; at 512 a burst's prompts
-# still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md, "Issue 29").
+# SmolLM2 bfloat16 on CPU: a step of 32 decoding streams and a 512-token chunk took 7x the
+# decode-only step, one with 2,048 tokens 34x (one thread, CPU time); capped at 512, a burst's
+# prompts still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md,
+# "Issue 29").
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
 
 
