@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -136,12 +136,13 @@ class KvPool:
     # -- sessions -------------------------------------------------------------------
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
-               model_fingerprint: str = "", served_model_name: str = "", attach_key: str = "") -> Attachment:
+               model_fingerprint: str = "", served_model_name: str = "", attach_key: str = "",
+               weights_bytes: int = 0, weights_bytes_by_type: Mapping[str, int] | None = None) -> Attachment:
         # 0: the client did not say (Attach's max_model_len is optional); the pool
         # must then hold at least one block.
         max_model_len = max_model_len or self.settings.block_size
         if self.geometry is None:
-            self._create(geometry, workspace_bytes, max_model_len)
+            self._create(geometry, workspace_bytes, max_model_len, weights_bytes, weights_bytes_by_type or {})
         elif geometry != self.geometry:
             raise GeometryMismatch(
                 f"the live pool was made for {describe(self.geometry)}, this model needs {describe(geometry)}; "
@@ -230,7 +231,8 @@ class KvPool:
 
     # -- the physical pool -----------------------------------------------------------
 
-    def _create(self, geometry: KvGeometry, workspace_bytes: int, max_model_len: int) -> None:
+    def _create(self, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
+                weights_bytes: int, weights_bytes_by_type: Mapping[str, int]) -> None:
         memory_total, memory_free = measure_device_memory(geometry.device)
         if geometry.device == "cpu":
             # A /dev/shm file larger than the tmpfs would fail with SIGBUS on first
@@ -247,6 +249,8 @@ class KvPool:
             max_model_len=max_model_len,
             kv_cache_bytes=self.settings.kv_cache_bytes if geometry.device == "cpu" else None,
             max_blocks=self.settings.max_blocks,
+            weights_bytes=weights_bytes,
+            weights_bytes_by_type=weights_bytes_by_type,
         )
         shape = geometry.pool_shape(sizing.num_blocks, sizing.block_size)
         if geometry.device == "cpu":

@@ -21,6 +21,10 @@ MAX_OPS_PER_CALL = 65536
 MAX_FINGERPRINT_CHARS = 256
 MAX_SERVED_MODEL_NAME_CHARS = 256
 MAX_SALT_CHARS = 256
+# The weights' bytes by type come from a model's few dtypes and GGUF block types; the
+# report keeps them for the pool's life, so an oversized map is refused.
+MAX_WEIGHT_TYPES = 32
+MAX_WEIGHT_TYPE_CHARS = 32
 
 # Most specific first: SizingError is a ValueError.
 ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -66,9 +70,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if key and not MIN_ATTACH_KEY_CHARS <= len(key) <= MAX_ATTACH_KEY_CHARS:
                 raise ValueError(f"attach_key is {len(key)} characters; use {MIN_ATTACH_KEY_CHARS} to "
                                  f"{MAX_ATTACH_KEY_CHARS} random ones (e.g. 128 random bits in hex), or none")
+            weights = dict(request.weights_bytes_by_type)
+            if len(weights) > MAX_WEIGHT_TYPES or any(not 0 < len(kind) <= MAX_WEIGHT_TYPE_CHARS for kind in weights):
+                raise ValueError(f"weights_bytes_by_type has {len(weights)} entries; at most {MAX_WEIGHT_TYPES}, "
+                                 f"each named by a dtype or block type of 1 to {MAX_WEIGHT_TYPE_CHARS} characters")
+            if weights and sum(weights.values()) != request.weights_bytes:
+                raise ValueError(f"weights_bytes {request.weights_bytes:,} is not the sum of weights_bytes_by_type "
+                                 f"({sum(weights.values()):,})")
             attachment = self.pool.attach(
                 request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len,
                 request.model_fingerprint, request.served_model_name, key,
+                weights_bytes=request.weights_bytes, weights_bytes_by_type=weights,
             )
         except (ValueError, GeometryMismatch) as error:
             await abort_for(context, error)

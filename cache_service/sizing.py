@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
@@ -73,6 +74,10 @@ class SizingReport:
     host_blocks: int = 0
     disk_cache_bytes: int = 0
     disk_blocks: int = 0
+    # The model's weights as held (AttachRequest's, or the calculator's), by dtype or GGUF
+    # block type: reported, never subtracted (they are out of the free memory measured).
+    weights_bytes: int = 0
+    weights_bytes_by_type: dict[str, int] = field(default_factory=dict)
 
     def add_tiers(self, host_cache_bytes: int, disk_cache_bytes: int, disk_file_bytes: int) -> None:
         """Sizes the host and disk tiers in whole blocks and says how, after the pool's terms."""
@@ -99,6 +104,7 @@ class SizingReport:
         values = {name: getattr(report, name) for name in cls.__dataclass_fields__}
         values["dtype"] = dtype_name(dtype_from_proto(report.dtype))
         values["explanation"] = list(report.explanation)
+        values["weights_bytes_by_type"] = dict(report.weights_bytes_by_type)
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -117,6 +123,7 @@ class SizingReport:
             ("memory_total_bytes", f"{self.memory_total_bytes:,}", format_bytes(self.memory_total_bytes)),
             ("memory_free_bytes", f"{self.memory_free_bytes:,}", format_bytes(self.memory_free_bytes)),
             ("memory_fraction", f"{self.memory_fraction:g}", ""),
+            ("weights_bytes", f"{self.weights_bytes:,}", format_bytes(self.weights_bytes)),
             ("workspace_bytes", f"{self.workspace_bytes:,}", format_bytes(self.workspace_bytes)),
             ("headroom", f"{self.headroom:g}", ""),
             ("budget_bytes", f"{self.budget_bytes:,}", format_bytes(self.budget_bytes)),
@@ -152,6 +159,7 @@ def _check_inputs(
     max_model_len: int,
     kv_cache_bytes: int | None,
     max_blocks: int | None,
+    weights_bytes: int = 0,
 ) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -163,6 +171,8 @@ def _check_inputs(
         raise ValueError(f"headroom must be in [0, 1), got {headroom}")
     if workspace_bytes < 0:
         raise ValueError(f"workspace_bytes cannot be negative, got {workspace_bytes}")
+    if weights_bytes < 0:
+        raise ValueError(f"weights_bytes cannot be negative, got {weights_bytes}")
     if max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     if kv_cache_bytes is not None and kv_cache_bytes <= 0:
@@ -183,18 +193,22 @@ def size_pool(
     max_model_len: int,
     kv_cache_bytes: int | None = None,
     max_blocks: int | None = None,
+    weights_bytes: int = 0,
+    weights_bytes_by_type: Mapping[str, int] | None = None,
 ) -> SizingReport:
     """Size the pool for `geometry` from measured memory; numbers in, report out.
 
     memory_total/memory_free: CUDA, the device's total and free bytes read after the
     model service's warmup (free already excludes weights and workspace); CPU, MemTotal
-    and MemAvailable. workspace_bytes is reported, not subtracted again. On CUDA,
+    and MemAvailable. workspace_bytes and weights_bytes (the model service's weights as
+    held, by type in weights_bytes_by_type) are reported, not subtracted again. On CUDA,
     kv_cache_bytes, when given, caps the device budget; on CPU it is the budget.
     Raises SizingError when not one block, or not one max_model_len sequence, fits;
     ValueError for inputs out of range.
     """
     _check_inputs(block_size, memory_total, memory_free, memory_fraction, headroom,
-                  workspace_bytes, max_model_len, kv_cache_bytes, max_blocks)
+                  workspace_bytes, max_model_len, kv_cache_bytes, max_blocks, weights_bytes)
+    weights_bytes_by_type = dict(weights_bytes_by_type or {})
     bytes_per_block = geometry.bytes_per_block(block_size)
     fraction = _exact(memory_fraction)
     in_use = memory_total - memory_free
@@ -208,11 +222,17 @@ def size_pool(
             f"KV cache dtype {geometry.dtype_name}: K and V stored in 1 byte each, divided by a per-layer "
             f"scale, half the bytes (twice the tokens) of a 16-bit pool of the same memory")
 
+    if weights_bytes_by_type:
+        explanation.append(
+            f"weights_bytes = {format_bytes(weights_bytes)} as the model service holds them ("
+            + ", ".join(f"{kind} {format_bytes(size)}" for kind, size in weights_bytes_by_type.items())
+            + "): loaded before free memory was measured, so not subtracted again")
+    weights_note = f" {format_bytes(weights_bytes)}" if weights_bytes else ""
     if geometry.is_cuda:
         device_budget = math.floor(memory_total * fraction) - in_use
         device_sentence = (
             f"{format_bytes(memory_total)} × {memory_fraction:g} memory_fraction − "
-            f"{format_bytes(in_use)} in use after warmup (weights, "
+            f"{format_bytes(in_use)} in use after warmup (weights{weights_note}, "
             f"{format_bytes(workspace_bytes)} workspace, CUDA contexts, other processes) "
             f"= {format_bytes(device_budget)}"
         )
@@ -298,6 +318,8 @@ def size_pool(
         max_model_len=max_model_len,
         max_full_length_sequences=max_total_tokens / max_model_len,
         explanation=explanation,
+        weights_bytes=weights_bytes,
+        weights_bytes_by_type=weights_bytes_by_type,
     )
 
 

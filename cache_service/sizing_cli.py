@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=max_model_len,
             kv_cache_bytes=args.kv_cache_bytes,
             max_blocks=args.max_blocks,
+            weights_bytes=weights_bytes,
         )
     except (SizingError, ValueError) as error:  # ConfigError and bad flag values too
         print(f"sizing: error: {error}", file=sys.stderr)

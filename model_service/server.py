@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "takes the type (integer dot products on 8-bit activations, about 1/5 the memory of float32; "
                   "greedy tokens may differ at near ties), dequantize converts them to --dtype at load; CUDA "
                   "always dequantizes")
+    add_flag(parser, "--quantization", default="none", choices=["none", "int8"],
+             help="int8: a Hugging Face checkpoint's linears and embedding quantized at load to 8 bits with one "
+                  "scale per block of 32 weights (GGUF's Q8_0: 34 bytes per 32 weights, about a quarter of "
+                  "float32's) and multiplied by the CPU's integer kernels, as --weights native; CPU only, and "
+                  "not for GGUF files (quantized already)")
     add_flag(parser, "--kv-cache-dtype", default="auto", choices=["auto", *SUPPORTED_DTYPES],
              help="what the KV pool stores: auto is --dtype; fp8_e4m3 and fp8_e5m2 hold K and V in one byte "
                   "each (twice the tokens of bfloat16), divided by per-layer scales (--kv-cache-scales)")
@@ -159,7 +164,7 @@ async def serve(args: argparse.Namespace) -> int:
     # OpenMP pool is the only one left (torch_threads.py).
     loaded = run_in_passing_thread(lambda: load_model(args.model, dtype, device,
                                                       attention_backend=args.attention_backend,
-                                                      weights=args.weights))
+                                                      weights=args.weights, quantization=args.quantization))
     if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
         # Built (or found in its cache) now, not in the first request; a failed build
         # was logged and leaves decode attention on the torch path.
@@ -167,6 +172,8 @@ async def serve(args: argparse.Namespace) -> int:
     # After loading: the weights are in the page cache then, and hashing them is cheap.
     fingerprint_started = time.perf_counter()
     fingerprint = checkpoint_fingerprint(args.model)
+    if loaded.weights_tag:  # quantized weights write other K/V than the checkpoint's floats
+        fingerprint = f"{fingerprint}/{loaded.weights_tag}"
     log.info("model_fingerprinted", fingerprint=fingerprint, seconds=round(time.perf_counter() - fingerprint_started, 3))
     config = loaded.config
     max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
@@ -193,7 +200,8 @@ async def serve(args: argparse.Namespace) -> int:
                  v_scales=[round(v, 6) for _, v in kv_scales.layers])
     log.info("model_loaded", model=loaded.model_id, architecture=config.architecture, dtype=str(dtype).removeprefix("torch."),
              kv_cache_dtype=dtype_name(kv_dtype), device=str(device), max_model_len=max_model_len,
-             workspace_bytes=workspace)
+             workspace_bytes=workspace, weights_bytes=sum(loaded.weights_bytes_by_type.values()),
+             weights_bytes_by_type=loaded.weights_bytes_by_type)
 
     settings = EngineSettings(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,

@@ -404,6 +404,20 @@ def test_attach_with_an_overlong_model_fingerprint_is_invalid_argument(stack, se
     assert_cache_healthy(stack, sessions[0])
 
 
+@pytest.mark.parametrize("weights, phrase", [
+    (dict(weights_bytes=10, weights_bytes_by_type={"float32": 4, "Q8_0": 5}),
+     "weights_bytes 10 is not the sum of weights_bytes_by_type (9)"),
+    (dict(weights_bytes=33, weights_bytes_by_type={f"type{i}": 1 for i in range(33)}),
+     "weights_bytes_by_type has 33 entries; at most 32"),
+    (dict(weights_bytes=1, weights_bytes_by_type={"x" * 33: 1}), "weights_bytes_by_type has 1 entries"),
+], ids=["not-the-sum", "too-many-types", "type-name-too-long"])
+def test_attach_with_bad_weights_bytes_is_invalid_argument(stack, sessions, weights, phrase):
+    request = cache_pb2.AttachRequest(client_name="bad", geometry=cache_pb2.Geometry(
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype=cache_pb2.DTYPE_FLOAT32, device="cpu"), **weights)
+    expect_error(lambda: stack["cache_stub"].Attach(request, timeout=10, metadata=AUTH), INVALID, phrase)
+    assert_cache_healthy(stack, sessions[0])
+
+
 def test_attach_without_max_model_len_is_served(stack, sessions):
     """Attach's max_model_len is optional: a client that leaves it 0 gets a session."""
     reply = attach(stack["cache_stub"], "old-client", metadata=AUTH, max_model_len=0)

@@ -43,7 +43,7 @@ class FakeCache:
         self.reattached = threading.Event()
 
     def attach(self, client_name, geometry, workspace_bytes, max_model_len, model_fingerprint="", served_model_name="",
-               attach_key=""):
+               attach_key="", weights_bytes_by_type=None):
         session = f"session-{len(self.attached)}"
         self.attached.append(session)
         if len(self.attached) > 1:
@@ -174,7 +174,7 @@ class HealthyCache(FakeCache):
         self.released = threading.Event()
 
     def attach(self, client_name, geometry, workspace_bytes, max_model_len, model_fingerprint="", served_model_name="",
-               attach_key=""):
+               attach_key="", weights_bytes_by_type=None):
         self.attached.append(f"session-{len(self.attached)}")
         sizing = cache_pb2.SizingReport(block_size=self.block_size, num_blocks=1, max_total_tokens=self.block_size)
         return cache_pb2.AttachResponse(session_id=self.attached[-1], lease_ttl_ms=self.ttl_ms, sizing=sizing,

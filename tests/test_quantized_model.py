@@ -22,40 +22,19 @@ import pytest
 import torch
 from gguf_checkpoints import write_gguf
 from paged_runner import PagedRunner
+from quantized_compare import assert_equal_up_to_a_near_tie, greedy
 
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.embedded import embedded_model_path
 from model_service.loading.loader import load_model
-from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, weight_bytes
+from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from model_service.models.weights_held import weights_bytes
 
 TYPES = list(KERNEL_TYPES.values())
 LOGIT_TOLERANCE = 0.03
 SMOLLM2_LOGIT_TOLERANCE = 0.08
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Grüße 🙂 from a tiny model", "1 2 3 4 5 6"]
 NEW_TOKENS = 8
-
-
-def greedy(model, config, tokenizer, prompt: str, steps: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
-    """(prefill logits [len, vocab], greedy tokens, each step's logits [vocab])."""
-    runner = PagedRunner(model, config)
-    (prefill,) = runner.step([("a", tokenizer.encode(prompt))], num_decode_seqs=0)
-    tokens, logits = [int(prefill[-1].argmax())], [prefill[-1]]
-    for _ in range(steps - 1):
-        (step,) = runner.step([("a", [tokens[-1]])], num_decode_seqs=1)
-        tokens.append(int(step[-1].argmax()))
-        logits.append(step[-1])
-    return prefill, tokens, logits
-
-
-def assert_equal_up_to_a_near_tie(native: list[int], reference: list[int], reference_logits: list[torch.Tensor],
-                                  tolerance: float) -> None:
-    for step, (ours, theirs) in enumerate(zip(native, reference, strict=True)):
-        if ours != theirs:
-            top2 = reference_logits[step].topk(2).values
-            margin = float(top2[0] - top2[1])
-            assert margin <= tolerance, (f"greedy tokens diverge at step {step} ({ours} != {theirs}) where the "
-                                         f"reference's top-2 margin {margin:.4f} exceeds the tolerance {tolerance:.4f}")
-            return
 
 
 def compare(path: str, tolerance: float, prompts: list[str], native=None) -> None:
@@ -94,17 +73,18 @@ def test_smollm2_holds_the_files_blocks(smollm2):
     assert isinstance(model.embed_tokens, QuantizedEmbedding)  # Q8_0, and the tied lm_head shares it
     assert model.lm_head.segments.parts[0][1].data_ptr() == model.embed_tokens.blocks.data_ptr()
     assert model.layers[0].self_attn.qkv_proj.types == ["Q4_1"]
-    file_size = embedded_model_path().stat().st_size
-    # The blocks (about the file) plus float32 norms and the RoPE tables.
-    assert file_size * 0.9 <= weight_bytes(model) <= file_size * 1.05
+    # README's worked example: the Q4_1 linears, the Q8_0 embedding once, float32 norms;
+    # less than the file, which holds the tokenizer too.
+    assert smollm2.weights_bytes_by_type == {"Q4_1": 66_355_200, "Q8_0": 30_081_024, "float32": 140_544}
+    assert weights_bytes(model) == 96_576_768 < embedded_model_path().stat().st_size
 
 
 def test_make_runs_answer_up_to_its_near_tie(smollm2):
     """`make run`'s question with native weights, teacher-forced with the answer the
     dequantized model gives (tests/test_smollm2_generate.py): "The capital of France is
     Paris." then end of sequence. Its first token is a near tie in the reference itself
-    (dequantized logits: "The" 25.33, "L" 25.24), which 8-bit activations flip ("L" 24.94,
-    "The" 24.76); every later token is native's own greedy choice."""
+    (dequantized logits: "The" 25.33, "L" 25.24), which 8-bit activations flip ("L" 24.79,
+    "The" 24.40); every later token is native's own greedy choice."""
     prompt = smollm2.chat_template.render([{"role": "user", "content": "What is the capital of France?"}])
     answer = smollm2.tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
     answer.append(next(iter(smollm2.config.eos_token_ids)))
@@ -117,6 +97,31 @@ def test_make_runs_answer_up_to_its_near_tie(smollm2):
     first = steps[0]
     assert float(first.max() - first[answer[0]]) <= SMOLLM2_LOGIT_TOLERANCE * float(first.abs().max())
     assert [int(step.argmax()) for step in steps[1:]] == answer[1:]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied"])
+def test_weights_bytes_as_held_in_both_modes(tmp_path, tied):
+    """What GetModelInfo and the sizing report (LoadedModel.weights_bytes_by_type) against
+    the file itself: native holds each Q4_0 tensor's bytes as written (a tied lm_head adds
+    none) and the F32 norms as float32; dequantize holds every tensor as float32."""
+    from gguf import GGUFReader
+
+    path, _ = write_gguf(tmp_path / "tiny-Q4_0.gguf", "Q4_0", tie_word_embeddings=tied)
+    tensors = GGUFReader(path).tensors
+    q4_0 = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q4_0")
+    f32 = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "F32")
+    elements = sum(int(t.n_elements) for t in tensors)
+    native = load_model(str(path), torch.float32, "cpu", weights="native")
+    dequantized = load_model(str(path), torch.float32, "cpu", weights="dequantize")
+    assert native.weights_bytes_by_type == {"Q4_0": q4_0, "float32": f32}
+    assert dequantized.weights_bytes_by_type == {"float32": 4 * elements}
+    # The same total from the model's own tensors: parameters, then each module's blocks once.
+    blocks = {blocks.data_ptr(): blocks.numel() for module in native.model.modules()
+              if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) for _, blocks in module.segments.parts}
+    assert weights_bytes(native.model) == sum(p.numel() * 4 for p in native.model.parameters()) + sum(blocks.values())
+    assert weights_bytes(dequantized.model) == sum(p.numel() * 4 for p in dequantized.model.parameters())
+    assert weights_bytes(native.model) < weights_bytes(dequantized.model) / 5
+    assert (native.weights_tag, dequantized.weights_tag) == ("weights=native", "")
 
 
 RSS_SCRIPT = """

@@ -283,6 +283,28 @@ def test_report_matches_the_proto_and_round_trips():
     assert json.loads(json.dumps(report.to_dict()))["limited_by"] == "memory_fraction"
 
 
+def test_weights_bytes_are_reported_by_type_and_never_subtracted():
+    """The model service's weights as held (AttachRequest.weights_bytes_by_type): a term of
+    the report and a sentence of its explanation, the budget as without them (free memory
+    was measured after they loaded); on CUDA the in-use sentence names them."""
+    held = {"Q4_1": 70 * MiB, "Q8_0": 27 * MiB, "float32": MiB}
+    for geometry, memory in ((TINY_CPU, dict(memory_total=8 * GiB, memory_free=4 * GiB)),
+                             (LLAMA3_8B, dict(memory_total=80 * GiB, memory_free=64 * GiB))):
+        plain = size_pool(geometry, max_model_len=64, **memory)
+        report = size_pool(geometry, max_model_len=64, weights_bytes=98 * MiB, weights_bytes_by_type=held, **memory)
+        assert (report.budget_bytes, report.num_blocks) == (plain.budget_bytes, plain.num_blocks)
+        assert (report.weights_bytes, report.weights_bytes_by_type) == (98 * MiB, held)
+        assert report.explanation[1] == ("weights_bytes = 98.00 MiB as the model service holds them (Q4_1 70.00 MiB, "
+                                         "Q8_0 27.00 MiB, float32 1.00 MiB): loaded before free memory was measured, "
+                                         "so not subtracted again")
+        assert SizingReport.from_proto(cache_pb2.SizingReport.FromString(report.to_proto().SerializeToString())) \
+            == report
+        assert any(line.split()[:2] == ["weights_bytes", f"{98 * MiB:,}"] for line in report.format_table().splitlines())
+    assert "in use after warmup (weights 98.00 MiB, 0 B workspace" in report.explanation[2]
+    with pytest.raises(ValueError, match="weights_bytes cannot be negative"):
+        size_pool(TINY_CPU, memory_total=GiB, memory_free=GiB, max_model_len=64, weights_bytes=-1)
+
+
 def test_measure_cpu_memory():
     total, free = measure_device_memory("cpu")
     assert 0 < free <= total
@@ -342,6 +364,7 @@ def test_cli_json(llama_config, capsys):
     assert report["max_model_len"] == 4096
     assert report["dtype"] == "bfloat16"
     assert report["explanation"][0] == "weights = 16.00 GiB (--weights-bytes)"
+    assert report["weights_bytes"] == 16 * GiB
 
 
 def test_cli_cpu_kv_cache_bytes(llama_config, capsys):

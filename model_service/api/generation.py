@@ -92,6 +92,8 @@ class GenerationService:
             device=str(self.engine.device),
             model_fingerprint=self.engine.settings.model_fingerprint,
             has_chat_template=loaded.chat_template is not None,
+            weights_bytes=sum(loaded.weights_bytes_by_type.values()),
+            weights_bytes_by_type=loaded.weights_bytes_by_type,
         )
 
     async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None = None,

@@ -42,6 +42,8 @@ class AttachSettings:
     max_model_len: int
     model_fingerprint: str
     served_model_name: str = ""
+    # (dtype or GGUF block type, bytes) of the weights as held, for the sizing report.
+    weights_bytes_by_type: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,8 @@ def attach(cache: CacheClient, asked: AttachSettings, device: torch.device, *, s
         try:
             reply = cache.attach(asked.client_name, asked.geometry, asked.workspace_bytes, asked.max_model_len,
                                  model_fingerprint=asked.model_fingerprint,
-                                 served_model_name=asked.served_model_name, attach_key=attach_key)
+                                 served_model_name=asked.served_model_name, attach_key=attach_key,
+                                 weights_bytes_by_type=dict(asked.weights_bytes_by_type))
             break
         except grpc.RpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

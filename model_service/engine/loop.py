@@ -158,6 +158,7 @@ class Engine:
             client_name=settings.client_name, geometry=self.geometry, workspace_bytes=self.workspace_bytes,
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
             served_model_name=settings.served_model_name,
+            weights_bytes_by_type=tuple(loaded.weights_bytes_by_type.items()),
         ), device)
         # Set while attached:
         self.sizing = None

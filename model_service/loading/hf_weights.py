@@ -94,8 +94,9 @@ def expected_tensors(config: ModelConfig) -> dict[str, _Target]:
     return targets
 
 
-def load_weights(model: LlamaForCausalLM, directory: str | Path) -> None:
-    """Copy a checkpoint's tensors into `model` (converted to each parameter's dtype and device)."""
+def load_weights(model: LlamaForCausalLM, directory: str | Path, skip: frozenset[str] | set[str] = frozenset()) -> None:
+    """Copy a checkpoint's tensors into `model` (converted to each parameter's dtype and
+    device), except those named in `skip` (already loaded another way: hf_int8.py)."""
     directory = Path(directory)
     config = model.config
     files = checkpoint_files(directory)
@@ -114,7 +115,8 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[str]] = {}
     for name in targets:
-        by_file.setdefault(files[name], []).append(name)
+        if name not in skip:
+            by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for path, names in by_file.items():
             with safe_open(path, framework="pt") as handle:

@@ -6,7 +6,7 @@ GGUF file (or a directory holding exactly one and no config.json)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -21,8 +21,11 @@ from model_service.loading.gguf_file import GGUFFile, is_gguf_spec, resolve_gguf
 from model_service.loading.gguf_native import install_native, native_tensor_names, plan_native
 from model_service.loading.gguf_tokenizer import tokenizer_from_gguf
 from model_service.loading.gguf_weights import check_gguf_tensors, load_gguf_weights
+from model_service.loading.hf_int8 import QUANTIZATIONS, install_int8
 from model_service.models.llama import AttentionFn, LlamaForCausalLM, default_attention
 from model_service.models.packed_linear import pack_linears
+from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from model_service.models.weights_held import weights_bytes_by_type
 from model_service.loading.tiny import build_tiny_model, tiny_config
 from model_service.loading.hf_weights import checkpoint_files, load_weights
 from model_service.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, special_tokens_from_config
@@ -38,6 +41,13 @@ class LoadedModel:
     model_id: str
     # None: the checkpoint has none, and GenerateRequest.messages is refused.
     chat_template: ChatTemplate | None = None
+    # What the weights hold, by dtype or GGUF block type (weights_held.py): GetModelInfo
+    # and Attach report it.
+    weights_bytes_by_type: dict[str, int] = field(default_factory=dict)
+    # How the weights compute when not as the checkpoint's floats ("weights=native",
+    # "weights=int8"; "" when they do): the K/V they write differ, so server.py folds it
+    # into the fingerprint that names this model's prefixes.
+    weights_tag: str = ""
 
 
 def load_model(
@@ -48,17 +58,41 @@ def load_model(
     attention: AttentionFn | None = None,
     attention_backend: str = "auto",
     weights: str = "dequantize",
+    quantization: str = "none",
 ) -> LoadedModel:
     """spec: "tiny"; an embedded model ("smollm2"); a GGUF file (or a directory holding one);
     or a local Hugging Face checkpoint directory (config.json, tokenizer.json,
     model.safetensors or a sharded model.safetensors.index.json).
     weights: "native" keeps a GGUF file's quantized linears in their blocks on CPU where a
     kernel takes their type (gguf_native.py); "dequantize" converts every tensor to dtype.
+    quantization: "int8" holds a Hugging Face checkpoint's linears and embedding as Q8_0
+    blocks on CPU (hf_int8.py); refused (ValueError) on CUDA and for anything else.
     bfloat16 linears on CPU come back with their weights packed for oneDNN (packed_linear.py)."""
+    check_quantization(spec, quantization, device)
     loaded = _load_unpacked(spec, dtype, device, attention=attention, attention_backend=attention_backend,
-                            weights=weights)
+                            weights=weights, quantization=quantization)
     pack_linears(loaded.model)
-    return loaded
+    quantized = any(isinstance(module, (QuantizedLinear, QuantizedEmbedding)) for module in loaded.model.modules())
+    tag = ("weights=int8" if quantization == "int8" else "weights=native") if quantized else ""
+    return replace(loaded, weights_bytes_by_type=weights_bytes_by_type(loaded.model), weights_tag=tag)
+
+
+def check_quantization(spec: str, quantization: str, device: str | torch.device) -> None:
+    """--quantization int8 is for a Hugging Face checkpoint on CPU: a ValueError naming
+    why not otherwise, before anything loads."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on CPU only (its kernels are CPU code); on "
+                         f"{torch.device(device).type}, serve the checkpoint in --dtype bfloat16 instead")
+    if spec == TINY_SPEC:
+        raise ValueError(f"--quantization {quantization} is for Hugging Face checkpoints; 'tiny' is built in "
+                         "process: write it as a checkpoint directory to quantize it")
+    if spec in EMBEDDED_MODELS or is_gguf_spec(spec):
+        raise ValueError(f"--quantization {quantization} is for Hugging Face checkpoints; {spec!r} is a GGUF "
+                         "file, quantized already: --weights native keeps its own blocks")
 
 
 def _load_unpacked(
@@ -69,6 +103,7 @@ def _load_unpacked(
     attention: AttentionFn | None,
     attention_backend: str,
     weights: str = "dequantize",
+    quantization: str = "none",
 ) -> LoadedModel:
     if attention is None and spec != TINY_SPEC:
         attention = default_attention(attention_backend)  # outside the meta context of _materialize
@@ -95,9 +130,14 @@ def _load_unpacked(
     special = special_tokens_from_config(directory / "tokenizer_config.json")
     chat_template = ChatTemplate.from_hf_dir(directory, bos_token=special.get("bos_token"),
                                              eos_token=special.get("eos_token"))
-    checkpoint_files(directory)  # fail on absent weights before allocating anything
-    model = _materialize(config, dtype, device, attention)
-    load_weights(model, directory)
+    files = checkpoint_files(directory)  # fail on absent weights before allocating anything
+    quantized: set[str] = set()
+
+    def quantize(meta_model) -> None:
+        quantized.update(install_int8(meta_model, files, dtype))
+
+    model = _materialize(config, dtype, device, attention, before_memory=quantize if quantization == "int8" else None)
+    load_weights(model, directory, skip=quantized)
     return _loaded(model, config, tokenizer, str(directory), chat_template, dtype, device)
 
 

@@ -8,7 +8,7 @@ bounds a CPU decode. A QuantizedEmbedding dequantizes only the rows looked up; a
 lm_head shares its blocks.
 
 The blocks are plain attributes, not parameters or buffers: `.to(dtype)` and `to_empty`
-must not touch them (the kernel holds their pointers), and `weight_bytes` counts them.
+must not touch them (the kernel holds their pointers); weights_held.py counts them.
 """
 
 from __future__ import annotations
@@ -80,18 +80,3 @@ class QuantizedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={quant_matmul.KERNEL_TYPES[self.type_code]}"
 
-
-def weight_bytes(model: nn.Module) -> int:
-    """The bytes the model's weights hold: parameters, buffers and quantized blocks, each
-    tensor once (a tied lm_head shares the embedding's)."""
-    seen: set[int] = set()
-    total = 0
-    tensors = [*model.parameters(), *model.buffers()]
-    for module in model.modules():
-        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            tensors.extend(blocks for _, blocks in module.segments.parts)
-    for tensor in tensors:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total

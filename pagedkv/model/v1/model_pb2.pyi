@@ -207,7 +207,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_total_tokens", "block_size", "max_model_len", "dtype", "device", "has_chat_template", "model_fingerprint", "kv_cache_dtype")
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_total_tokens", "block_size", "max_model_len", "dtype", "device", "has_chat_template", "model_fingerprint", "kv_cache_dtype", "weights_bytes", "weights_bytes_by_type")
+    class WeightsBytesByTypeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +227,8 @@ class GetModelInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_BY_TYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -232,7 +241,9 @@ class GetModelInfoResponse(_message.Message):
     has_chat_template: bool
     model_fingerprint: str
     kv_cache_dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_total_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    weights_bytes: int
+    weights_bytes_by_type: _containers.ScalarMap[str, int]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_total_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., weights_bytes_by_type: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
