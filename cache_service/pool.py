@@ -85,6 +85,9 @@ class PoolSettings:
     reclaim_grace_ms: int = 5000
     # The host and disk tiers beyond the pool (off by default).
     tiers: TierSettings = field(default_factory=TierSettings)
+    # Check the ledger's, the pool's and the tiers' invariants after every change (tests
+    # and soak runs: each check walks the whole pool).
+    check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if block_size_error(self.block_size) is not None:
@@ -132,6 +135,7 @@ class KvPool:
         self._memory: pool_memory.SharedPool | torch.Tensor | None = None
         self.tiers: KvTiers | None = None
         self._tier_task: asyncio.Task | None = None
+        self.invariants_broken = 0  # checks failed (settings.check_invariants)
 
     # -- sessions -------------------------------------------------------------------
 
@@ -197,6 +201,7 @@ class KvPool:
             blocks = await self._release(session)
             released += blocks
             log.info("expired_session_reclaimed", session=session.owner, blocks_reclaimed=blocks)
+            self.check_invariants("reclaim")
         return released
 
     async def _release(self, session: Session) -> int:
@@ -223,6 +228,19 @@ class KvPool:
                  served_model_name=session.served_model_name, all_models=all_models, blocks_dropped=dropped,
                  blocks_kept=kept)
         return dropped, kept
+
+    def check_invariants(self, after: str) -> None:
+        """With ``settings.check_invariants``: checks the ledger, the pool and the tiers
+        after ``after`` (a call or a background step). A broken invariant is logged
+        (invariant_broken) and counted, never raised: the service goes on serving and the
+        test or soak run that asked for the checks reads the log."""
+        if not self.settings.check_invariants or self.ledger is None:
+            return
+        try:
+            self.ledger.check_invariants()
+        except AssertionError as error:
+            self.invariants_broken += 1
+            log.error("invariant_broken", after=after, error=str(error))
 
     def require_pool(self) -> tuple[Ledger, SizingReport]:
         if self.ledger is None:
@@ -285,12 +303,16 @@ class KvPool:
                              events=self.ledger.events)
         self.ledger.tiers = self.tiers
         try:
-            self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run(self.publish_kv_events))
+            self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run(self._after_tier_step))
         except RuntimeError:
             self._tier_task = None  # no event loop (unit tests): the caller runs demotions itself
         log.info("kv_tiers_created", host_blocks=sizing.host_blocks, host_cache_bytes=sizing.host_cache_bytes,
                  disk_blocks=sizing.disk_blocks, disk_cache_dir=tier_settings.disk_cache_dir,
                  disk_blocks_restored=self.tiers.index.count("disk"))
+
+    def _after_tier_step(self) -> None:
+        self.publish_kv_events()
+        self.check_invariants("tiers")
 
     def publish_kv_events(self) -> None:
         """Sends what the prefix cache gained and lost since the last call, as one batch per endpoint."""

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "one 0600 file a block, and found again after a restart of the cache service (same KV geometry)")
     add_flag(parser, "--disk-cache-bytes", default=0, type=parse_bytes,
              help="how much of --disk-cache-dir the disk tier may fill, e.g. 100GiB")
+    add_flag(parser, "--check-invariants", action="store_true",
+             help="check the ledger's, the pool's and the tiers' invariants after every call and background step, "
+                  "logging invariant_broken when one fails (for tests and soak runs: each check walks the whole pool)")
     add_flag(parser, "--grace-s", default=5.0, type=float, help="seconds in-flight calls get on SIGTERM")
     return parser
 
@@ -95,6 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
         reclaim_grace_ms=args.reclaim_grace_ms,
         tiers=TierSettings(host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
                            disk_cache_bytes=args.disk_cache_bytes),
+        check_invariants=args.check_invariants,
     )
     kv_events = kv_event_publishers(args)
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)

@@ -103,6 +103,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             released = await self.pool.detach(request.session_id)
         except UnknownSession as error:
             await abort_for(context, error)
+        self.pool.check_invariants("detach")
         return cache_pb2.DetachResponse(blocks_reclaimed=released)
 
     async def Lease(self, request, context):
@@ -118,6 +119,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
         count_ops(request.ops, results)
         self.pool.publish_kv_events()  # one batch per call at most
+        self.pool.check_invariants("lease")
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
         return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
 
@@ -127,6 +129,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             dropped, kept = self.pool.reset_prefix_cache(session, request.all_models)
         except (UnknownSession, NoPool) as error:
             await abort_for(context, error)
+        self.pool.check_invariants("reset_prefix_cache")
         return cache_pb2.ResetPrefixCacheResponse(blocks_dropped=dropped, blocks_kept=kept)
 
     async def GetSizing(self, request, context):
@@ -137,6 +140,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return sizing.to_proto()
 
     async def GetStats(self, request, context):
+        self.pool.check_invariants("get_stats")  # a test's last look at the pool checks it too
         return stats_proto(self.pool)
 
 

@@ -12,7 +12,8 @@
 
 (pytest puts tests/ on sys.path, so the module imports as `processes`.)
 
-`start_cache_service(tmp_path, *extra_args)` runs `python -m cache_service` and
+`start_together(tmp_path, cache_args, *model_args)` starts a cache service and model
+services at once (their start-ups overlap). `start_cache_service(tmp_path, *extra_args)` runs `python -m cache_service` and
 `start_model_service(tmp_path, cache_address, *extra_args)` runs `python -m model_service
 --model tiny --cache-service CACHE_ADDRESS`, both with `--port 0 --metrics-port 0
 --port-file` in tmp_path (the model service also `--http-port 0`), and return once the port file is written and grpc.health.v1
@@ -236,6 +237,26 @@ def start_model_service(
     argv = [sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service", cache_address,
             *map(str, extra_args)]
     return ServiceProcess("model", argv, tmp_path, _test_env(env)).wait_started(timeout_s, wait_serving)
+
+
+def start_together(tmp_path: Path, cache_args, *model_args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ServiceProcess]:
+    """A cache service on the port that ``cache_args`` names (``"--port", free_port()``)
+    and one model service per entry of ``model_args`` (each a tuple of its extra args)
+    attached to it, started at once so that their imports and model loading overlap;
+    returns them in that order, each SERVING. All are spawned from the calling thread:
+    PR_SET_PDEATHSIG signals a child when the thread that forked it exits."""
+    args = list(map(str, cache_args))
+    port = args[args.index("--port") + 1]
+    services = [ServiceProcess("cache", [sys.executable, "-m", "cache_service", *args], tmp_path, _test_env(None))]
+    services += [ServiceProcess("model", [sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service",
+                                          f"127.0.0.1:{port}", *map(str, extra)], tmp_path, _test_env(None))
+                 for extra in model_args]
+    try:
+        return [service.wait_started(timeout_s) for service in services]
+    except BaseException:
+        for service in services:
+            service.kill()
+        raise
 
 
 @atexit.register

@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import sys
 import threading
 import urllib.request
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
-from processes import DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service, start_model_service
+from processes import free_port, start_cache_service, start_model_service, start_together
 
 from pagedkv.health_probe import check as health_check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -107,24 +106,6 @@ def test_two_models_share_the_pool_but_never_a_prefix(two_models, tmp_path):
         wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
 
 
-def start_at_once(tmp_path, cache_args, *model_paths) -> list[ServiceProcess]:
-    """A cache service on the port in ``cache_args`` and a model service per checkpoint,
-    started together so that their imports and loading overlap (all from this thread: see
-    test_faults.start_both)."""
-    port = cache_args[cache_args.index("--port") + 1]
-    services = [ServiceProcess("cache", [sys.executable, "-m", "cache_service", *map(str, cache_args)], tmp_path,
-                               _test_env(None))]
-    services += [ServiceProcess("model", [sys.executable, "-m", "model_service", "--model", str(path),
-                                          "--cache-service", f"127.0.0.1:{port}"], tmp_path, _test_env(None))
-                 for path in model_paths]
-    try:
-        return [service.wait_started(DEFAULT_TIMEOUT_S) for service in services]
-    except BaseException:
-        for service in services:
-            service.kill()
-        raise
-
-
 def test_two_models_on_one_disk_tier_never_share_a_block_even_after_a_restart(two_models, tmp_path):
     """A's blocks go to the disk tier and leave the pool (A's ResetPrefixCache): B never
     gets them (cached_tokens 0), A does (from disk); the same after the cache service is
@@ -149,7 +130,7 @@ def test_two_models_on_one_disk_tier_never_share_a_block_even_after_a_restart(tw
         assert out == want[(name, tuple(tokens))], f"model {name}'s output changed"
         return last.usage
 
-    cache, model_a, model_b = start_at_once(tmp_path, cache_args, path_a, path_b)
+    cache, model_a, model_b = start_together(tmp_path, cache_args, ("--model", path_a), ("--model", path_b))
     with model_a, model_b:
         stub_a, stub_b = model_stub(model_a), model_stub(model_b)
         with cache:
