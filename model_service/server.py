@@ -14,7 +14,8 @@ from model_service import cpu_kernels
 from model_service.attention.backend import BACKENDS, load_triton_kernels
 from model_service.attention.kv_quant import DEFAULT_SCALES, SCALE_KINDS, KvScales, namespace_tag
 from model_service.cache.client import CacheClient
-from model_service.engine.loop import DEFAULT_PREFILL_TOKENS_WHILE_DECODING, Engine, EngineSettings
+from model_service.engine.loop import Engine
+from model_service.engine.settings import DEFAULT_PREFILL_TOKENS_WHILE_DECODING, EngineSettings
 from model_service.errors import ModelLoadError
 from model_service.loading.fingerprint import checkpoint_fingerprint
 from model_service.loading.loader import load_model

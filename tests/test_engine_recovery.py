@@ -13,7 +13,8 @@ import grpc
 import pytest
 import torch
 
-from model_service.engine.loop import Engine, EngineSettings, EngineUnavailable
+from model_service.engine.loop import Engine, EngineUnavailable
+from model_service.engine.settings import EngineSettings
 from model_service.loading.loader import load_model
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOutcome

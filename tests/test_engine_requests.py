@@ -18,7 +18,8 @@ from processes import start_cache_service
 from prometheus_client import REGISTRY
 
 from model_service.cache.client import CacheClient
-from model_service.engine.loop import Engine, EngineSettings
+from model_service.engine.loop import Engine
+from model_service.engine.settings import EngineSettings
 from model_service.loading.loader import load_model
 from model_service.sample.params import SamplingOptions
 from model_service.sched.sequence import Finish

@@ -13,7 +13,7 @@ import pytest
 
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.openai_http.streaming import Running
-from model_service.engine.loop import EngineSettings
+from model_service.engine.settings import EngineSettings
 from pagedkv.model.v1 import model_pb2
 
 

@@ -21,26 +21,29 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import structlog
 import torch
 
 from model_service import metrics
-from model_service.cache.attachment import AttachSettings, Attachment, FatalAttachError
+from model_service.cache.attachment import AttachSettings, FatalAttachError
 from model_service.cache.client import CacheClient
 from model_service.cache.session import CacheFailed, CacheSession, LeaseExpired, describe_error
 from model_service.engine.admission import Admission
+from model_service.engine.attach_builds import build_runner, build_scheduler
 from model_service.engine.deltas import Delta, Sink
+from model_service.engine.failures import step_failure_status
 from model_service.engine.inbox import Abort, Cancel, Inbox, Message, SessionFailed, Submit, Wake
 from model_service.engine.live_requests import Deliver, LiveRequests
 from model_service.engine.output import new_request
+from model_service.engine.settings import EngineSettings
 from model_service.engine.step_sampler import StepSampler
+from model_service.engine.tenant_gauges import TenantBlockGauges
 from model_service.loading.loader import LoadedModel
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOps
-from model_service.sched.scheduler import POLICIES, Scheduler, SchedulerLimits
+from model_service.sched.scheduler import Scheduler
 from model_service.sched.step import Step, StepOutput
 from model_service.sched.sequence import Finish
 from model_service.worker.decode_graphs import DecodeGraphPool
@@ -49,58 +52,7 @@ from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
 
-# With leasing ahead on, a finished sequence's release may wait this long for a lease call
-# that goes out anyway (top-ups come every block_size steps or so): a release alone would
-# be a call of its own, and at 48 streams one finishes nearly every other step.
-RELEASE_HOLD_S = 0.1
-
-# SmolLM2 bfloat16 on CPU: a step of 32 decoding streams and a 512-token chunk took 7x the
-# decode-only step, one with 2,048 tokens 34x (one thread, CPU time); capped at 512, a burst's
-# prompts still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md,
-# "Issue 29").
-DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSettings:
-    max_model_len: int
-    max_num_seqs: int = 64
-    max_batch_tokens: int = 2048
-    max_queued_requests: int = 256
-    # Prompt tokens a step carries beside decoding sequences; 0: max_batch_tokens alone.
-    max_prefill_tokens_while_decoding: int = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
-    client_name: str = "model_service"
-    workspace_bytes: int = 0
-    # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
-    cuda_graphs: bool = False
-    # fcfs, or priority (GenerateRequest.priority, lower first).
-    scheduling_policy: str = "fcfs"
-    # The checkpoint's content hash (loading/fingerprint.py): its prefix cache is its own.
-    model_fingerprint: str = ""
-    # The name clients call the model by (--served-model-name, else the model id): sent in
-    # Attach so the cache service's logs say which model a session serves.
-    served_model_name: str = ""
-    # Blocks a decoding sequence is leased ahead of need, in calls that go out anyway.
-    lease_ahead_blocks: int = 1
-    # What the pool stores (--kv-cache-dtype); None: the compute dtype.
-    kv_cache_dtype: torch.dtype | None = None
-    # (tenant, blocks): each tenant's share of the pool (--api-keys kv_blocks), which the
-    # scheduler makes it give up first when the pool is short.
-    tenant_kv_blocks: tuple[tuple[str, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("lease_ahead_blocks", "max_prefill_tokens_while_decoding"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
-        if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
-
-
-__all__ = ["DEFAULT_PREFILL_TOKENS_WHILE_DECODING", "Delta", "Engine", "EngineSettings", "Sink"]
+__all__ = ["Delta", "Engine", "EngineUnavailable", "Sink"]
 
 
 def deliver_here(deliveries: list[tuple[Sink, Delta]]) -> None:
@@ -165,7 +117,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
         self.connected = threading.Event()
-        self._tenant_peaks: dict[str, int] = {}  # the most blocks each tenant held, across attachments
+        self._tenant_gauges = TenantBlockGauges()  # outlives attachments: the peaks are across them
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -280,39 +232,14 @@ class Engine:
         if attachment is None:
             return
         self.sizing = attachment.sizing
-        self.runner = self._build_runner(attachment)
-        self.scheduler = self._build_scheduler(attachment)
+        self.runner = build_runner(self.loaded.model, attachment, self.device, self.decode_graph_pool)
+        self.scheduler = build_scheduler(self.settings, attachment, self.eos_token_ids)
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
         self._on_serving(True)
         log.info("attached", cache=self.cache.address, session=attachment.session_id[:8],
                  num_blocks=attachment.sizing.num_blocks, block_size=attachment.sizing.block_size,
                  max_total_tokens=attachment.sizing.max_total_tokens)
-
-    def _build_runner(self, attachment: Attachment) -> ModelRunner:
-        kv_pool = attachment.kv_pool
-        if kv_pool.device.type != self.device.type:
-            kv_pool = kv_pool.to(self.device)  # pragma: no cover - a misconfigured deployment
-        block_size = attachment.sizing.block_size
-        graphs = None
-        if self.decode_graph_pool is not None:
-            graphs = self.decode_graph_pool.capture(kv_pool, block_size)
-            log.info("decode_graphs_captured", buckets=graphs.buckets, captures=graphs.captures,
-                     memory_bytes=self.decode_graph_pool.memory_bytes)
-        return ModelRunner(self.loaded.model, kv_pool, block_size, graphs)
-
-    def _build_scheduler(self, attachment: Attachment) -> Scheduler:
-        settings, block_size = self.settings, attachment.sizing.block_size
-        return Scheduler(
-            SchedulerLimits(block_size=block_size, max_num_seqs=settings.max_num_seqs,
-                            max_batch_tokens=settings.max_batch_tokens,
-                            max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
-                            lookahead_tokens=settings.lease_ahead_blocks * block_size,
-                            max_model_len=settings.max_model_len,
-                            release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),
-            blocks_available=attachment.sizing.num_blocks, policy=settings.scheduling_policy,
-            eos_token_ids=self.eos_token_ids, tenant_kv_blocks=dict(settings.tenant_kv_blocks),
-        )
 
     def _step(self) -> None:
         scheduler = self.scheduler
@@ -323,7 +250,7 @@ class Engine:
         self._requests.expire_deadlines()
         self._retire_ended()
         if not scheduler.has_work():
-            self._count_tenant_blocks(scheduler.tenant_blocks.take_changed())
+            self._tenant_gauges.set(scheduler.tenant_blocks.take_changed())
             return
         step = self._schedule()
         if step.lease_ops.allocations and step.batch:
@@ -349,16 +276,7 @@ class Engine:
         metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
-        self._count_tenant_blocks(scheduler.tenant_blocks.take_changed())
-
-    def _count_tenant_blocks(self, held: dict[str, int]) -> None:
-        """The per-tenant block gauges, for the tenants whose count changed."""
-        for tenant, blocks in held.items():
-            label = metrics.tenant_label(tenant)
-            metrics.TENANT_KV_BLOCKS.labels(label).set(blocks)
-            if blocks > self._tenant_peaks.get(tenant, 0):
-                self._tenant_peaks[tenant] = blocks
-                metrics.TENANT_KV_BLOCKS_PEAK.labels(label).set(blocks)
+        self._tenant_gauges.set(scheduler.tenant_blocks.take_changed())
 
     def _apply_answer(self) -> None:
         """Applies the answer to the lease call in flight, if any (waiting for it); ends
@@ -421,21 +339,17 @@ class Engine:
 
     def _fail_step(self, step: Step, error: Exception) -> None:
         """Ends the requests of a step whose forward pass or sampling raised, with a status
-        (an allocation it caused: RESOURCE_EXHAUSTED), and leaves every other request and
-        the engine running; their blocks go back with the next lease call."""
-        out_of_memory = isinstance(error, torch.OutOfMemoryError)
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED if out_of_memory else grpc.StatusCode.INTERNAL
+        (failures.py), and leaves every other request and the engine running; their blocks
+        go back with the next lease call."""
         requests = {}
         for seq, _ in step.batch:
             completion = self._requests.completions.get(seq)
             if completion is not None:
                 requests[completion.request.key] = completion.request
         log.exception("step_failed", requests=[request.request_id for request in requests.values()])
-        message = (f"the engine step running this request failed ({type(error).__name__}"
-                   f"{': out of device memory' if out_of_memory else ''}); the requests of that step "
-                   "were ended, others run on; see the service log")
+        status = step_failure_status(error)
         for request in requests.values():
-            self._requests.end_request(request, Finish.ABORTED, error=(code, message))
+            self._requests.end_request(request, Finish.ABORTED, error=status)
 
     def _retire_ended(self) -> None:
         """Tells the scheduler which completions ended (a stop string, a cancel, an abort,
@@ -509,7 +423,7 @@ class Engine:
             # the runner unmaps the pool: neither while a step's kernels may still write.
             self.runner.wait_for_writes()
         self._session.lost(error)
-        self._count_tenant_blocks({tenant: 0 for tenant in self._tenant_peaks})  # the lost session held them
+        self._tenant_gauges.zero()  # the lost session held them
         self.scheduler = self.runner = None
         if self.decode_graph_pool is not None:
             self.decode_graph_pool.drop()  # its graphs would replay into the lost pool

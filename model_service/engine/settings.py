@@ -1,0 +1,54 @@
+"""What an engine is built with: the scheduler's limits, the session's identity, the pool's dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_service.sched.scheduler import POLICIES
+
+# SmolLM2 bfloat16 on CPU: a step of 32 decoding streams and a 512-token chunk took 7x the
+# decode-only step, one with 2,048 tokens 34x (one thread, CPU time); capped at 512, a burst's
+# prompts still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md,
+# "Issue 29").
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+    max_queued_requests: int = 256
+    # Prompt tokens a step carries beside decoding sequences; 0: max_batch_tokens alone.
+    max_prefill_tokens_while_decoding: int = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
+    client_name: str = "model_service"
+    workspace_bytes: int = 0
+    # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
+    cuda_graphs: bool = False
+    # fcfs, or priority (GenerateRequest.priority, lower first).
+    scheduling_policy: str = "fcfs"
+    # The checkpoint's content hash (loading/fingerprint.py): its prefix cache is its own.
+    model_fingerprint: str = ""
+    # The name clients call the model by (--served-model-name, else the model id): sent in
+    # Attach so the cache service's logs say which model a session serves.
+    served_model_name: str = ""
+    # Blocks a decoding sequence is leased ahead of need, in calls that go out anyway.
+    lease_ahead_blocks: int = 1
+    # What the pool stores (--kv-cache-dtype); None: the compute dtype.
+    kv_cache_dtype: torch.dtype | None = None
+    # (tenant, blocks): each tenant's share of the pool (--api-keys kv_blocks), which the
+    # scheduler makes it give up first when the pool is short.
+    tenant_kv_blocks: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("lease_ahead_blocks", "max_prefill_tokens_while_decoding"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
