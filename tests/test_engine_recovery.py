@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from concurrent.futures import Future
@@ -12,6 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from recorded_events import recording_events
 
 from model_service.engine.loop import Engine, EngineUnavailable
 from model_service.engine.settings import EngineSettings
@@ -344,20 +344,6 @@ def test_attach_waits_longer_than_other_cache_calls():
     assert seen == {"attach": ATTACH_TIMEOUT_S, "stats": 10.0}
 
 
-class RecordedEvent:
-    """A CUDA event as the runner uses it, writing what happens to it into a shared log."""
-
-    def __init__(self, log: list, numbers) -> None:
-        self.log = log
-        self.number = next(numbers)
-
-    def record(self) -> None:
-        self.log.append(("record", self.number))
-
-    def synchronize(self) -> None:
-        self.log.append(("synchronize", self.number))
-
-
 class FailsTheSecondAllocation(HealthyCache):
     """Lends its one block to the first sequence (with room for more, it says), then fails
     the next allocation as a lost lease; logs its detaches beside the runner's events."""
@@ -398,7 +384,7 @@ def test_a_lost_session_is_given_back_only_after_the_writes_in_flight(tmp_path):
     engine.start()
     try:
         assert engine.connected.wait(10)
-        engine.runner.new_event = lambda numbers=itertools.count(): RecordedEvent(log, numbers)
+        engine.runner.new_event = recording_events(log)
         first_token = threading.Event()
         ended = threading.Event()
         engine.submit("first", [1, 2, 3], SamplingOptions(max_new_tokens=1000, ignore_eos=True),

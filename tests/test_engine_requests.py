@@ -5,7 +5,6 @@ known moment, not raced for."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
@@ -15,6 +14,7 @@ import torch
 from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service
+from recorded_events import recording_events
 from prometheus_client import REGISTRY
 
 from model_service.cache.client import CacheClient
@@ -363,20 +363,6 @@ def test_prompt_logprobs_of_a_long_chunk_are_computed_a_slice_of_rows_at_a_time(
             engine.stop(grace_s=0)
 
 
-class FakeEvent:
-    """A CUDA event as the runner uses it, writing what happens to it into a shared log."""
-
-    def __init__(self, log: list, numbers) -> None:
-        self.log = log
-        self.number = next(numbers)
-
-    def record(self) -> None:
-        self.log.append(("record", self.number))
-
-    def synchronize(self) -> None:
-        self.log.append(("synchronize", self.number))
-
-
 def test_no_block_enters_the_prefix_index_before_the_writes_behind_it(checkpoint, tmp_path):
     """The runner records an event behind every step (as on CUDA, where a step with nothing
     to sample never waits for the device); every lease call that commits full blocks or
@@ -390,7 +376,7 @@ def test_no_block_enters_the_prefix_index_before_the_writes_behind_it(checkpoint
         # and the call made after the second (an extend for the third) commits 2 blocks.
         engine = start_engine(loaded, cache.address, streams, max_batch_tokens=16, lease_ahead_blocks=0)
         try:
-            engine.runner.new_event = lambda numbers=itertools.count(): FakeEvent(log, numbers)
+            engine.runner.new_event = recording_events(log)
             lease = engine.cache.lease
 
             def recording_lease(session_id, ops):
