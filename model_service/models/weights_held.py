@@ -5,8 +5,9 @@ What GetModelInfo and the Attach's sizing report (weights_bytes, weights_bytes_b
 - quantized blocks (QuantizedLinear, QuantizedEmbedding: --weights native, --quantization
   int8) at their size, under their GGUF type ("Q4_1", "Q8_0", ...): they are plain
   attributes, not parameters, so model.parameters() alone would miss them;
-- a PackedLinear's oneDNN copy of its weight, beside the plain weight it keeps for other
-  dtypes and shapes: both are held, so both are counted.
+- a PackedLinear's oneDNN copy of its weight at the bytes oneDNN allocated for it (its
+  blocked layout may pad); its plain weight is gone, except a tied lm_head's, which is
+  the embedding's parameter (counted once, with the parameters).
 Each tensor once: a tied lm_head shares the embedding's parameter or blocks. Buffers
 (RoPE tables, computed at load) are not weights.
 """
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
-from model_service.models.packed_linear import PackedLinear
+from model_service.models.packed_linear import PackedLinear, packed_nbytes
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 
@@ -41,8 +42,9 @@ def weights_bytes_by_type(model: nn.Module) -> dict[str, int]:
             for type_code, blocks in module.segments.parts:
                 hold(blocks.data_ptr(), KERNEL_TYPES[type_code], blocks)
         elif isinstance(module, PackedLinear):
-            # An opaque oneDNN tensor (no data pointer): its numel is the weight's.
-            hold(id(module.packed_weight), _dtype_name(module.packed_weight.dtype), module.packed_weight)
+            # An opaque oneDNN tensor (no data pointer), keyed by identity.
+            packed = module.packed_weight
+            held.setdefault(id(packed), (_dtype_name(packed.dtype), packed_nbytes(packed)))
     totals = Counter()
     for kind, size in held.values():
         totals[kind] += size
