@@ -5,7 +5,8 @@ The engine runs in this process against a real cache service (inprocess_engine.p
 HTTP or gRPC: prompts of 128-384 random token ids, --new-tokens out, eos ignored, greedy,
 --concurrency at a time (the next sent when one ends, as `vllm bench serve
 --max-concurrency` does). Between runs only the scheduler's prefill cap changes; each
-round runs every cap once on new prompts, who goes first rotating. TTFT is from submit to
+round runs every cap once, each on prompts of the round's lengths and tokens of its own (no
+prefix-cache hits between runs), who goes first rotating. TTFT is from submit to
 the first delta, ITL the gap between one delta and the next of a request (a delta is a
 step's token here), both in milliseconds; the table gives the median over rounds.
 
@@ -64,18 +65,20 @@ def main() -> int:
         loaded = load_in_passing_thread(args.model, dtype)
         vocab = loaded.config.vocab_size
 
-        def prompts(seed: int) -> list[tuple[list[int], int]]:
-            rng = random.Random(seed)
-            return [([rng.randrange(3, vocab) for _ in range(rng.randint(128, 384))], args.new_tokens)
+        def prompts(round_index: int, draw: int) -> list[tuple[list[int], int]]:
+            """The round's prompt lengths, with tokens of their own for each draw: no run
+            finds another's prompts in the prefix cache."""
+            lengths, tokens = random.Random(round_index), random.Random(1000 * round_index + draw)
+            return [([tokens.randrange(3, vocab) for _ in range(lengths.randint(128, 384))], args.new_tokens)
                     for _ in range(args.requests)]
 
         with engine_in_process(loaded, dtype, Path(tmp)) as run:
             engine = run.engine
-            run(prompts(-1)[:4])  # warm up, on prompts no round uses
+            run(prompts(-1, 0)[:4])  # warm up, on prompts no round uses
             for round_index in range(args.rounds):
-                work = prompts(round_index)
                 shift = round_index % len(caps)
-                for cap in caps[shift:] + caps[:shift]:
+                for draw, cap in enumerate(caps[shift:] + caps[:shift]):
+                    work = prompts(round_index, draw)
                     scheduler = engine.scheduler
                     scheduler.limits = dataclasses.replace(scheduler.limits, max_prefill_tokens_while_decoding=cap)
                     row = metrics(run(work, args.concurrency))
