@@ -50,6 +50,8 @@ def main() -> int:
     parser.add_argument("--chunks", default="0,32,64,128,256,512,1024,2048", help="prefill chunk sizes (comma list)")
     parser.add_argument("--context", type=int, default=320, help="tokens each decoding stream has in the pool")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--offset", type=int, default=0,
+                        help="prompt tokens already in the pool before the chunk (a later chunk of a prompt)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: time.perf_counter; cpu: time.process_time (all of this process's threads)")
@@ -62,7 +64,7 @@ def main() -> int:
     loaded = run_in_passing_thread(lambda: load_model(args.model, dtype, "cpu"))
     config = loaded.config
     per_decode = blocks_for(args.context + 1)
-    per_prompt = blocks_for(max(chunks) + 1)
+    per_prompt = blocks_for(args.offset + max(chunks) + 1)
     num_blocks = max(decodes) * per_decode + per_prompt
     pool = torch.zeros((config.num_layers, 2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim),
                        dtype=dtype)
@@ -77,7 +79,10 @@ def main() -> int:
     streams = [sequence(f"decode-{i}", args.context + 1, i * per_decode, per_decode, 0)
                for i in range(max(decodes))]
     # Longer than any chunk, so no chunk ends its prompt: a chunk mid-prompt samples nothing.
-    prompt = sequence("prompt", max(chunks) + 1, max(decodes) * per_decode, per_prompt, 0)
+    prompt = sequence("prompt", args.offset + max(chunks) + 1, max(decodes) * per_decode, per_prompt, 0)
+    if args.offset:  # its earlier chunks' K/V, written as a prefill would
+        runner.execute([(prompt, args.offset)])
+        prompt.num_computed = args.offset
     for stream in streams:  # their context's K/V, written as a prefill would
         runner.execute([(stream, args.context)])
         stream.num_computed = args.context
