@@ -95,35 +95,18 @@ class BlockEventLog:
         newly registered in the prefix cache of namespace (``fingerprint``, ``cache_salt``)."""
         if count <= 0:
             return
-        block_size = self.block_size
-        by_block = self._by_block
-        keys = self._keys
-        full = min(len(token_ids) // block_size, len(blocks))
-        parent = self.root
+        full = min(len(token_ids) // self.block_size, len(blocks))
         digests: list[bytes] = []
         new_indices: list[int] = []
         for index in range(full):
-            block = blocks[index]
-            known = by_block.get(block.block_id)
-            if known is not None:
-                digest = known.key[1]  # this block is the cached copy: its digest is known
-            else:
-                chunk = token_ids[index * block_size : (index + 1) * block_size]
-                digest = block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None)
-                key = (fingerprint, digest)
-                if key not in keys:  # not cached before, so this block is the new copy
-                    # The pool's own tuple of the block's tokens: nothing copied per block.
-                    tokens = block.token_ids if block.token_ids is not None else tuple(chunk)
-                    by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
-                    keys.add(key)
-                    new_indices.append(index)
+            digest, known = self._digest(blocks[index], index, digests, token_ids, cache_salt)
+            # A block not known is the new copy unless its key was cached before.
+            if not known and self._note(fingerprint, digest, blocks[index], index, digests, token_ids, cache_salt):
+                new_indices.append(index)
             digests.append(digest)
-            parent = digest
             if len(new_indices) == count:
                 break  # nothing after the registered run was registered
-        if new_indices:
-            for channel in self._route(fingerprint):
-                channel.stored_chain(new_indices, digests, token_ids, cache_salt)
+        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt)
 
     def adopted(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
                 adopted: Sequence) -> list[Key]:
@@ -131,36 +114,52 @@ class BlockEventLog:
         ``token_ids``'s first full blocks, in order) with K/V copied in from a KV tier.
         Returns their keys, in order."""
         adopted_ids = {block.block_id for block in adopted}
-        by_block = self._by_block
-        keys = self._keys
-        block_size = self.block_size
-        parent = self.root
         digests: list[bytes] = []
         new_indices: list[int] = []
         out: list[Key] = []
         for index, block in enumerate(blocks):
             if len(out) == len(adopted_ids):
                 break
-            known = by_block.get(block.block_id)
-            if known is not None:
-                digest = known.key[1]
-            else:
-                chunk = token_ids[index * block_size : (index + 1) * block_size]
-                digest = block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None)
+            digest, known = self._digest(block, index, digests, token_ids, cache_salt)
             if block.block_id in adopted_ids:
-                key = (fingerprint, digest)
-                out.append(key)
-                if known is None and key not in keys:
-                    tokens = block.token_ids if block.token_ids is not None else tuple(chunk)
-                    by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
-                    keys.add(key)
+                out.append((fingerprint, digest))
+                if not known and self._note(fingerprint, digest, block, index, digests, token_ids, cache_salt):
                     new_indices.append(index)
             digests.append(digest)
-            parent = digest
+        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt)
+        return out
+
+    def _digest(self, block, index: int, digests: list[bytes], token_ids: Sequence[int],
+                cache_salt: str) -> tuple[bytes, bool]:
+        """(the digest of the chain's block ``index``, whether this log knows the block):
+        a known block's digest is its registration's; another is hashed from its tokens
+        after ``digests``, the chain's digests so far."""
+        known = self._by_block.get(block.block_id)
+        if known is not None:
+            return known.key[1], True
+        chunk = token_ids[index * self.block_size : (index + 1) * self.block_size]
+        parent = digests[-1] if index else self.root
+        return block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None), False
+
+    def _note(self, fingerprint: str, digest: bytes, block, index: int, digests: list[bytes],
+              token_ids: Sequence[int], cache_salt: str) -> bool:
+        """Records ``block`` as the registered copy of its key, unless the key was cached
+        before (then another block is its copy); returns whether it was recorded."""
+        key = (fingerprint, digest)
+        if key in self._keys:
+            return False
+        # The pool's own tuple of the block's tokens: nothing copied per block.
+        tokens = block.token_ids if block.token_ids is not None else tuple(
+            token_ids[index * self.block_size : (index + 1) * self.block_size])
+        self._by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
+        self._keys.add(key)
+        return True
+
+    def _tell_stored(self, fingerprint: str, new_indices: list[int], digests: list[bytes],
+                     token_ids: Sequence[int], cache_salt: str) -> None:
         if new_indices:
             for channel in self._route(fingerprint):
                 channel.stored_chain(new_indices, digests, token_ids, cache_salt)
-        return out
 
     def chain_key(self, fingerprint: str, cache_salt: str, parent: Key | None, token_ids: Sequence[int]) -> Key:
         """The key of a block of ``token_ids`` after the block of ``parent`` (None: a chain's
