@@ -138,6 +138,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per policy, in turns")
     parser.add_argument("--kv-cache-bytes", default="256MiB")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="each model service's --threads (0: its default); 1 gives each replica a core of its own")
+    parser.add_argument("--model-flag", action="append", default=[],
+                        help="another model service flag, e.g. --model-flag=--max-model-len=2048 (repeatable)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -148,7 +152,9 @@ def main() -> None:
             events = f"tcp://127.0.0.1:{free_port()}"
             cache = start_cache_service(tmp, "--kv-cache-bytes", args.kv_cache_bytes, "--kv-events-endpoint", events)
             started.append(cache)
-            model = start_model_service(tmp, cache.address, "--model", args.model, "--served-model-name", MODEL)
+            threads = ["--threads", str(args.threads)] if args.threads else []
+            model = start_model_service(tmp, cache.address, "--model", args.model, "--served-model-name", MODEL,
+                                        *threads, *args.model_flag, timeout_s=600)
             started.append(model)
             workers.append((model, events))
         urls = {}

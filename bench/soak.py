@@ -22,7 +22,10 @@ max_model_len - 1 tokens, the whole vocabulary as stop ids with min_tokens, and 
 3 × its max_concurrent_requests at once (RESOURCE_EXHAUSTED past the limit). The table
 compares the normal tenant's throughput and inter-token p99 between the runs (the target:
 within 10 %), counts its failures (the target: 0) and the abuses' answers by status;
-exits 1 if the normal tenant failed or blocks leaked.
+exits 1 if the normal tenant failed or blocks leaked. --rounds N runs the two N times in
+turns (medians in the table); --pin gives the services CPU 0 and the clients CPU 1, with the
+abusive clients at nice 19, so that on a 2-core machine the abusers' own CPU (building and
+sending 32 MiB bodies) stands for other machines' and what is measured is the server's.
 
 Not run in CI: it takes minutes and its numbers depend on the machine.
 """
@@ -35,6 +38,7 @@ import multiprocessing
 import os
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import threading
@@ -220,6 +224,12 @@ def main() -> int:
                         help="which abuses to run, by a word of their name (body, prompt, stop, burst), comma-separated")
     parser.add_argument("--abusive-body-bytes", type=int, default=32 * 1024 * 1024,
                         help="size of the oversized HTTP bodies the abusive tenant sends without a token")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="two tenants: the runs alone and beside the abusive tenant take turns this many times")
+    parser.add_argument("--pin", action="store_true",
+                        help="two tenants: the services on CPU 0 (the model service with --threads 1), the clients "
+                             "on CPU 1, the abusive ones at nice 19: the server has a core of its own and the "
+                             "abusers' own CPU stands for other machines', as in a deployment")
     args = parser.parse_args()
     if args.abusive_concurrency:
         return two_tenants(args)
@@ -310,6 +320,8 @@ def abusers(model_address: str, http_url: str, args, seeds: list[int], vocab: in
             deadline: float, answers) -> None:
     """A process of its own for the abusive clients (one thread each): the bodies they build
     and the bursts they start must not hold the measuring clients' GIL."""
+    if args.pin:
+        os.nice(19)
     stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_address))
     results = Results()
     threads = [threading.Thread(target=abuser, args=(stub, http_url, args, random.Random(seed), vocab, max_model_len,
@@ -372,48 +384,69 @@ def two_tenants(args) -> int:
                      "kv_blocks": args.abuser_kv_blocks},
     }))
     metadata = bearer_metadata(NORMAL_KEY)
+    pinned = ["--threads", "1"] if args.pin else []
+    if args.pin:  # the services inherit CPU 0; this process (the clients) moves to CPU 1 once they run
+        os.sched_setaffinity(0, {0})
     with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes, "--shm-dir", shm_dir) as cache, \
             start_model_service(workdir, cache.address, "--model", args.model, "--max-model-len", args.max_model_len,
-                                "--api-keys", keys) as model:
+                                "--api-keys", keys, *pinned) as model:
+        if args.pin:
+            os.sched_setaffinity(0, {1})
         stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
         cache_stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
         info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10, metadata=metadata)
         vocab = min(info.vocab_size, 256)
-        phases = {}
-        for name, abusive in (("alone", 0), ("beside the abusive tenant", args.abusive_concurrency)):
-            normal, abuses, elapsed = run_phase(model, args, vocab, info.max_model_len, abusive)
-            phases[name] = (normal, abuses, elapsed, settled_stats(cache_stub))
+        runs: dict[str, list] = {"alone": [], "beside": []}
+        for round_index in range(args.rounds):
+            for name, abusive in (("alone", 0), ("beside", args.abusive_concurrency)):
+                normal, abuses, elapsed = run_phase(model, args, vocab, info.max_model_len, abusive)
+                runs[name].append((normal, abuses, elapsed, settled_stats(cache_stub)))
+                print(f"round {round_index + 1} {name}: {normal.tokens / elapsed:.0f} tokens/s, "
+                      f"ITL p99 {percentile(normal.itl, 0.99) * 1e3:.2f} ms", file=sys.stderr, flush=True)
         preempted = tenant_samples(model.metrics_url, "pagedkv_model_tenant_preemptions_total")
         peaks = tenant_samples(model.metrics_url, "pagedkv_model_tenant_kv_blocks_peak")
         sizing = cache_stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
 
-    (alone, _, alone_s, _), (beside, abuses, beside_s, stats) = phases.values()
-    rate = {id(alone): alone.tokens / alone_s, id(beside): beside.tokens / beside_s}
-    itl_p99 = {id(r): percentile(r.itl, 0.99) for r in (alone, beside)}
+    def rate(run) -> float:
+        return run[0].tokens / run[2]
+
+    def itl_p99_ms(run) -> float:
+        return percentile(run[0].itl, 0.99) * 1e3
+
     print(f"pool: {sizing.num_blocks} blocks × {sizing.block_size} tokens; model {info.model_id}; "
-          f"{args.concurrency} normal clients, {args.abusive_concurrency} abusive ones, {args.duration_s:g} s a run\n")
-    print("| normal tenant | alone | beside the abusive tenant | change |\n| --- | --- | --- | --- |")
-    for label, values, unit in (
-        ("throughput (tokens/s)", rate, "{:.0f}"),
-        ("inter-token latency p99 (ms)", {k: v * 1e3 for k, v in itl_p99.items()}, "{:.2f}"),
-    ):
-        before, after = values[id(alone)], values[id(beside)]
-        print(f"| {label} | {unit.format(before)} | {unit.format(after)} | {100 * (after - before) / before:+.1f} % |")
+          f"{args.concurrency} normal clients, {args.abusive_concurrency} abusive ones, {args.duration_s:g} s a run, "
+          f"{args.rounds} round(s) in turns{', pinned (--pin)' if args.pin else ''}\n")
+    print("| normal tenant, median of rounds | alone | beside the abusive tenant | change | every round (alone / beside) |\n"
+          "| --- | --- | --- | --- | --- |")
+    for label, measure, unit in (("throughput (tokens/s)", rate, "{:.0f}"),
+                                 ("inter-token latency p99 (ms)", itl_p99_ms, "{:.2f}")):
+        before, after = (statistics.median(measure(run) for run in runs[name]) for name in ("alone", "beside"))
+        every = ", ".join(f"{unit.format(measure(a))} / {unit.format(measure(b))}"
+                          for a, b in zip(runs["alone"], runs["beside"]))
+        print(f"| {label} | {unit.format(before)} | {unit.format(after)} | "
+              f"{100 * (after - before) / before:+.1f} % | {every} |")
+    alone = [run[0] for run in runs["alone"]]
+    beside = [run[0] for run in runs["beside"]]
     for label, pick in (
         ("time to first token p99 (ms)", lambda r: f"{percentile(r.ttft, 0.99) * 1e3:.1f}"),
         ("requests completed / cancelled", lambda r: f"{r.completed} / {r.cancelled}"),
         ("requests failed", lambda r: ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"),
         ("model service CPU (s)", lambda r: f"{r.cpu:.1f}"),
     ):
-        print(f"| {label} | {pick(alone)} | {pick(beside)} | |")
+        print(f"| {label} (every round) | {', '.join(map(pick, alone))} | {', '.join(map(pick, beside))} | | |")
+    abuses = Results()
+    for _, answered, _, _ in runs["beside"]:
+        abuses.abuses.update(answered.abuses)
+        abuses.cpu += answered.cpu
+    leased = max(run[3].blocks_leased for name in runs for run in runs[name])
     print(f"\nthe abusive clients' own CPU: {abuses.cpu:.1f} s (a process of their own); "
           f"preemptions by tenant: {preempted}; peak KV blocks by tenant: {peaks}; "
-          f"blocks leased after the runs: {stats.blocks_leased}\n")
+          f"most blocks leased after a run: {leased}\n")
     print("| abuse: answer | count |\n| --- | --- |")
     for name, count in sorted(abuses.abuses.items()):
         print(f"| {name} | {count} |")
     print(f"\nlogs: {workdir}", file=sys.stderr)
-    return 1 if stats.blocks_leased or alone.errors or beside.errors else 0
+    return 1 if leased or any(r.errors for r in alone + beside) else 0
 
 
 if __name__ == "__main__":

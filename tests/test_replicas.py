@@ -200,3 +200,25 @@ def test_after_a_reset_of_a_the_prefix_goes_to_the_replica_holding_more_of_it(re
     where, answer = routed(url, models, PREFIX + "after the reset?")
     assert where == "b", "with A's prefix cache reset, the prefix goes to B, which holds its first blocks"
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK_SIZE  # B's two blocks
+
+
+def test_the_routers_flush_cache_empties_every_replicas_prefix_cache(replicas):
+    # vllm-router's POST /flush_cache posts /flush_cache to each worker; pagedkv's workers
+    # answer it as /reset_prefix_cache, so a prefix warmed on each is gone from both.
+    url, [(cache_a, model_a, _), (cache_b, model_b, _)] = replicas
+    prompt = PREFIX + "after the flush?"
+    for model in (model_a, model_b):
+        for _ in range(2):  # the second finds the first's blocks
+            answer = post(model.http_url + "/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                             "temperature": 0})
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, (model.http_url, answer["usage"])
+    for cache in (cache_a, cache_b):
+        stub = cache_stub(cache.address)
+        wait_for(lambda: leased_blocks(stub) == 0, 60, "the replicas' requests to release their blocks")
+    request = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200, response.read()
+    for model in (model_a, model_b):
+        answer = post(model.http_url + "/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                         "temperature": 0})
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (model.http_url, answer["usage"])

@@ -135,8 +135,10 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return render.rendered(one, model_name, *await generation.render(one), body)
 
     # vLLM's endpoint of the same name: the pool drops this model's cached prefixes (its
-    # KV events tell routers), so requests sharing them stop being drawn here.
+    # KV events tell routers), so requests sharing them stop being drawn here. /flush_cache
+    # is SGLang's name for it, which vllm-router's own POST /flush_cache sends to every worker.
     @app.post("/reset_prefix_cache")
+    @app.post("/flush_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
         dropped, kept = await generation.reset_prefix_cache()
         return {"blocks_dropped": dropped, "blocks_kept": kept}
