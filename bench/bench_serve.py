@@ -113,15 +113,25 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, model_dir: Path, threads: int, tmp: Path):
-    """vLLM's OpenAI server with its defaults; yields its base URL (http://127.0.0.1:PORT)."""
+def vllm_server(python: Path, model_dir: Path, threads: int, tmp: Path, *, dtype: str = "bfloat16",
+                kv_cache_bytes: int | None = None, extra: tuple[str, ...] = ()):
+    """vLLM's OpenAI server with its defaults but for `extra` (more `vllm serve` flags); yields
+    its base URL (http://127.0.0.1:PORT). Its KV cache is KV_GIB GiB (VLLM_CPU_KVCACHE_SPACE),
+    or kv_cache_bytes exactly (--kv-cache-memory-bytes; the env var, whole GiB only, would
+    override it on CPU: vllm/platforms/cpu.py, so it is left out)."""
     port = free_port()
     log_path = tmp / "vllm-server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    kv_args = []
+    if kv_cache_bytes is None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_GIB)
+    else:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        kv_args = ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [str(python), str(BENCH / "vllm_cli.py"), "serve", "--model", str(model_dir), "--dtype", "bfloat16",
-             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)],
+            [str(python), str(BENCH / "vllm_cli.py"), "serve", "--model", str(model_dir), "--dtype", dtype,
+             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), *kv_args, *extra],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
         try:
             wait_http_ready(f"http://127.0.0.1:{port}/v1/models", process, log_path, timeout_s=1800)
