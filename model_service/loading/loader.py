@@ -143,15 +143,22 @@ def _load_unpacked(
     return _loaded(model, config, tokenizer, str(directory), chat_template, dtype, device)
 
 
-def _load_gguf(path: Path, model_id: str, dtype, device, attention, weights: str = "dequantize") -> LoadedModel:
-    file = GGUFFile(path)
-    config = config_from_gguf(file)
+def gguf_text(file: GGUFFile, config: ModelConfig) -> tuple[HFTokenizer, ChatTemplate | None]:
+    """A GGUF file's tokenizer and chat template (None: it has none), as the service uses
+    them; no weights are read (bench/bench_quantized.py renders its prompts with them)."""
     tokenizer = tokenizer_from_gguf(file, config.eos_token_ids, config.bos_token_id)
     source = file.value("tokenizer.chat_template")
     chat_template = None if not source else ChatTemplate(
         source, bos_token=tokenizer.token_text(config.bos_token_id),
         eos_token=tokenizer.token_text(next(iter(config.eos_token_ids), None)),
     )
+    return tokenizer, chat_template
+
+
+def _load_gguf(path: Path, model_id: str, dtype, device, attention, weights: str = "dequantize") -> LoadedModel:
+    file = GGUFFile(path)
+    config = config_from_gguf(file)
+    tokenizer, chat_template = gguf_text(file, config)
     check_gguf_tensors(file, config)  # fail on a wrong file before allocating anything
     native = plan_native(file, config, weights, device)
     model = _materialize(config, dtype, device, attention,
