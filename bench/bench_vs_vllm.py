@@ -121,26 +121,29 @@ def redraw(requests, round_index: int, vocab_size: int) -> list[tuple[list[int],
 
 
 class VllmWorker:
-    def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path) -> None:
+    """vllm_worker.py in a child process; kv_cache_dtype is vLLM's (auto: the compute dtype)."""
+
+    def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, kv_cache_dtype: str = "auto") -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS="2")
         self.log_path = log_path
         self.log = open(log_path, "wb")
         self.process = subprocess.Popen(
-            [str(python), str(BENCH / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN)],
+            [str(python), str(BENCH / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN), kv_cache_dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
         )
         if not self.process.stdout.readline():
             self.fail("did not start")
 
-    def run(self, requests) -> dict:
-        self.process.stdin.write(json.dumps({"requests": requests}) + "\n")
+    def run(self, requests, logprobs: int = 0) -> dict:
+        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]]."""
+        self.process.stdin.write(json.dumps({"requests": requests, "logprobs": logprobs}) + "\n")
         self.process.stdin.flush()
         line = self.process.stdout.readline()
         if not line:
             self.fail("stopped mid-run")
         reply = json.loads(line)
         return {"tokens": sum(len(o) for o in reply["outputs"]), "seconds": reply["seconds"],
-                "outputs": reply["outputs"]}
+                "outputs": reply["outputs"], **({"logprobs": reply["logprobs"]} if logprobs else {})}
 
     def fail(self, what: str) -> None:
         tail = self.log_path.read_text(errors="replace").splitlines()[-30:]

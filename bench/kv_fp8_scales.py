@@ -26,7 +26,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH.parent / "tests"), str(BENCH)]
 
 import paged_runner  # noqa: E402
-from kv_fp8_accuracy import compare, prompts  # noqa: E402
+from kv_fp8_accuracy import compare, prompt_token_ids, prompts  # noqa: E402
 
 from model_service.attention.kv_quant import KvScales  # noqa: E402
 from model_service.loading.loader import load_model  # noqa: E402
@@ -71,8 +71,7 @@ def main() -> None:
     measure_workspace(loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim), torch.bfloat16,
                       torch.device("cpu"), block_size=16, num_tokens=1024, kv_absmax=absmax)
     warmup = KvScales.from_absmax(*absmax[0])
-    token_lists = [loaded.tokenizer.encode(loaded.chat_template.render(messages), add_special_tokens=False)
-                   for messages in prompts(args.prompts)]
+    token_lists = prompt_token_ids(loaded, prompts(args.prompts))
     runs = {
         ("bfloat16", ""): (torch.bfloat16, None),
         ("fp8_e4m3", "one"): (torch.float8_e4m3fn, KvScales.ones(config.num_layers)),
