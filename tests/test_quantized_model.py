@@ -125,25 +125,42 @@ def test_weights_bytes_as_held_in_both_modes(tmp_path, tied):
 
 
 RSS_SCRIPT = """
-import os, sys, torch
-from model_service.loading.loader import load_model
+import sys, torch
 from model_service.cpu_kernels import load
+from model_service.loading.embedded import embedded_model_path
+from model_service.loading.freed_memory import return_freed_memory
+from model_service.loading.gguf_config import config_from_gguf
+from model_service.loading.gguf_file import GGUFFile
+from model_service.loading.loader import gguf_text, load_model
 load()
 def rss():  # anonymous memory: the shared libraries that loading pages in are not weights
     return int(next(line for line in open('/proc/self/status') if line.startswith('RssAnon')).split()[1]) * 1024
 before = rss()
+file = GGUFFile(embedded_model_path())
+text = gguf_text(file, config_from_gguf(file))
+del file
+return_freed_memory()
+tokenizer = rss() - before
+before = rss()
 loaded = load_model('smollm2', torch.float32, 'cpu', weights=sys.argv[1])
-print(rss() - before)
+print(tokenizer, rss() - before, sum(loaded.weights_bytes_by_type.values()))
 """
 
 
 def test_rss_after_loading_smollm2_against_the_file_size():
-    """Anonymous resident memory grown by loading with native weights, in a fresh process:
-    the 98 MB of blocks plus about 110 MB that any load pays (measured: gguf's parse of
-    the 49,152 tokens and 48,900 merges, and the tokenizer); a float32 copy of the
-    weights (538 MB, what --weights dequantize holds) would be far past the bound."""
+    """Anonymous resident memory grown by loading with native weights, in a fresh process,
+    against the file's 98.4 MB: at most 1.25x (the issue's goal), tokenizer included, and
+    at most 1.1x without it (the growth of building the tokenizer, measured first in the
+    same process). Measured: 110.7 MB grown, 1.13x: the 96.6 MB of blocks, the tokenizer's
+    12.1 MB (the Rust BPE's vocabulary and merges) and the 2.1 MB of RoPE tables; 98.6 MB,
+    1.00x, without the tokenizer. The margins (12 and 10 MB) are for the allocators'
+    variation; a float32 copy of the weights (538 MB, what --weights dequantize holds),
+    gguf's own parse of the metadata kept alive (74 MB, gguf_file.py) or torch's Python
+    meta kernels (79 MB, meta_build.py) would be past them."""
     file_size = embedded_model_path().stat().st_size
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    grown = int(subprocess.run([sys.executable, "-c", RSS_SCRIPT, "native"], capture_output=True, text=True,
-                               env=env, check=True).stdout.split()[-1])
-    assert file_size <= grown <= 2.5 * file_size, grown
+    tokenizer, grown, held = (int(n) for n in subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, "native"], capture_output=True, text=True, env=env, check=True,
+    ).stdout.split()[-3:])
+    assert held <= grown <= 1.25 * file_size, (tokenizer, grown, held)
+    assert grown - tokenizer <= 1.1 * file_size, (tokenizer, grown, held)

@@ -6,8 +6,9 @@ A load frees many such blocks: a GGUF file's tensors dequantized before their co
 the model, and a bfloat16 model's plain weights once packed (packed_linear.py), between
 allocations that stay. Nothing else in the model service would reuse those pages:
 SmolLM2 in bfloat16 grew anonymous memory by 490 MB untrimmed and 434 MB trimmed, for
-326 MB of weights (the rest is what any load of it pays: gguf's parse of its
-tokenizer, tests/test_quantized_model.py)."""
+326 MB of weights; 341 MB since neither gguf's parse of the metadata (gguf_file.py) nor
+torch's Python meta kernels (meta_build.py) stay: the rest is the tokenizer (12 MB) and
+the RoPE tables."""
 
 from __future__ import annotations
 

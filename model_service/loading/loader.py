@@ -16,6 +16,7 @@ from model_service.text.chat_template import ChatTemplate
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.loading.freed_memory import return_freed_memory
+from model_service.loading.meta_build import SkipMetaInit, to_empty
 from model_service.loading.embedded import EMBEDDED_MODELS, embedded_model_path
 from model_service.loading.gguf_config import config_from_gguf
 from model_service.loading.gguf_file import GGUFFile, is_gguf_spec, resolve_gguf_path
@@ -171,13 +172,14 @@ def _materialize(config: ModelConfig, dtype, device, attention, before_memory=No
     # Built on the meta device: no memory and no random init for weights that are
     # about to be overwritten; then materialized (uninitialized) on the target device.
     # before_memory(model) may swap modules first (quantized ones, which hold their own).
-    with torch.device("meta"):
+    # Neither the build nor the materializing runs torch's Python meta kernels (meta_build.py).
+    with torch.device("meta"), SkipMetaInit():
         model = LlamaForCausalLM(config, attention=attention)
     if before_memory is not None:
         before_memory(model)
     # In dtype while still on meta: materializing in float32 and converting after made
     # every weight twice on the way (SmolLM2 in bfloat16: peak RSS 1,071 MB, now 970 MB).
-    model = model.to(dtype).to_empty(device=device)
+    model = to_empty(model.to(dtype), device)
     if config.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared params
     return model
