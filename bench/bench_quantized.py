@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import statistics
 import subprocess
@@ -51,6 +50,7 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(BENCH)]
 
 from bench_smollm2 import PagedkvRunner, for_round, workload  # noqa: E402
+from json_lines_child import JsonLinesChild  # noqa: E402
 from processes import start_cache_service, start_model_service  # noqa: E402
 
 from model_service.api.validation import GenerateLimits, prompt_token_ids_of  # noqa: E402
@@ -181,42 +181,19 @@ def one_stream(address: str, prompt: list[int]) -> dict:
             "tokens": tokens}
 
 
-class LlamaCppWorker:
+class LlamaCppWorker(JsonLinesChild):
+    name = "llama.cpp"
+    hint = "; a silent death on a prompt may be its multi-token batch: try --llamacpp-n-batch 1"
+
     def __init__(self, python: Path, path: Path, threads: int, n_batch: int, log_path: Path) -> None:
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.process = subprocess.Popen(
-            [str(python), str(BENCH / "llamacpp_worker.py"), "serve", str(path), str(threads), str(n_batch)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-        )
-        line = self.process.stdout.readline()
-        if not line:
-            self.fail("did not start")
-        self.info = json.loads(line)
+        super().__init__([str(python), str(BENCH / "llamacpp_worker.py"), "serve", str(path), str(threads),
+                          str(n_batch)], log_path)
+        self.info = self.ready
 
     def one_stream(self, prompt: list[int]) -> dict:
-        self.process.stdin.write(json.dumps({"prompt": prompt, "max_new_tokens": STREAM_TOKENS}) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            self.fail("stopped mid-stream")
-        reply = json.loads(line)
+        reply = self.ask({"prompt": prompt, "max_new_tokens": STREAM_TOKENS}, "stopped mid-stream")
         return {"decode": (len(reply["tokens"]) - 1) / reply["decode_seconds"],
                 "prompt": len(prompt) / reply["prompt_seconds"], "tokens": reply["tokens"]}
-
-    def fail(self, what: str) -> None:
-        code = self.process.poll()
-        tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
-        raise SystemExit(f"llama.cpp {what} (exit status {code}; a silent death on a prompt may be its "
-                         "multi-token batch: try --llamacpp-n-batch 1); the end of its log:\n" + "\n".join(tail))
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import os
 import random
 import statistics
@@ -59,6 +58,7 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(BENCH)]
 
 from bench_generate import metric, workload, write_w48_checkpoint  # noqa: E402
+from json_lines_child import JsonLinesChild  # noqa: E402
 from processes import start_cache_service, start_model_service  # noqa: E402
 from vllm_grpc import VllmGrpcServer  # noqa: E402
 
@@ -120,42 +120,21 @@ def redraw(requests, round_index: int, vocab_size: int) -> list[tuple[list[int],
     return [([rng.randrange(3, vocab_size) for _ in prompt], max_new) for prompt, max_new in requests]
 
 
-class VllmWorker:
+class VllmWorker(JsonLinesChild):
     """vllm_worker.py in a child process; kv_cache_dtype is vLLM's (auto: the compute dtype)."""
+
+    name = "vLLM"
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, kv_cache_dtype: str = "auto") -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS="2")
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        self.process = subprocess.Popen(
-            [str(python), str(BENCH / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN), kv_cache_dtype],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True,
-        )
-        if not self.process.stdout.readline():
-            self.fail("did not start")
+        super().__init__([str(python), str(BENCH / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN),
+                          kv_cache_dtype], log_path, env)
 
     def run(self, requests, logprobs: int = 0) -> dict:
         """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]]."""
-        self.process.stdin.write(json.dumps({"requests": requests, "logprobs": logprobs}) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            self.fail("stopped mid-run")
-        reply = json.loads(line)
+        reply = self.ask({"requests": requests, "logprobs": logprobs})
         return {"tokens": sum(len(o) for o in reply["outputs"]), "seconds": reply["seconds"],
                 "outputs": reply["outputs"], **({"logprobs": reply["logprobs"]} if logprobs else {})}
-
-    def fail(self, what: str) -> None:
-        tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
-        raise SystemExit(f"vLLM {what}; the end of its log:\n" + "\n".join(tail))
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
 
 
 @contextlib.contextmanager
