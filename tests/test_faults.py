@@ -10,14 +10,15 @@ taking a second too long. Nothing sleeps and hopes; no assertion is about elapse
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
-import threading
 import time
 
 import grpc
 import pytest
 from cache_helpers import cache_stub, stats, wait_for
+from generate_stream import GenerateStream
 from processes import (DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service,
                        start_model_service)
 
@@ -48,33 +49,8 @@ def request(tokens: list[int], max_new_tokens: int) -> model_pb2.GenerateRequest
     )
 
 
-class Stream:
-    """One Generate stream read on its own thread; records tokens, the last message and the status."""
-
-    def __init__(self, stub, tokens: list[int], max_new_tokens: int = LONG, timeout_s: float = 3 * GENEROUS_S) -> None:
-        self.tokens: list[int] = []
-        self.last: model_pb2.GenerateResponse | None = None
-        self.code: grpc.StatusCode | None = None  # OK once the stream finished normally
-        self.details = ""
-        self.first_token = threading.Event()
-        self.done = threading.Event()
-        self.started = threading.Event()  # a first token, or the end
-        self.call = stub.Generate(request(tokens, max_new_tokens), timeout=timeout_s)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for response in self.call:
-                self.tokens.extend(response.token_ids)
-                self.last = response
-                self.first_token.set()
-                self.started.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as error:
-            self.code, self.details = error.code(), error.details()
-        finally:
-            self.done.set()
-            self.started.set()
+# One Generate stream on its own thread, long enough by default that no stream ends before the fault.
+Stream = functools.partial(GenerateStream, max_new_tokens=LONG, timeout_s=3 * GENEROUS_S)
 
 
 def start_streams(stub, count: int, **kwargs) -> list[Stream]:

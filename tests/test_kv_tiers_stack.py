@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
 import urllib.request
 
 import grpc
 import pytest
 import torch
 from cache_helpers import cache_stub, leased_blocks, stats, wait_for
+from generate_stream import GenerateStream
 from processes import free_port, start_cache_service, start_model_service, start_together
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -128,34 +128,8 @@ def test_check_invariants_logs_a_broken_invariant_and_serves_on(tmp_path, capsys
         pool.close()
 
 
-class Stream:
-    """A greedy Generate call read in a thread: its tokens, its first token, its end."""
-
-    def __init__(self, stub, tokens: list[int], max_new_tokens: int, request_id: str = "") -> None:
-        self.tokens: list[int] = []
-        self.last = None
-        self.code = None
-        self.first_token, self.done = threading.Event(), threading.Event()
-        request = model_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=tokens, sampling=model_pb2.SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
-        self.call = stub.Generate(request, timeout=120)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for response in self.call:
-                self.tokens.extend(response.token_ids)
-                self.last = response
-                self.first_token.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as error:
-            self.code = error.code()
-        finally:
-            self.done.set()
-
-
 def generate_long(stub, tokens: list[int], max_new_tokens: int) -> tuple[list[int], model_pb2.Usage]:
-    stream = Stream(stub, tokens, max_new_tokens)
+    stream = GenerateStream(stub, tokens, max_new_tokens)
     assert stream.done.wait(120) and stream.code == grpc.StatusCode.OK
     return stream.tokens, stream.last.usage
 
@@ -205,7 +179,7 @@ def test_preemption_an_abort_and_a_killed_model_service_leave_nothing_leased_and
         # and the request is aborted after its first token, while the blocks it holds and
         # the ones it registered are on their way.
         before = promotions()
-        stream = Stream(stub, aborted_prompt, 120, request_id="aborted-after-promotion")
+        stream = GenerateStream(stub, aborted_prompt, 120, request_id="aborted-after-promotion")
         assert stream.first_token.wait(60)
         assert stub.Abort(model_pb2.AbortRequest(request_ids=["aborted-after-promotion"]), timeout=30).aborted == 1
         assert stream.done.wait(60) and stream.tokens[:8] == want_aborted[:len(stream.tokens)]
@@ -215,7 +189,7 @@ def test_preemption_an_abort_and_a_killed_model_service_leave_nothing_leased_and
         # A model service killed with SIGKILL while its streams hold promoted blocks: its
         # leases come back once its session expires; the other service serves on.
         before = promotions()
-        streams = [Stream(doomed_stub, tokens, 80) for tokens in doomed_prompts]
+        streams = [GenerateStream(doomed_stub, tokens, 80) for tokens in doomed_prompts]
         for doomed_stream in streams:
             assert doomed_stream.first_token.wait(60)
         assert promotions() - before == 4 and stats(cstub).blocks_leased > 0

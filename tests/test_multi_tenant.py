@@ -15,13 +15,13 @@ import concurrent.futures
 import json
 import os
 import signal
-import threading
 import urllib.request
 
 import grpc
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
+from generate_stream import GenerateStream
 from hf_checkpoints import write_checkpoint
 from processes import free_port, start_cache_service, start_model_service, start_together
 
@@ -180,31 +180,6 @@ def test_cache_salt_isolates_tenants(tmp_path):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in error.value.details()
 
 
-class Stream:
-    def __init__(self, stub, tokens: list[int], max_new_tokens: int) -> None:
-        self.tokens: list[int] = []
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.first_token = threading.Event()
-        self.done = threading.Event()
-        request = model_pb2.GenerateRequest(
-            prompt_token_ids=tokens,
-            sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
-        self.call = stub.Generate(request, timeout=120)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for response in self.call:
-                self.tokens.extend(response.token_ids)
-                self.first_token.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as error:
-            self.code, self.details = error.code(), error.details()
-        finally:
-            self.done.set()
-
-
 def test_a_stalled_model_service_never_writes_into_blocks_others_hold(two_models, tmp_path):
     """A is SIGSTOPped mid-generation past its lease TTL; B fills the whole pool (A's old
     blocks included) and stays exact; after SIGCONT, A fences itself (its streams end
@@ -221,7 +196,7 @@ def test_a_stalled_model_service_never_writes_into_blocks_others_hold(two_models
             start_model_service(tmp_path, cache.address, *model_args) as model_b:
         cache_rpc = cache_stub(cache.address)
         stub_a, stub_b = model_stub(model_a), model_stub(model_b)
-        streams = [Stream(stub_a, prompt(20 + i, 24), 100) for i in range(4)]
+        streams = [GenerateStream(stub_a, prompt(20 + i, 24), 100) for i in range(4)]
         for stream in streams:
             assert stream.first_token.wait(60)
         os.kill(model_a.pid, signal.SIGSTOP)
