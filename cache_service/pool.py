@@ -180,6 +180,7 @@ class KvPool:
         session = self.sessions.close(session_id)
         released = await self._release(session)
         log.info("session_detached", session=session.owner, blocks_reclaimed=released)
+        self.check_invariants("detach")
         return released
 
     def expire_sessions(self) -> int:
@@ -227,6 +228,7 @@ class KvPool:
         log.info("prefix_cache_reset", session=session.owner, model_fingerprint=fingerprint,
                  served_model_name=session.served_model_name, all_models=all_models, blocks_dropped=dropped,
                  blocks_kept=kept)
+        self.check_invariants("reset_prefix_cache")
         return dropped, kept
 
     def check_invariants(self, after: str) -> None:

@@ -103,7 +103,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             released = await self.pool.detach(request.session_id)
         except UnknownSession as error:
             await abort_for(context, error)
-        self.pool.check_invariants("detach")
         return cache_pb2.DetachResponse(blocks_reclaimed=released)
 
     async def Lease(self, request, context):
@@ -129,7 +128,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             dropped, kept = self.pool.reset_prefix_cache(session, request.all_models)
         except (UnknownSession, NoPool) as error:
             await abort_for(context, error)
-        self.pool.check_invariants("reset_prefix_cache")
         return cache_pb2.ResetPrefixCacheResponse(blocks_dropped=dropped, blocks_kept=kept)
 
     async def GetSizing(self, request, context):
