@@ -6,8 +6,8 @@ Q8_0 is one float16 scale per 32 consecutive weights of a row (amax / 127) and 3
 values: a scale per block of 32 rather than one per output channel, which the kernels
 take as they are and which is finer (a row of 4,096 weights has 128 scales), at 34 bytes
 per 32 weights (1.0625 bytes a weight: 27 % of float32, 53 % of bfloat16). The blocks
-are written as llama.cpp's reference quantizer writes them (gguf's Q8_0.quantize_blocks,
-to the bit), so the kernels' tests on gguf's blocks cover them.
+are gguf's quantizer's (llama.cpp's reference one, to the bit), so the kernels' tests on
+gguf's blocks cover them.
 
 Each tensor is read from the safetensors file and quantized into its rows of the
 module's blocks, a chunk of rows at a time: no float copy of a whole module is kept.
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import structlog
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from safetensors import safe_open
 from torch import nn
 
@@ -38,24 +40,15 @@ CHUNK_ROWS = 1024
 
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """weight [rows, cols] (cols a multiple of 32, any float dtype) -> Q8_0 blocks, uint8
-    [rows, cols / 32 × 34]: per 32 weights a float16 scale d = amax / 127 then round(w / d)
-    as int8, halves rounded away from zero, as ggml's quantize_row_q8_0_ref."""
+    [rows, cols / 32 × 34], by gguf's quantizer (llama.cpp's quantize_row_q8_0_ref), a
+    chunk of rows at a time."""
     rows, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"Q8_0 needs a multiple of {BLOCK} columns, got {cols}")
-    blocks_a_row = cols // BLOCK
-    out = torch.empty((rows, blocks_a_row * 34), dtype=torch.uint8)
+    out = torch.empty((rows, cols // BLOCK * 34), dtype=torch.uint8)
     for start in range(0, rows, CHUNK_ROWS):
-        values = weight[start:start + CHUNK_ROWS].to(torch.float32).reshape(-1, blocks_a_row, BLOCK)
-        scale = values.abs().amax(dim=-1, keepdim=True) / 127
-        inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-        scaled = values * inverse
-        magnitude = scaled.abs()
-        whole = magnitude.floor()
-        rounded = torch.sign(scaled) * (whole + torch.floor(2 * (magnitude - whole)))
-        target = out[start:start + CHUNK_ROWS].view(-1, blocks_a_row, 34)
-        target[..., :2] = scale.to(torch.float16).view(torch.uint8)
-        target[..., 2:] = rounded.to(torch.int8).view(torch.uint8)
+        values = weight[start:start + CHUNK_ROWS].to(torch.float32).numpy()
+        out[start:start + CHUNK_ROWS] = torch.from_numpy(quantize(values, GGMLQuantizationType.Q8_0))
     return out
 
 
