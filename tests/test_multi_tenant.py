@@ -150,7 +150,10 @@ def test_two_models_on_one_disk_tier_never_share_a_block_even_after_a_restart(tw
             cache.kill()
         with start_cache_service(tmp_path, *cache_args) as restarted:  # the same port: both re-attach
             cache_rpc = cache_stub(restarted.address)
-            wait_for(lambda: serving(model_a) and serving(model_b), 60, "both model services to re-attach", poll_s=0.1)
+            # The restarted service's own count, not the model services' health: right after
+            # the kill they may still answer SERVING from before it.
+            wait_for(lambda: stats(cache_rpc).sessions == 2 and serving(model_a) and serving(model_b), 60,
+                     "both model services to re-attach", poll_s=0.1)
             assert stats(cache_rpc).tiers[0].blocks_cached == 6  # A's two prompts, B's one
             assert run("b", stub_b, after).cached_tokens == 0, "model B was given model A's blocks after a restart"
             usage = run("a", stub_a, after)
