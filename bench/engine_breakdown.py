@@ -33,7 +33,10 @@ from bench_vs_vllm import single_stream, smollm2_checkpoint  # noqa: E402
 from inprocess_engine import engine_in_process, load_in_passing_thread  # noqa: E402
 
 from model_service.attention.backend import PagedAttention  # noqa: E402
+from model_service.models import fused_ops  # noqa: E402
+from model_service.models.fused_ops import RotaryStep  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
+from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 from model_service.worker.runner import ModelRunner  # noqa: E402
 
 # seconds spent inside each kind of call, and one (batch size, tokens, seconds) per step
@@ -56,8 +59,14 @@ def timed(owner, name: str, label) -> None:
 
 
 def instrument(vocab_size: int) -> None:
-    for linear in (nn.Linear, PackedLinear):
+    for linear in (nn.Linear, PackedLinear, QuantizedLinear):
         timed(linear, "forward", lambda args: "lm_head" if args[0].out_features == vocab_size else "layer linears")
+    for embedding in (nn.Embedding, QuantizedEmbedding):
+        timed(embedding, "forward", lambda args: "embedding")
+    for name in ("rms_norm", "add_rms_norm"):
+        timed(fused_ops, name, lambda args: "norms (with the residual add)")
+    timed(fused_ops, "silu_mul", lambda args: "silu * up")
+    timed(RotaryStep, "rotate", lambda args: "rotary")
     timed(PagedAttention, "__call__", lambda args: "paged attention, decode steps"
           if args[5].num_decode_seqs == args[5].num_seqs else "paged attention, prefill steps")
     execute = ModelRunner.execute
@@ -83,6 +92,8 @@ def main() -> int:
     parser.add_argument("--model", default="w48", help="w48, smollm2 or a checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="w48", choices=["w48", "single"])
+    parser.add_argument("--weights", default="dequantize", choices=["dequantize", "native"],
+                        help="a GGUF file's linears: dequantized at load, or held in their blocks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -90,7 +101,7 @@ def main() -> int:
         tmp = Path(tmp)
         path = {"w48": lambda: write_w48_checkpoint(tmp / "w48"), "smollm2": smollm2_checkpoint}.get(
             args.model, lambda: Path(args.model))()
-        loaded = load_in_passing_thread(path, dtype)
+        loaded = load_in_passing_thread(path, dtype, weights=args.weights)
         requests = workload() if args.workload == "w48" else single_stream(loaded.config.vocab_size)
         instrument(loaded.config.vocab_size)
         with engine_in_process(loaded, dtype, tmp) as run:
@@ -101,6 +112,8 @@ def main() -> int:
 
     new_tokens = sum(n for _, n in requests)
     forward = sum(seconds for _, _, seconds in steps)
+    time_in["outside the timed calls, in forward passes"] = forward - sum(
+        seconds for label, seconds in time_in.items() if label != "lm_head")
     print(f"{args.workload} on {args.model}, {args.dtype}, engine only, {args.threads} threads: {new_tokens} new tokens in {wall:.2f} s "
           f"({new_tokens / wall:.0f} tokens/s); {len(steps)} steps, {forward:.2f} s in forward passes\n")
     print("| steps | count | seconds | ms a step |")

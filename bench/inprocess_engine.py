@@ -26,9 +26,10 @@ from model_service.worker.torch_threads import run_in_passing_thread
 LEASE_WAIT, ENGINE_STEP = "pagedkv_model_lease_wait_seconds_total", "pagedkv_model_engine_step_seconds_total"
 
 
-def load_in_passing_thread(model_dir: Path, dtype: torch.dtype):
-    """As the model service loads: no OpenMP pool left behind in this thread (torch_threads.py)."""
-    return run_in_passing_thread(lambda: load_model(str(model_dir), dtype, "cpu"))
+def load_in_passing_thread(model_dir: Path, dtype: torch.dtype, weights: str = "dequantize"):
+    """As the model service loads: no OpenMP pool left behind in this thread (torch_threads.py).
+    `weights`: load_model's (a GGUF file's linears dequantized, or held in their blocks)."""
+    return run_in_passing_thread(lambda: load_model(str(model_dir), dtype, "cpu", weights=weights))
 
 
 @contextlib.contextmanager

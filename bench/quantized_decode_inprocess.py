@@ -1,11 +1,14 @@
-"""Decode steps of SmolLM2's Q4_1 GGUF in process, --weights native against dequantize in
-turns: one sequence, 16 greedy steps a round, 3 rounds, tokens/s (no services, no gRPC;
-tests/paged_runner.py does the bookkeeping). A quick check where bench_quantized.py's two
-service pairs are too slow to start on a loaded machine.
+"""Decode steps of SmolLM2's Q4_1 GGUF in process, three paths in turns: --weights native
+with a decode step's layers in one C call (models/cpu_decode_stack.py, the default),
+native through the per-layer modules, and --weights dequantize. One sequence, greedy,
+tokens/s per round and their median (no services, no gRPC; tests/paged_runner.py does the
+bookkeeping, and its logits each step). A quick check where bench_quantized.py's service
+pairs are too slow to start on a loaded machine.
 
-    PYTHONPATH=. .venv/bin/python bench/quantized_decode_inprocess.py THREADS
+    PYTHONPATH=. .venv/bin/python bench/quantized_decode_inprocess.py [--threads 2] [--rounds 5] [--steps 32]
 """
 
+import argparse
 import statistics
 import sys
 import time
@@ -20,19 +23,39 @@ from paged_runner import PagedRunner  # noqa: E402
 
 from model_service.loading.loader import load_model  # noqa: E402
 
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-torch.testing.assert_close = lambda *args, **kwargs: None  # PagedRunner's own self-check, not timed here
-models = {mode: load_model("smollm2", torch.float32, "cpu", weights=mode) for mode in ("native", "dequantize")}
-rates: dict[str, list[float]] = {mode: [] for mode in models}
-for _ in range(3):
-    for mode, loaded in models.items():
-        runner = PagedRunner(loaded.model, loaded.config)
-        (logits,) = runner.step([("a", [1, 2, 3, 4])], 0)
-        token = int(logits[-1].argmax())
-        started = time.perf_counter()
-        for _ in range(16):
-            (logits,) = runner.step([("a", [token])], 1)
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps a round")
+    parser.add_argument("--skip-dequantize", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    native = load_model("smollm2", torch.float32, "cpu", weights="native")
+    paths = {"native, one call a step": (native, True), "native, per layer": (native, False)}
+    if not args.skip_dequantize:
+        paths["dequantize"] = (load_model("smollm2", torch.float32, "cpu", weights="dequantize"), True)
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    for round_index in range(args.rounds):
+        names = list(paths)
+        names = names[round_index % len(names):] + names[:round_index % len(names)]  # who goes first rotates
+        for name in names:
+            loaded, stack = paths[name]
+            loaded.model.decode_stack_enabled = stack
+            runner = PagedRunner(loaded.model, loaded.config)
+            (logits,) = runner.step([("a", list(range(1, 41)))], 0)  # a 40-token prompt
             token = int(logits[-1].argmax())
-        rates[mode].append(16 / (time.perf_counter() - started))
-for mode, values in rates.items():
-    print(mode, "median tok/s", round(statistics.median(values), 1), [round(value, 1) for value in values])
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                (logits,) = runner.step([("a", [token])], 1)
+                token = int(logits[-1].argmax())
+            rates[name].append(args.steps / (time.perf_counter() - started))
+    print(f"| path | decode tokens/s, median | rounds | ({args.threads} threads, {args.steps} steps a round) |")
+    print("| --- | --- | --- | --- |")
+    for name, values in rates.items():
+        print(f"| {name} | {statistics.median(values):.1f} | {', '.join(f'{v:.1f}' for v in values)} | |")
+
+
+if __name__ == "__main__":
+    main()

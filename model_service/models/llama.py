@@ -125,6 +125,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Decode-only steps of a model with quantized linears on CPU run their layers in one
+        # C call (cpu_decode_stack.py) when this is True; built at the first such step.
+        self.decode_stack_enabled = True
+        self._decode_stack = None
 
     def forward(
         self,
@@ -135,11 +139,25 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T] int64; kv_pool: [L, 2, NB, BS, Hkv, D] -> hidden [T, hidden]
         hidden = self.embed_tokens(input_ids)  # [T, hidden], the residual stream (added to in place)
+        if self.decode_stack_enabled and meta.num_decode_seqs == hidden.shape[0] and hidden.device.type == "cpu":
+            stack = self._current_decode_stack()
+            normed = stack.run(hidden, positions, kv_pool, meta) if stack else None
+            if normed is not None:
+                return normed
         rotary = RotaryStep(self.rotary.cos_cache, self.rotary.sin_cache, positions)
         pending = None
         for layer_index, layer in enumerate(self.layers):
             hidden, pending = layer(hidden, pending, rotary, kv_pool[layer_index], meta)
         return self.norm.add_and_norm(hidden, pending)[1]
+
+    def _current_decode_stack(self):
+        """The model's DecodeStack, or False where it does not qualify: built once, again
+        only if the weights it points at moved (a `.to()` after the first step)."""
+        stack = self._decode_stack
+        if stack is None or (stack and not stack.points_at(self)):
+            from model_service.models.cpu_decode_stack import DecodeStack  # imports the attention package
+            stack = self._decode_stack = DecodeStack.of(self) or False
+        return stack
 
     def set_kv_scales(self, scales: Sequence[tuple[float, float]] | None) -> None:
         """Each layer's (k_scale, v_scale) for an 8-bit pool; None for a pool of K/V as they are."""

@@ -1,0 +1,135 @@
+/* A whole decode step's decoder layers in one call, for models whose linears are held in
+ * quantized blocks (quant_matmul.c).
+ *
+ * A decode step of one stream on a 30-layer model is ~300 small operations; through
+ * PyTorch each costs a dispatch, a tensor and, for the C kernels, a ctypes call, and at
+ * SmolLM2's size those costs were a third of the step (BENCHMARKS.md, "One call a decode
+ * step"). Here the layers run back to back in C: the same kernels, in the same order, on
+ * the same buffers, as models/llama.py's per-layer path, so the results are the same bits
+ * (tests/test_decode_stack.py holds them to it).
+ *
+ * Per layer, for the step's T tokens (one per sequence):
+ *   normed  = rms_norm(hidden)                  (the first layer), else
+ *   hidden += mlp_out; normed = rms_norm(hidden)
+ *   qkv     = normed W_qkv^T; rotary on q and k in place
+ *   K/V of each token -> its slot of the pool; attention over each sequence's blocks
+ *   hidden += attn W_o^T; normed = rms_norm(hidden)
+ *   mlp_out = silu_mul(normed W_gate_up^T) W_down^T
+ * and after the last layer hidden += mlp_out, out = final_norm(hidden).
+ *
+ * What it does not take (the caller checks, and the per-layer path serves instead): biases,
+ * an 8-bit pool (its writes quantize), a pool of another dtype than the activations.
+ */
+#include <stdlib.h>
+
+#include "cpu_math.h"
+
+#define STACK_MAX_SEGMENTS 4
+
+/* One linear's rows as quant_linear takes them. */
+typedef struct {
+    int32_t segments;
+    int32_t types[STACK_MAX_SEGMENTS];
+    int32_t rows[STACK_MAX_SEGMENTS];
+    int64_t weights[STACK_MAX_SEGMENTS];
+} stack_linear;
+
+typedef struct {
+    int64_t input_norm, post_attention_norm; /* weight pointers, [hidden] in dtype */
+    stack_linear qkv, o, gate_up, down;
+    int32_t sliding_window; /* 0: full attention */
+} stack_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, q_heads, kv_heads, head_dim, intermediate;
+    int32_t dtype, block_size, level;
+    float eps, scale;
+    int64_t final_norm, cos_table, sin_table; /* [hidden]; rotary tables [positions, head_dim / 2] */
+    const stack_layer *layers;
+} stack_model;
+
+/* Declared by the other kernel sources of this library. */
+int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int segments,
+                 const int64_t *weights, const int32_t *types, const int32_t *rows, void *y, int64_t y_stride,
+                 int level, int num_threads);
+void rms_norm(const void *x, int64_t x_row_stride, const void *weight, void *out, int rows, int cols, float eps,
+              int dtype, int num_threads);
+void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, const void *weight, void *out,
+                  int rows, int cols, float eps, int dtype, int num_threads);
+void silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads);
+void rotary_in_place(void *x, int64_t x_row_stride, int rows, int heads, int head_dim, const void *cos_table,
+                     const void *sin_table, const int64_t *positions, int dtype, int num_threads);
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
+                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size, float scale,
+                           int sliding_window, int dtype, void *out, int num_threads, int kv_dtype, float k_scale,
+                           float v_scale);
+
+static size_t dtype_bytes(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+
+static int linear(const stack_linear *w, const void *x, int tokens, int cols, int dtype, void *y, int64_t y_stride,
+                  int level, int num_threads) {
+    return quant_linear(x, cols, tokens, cols, dtype, w->segments, w->weights, w->types, w->rows, y, y_stride,
+                        level, num_threads);
+}
+
+/* hidden: [tokens, hidden] contiguous, the embeddings in and the residual stream after
+ * (added to in place, as the per-layer path does); out: [tokens, hidden], the final
+ * norm's output. kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in
+ * dtype. slots: each token's slot (block * block_size + offset); tables, context_lens: the
+ * sequences' block tables (int32, table_row_stride apart) and lengths after this step.
+ * Returns 0, -1 on a kernel's refusal (a shape past its limits), -2 without scratch memory. */
+int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
+                 const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
+                 int64_t table_row_stride, const int32_t *context_lens, int num_threads) {
+    const int dtype = m->dtype, width = m->hidden, head_dim = m->head_dim;
+    const int q_size = m->q_heads * head_dim, kv_size = m->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    const size_t elem = dtype_bytes(dtype);
+    /* One scratch allocation: normed, qkv, attention out, o / mlp out, gate_up, act. */
+    const size_t normed_n = (size_t)tokens * width, qkv_n = (size_t)tokens * qkv_size,
+                 attn_n = (size_t)tokens * q_size, delta_n = (size_t)tokens * width,
+                 gate_up_n = (size_t)tokens * 2 * m->intermediate, act_n = (size_t)tokens * m->intermediate;
+    char *scratch = malloc((normed_n + qkv_n + attn_n + delta_n + gate_up_n + act_n) * elem);
+    if (scratch == NULL) return -2;
+    char *normed = scratch, *qkv = normed + normed_n * elem, *attn = qkv + qkv_n * elem,
+         *delta = attn + attn_n * elem, *gate_up = delta + delta_n * elem, *act = gate_up + gate_up_n * elem;
+    const int64_t layer_elems = 2 * num_blocks * m->block_size * (int64_t)kv_size;
+    int status = 0;
+
+    for (int l = 0; l < m->num_layers && status == 0; l++) {
+        const stack_layer *layer = &m->layers[l];
+        if (l == 0)
+            rms_norm(hidden, width, (const void *)(intptr_t)layer->input_norm, normed, tokens, width, m->eps, dtype,
+                     num_threads);
+        else
+            add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->input_norm, normed, tokens, width,
+                         m->eps, dtype, num_threads);
+        status |= linear(&layer->qkv, normed, tokens, width, dtype, qkv, qkv_size, m->level, num_threads);
+        rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
+                        (const void *)(intptr_t)m->cos_table, (const void *)(intptr_t)m->sin_table, positions,
+                        dtype, num_threads);
+        char *k_cache = (char *)kv_pool + (size_t)(l * layer_elems) * elem;
+        char *v_cache = k_cache + (size_t)(layer_elems / 2) * elem;
+        for (int t = 0; t < tokens; t++) {
+            const char *row = qkv + (size_t)t * qkv_size * elem;
+            memcpy(k_cache + (size_t)slots[t] * kv_size * elem, row + (size_t)q_size * elem, kv_size * elem);
+            memcpy(v_cache + (size_t)slots[t] * kv_size * elem, row + (size_t)(q_size + kv_size) * elem,
+                   kv_size * elem);
+        }
+        status |= paged_decode_attention(qkv, qkv_size, k_cache, v_cache, tables, table_row_stride, context_lens,
+                                         tokens, m->q_heads, m->kv_heads, head_dim, m->block_size, m->scale,
+                                         layer->sliding_window, dtype, attn, num_threads, dtype, 1.0f, 1.0f);
+        status |= linear(&layer->o, attn, tokens, q_size, dtype, delta, width, m->level, num_threads);
+        add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
+                     width, m->eps, dtype, num_threads);
+        status |= linear(&layer->gate_up, normed, tokens, width, dtype, gate_up, 2 * m->intermediate, m->level,
+                         num_threads);
+        silu_mul(gate_up, act, tokens, m->intermediate, dtype, num_threads);
+        status |= linear(&layer->down, act, tokens, m->intermediate, dtype, delta, width, m->level, num_threads);
+    }
+    if (status == 0)
+        add_rms_norm(hidden, delta, width, (const void *)(intptr_t)m->final_norm, out, tokens, width, m->eps, dtype,
+                     num_threads);
+    free(scratch);
+    return status == 0 ? 0 : -1;
+}

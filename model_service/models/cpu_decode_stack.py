@@ -1,0 +1,143 @@
+"""A decode step's decoder layers in one C call (cpu_kernels/csrc/decode_stack.c), for a
+model whose layer linears are all held in quantized blocks on CPU.
+
+At one stream, a decode step through models/llama.py's modules is ~300 small operations,
+each a dispatch (and a ctypes call for the C kernels): on SmolLM2's Q4_1 file those were a
+third of the step. decode_stack.c runs the same kernels in the same order over the same
+buffers, so the step's results are the same bits; only the Python between them goes.
+
+`DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized and
+without bias, rotary tables in the model's dtype, the default paged attention on CPU) and
+describes it to the C side once; `run` then takes a decode-only step on a pool of the
+model's own dtype, and answers None for anything else (an 8-bit pool, a prefill), which
+the per-layer path serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from model_service import cpu_kernels
+from model_service.attention.backend import PagedAttention
+from model_service.attention.metadata import AttentionMetadata
+from model_service.cpu_kernels import paged_decode, quant_matmul
+from model_service.cpu_kernels.build import DTYPE_CODES
+from model_service.models.quantized_linear import QuantizedLinear
+
+MAX_SEGMENTS = 4  # decode_stack.c's STACK_MAX_SEGMENTS
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("segments", ctypes.c_int32), ("types", ctypes.c_int32 * MAX_SEGMENTS),
+                ("rows", ctypes.c_int32 * MAX_SEGMENTS), ("weights", ctypes.c_int64 * MAX_SEGMENTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_int64), ("post_attention_norm", ctypes.c_int64),
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("sliding_window", ctypes.c_int32)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("q_heads", ctypes.c_int32),
+                ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32),
+                ("dtype", ctypes.c_int32), ("block_size", ctypes.c_int32), ("level", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("final_norm", ctypes.c_int64), ("cos_table", ctypes.c_int64), ("sin_table", ctypes.c_int64),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+def _linear(module) -> _Linear | None:
+    if not isinstance(module, QuantizedLinear) or module.bias is not None \
+            or len(module.segments.parts) > MAX_SEGMENTS:
+        return None
+    segments = module.segments
+    count = len(segments.parts)
+    described = _Linear(segments=count)
+    for index in range(count):
+        described.types[index] = segments.types[index]
+        described.rows[index] = segments.row_counts[index]
+        described.weights[index] = segments.pointers[index]
+    return described
+
+
+class DecodeStack:
+    """The model described to decode_stack.c (weights by pointer: the model must outlive it)."""
+
+    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array) -> None:
+        config = model.config
+        self.model, self.library, self._layers = model, library, layers  # _layers: kept alive for the C side
+        self.dtype = model.norm.weight.dtype
+        self._described = _Model(
+            num_layers=config.num_layers, hidden=config.hidden_size, q_heads=config.num_heads,
+            kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
+            dtype=DTYPE_CODES[self.dtype], block_size=0, level=quant_matmul.chosen_level(library),
+            eps=config.rms_norm_eps, scale=config.head_dim ** -0.5,
+            final_norm=model.norm.weight.data_ptr(), cos_table=model.rotary.cos_cache.data_ptr(),
+            sin_table=model.rotary.sin_cache.data_ptr(), layers=layers)
+
+    @classmethod
+    def of(cls, model) -> DecodeStack | None:
+        """The model's stack, or None where it does not qualify (see the module's doc)."""
+        library = cpu_kernels.load()
+        norm_dtype = model.norm.weight.dtype
+        if library is None or norm_dtype not in DTYPE_CODES or model.norm.weight.device.type != "cpu":
+            return None
+        config = model.config
+        if config.head_dim > paged_decode.MAX_HEAD_DIM or config.num_heads % config.num_kv_heads \
+                or config.num_heads // config.num_kv_heads > paged_decode.MAX_GROUP:
+            return None
+        rotary = model.rotary
+        if rotary.cos_cache.dtype != norm_dtype or not rotary.cos_cache.is_contiguous() \
+                or not rotary.sin_cache.is_contiguous():
+            return None
+        described = []
+        for layer in model.layers:
+            attention = layer.self_attn
+            if not isinstance(attention.attention, PagedAttention) or attention.attention.backend not in ("auto", "cpu"):
+                return None
+            linears = [_linear(attention.qkv_proj), _linear(attention.o_proj), _linear(layer.mlp.gate_up_proj),
+                       _linear(layer.mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(linear is None for linear in linears) or any(
+                    norm.dtype != norm_dtype or not norm.is_contiguous() for norm in norms):
+                return None
+            described.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears,
+                                    attention.sliding_window or 0))
+        return cls(model, library, (_Layer * len(described))(*described))
+
+    def points_at(self, model) -> bool:
+        """Whether the weights described are still where `model` holds them (a `.to()` moves
+        the norms and rotary tables; the quantized blocks never move)."""
+        return (self._described.final_norm == model.norm.weight.data_ptr()
+                and self._described.cos_table == model.rotary.cos_cache.data_ptr()
+                and self._layers[0].input_norm == model.layers[0].input_layernorm.weight.data_ptr())
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final norm's output [T, hidden] for a decode-only step, `hidden` (the
+        embeddings, [T, hidden] contiguous) used as the residual stream; None where this step
+        is not one the stack takes."""
+        tokens = hidden.shape[0]
+        if (meta.num_decode_seqs != tokens or kv_pool.dtype != self.dtype or not kv_pool.is_contiguous()
+                or kv_pool.device.type != "cpu" or not hidden.is_contiguous() or hidden.dtype != self.dtype
+                or meta.block_size > paged_decode.MAX_BLOCK_SIZE
+                or self.model.layers[0].self_attn.kv_scales is not None):  # set on every layer or none
+            return None
+        tables = meta.block_tables[:tokens]
+        if tables.dtype != torch.int32 or tables.stride(1) != 1:
+            tables = tables.to(torch.int32).contiguous()
+        lens = meta.context_lens[:tokens].to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        self._described.block_size = meta.block_size
+        out = torch.empty_like(hidden)
+        status = self.library.decode_stack(
+            ctypes.addressof(self._described), hidden.data_ptr(), out.data_ptr(), tokens, positions.data_ptr(),
+            slots.data_ptr(), kv_pool.data_ptr(), kv_pool.shape[2], tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"decode_stack failed ({status})")
+        return out

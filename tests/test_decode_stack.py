@@ -1,0 +1,103 @@
+"""A decode step's layers in one C call (models/cpu_decode_stack.py) against the same model's
+per-layer path: the same kernels in the same order, so the logits and every K/V written
+to the pool must be the same bits, not merely close.
+
+Each comparison runs two PagedRunners from the same seed (the same random pool and
+shuffled block tables) through one model, the stack on for one and off for the other:
+a prefill of three prompts, then decode steps of all three at once, whose contexts cross
+block boundaries (PagedRunner's blocks hold 4 tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_checkpoints import write_gguf
+from paged_runner import PagedRunner
+
+from model_service.attention.metadata import AttentionMetadata
+from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
+from model_service.loading.loader import load_model
+from model_service.models.cpu_decode_stack import DecodeStack
+
+PROMPTS = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
+DECODE_STEPS = 6
+
+
+def run(model, config, stack: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each decode step's logits and the pool after them."""
+    model.decode_stack_enabled = stack
+    runner = PagedRunner(model, config)
+    logits = runner.step([(str(i), prompt) for i, prompt in enumerate(PROMPTS)], num_decode_seqs=0)
+    tokens = [int(rows[-1].argmax()) for rows in logits]
+    steps = []
+    for _ in range(DECODE_STEPS):
+        logits = runner.step([(str(i), [token]) for i, token in enumerate(tokens)], num_decode_seqs=len(PROMPTS))
+        steps.append(torch.cat(logits))
+        tokens = [int(rows[-1].argmax()) for rows in logits]
+    return steps, runner.pool
+
+
+def assert_stack_is_the_layer_path(loaded, monkeypatch) -> None:
+    model, config = loaded.model, loaded.config
+    reference_steps, reference_pool = run(model, config, stack=False)
+    first_layer_calls = []
+    layer_forward = model.layers[0].forward
+    monkeypatch.setattr(model.layers[0], "forward", lambda *args: first_layer_calls.append(1) or layer_forward(*args))
+    steps, pool = run(model, config, stack=True)
+    assert len(first_layer_calls) == 1, "a decode step took the per-layer path"  # the prefill alone
+    assert isinstance(model._decode_stack, DecodeStack)
+    for index, (ours, theirs) in enumerate(zip(steps, reference_steps, strict=True)):
+        assert torch.equal(ours, theirs), f"decode step {index}: logits differ by {float((ours - theirs).abs().max())}"
+    assert torch.equal(pool, reference_pool), "the K/V written differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("type_name", list(KERNEL_TYPES.values()))
+def test_stack_matches_the_layer_path(tmp_path, monkeypatch, type_name, dtype):
+    sizes = {"hidden_size": 256, "intermediate_size": 512} if type_name.endswith("_K") else {}
+    path, _ = write_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name, **sizes)
+    assert_stack_is_the_layer_path(load_model(str(path), dtype, "cpu", weights="native"), monkeypatch)
+
+
+def test_smollm2_stack_matches_the_layer_path(monkeypatch):
+    assert_stack_is_the_layer_path(load_model("smollm2", torch.float32, "cpu", weights="native"), monkeypatch)
+
+
+def test_models_it_does_not_take_run_the_layer_path(tmp_path):
+    path, _ = write_gguf(tmp_path / "tiny-Q8_0.gguf", "Q8_0")
+    dequantized = load_model(str(path), torch.float32, "cpu", weights="dequantize")
+    run(dequantized.model, dequantized.config, stack=True)
+    assert dequantized.model._decode_stack is False  # float linears: asked once, then left alone
+
+    native = load_model(str(path), torch.float32, "cpu", weights="native")
+    stack = DecodeStack.of(native.model)
+    assert stack is not None
+    config = native.config
+    shape = (config.num_layers, 2, 4, 4, config.num_kv_heads, config.head_dim)
+    hidden, positions = torch.zeros((1, config.hidden_size)), torch.tensor([2])
+    decode = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor([[1]], dtype=torch.int32),
+                               context_lens=torch.tensor([3], dtype=torch.int32), query_lens=(1,),
+                               context_lens_host=(3,), num_decode_seqs=1, block_size=4)
+    assert stack.run(hidden, positions, torch.zeros(shape), decode) is not None
+    assert stack.run(hidden, positions, torch.zeros(shape, dtype=torch.float8_e4m3fn), decode) is None  # quantizes
+    assert stack.run(hidden, positions, torch.zeros(shape, dtype=torch.bfloat16), decode) is None
+    prefill = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor([[1]], dtype=torch.int32),
+                                context_lens=torch.tensor([3], dtype=torch.int32), query_lens=(1,),
+                                context_lens_host=(3,), num_decode_seqs=0, block_size=4)
+    assert stack.run(hidden, positions, torch.zeros(shape), prefill) is None
+
+
+def test_the_stack_follows_weights_that_moved(tmp_path, monkeypatch):
+    """A `.to()` after the first decode step moves the norms: the stack is described again
+    rather than reading freed memory."""
+    path, _ = write_gguf(tmp_path / "tiny-Q4_0.gguf", "Q4_0")
+    loaded = load_model(str(path), torch.float32, "cpu", weights="native")
+    run(loaded.model, loaded.config, stack=True)
+    first = loaded.model._decode_stack
+    for module in (loaded.model.norm, *loaded.model.layers):
+        for parameter in module.parameters(recurse=True):
+            parameter.data = parameter.data.clone()
+    assert not first.points_at(loaded.model)
+    assert_stack_is_the_layer_path(loaded, monkeypatch)
+    assert loaded.model._decode_stack is not first
