@@ -112,8 +112,7 @@ def main() -> int:
 
     new_tokens = sum(n for _, n in requests)
     forward = sum(seconds for _, _, seconds in steps)
-    time_in["outside the timed calls, in forward passes"] = forward - sum(
-        seconds for label, seconds in time_in.items() if label != "lm_head")
+    time_in["outside the timed calls, in forward passes"] = forward - sum(time_in.values())
     print(f"{args.workload} on {args.model}, {args.dtype}, engine only, {args.threads} threads: {new_tokens} new tokens in {wall:.2f} s "
           f"({new_tokens / wall:.0f} tokens/s); {len(steps)} steps, {forward:.2f} s in forward passes\n")
     print("| steps | count | seconds | ms a step |")

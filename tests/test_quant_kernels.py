@@ -105,6 +105,22 @@ def test_levels_agree_on_a_model_sized_product(library, type_code):
     torch.testing.assert_close(bf16.float(), portable, rtol=3e-2, atol=3e-2 * portable.abs().max().item())
 
 
+@pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
+def test_a_tokens_result_does_not_depend_on_its_step(library, type_code):
+    """One token alone (a decode step of one stream: rows two at a time) and the same token
+    among others (token tiles) give the same bits at every level, for an odd row count
+    whose last row is left alone, so a sequence's greedy tokens do not depend on what it
+    is batched with."""
+    cols, rows = 2 * quant_matmul.BLOCK_SIZES[type_code][0], 37
+    segments = Segments([(type_code, torch.from_numpy(random_blocks(type_code, rows, cols, seed=type_code)))], cols)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(type_code))
+    for level in levels_here(library):
+        batched = quant_matmul.linear(library, x, segments, level)
+        for token in range(len(x)):
+            alone = quant_matmul.linear(library, x[token:token + 1], segments, level)
+            assert torch.equal(alone[0], batched[token]), f"{LEVELS[level]}, token {token}"
+
+
 def test_segments_of_mixed_types_fill_their_own_columns(library):
     """A fused QKV of Q4_K rows and Q6_K rows (as Q4_K_M files have): each segment's
     columns equal that segment alone."""

@@ -24,6 +24,9 @@
 enum { QLEVEL_PORTABLE = 0, QLEVEL_AVX2 = 1, QLEVEL_AVX512_VNNI = 2 };
 
 typedef void (*dot_fn)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, float *out);
+/* Two rows times one token (the SIMD levels; NULL at the portable one). */
+typedef void (*pair_fn)(const uint8_t *row0, const uint8_t *row1, const quant_acts *acts, int64_t token, int subs,
+                        float *out);
 
 /* ---- portable ---- */
 
@@ -124,6 +127,16 @@ static dot_fn select_dot(int level, int type) {
     return portable_select(type);
 }
 
+static pair_fn select_pair(int level, int type) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level >= QLEVEL_AVX512_VNNI) return select_pair_vnni(type);
+    if (level == QLEVEL_AVX2) return select_pair_avx2(type);
+#endif
+    (void)level;
+    (void)type;
+    return 0;
+}
+
 /* ---- activations ---- */
 
 /* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), and scale
@@ -189,6 +202,7 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
         int64_t row0 = 0;
         for (int i = 0; i < segments; i++) {
             const dot_fn dot = select_dot(level, types[i]);
+            const pair_fn pair = tokens == 1 ? select_pair(level, types[i]) : 0;
             const uint8_t *base = (const uint8_t *)(intptr_t)weights[i];
             const int64_t row_bytes = (int64_t)cols / qtype_block_weights(types[i]) * qtype_block_bytes(types[i]);
             const int count = rows[i], tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
@@ -197,6 +211,20 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
                 const int first = tile * QUANT_ROW_TILE;
                 const int last = first + QUANT_ROW_TILE < count ? first + QUANT_ROW_TILE : count;
                 float out[QUANT_TOKEN_TILE];
+                if (pair) { /* one token: rows two at a time */
+                    int r = first;
+                    for (; r + 1 < last; r += 2) {
+                        prefetch_row(base + (r + QUANT_PREFETCH_ROWS) * row_bytes, 2 * row_bytes);
+                        pair(base + r * row_bytes, base + (r + 1) * row_bytes, &acts, 0, subs, out);
+                        store1(y, row0 + r, out[0], dtype);
+                        store1(y, row0 + r + 1, out[1], dtype);
+                    }
+                    if (r < last) {
+                        dot(base + r * row_bytes, &acts, 0, 1, subs, out);
+                        store1(y, row0 + r, out[0], dtype);
+                    }
+                    continue;
+                }
                 for (int t0 = 0; t0 < tokens; t0 += QUANT_TOKEN_TILE) {
                     const int nt = tokens - t0 < QUANT_TOKEN_TILE ? tokens - t0 : QUANT_TOKEN_TILE;
                     for (int r = first; r < last; r++) {

@@ -23,6 +23,14 @@ static inline __attribute__((always_inline)) float QS(hsum)(__m256 v) {
     return _mm_cvtss_f32(sum);
 }
 
+/* A float16 scale as float32 by F16C's instruction: `(float)_Float16` is a libgcc call
+ * a value on CPUs without AVX512-FP16 (GCC 12), and a sub-block has up to two. */
+static inline __attribute__((always_inline)) float QS(half)(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return _cvtsh_ss(bits);
+}
+
 /* Nibbles of 16 bytes: low ones in bytes 0-15, high ones in bytes 16-31. */
 static inline __attribute__((always_inline)) __m256i QS(nibbles16)(const uint8_t *p) {
     const __m128i q = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
@@ -51,22 +59,22 @@ static inline __attribute__((always_inline)) __m256i QS(unpack)(const int type, 
     *min = 0.0f;
     if (qtype_block_weights(type) == 32) {
         const uint8_t *b = row + (int64_t)s * block_bytes;
-        *scale0 = *scale1 = half_to_f32(b);
+        *scale0 = *scale1 = QS(half)(b);
         if (type == QTYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
         if (type == QTYPE_Q4_0) return QS(nibbles16)(b + 2);
         if (type == QTYPE_Q4_1) {
-            *min = half_to_f32(b + 2);
+            *min = QS(half)(b + 2);
             return QS(nibbles16)(b + 4);
         }
         if (type == QTYPE_Q5_0) return _mm256_or_si256(QS(nibbles16)(b + 6), QS(bit_bytes)(load_u32(b + 2)));
-        *min = half_to_f32(b + 2); /* Q5_1 */
+        *min = QS(half)(b + 2); /* Q5_1 */
         return _mm256_or_si256(QS(nibbles16)(b + 8), QS(bit_bytes)(load_u32(b + 4)));
     }
     const uint8_t *b = row + (int64_t)(s / 8) * block_bytes;
     const int j = s % 8;
     if (type == QTYPE_Q6_K) {
         const int half = j / 4, k = j % 4;
-        const float d = half_to_f32(b + 208);
+        const float d = QS(half)(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192) + 8 * half + 2 * k;
         *scale0 = d * sc[0];
         *scale1 = d * sc[1];
@@ -78,8 +86,8 @@ static inline __attribute__((always_inline)) __m256i QS(unpack)(const int type, 
     }
     int sc, mn; /* Q4_K, Q5_K */
     k_scale_min(b + 4, j, &sc, &mn);
-    *scale0 = *scale1 = half_to_f32(b) * (float)sc;
-    *min = -half_to_f32(b + 2) * (float)mn;
+    *scale0 = *scale1 = QS(half)(b) * (float)sc;
+    *min = -QS(half)(b + 2) * (float)mn;
     __m256i q = _mm256_loadu_si256((const __m256i *)(b + (type == QTYPE_Q5_K ? 48 : 16) + 32 * (j / 2)));
     if (j & 1) q = QS(shift_right16)(q, 4);
     __m256i u = _mm256_and_si256(q, low4);
@@ -134,6 +142,32 @@ static inline __attribute__((always_inline)) void QS(dot_rows)(const int type, c
     for (int t = 0; t < nt; t++) out[t] = QS(hsum)(_mm256_add_ps(even[t], odd[t])) + extra_even[t] + extra_odd[t];
 }
 
+/* out[0], out[1] = rows row0 and row1 . activations of one token. A decode step's one
+ * token: the two rows' sub-blocks interleave, so the activation loads and scales of a
+ * sub-block serve both (the compiler shares them between the inlined steps). Each row
+ * sums as dot_rows does (even and odd sub-blocks apart), so a token's result is the same
+ * bits whether its step has one token or many. */
+static inline __attribute__((always_inline)) void QS(pair_rows)(const int type, const uint8_t *row0,
+                                                                 const uint8_t *row1, const quant_acts *acts,
+                                                                 int64_t token, int subs, float *out) {
+    __m256 even0 = _mm256_setzero_ps(), odd0 = _mm256_setzero_ps();
+    __m256 even1 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
+    float extra_even0 = 0.0f, extra_odd0 = 0.0f, extra_even1 = 0.0f, extra_odd1 = 0.0f;
+    int s = 0;
+    for (; s + 1 < subs; s += 2) {
+        QS(step)(type, row0, s, acts, token, 1, subs, &even0, &extra_even0);
+        QS(step)(type, row1, s, acts, token, 1, subs, &even1, &extra_even1);
+        QS(step)(type, row0, s + 1, acts, token, 1, subs, &odd0, &extra_odd0);
+        QS(step)(type, row1, s + 1, acts, token, 1, subs, &odd1, &extra_odd1);
+    }
+    if (s < subs) {
+        QS(step)(type, row0, s, acts, token, 1, subs, &even0, &extra_even0);
+        QS(step)(type, row1, s, acts, token, 1, subs, &even1, &extra_even1);
+    }
+    out[0] = QS(hsum)(_mm256_add_ps(even0, odd0)) + extra_even0 + extra_odd0;
+    out[1] = QS(hsum)(_mm256_add_ps(even1, odd1)) + extra_even1 + extra_odd1;
+}
+
 /* One function per type, nt a constant (4, or 1 for a tail: fewer cases to compile). */
 #define QS_TYPE_FN(TYPE_NAME, TYPE_CODE)                                                                  \
     static void QS(dot_##TYPE_NAME)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
@@ -142,6 +176,35 @@ static inline __attribute__((always_inline)) void QS(dot_rows)(const int type, c
         else                                                                                              \
             for (int t = 0; t < nt; t++) QS(dot_rows)(TYPE_CODE, row, acts, t0 + t, 1, subs, out + t);     \
     }
+#define QS_PAIR_FN(TYPE_NAME, TYPE_CODE)                                                                  \
+    static void QS(pair_##TYPE_NAME)(const uint8_t *row0, const uint8_t *row1, const quant_acts *acts,   \
+                                     int64_t token, int subs, float *out) {                              \
+        QS(pair_rows)(TYPE_CODE, row0, row1, acts, token, subs, out);                                     \
+    }
+QS_PAIR_FN(q4_0, QTYPE_Q4_0)
+QS_PAIR_FN(q4_1, QTYPE_Q4_1)
+QS_PAIR_FN(q5_0, QTYPE_Q5_0)
+QS_PAIR_FN(q5_1, QTYPE_Q5_1)
+QS_PAIR_FN(q8_0, QTYPE_Q8_0)
+QS_PAIR_FN(q4_k, QTYPE_Q4_K)
+QS_PAIR_FN(q5_k, QTYPE_Q5_K)
+QS_PAIR_FN(q6_k, QTYPE_Q6_K)
+#undef QS_PAIR_FN
+
+static pair_fn QS(select_pair)(int type) {
+    switch (type) {
+    case QTYPE_Q4_0: return QS(pair_q4_0);
+    case QTYPE_Q4_1: return QS(pair_q4_1);
+    case QTYPE_Q5_0: return QS(pair_q5_0);
+    case QTYPE_Q5_1: return QS(pair_q5_1);
+    case QTYPE_Q8_0: return QS(pair_q8_0);
+    case QTYPE_Q4_K: return QS(pair_q4_k);
+    case QTYPE_Q5_K: return QS(pair_q5_k);
+    case QTYPE_Q6_K: return QS(pair_q6_k);
+    default: return 0;
+    }
+}
+
 QS_TYPE_FN(q4_0, QTYPE_Q4_0)
 QS_TYPE_FN(q4_1, QTYPE_Q4_1)
 QS_TYPE_FN(q5_0, QTYPE_Q5_0)
