@@ -24,10 +24,13 @@ PROMPTS = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
 DECODE_STEPS = 6
 
 
-def run(model, config, stack: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each decode step's logits and the pool after them."""
+def run(model, config, stack: bool, pool_dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each decode step's logits and the pool after them (pool_dtype: an 8-bit pool, the
+    model's scales set by the caller)."""
     model.decode_stack_enabled = stack
     runner = PagedRunner(model, config)
+    if pool_dtype is not None:
+        runner.pool = runner.pool.float().clamp(-400, 400).to(pool_dtype)
     logits = runner.step([(str(i), prompt) for i, prompt in enumerate(PROMPTS)], num_decode_seqs=0)
     tokens = [int(rows[-1].argmax()) for rows in logits]
     steps = []
@@ -38,18 +41,18 @@ def run(model, config, stack: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
     return steps, runner.pool
 
 
-def assert_stack_is_the_layer_path(loaded, monkeypatch) -> None:
+def assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype=None) -> None:
     model, config = loaded.model, loaded.config
-    reference_steps, reference_pool = run(model, config, stack=False)
+    reference_steps, reference_pool = run(model, config, stack=False, pool_dtype=pool_dtype)
     first_layer_calls = []
     layer_forward = model.layers[0].forward
     monkeypatch.setattr(model.layers[0], "forward", lambda *args: first_layer_calls.append(1) or layer_forward(*args))
-    steps, pool = run(model, config, stack=True)
+    steps, pool = run(model, config, stack=True, pool_dtype=pool_dtype)
     assert len(first_layer_calls) == 1, "a decode step took the per-layer path"  # the prefill alone
     assert isinstance(model._decode_stack, DecodeStack)
     for index, (ours, theirs) in enumerate(zip(steps, reference_steps, strict=True)):
         assert torch.equal(ours, theirs), f"decode step {index}: logits differ by {float((ours - theirs).abs().max())}"
-    assert torch.equal(pool, reference_pool), "the K/V written differ"
+    assert torch.equal(pool.view(torch.uint8), reference_pool.view(torch.uint8)), "the K/V written differ"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -58,6 +61,16 @@ def test_stack_matches_the_layer_path(tmp_path, monkeypatch, type_name, dtype):
     sizes = {"hidden_size": 256, "intermediate_size": 512} if type_name.endswith("_K") else {}
     path, _ = write_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name, **sizes)
     assert_stack_is_the_layer_path(load_model(str(path), dtype, "cpu", weights="native"), monkeypatch)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_stack_on_an_fp8_pool_matches_the_layer_path(tmp_path, monkeypatch, pool_dtype):
+    """K/V quantized as they are written (csrc/kv_write.c on both paths), with scales other
+    than one that differ by layer."""
+    path, _ = write_gguf(tmp_path / "tiny-Q4_1.gguf", "Q4_1")
+    loaded = load_model(str(path), torch.float32, "cpu", weights="native")
+    loaded.model.set_kv_scales([(0.5 + layer, 0.25 * (layer + 1)) for layer in range(loaded.config.num_layers)])
+    assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype)
 
 
 def test_smollm2_stack_matches_the_layer_path(monkeypatch):
@@ -80,8 +93,16 @@ def test_models_it_does_not_take_run_the_layer_path(tmp_path):
                                context_lens=torch.tensor([3], dtype=torch.int32), query_lens=(1,),
                                context_lens_host=(3,), num_decode_seqs=1, block_size=4)
     assert stack.run(hidden, positions, torch.zeros(shape), decode) is not None
-    assert stack.run(hidden, positions, torch.zeros(shape, dtype=torch.float8_e4m3fn), decode) is None  # quantizes
+    fp8 = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+    assert stack.run(hidden, positions, fp8, decode) is None  # an 8-bit pool without scales
     assert stack.run(hidden, positions, torch.zeros(shape, dtype=torch.bfloat16), decode) is None
+    native.model.set_kv_scales([(1.0, 1.0)] * config.num_layers)
+    scaled = DecodeStack.of(native.model)
+    assert scaled.run(hidden, positions, fp8, decode) is not None
+    assert scaled.run(hidden, positions, torch.zeros(shape), decode) is None  # scales, but a float32 pool
+    bfloat16 = load_model(str(path), torch.bfloat16, "cpu", weights="native")
+    bfloat16.model.set_kv_scales([(1.0, 1.0)] * config.num_layers)
+    assert DecodeStack.of(bfloat16.model).run(hidden.bfloat16(), positions, fp8, decode) is None  # reads in float32
     prefill = AttentionMetadata(slot_mapping=torch.tensor([2]), block_tables=torch.tensor([[1]], dtype=torch.int32),
                                 context_lens=torch.tensor([3], dtype=torch.int32), query_lens=(1,),
                                 context_lens_host=(3,), num_decode_seqs=0, block_size=4)

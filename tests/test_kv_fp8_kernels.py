@@ -12,7 +12,7 @@ from model_service import cpu_kernels
 from model_service.attention import AttentionMetadata, PagedAttention
 from model_service.attention.kv_quant import KvScales, dequantize, namespace_tag, pool_absmax, quantize
 from model_service.attention.torch_paged import decode_attention_torch, write_kv_torch
-from model_service.cpu_kernels import paged_decode
+from model_service.cpu_kernels import kv_write, paged_decode
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = (0.05, 0.02)  # (k_scale, v_scale): not 1, so a scale applied twice or never shows
@@ -138,6 +138,51 @@ def test_writes_saturate_never_inf_or_nan(dtype):
     assert stored[0].view(-1, 2, 8)[[0, 5, 6, 11]].abs().eq(limit).all()
     torch.testing.assert_close(stored[1].view(-1, 2, 8)[[0, 5, 6, 11]], torch.full((4, 2, 8), 12.0))
     assert stored.view(2, -1, 2, 8)[:, [1, 2, 3, 4, 7, 8, 9, 10]].eq(0).all()  # nowhere else
+
+
+def every_kind_of_value(dtype, scale: float, generator) -> torch.Tensor:
+    """[4096] values that, divided by `scale`, cover `dtype`'s subnormals, its normals (with
+    ties between two codes), both signs, zeros of both signs, the saturation edge and past
+    it, and inf."""
+    finfo = torch.finfo(dtype)
+    every_code = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    every_code = every_code[torch.isfinite(every_code)]
+    ties = (every_code[:-1] + every_code[1:]) / 2  # halfway between neighbouring codes (same sign)
+    spread = torch.randn(1024, generator=generator) * torch.logspace(-10, 5, 1024, base=2)
+    edge = torch.linspace(0.9, 1.6, 256) * finfo.max
+    values = torch.cat([every_code, ties, spread, edge, -edge, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+    values = torch.cat([values, torch.randn(4096 - len(values), generator=generator)])
+    return values * scale
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernels did not build")
+@pytest.mark.parametrize("pool_dtype", [*FP8, None], ids=[*map(str, FP8), "the model's dtype"])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scales", [(1.0, 1.0), SCALES], ids=["unit scales", "scales"])
+def test_c_write_stores_the_bytes_the_torch_write_does(pool_dtype, model_dtype, scales):
+    """csrc/kv_write.c against write_kv_torch: the same bytes in the same slots (rounding to
+    nearest even, saturation) and nothing elsewhere; rows of k and v further apart than a
+    row, as views of the fused q/k/v output are; a negative slot (padding) skipped."""
+    pool_dtype = pool_dtype or model_dtype
+    generator = torch.Generator().manual_seed(7)
+    kv_heads, head_dim, tokens = 2, 64, 32
+    reference_dtype = pool_dtype if pool_dtype in FP8 else torch.float8_e4m3fn
+    k = every_kind_of_value(reference_dtype, scales[0], generator).view(tokens, kv_heads, head_dim)
+    v = every_kind_of_value(torch.float8_e5m2, scales[1], generator).flip(0).view(tokens, kv_heads, head_dim)
+    fused = torch.cat([torch.zeros(tokens, 3, head_dim), k, v], dim=1).to(model_dtype)  # [T, 3 + 2 Hkv, D]
+    k, v = fused[:, 3:3 + kv_heads], fused[:, 3 + kv_heads:]
+    slots = torch.randperm(48, generator=generator)[:tokens]
+    slots[5] = -1
+    pools = [torch.zeros(2, 12, 4, kv_heads, head_dim, dtype=pool_dtype) for _ in range(2)]
+    kept = slots >= 0
+    write_kv_torch(k[kept], v[kept], pools[0], slots[kept], kv_scales=scales)
+    layer = pools[1]
+    assert kv_write.supports(k, v, layer)
+    kv_write.write_kv(cpu_kernels.load(), k, v, layer, slots, scales)
+    as_bytes = [pool.view(torch.uint8) if pool.dtype in FP8 else pool.view(torch.int16 if pool.element_size() == 2
+                                                                           else torch.int32) for pool in pools]
+    differing = (as_bytes[0] != as_bytes[1]).nonzero()
+    assert len(differing) == 0, f"{len(differing)} values differ, first at {differing[0].tolist()}"
 
 
 def mixed_step(dtype, q_dtype, group, block_size, seed):

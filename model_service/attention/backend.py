@@ -1,5 +1,8 @@
 """PagedAttention: write this step's K/V into the pool, then attend (decode, then prefill).
 
+The write: Triton's kernel on CUDA, the C kernel on CPU (cpu_kernels/kv_write.py: one call
+a layer, an 8-bit pool's quantization included), torch's index_copy_ elsewhere.
+
 Decode attention by backend: "triton" (CUDA; the tests run it interpreted on CPU), "cpu"
 (the C kernel of model_service/cpu_kernels, reading blocks in place), "torch" (gather + SDPA, any
 device). "auto" takes Triton on CUDA and the C kernel on CPU, each where it loads, and
@@ -18,7 +21,7 @@ from types import ModuleType
 import torch
 
 from model_service import cpu_kernels
-from model_service.cpu_kernels import paged_decode
+from model_service.cpu_kernels import kv_write, paged_decode
 from model_service.attention.metadata import AttentionMetadata
 from model_service.attention.torch_paged import (
     DecodePlan,
@@ -90,8 +93,11 @@ class PagedAttention:
             raise ValueError(f"pool block_size {kv_layer.shape[2]} != metadata block_size {meta.block_size}")
 
         triton_kernels = load_triton_kernels() if self.uses_triton(kv_layer) else None
+        write_library = self.cpu_kernel_library(q, kv_layer) if triton_kernels is None else None
         if triton_kernels is not None:
             triton_kernels.write_kv_triton(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
+        elif write_library is not None and kv_write.supports(k, v, kv_layer):
+            kv_write.write_kv(write_library, k, v, kv_layer, meta.slot_mapping, kv_scales)
         else:
             write_kv_torch(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
 

@@ -9,8 +9,9 @@ buffers, so the step's results are the same bits; only the Python between them g
 `DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized and
 without bias, rotary tables in the model's dtype, the default paged attention on CPU) and
 describes it to the C side once; `run` then takes a decode-only step on a pool of the
-model's own dtype, and answers None for anything else (an 8-bit pool, a prefill), which
-the per-layer path serves.
+model's own dtype (or an 8-bit pool under float32 activations), and answers None for
+anything else (a prefill, bfloat16 activations over an 8-bit pool), which the per-layer
+path serves.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from model_service import cpu_kernels
 from model_service.attention.backend import PagedAttention
 from model_service.attention.metadata import AttentionMetadata
 from model_service.cpu_kernels import paged_decode, quant_matmul
-from model_service.cpu_kernels.build import DTYPE_CODES
+from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
 from model_service.models.quantized_linear import QuantizedLinear
 
 MAX_SEGMENTS = 4  # decode_stack.c's STACK_MAX_SEGMENTS
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class _Linear(ctypes.Structure):
@@ -37,7 +39,7 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_int64), ("post_attention_norm", ctypes.c_int64),
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("sliding_window", ctypes.c_int32)]
+                ("sliding_window", ctypes.c_int32), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
 class _Model(ctypes.Structure):
@@ -66,9 +68,10 @@ def _linear(module) -> _Linear | None:
 class DecodeStack:
     """The model described to decode_stack.c (weights by pointer: the model must outlive it)."""
 
-    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array) -> None:
+    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array, scaled: bool) -> None:
         config = model.config
         self.model, self.library, self._layers = model, library, layers  # _layers: kept alive for the C side
+        self.scaled = scaled  # the layers' 8-bit pool scales were set (an 8-bit pool is what it takes then)
         self.dtype = model.norm.weight.dtype
         self._described = _Model(
             num_layers=config.num_layers, hidden=config.hidden_size, q_heads=config.num_heads,
@@ -104,9 +107,13 @@ class DecodeStack:
             if any(linear is None for linear in linears) or any(
                     norm.dtype != norm_dtype or not norm.is_contiguous() for norm in norms):
                 return None
+            k_scale, v_scale = attention.kv_scales or (1.0, 1.0)
             described.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears,
-                                    attention.sliding_window or 0))
-        return cls(model, library, (_Layer * len(described))(*described))
+                                    attention.sliding_window or 0, k_scale, v_scale))
+        # An 8-bit pool's scales are described too: set_kv_scales drops the stack, so a new
+        # set is described again at the next step.
+        scaled = model.layers[0].self_attn.kv_scales is not None
+        return cls(model, library, (_Layer * len(described))(*described), scaled)
 
     def points_at(self, model) -> bool:
         """Whether the weights described are still where `model` holds them (a `.to()` moves
@@ -121,10 +128,14 @@ class DecodeStack:
         embeddings, [T, hidden] contiguous) used as the residual stream; None where this step
         is not one the stack takes."""
         tokens = hidden.shape[0]
-        if (meta.num_decode_seqs != tokens or kv_pool.dtype != self.dtype or not kv_pool.is_contiguous()
-                or kv_pool.device.type != "cpu" or not hidden.is_contiguous() or hidden.dtype != self.dtype
+        fp8 = kv_pool.dtype in _FP8
+        if (meta.num_decode_seqs != tokens or not kv_pool.is_contiguous() or kv_pool.device.type != "cpu"
+                or not hidden.is_contiguous() or hidden.dtype != self.dtype
                 or meta.block_size > paged_decode.MAX_BLOCK_SIZE
-                or self.model.layers[0].self_attn.kv_scales is not None):  # set on every layer or none
+                # an 8-bit pool is read with float32 activations (paged_decode_attention), and
+                # needs the scales; any other pool holds the activations' own dtype
+                or (fp8 and (self.dtype != torch.float32 or not self.scaled))
+                or (not fp8 and (kv_pool.dtype != self.dtype or self.scaled))):
             return None
         tables = meta.block_tables[:tokens]
         if tables.dtype != torch.int32 or tables.stride(1) != 1:
@@ -137,7 +148,7 @@ class DecodeStack:
         status = self.library.decode_stack(
             ctypes.addressof(self._described), hidden.data_ptr(), out.data_ptr(), tokens, positions.data_ptr(),
             slots.data_ptr(), kv_pool.data_ptr(), kv_pool.shape[2], tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), torch.get_num_threads())
+            lens.data_ptr(), KV_DTYPE_CODES[kv_pool.dtype], torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"decode_stack failed ({status})")
         return out

@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{len(scales)} KV scales for {len(self.layers)} layers")
         for index, layer in enumerate(self.layers):
             layer.self_attn.kv_scales = None if scales is None else tuple(scales[index])
+        self._decode_stack = None  # described again, with these scales, at the next decode step
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # hidden: [N, hidden] (only the rows whose next token is wanted) -> [N, vocab], float32

@@ -88,6 +88,33 @@ static inline void load_row_fp8(float *restrict dst, const uint8_t *src, int n, 
     for (int j = i; j < n; j++) dst[j] = fp8_to_f32_units(src[j], shift, min_normal, subnormal_weight);
 }
 
+/* x as an 8-bit float: saturated to the type's largest finite value (e4m3 448, e5m2
+ * 57344; NaN too, which a pool must never hold), then rounded to nearest even, as
+ * attention/kv_quant.py's clamp and torch's conversion do. Normal results: the float32
+ * bits rounded at the type's mantissa width and the exponent rebased by a subtraction;
+ * below the smallest normal (2^-6, 2^-14), a multiple of the smallest subnormal (2^-9,
+ * 2^-16) rounded by nearbyintf (the default rounding mode, nearest even). */
+static inline __attribute__((always_inline)) uint8_t f32_to_fp8(float x, int dtype) {
+    const int e4m3 = dtype == DTYPE_FP8_E4M3;
+    const int mantissa = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const float largest = e4m3 ? 448.0f : 57344.0f, subnormal_units = e4m3 ? 512.0f : 65536.0f;
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    float magnitude = fabsf(x);
+    if (!(magnitude <= largest)) magnitude = largest;
+    memcpy(&bits, &magnitude, sizeof bits);
+    uint32_t code;
+    if (bits < ((uint32_t)(128 - bias) << 23)) {
+        code = (uint32_t)nearbyintf(magnitude * subnormal_units);
+    } else {
+        const int dropped = 23 - mantissa;
+        bits += ((1u << (dropped - 1)) - 1u) + ((bits >> dropped) & 1u);
+        code = (bits >> dropped) - ((uint32_t)(127 - bias) << mantissa);
+    }
+    return (uint8_t)(sign | code);
+}
+
 /* Element i at base, as float32 (exact), and back (rounded to nearest even). */
 static inline __attribute__((always_inline)) float load1(const void *base, int64_t i, int dtype) {
     if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);

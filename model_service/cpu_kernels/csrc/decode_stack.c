@@ -18,7 +18,8 @@
  * and after the last layer hidden += mlp_out, out = final_norm(hidden).
  *
  * What it does not take (the caller checks, and the per-layer path serves instead): biases,
- * an 8-bit pool (its writes quantize), a pool of another dtype than the activations.
+ * a pool of another dtype than the activations, but for an 8-bit pool under float32
+ * activations (what paged_decode_attention reads).
  */
 #include <stdlib.h>
 
@@ -38,6 +39,7 @@ typedef struct {
     int64_t input_norm, post_attention_norm; /* weight pointers, [hidden] in dtype */
     stack_linear qkv, o, gate_up, down;
     int32_t sliding_window; /* 0: full attention */
+    float k_scale, v_scale; /* an 8-bit pool's (attention/kv_quant.py); 1 otherwise */
 } stack_layer;
 
 typedef struct {
@@ -59,13 +61,18 @@ void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, con
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads);
 void rotary_in_place(void *x, int64_t x_row_stride, int rows, int heads, int head_dim, const void *cos_table,
                      const void *sin_table, const int64_t *positions, int dtype, int num_threads);
+int write_kv(const void *k, int64_t k_row_stride, const void *v, int64_t v_row_stride, int tokens, int kv_size,
+             int dtype, const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, float k_scale,
+             float v_scale, int num_threads);
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
                            int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size, float scale,
                            int sliding_window, int dtype, void *out, int num_threads, int kv_dtype, float k_scale,
                            float v_scale);
 
-static size_t dtype_bytes(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+static size_t dtype_bytes(int dtype) {
+    return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2 ? 1 : 2;
+}
 
 static int linear(const stack_linear *w, const void *x, int tokens, int cols, int dtype, void *y, int64_t y_stride,
                   int level, int num_threads) {
@@ -76,15 +83,15 @@ static int linear(const stack_linear *w, const void *x, int tokens, int cols, in
 /* hidden: [tokens, hidden] contiguous, the embeddings in and the residual stream after
  * (added to in place, as the per-layer path does); out: [tokens, hidden], the final
  * norm's output. kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in
- * dtype. slots: each token's slot (block * block_size + offset); tables, context_lens: the
+ * kv_dtype (dtype, or an 8-bit type with dtype float32). slots: each token's slot (block * block_size + offset); tables, context_lens: the
  * sequences' block tables (int32, table_row_stride apart) and lengths after this step.
  * Returns 0, -1 on a kernel's refusal (a shape past its limits), -2 without scratch memory. */
 int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
                  const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
-                 int64_t table_row_stride, const int32_t *context_lens, int num_threads) {
+                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, int num_threads) {
     const int dtype = m->dtype, width = m->hidden, head_dim = m->head_dim;
     const int q_size = m->q_heads * head_dim, kv_size = m->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    const size_t elem = dtype_bytes(dtype);
+    const size_t elem = dtype_bytes(dtype), kv_elem = dtype_bytes(kv_dtype);
     /* One scratch allocation: normed, qkv, attention out, o / mlp out, gate_up, act. */
     const size_t normed_n = (size_t)tokens * width, qkv_n = (size_t)tokens * qkv_size,
                  attn_n = (size_t)tokens * q_size, delta_n = (size_t)tokens * width,
@@ -108,17 +115,15 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
                         (const void *)(intptr_t)m->cos_table, (const void *)(intptr_t)m->sin_table, positions,
                         dtype, num_threads);
-        char *k_cache = (char *)kv_pool + (size_t)(l * layer_elems) * elem;
-        char *v_cache = k_cache + (size_t)(layer_elems / 2) * elem;
-        for (int t = 0; t < tokens; t++) {
-            const char *row = qkv + (size_t)t * qkv_size * elem;
-            memcpy(k_cache + (size_t)slots[t] * kv_size * elem, row + (size_t)q_size * elem, kv_size * elem);
-            memcpy(v_cache + (size_t)slots[t] * kv_size * elem, row + (size_t)(q_size + kv_size) * elem,
-                   kv_size * elem);
-        }
+        char *k_cache = (char *)kv_pool + (size_t)(l * layer_elems) * kv_elem;
+        char *v_cache = k_cache + (size_t)(layer_elems / 2) * kv_elem;
+        status |= write_kv(qkv + (size_t)q_size * elem, qkv_size, qkv + (size_t)(q_size + kv_size) * elem, qkv_size,
+                           tokens, kv_size, dtype, slots, k_cache, v_cache, kv_dtype, layer->k_scale, layer->v_scale,
+                           num_threads);
         status |= paged_decode_attention(qkv, qkv_size, k_cache, v_cache, tables, table_row_stride, context_lens,
                                          tokens, m->q_heads, m->kv_heads, head_dim, m->block_size, m->scale,
-                                         layer->sliding_window, dtype, attn, num_threads, dtype, 1.0f, 1.0f);
+                                         layer->sliding_window, dtype, attn, num_threads, kv_dtype, layer->k_scale,
+                                         layer->v_scale);
         status |= linear(&layer->o, attn, tokens, q_size, dtype, delta, width, m->level, num_threads);
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
                      width, m->eps, dtype, num_threads);

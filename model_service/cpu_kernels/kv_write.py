@@ -1,0 +1,37 @@
+"""This step's K/V into the pool by the C kernel (csrc/kv_write.c): the contract of
+attention/torch_paged.py's write_kv_torch, which stays the reference and the fallback."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def supports(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """CPU tensors whose heads are contiguous within a row, a contiguous pool of k's dtype
+    or an 8-bit one."""
+    _, _, _, kv_heads, head_dim = kv_layer.shape
+    return (kv_layer.device.type == "cpu" and k.device.type == "cpu" and kv_layer.is_contiguous()
+            and k.dtype in DTYPE_CODES and v.dtype == k.dtype and (kv_layer.dtype == k.dtype or kv_layer.dtype in _FP8)
+            and k.stride(2) == 1 and k.stride(1) == head_dim and v.stride(2) == 1 and v.stride(1) == head_dim
+            and k.shape[1:] == (kv_heads, head_dim) and v.shape == k.shape)
+
+
+def write_kv(library: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+             slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """k, v: [tokens, kv_heads, head_dim] (rows any distance apart); kv_layer: [2, blocks,
+    block_size, kv_heads, head_dim]; slot_mapping: [tokens]. Checked by `supports` first."""
+    tokens, kv_heads, head_dim = k.shape
+    slots = slot_mapping.to(torch.int64)
+    if not slots.is_contiguous():
+        slots = slots.contiguous()
+    status = library.write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * head_dim,
+                              DTYPE_CODES[k.dtype], slots.data_ptr(), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
+                              KV_DTYPE_CODES[kv_layer.dtype], kv_scales[0], kv_scales[1], torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"write_kv refused K/V of {k.dtype} into a pool of {kv_layer.dtype}")
