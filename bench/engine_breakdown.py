@@ -35,6 +35,7 @@ from inprocess_engine import engine_in_process, load_in_passing_thread  # noqa: 
 from model_service.attention.backend import PagedAttention  # noqa: E402
 from model_service.models import fused_ops  # noqa: E402
 from model_service.models.fused_ops import RotaryStep  # noqa: E402
+from model_service.models.cpu_decode_stack import DecodeStack  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 from model_service.worker.runner import ModelRunner  # noqa: E402
@@ -67,6 +68,8 @@ def instrument(vocab_size: int) -> None:
         timed(fused_ops, name, lambda args: "norms (with the residual add)")
     timed(fused_ops, "silu_mul", lambda args: "silu * up")
     timed(RotaryStep, "rotate", lambda args: "rotary")
+    timed(DecodeStack, "run", lambda args: "decode steps' layers in one C call (decode_stack.c)")
+    timed(ModelRunner, "prepare", lambda args: "step inputs and attention metadata (ModelRunner.prepare)")
     timed(PagedAttention, "__call__", lambda args: "paged attention, decode steps"
           if args[5].num_decode_seqs == args[5].num_seqs else "paged attention, prefill steps")
     execute = ModelRunner.execute

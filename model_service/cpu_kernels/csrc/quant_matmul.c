@@ -80,6 +80,17 @@ static dot_fn portable_select(int type) {
     }
 }
 
+/* Every float16 value as float32 (256 KiB, filled when the library loads): the SIMD
+ * levels read block scales through it (quant_simd.h's half). */
+static float half_table[65536];
+
+__attribute__((constructor)) static void fill_half_table(void) {
+    for (uint32_t bits = 0; bits < 65536; bits++) {
+        const uint8_t bytes[2] = {(uint8_t)(bits & 0xff), (uint8_t)(bits >> 8)};
+        half_table[bits] = half_to_f32(bytes);
+    }
+}
+
 /* ---- x86 SIMD levels ---- */
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -23,18 +23,21 @@ static inline __attribute__((always_inline)) float QS(hsum)(__m256 v) {
     return _mm_cvtss_f32(sum);
 }
 
-/* A float16 scale as float32 by F16C's instruction: `(float)_Float16` is a libgcc call
- * a value on CPUs without AVX512-FP16 (GCC 12), and a sub-block has up to two. */
+/* A float16 scale as float32, looked up (half_table in quant_matmul.c): a load where a
+ * conversion instruction competes for the vector shuffle port with the unpacking, and
+ * `(float)_Float16` is a libgcc call a value on CPUs without AVX512-FP16 (GCC 12). */
 static inline __attribute__((always_inline)) float QS(half)(const uint8_t *p) {
     uint16_t bits;
     memcpy(&bits, p, sizeof bits);
-    return _cvtsh_ss(bits);
+    return half_table[bits];
 }
 
-/* Nibbles of 16 bytes: low ones in bytes 0-15, high ones in bytes 16-31. */
+/* Nibbles of 16 bytes: low ones in bytes 0-15, high ones in bytes 16-31. The 16 bytes
+ * loaded into both halves, the upper half shifted by 4 (32-bit lanes: the bits that cross
+ * into a byte's high nibble are masked off): no lane-crossing insert. */
 static inline __attribute__((always_inline)) __m256i QS(nibbles16)(const uint8_t *p) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0)), _mm256_set1_epi8(0x0F));
 }
 
 /* Bit i of `bits` as 0x10 in byte i, else 0 (Q5_0 and Q5_1's fifth bits). */
@@ -111,10 +114,12 @@ static inline __attribute__((always_inline)) void QS(step)(const int type, const
         const __m256i a = _mm256_loadu_si256((const __m256i *)(acts->q + token * acts->cols + 32 * s));
         const __m256i products = type == QTYPE_Q8_0 ? QS_DOT32(_mm256_sign_epi8(u, u), _mm256_sign_epi8(a, u))
                                                     : QS_DOT32(u, a);
-        const float d = acts->d[token * subs + s];
+        /* (products x d) x the weight scale, each broadcast from memory rather than their
+         * product from a register (a shuffle-port broadcast a sub-block) */
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(products), _mm256_set1_ps(acts->d[token * subs + s]));
         const __m256 scales = type == QTYPE_Q6_K
-            ? _mm256_set_m128(_mm_set1_ps(scale1 * d), _mm_set1_ps(scale0 * d)) : _mm256_set1_ps(scale0 * d);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), scales, acc[t]);
+            ? _mm256_set_m128(_mm_set1_ps(scale1), _mm_set1_ps(scale0)) : _mm256_set1_ps(scale0);
+        acc[t] = _mm256_fmadd_ps(scaled, scales, acc[t]);
         const float *sums = acts->scaled_sums + (token * subs + s) * 2;
         if (offset != 0) extra[t] -= (float)offset * (scale0 * sums[0] + scale1 * sums[1]);
         if (type == QTYPE_Q4_1 || type == QTYPE_Q5_1 || type == QTYPE_Q4_K || type == QTYPE_Q5_K)
