@@ -99,8 +99,9 @@ def test_levels_agree_on_a_model_sized_product(library, type_code):
     portable = quant_matmul.linear(library, x, segments, 0)
     scale = portable.abs().max().item()  # the levels differ only in float summation order
     for level in levels_here(library)[1:]:
-        torch.testing.assert_close(quant_matmul.linear(library, x, segments, level), portable, rtol=0, atol=1e-5 * scale)
-    bf16 = quant_matmul.linear(library, x.bfloat16(), segments, levels_here(library)[-1])
+        torch.testing.assert_close(quant_matmul.linear(library, x, segments, level, float_from=None), portable,
+                                   rtol=0, atol=1e-5 * scale)
+    bf16 = quant_matmul.linear(library, x.bfloat16(), segments, levels_here(library)[-1], float_from=None)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), portable, rtol=3e-2, atol=3e-2 * portable.abs().max().item())
 
@@ -119,6 +120,35 @@ def test_a_tokens_result_does_not_depend_on_its_step(library, type_code):
         for token in range(len(x)):
             alone = quant_matmul.linear(library, x[token:token + 1], segments, level)
             assert torch.equal(alone[0], batched[token]), f"{LEVELS[level]}, token {token}"
+
+
+@pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
+def test_float_product_matches_float_reference(library, monkeypatch, type_code):
+    """A batch from FLOAT_PRODUCT_TOKENS tokens on multiplies in bfloat16 by weights
+    dequantized a tile at a time: against float64 on the dequantized blocks, within
+    bfloat16's rounding of x and of each weight (2^-9 of each, relative: a bound of
+    2^-8 of sum |x| |w| per output, doubled for float32 summation) and of the product
+    (2^-8 of |x w|, with room), at every SIMD level,
+    over several tiles and a short last one (61 rows, tiles of 16), behind a segment of
+    another type, for float32 and bfloat16 inputs."""
+    if quant_matmul.best_level(library) == 0:
+        pytest.skip("the float product needs a SIMD level")
+    monkeypatch.setattr(quant_matmul, "FLOAT_TILE_BYTES", 16 * 2 * 512)
+    cols = 512
+    other = 8 if type_code != 8 else 3
+    parts = [(other, random_blocks(other, 13, cols, seed=1)), (type_code, random_blocks(type_code, 48, cols, seed=2))]
+    weights = np.concatenate([reference_weights(blocks, code) for code, blocks in parts])
+    segments = Segments([(code, torch.from_numpy(blocks)) for code, blocks in parts], cols)
+    tokens = quant_matmul.FLOAT_PRODUCT_TOKENS + 3
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(type_code))
+    x64 = x.double().numpy()
+    bound = 2 * 2.0**-8 * (np.abs(x64) @ np.abs(weights).T) + 1e-6
+    for level in levels_here(library)[1:]:
+        for dtype in (torch.float32, torch.bfloat16):
+            y = quant_matmul.linear(library, x.to(dtype), segments, level)
+            assert y.dtype == dtype and y.shape == (tokens, 61)
+            rounded = 2.0**-8 * np.abs(x64 @ weights.T)  # the product itself comes out in bfloat16
+            assert np.all(np.abs(y.double().numpy() - x64 @ weights.T) <= bound + rounded), LEVELS[level]
 
 
 def test_segments_of_mixed_types_fill_their_own_columns(library):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from model_service.cpu_kernels.build import DTYPE_CODES, load
 
@@ -78,9 +79,23 @@ class Segments:
         return sum(blocks.numel() for _, blocks in self.parts)
 
 
-def linear(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, level: int) -> torch.Tensor:
-    """x [T, cols] (float32, bfloat16 or float16 on CPU, rows any distance apart) -> [T, rows]."""
+# From this many tokens on, a product is faster in bfloat16 on weights dequantized a tile
+# at a time (oneDNN, AMX where the CPU has it) than by the integer kernel, whose time grows
+# with every token (BENCHMARKS.md, "Batched products in bfloat16").
+FLOAT_PRODUCT_TOKENS = 16
+# Rows dequantized at a time: a tile of at most this many bytes of bfloat16 weights.
+FLOAT_TILE_BYTES = 4 << 20
+_FLOAT_PRODUCT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, level: int,
+           float_from: int | None = FLOAT_PRODUCT_TOKENS) -> torch.Tensor:
+    """x [T, cols] (float32, bfloat16 or float16 on CPU, rows any distance apart) -> [T, rows].
+    From `float_from` tokens on (None: never), a float32 or bfloat16 x at a SIMD level is
+    multiplied by float_product instead of the integer kernel."""
     tokens = x.shape[0]
+    if float_from is not None and tokens >= float_from and x.dtype in _FLOAT_PRODUCT_DTYPES and level > 0:
+        return float_product(library, x, segments, level)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((tokens, segments.rows), dtype=x.dtype)
@@ -91,6 +106,30 @@ def linear(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, level: int
                                   out.data_ptr(), out.stride(0), level, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"quant_linear failed ({status}) for {segments.cols} columns")
+    return out
+
+
+def float_product(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, level: int) -> torch.Tensor:
+    """x [T, cols] times the weights in bfloat16, dequantized a tile of rows at a time into
+    one scratch tile (FLOAT_TILE_BYTES at most: a vocabulary's lm_head never has a whole
+    float copy), each tile one F.linear. Rounding: x to bfloat16 (finer than the integer
+    kernel's 8 bits per value), each weight's float value to bfloat16, and the product,
+    summed in float32, to bfloat16 (what F.linear gives for bfloat16 operands)."""
+    tokens, cols = x.shape
+    rows = segments.rows
+    tile_rows = max(16, min(rows, FLOAT_TILE_BYTES // (2 * cols)))
+    tile = torch.empty((tile_rows, cols), dtype=torch.bfloat16)
+    x16 = x.to(torch.bfloat16)
+    out = torch.empty((tokens, rows), dtype=x.dtype)
+    for begin in range(0, rows, tile_rows):
+        end = min(rows, begin + tile_rows)
+        weights = tile[:end - begin]
+        status = library.quant_dequantize_linear(len(segments.parts), segments.pointers, segments.types,
+                                                 segments.row_counts, cols, begin, end, weights.data_ptr(),
+                                                 DTYPE_CODES[torch.bfloat16], level, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"quant_dequantize_linear failed ({status}) for {cols} columns")
+        out[:, begin:end] = F.linear(x16, weights)
     return out
 
 
@@ -109,4 +148,5 @@ def dequantize_rows(library: ctypes.CDLL, blocks: torch.Tensor, type_code: int, 
     return out
 
 
-__all__ = ["KERNEL_TYPES", "LEVELS", "Segments", "chosen_level", "dequantize_rows", "linear", "load", "row_bytes"]
+__all__ = ["FLOAT_PRODUCT_TOKENS", "KERNEL_TYPES", "LEVELS", "Segments", "chosen_level", "dequantize_rows",
+           "float_product", "linear", "load", "row_bytes"]

@@ -76,6 +76,10 @@ def load_model(
     pack_linears(loaded.model)
     return_freed_memory()
     quantized = any(isinstance(module, (QuantizedLinear, QuantizedEmbedding)) for module in loaded.model.modules())
+    if isinstance(loaded.model.lm_head, QuantizedLinear):
+        # A row's logits must not depend on how many rows are computed with it: a step
+        # samples from each sequence's last row alone, prompt logprobs from every row.
+        loaded.model.lm_head.float_from = None
     tag = ("weights=int8" if quantization == "int8" else "weights=native") if quantized else ""
     return replace(loaded, weights_bytes_by_type=weights_bytes_by_type(loaded.model), weights_tag=tag)
 

@@ -10,8 +10,9 @@ buffers, so the step's results are the same bits; only the Python between them g
 without bias, rotary tables in the model's dtype, the default paged attention on CPU) and
 describes it to the C side once; `run` then takes a decode-only step on a pool of the
 model's own dtype (or an 8-bit pool under float32 activations), and answers None for
-anything else (a prefill, bfloat16 activations over an 8-bit pool), which the per-layer
-path serves.
+anything else (a prefill, bfloat16 activations over an 8-bit pool, a batch large enough
+that the linears multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS), which the
+per-layer path serves.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class DecodeStack:
         is not one the stack takes."""
         tokens = hidden.shape[0]
         fp8 = kv_pool.dtype in _FP8
-        if (meta.num_decode_seqs != tokens or not kv_pool.is_contiguous() or kv_pool.device.type != "cpu"
+        if (meta.num_decode_seqs != tokens or tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS  # products in bfloat16
+                or not kv_pool.is_contiguous() or kv_pool.device.type != "cpu"
                 or not hidden.is_contiguous() or hidden.dtype != self.dtype
                 or meta.block_size > paged_decode.MAX_BLOCK_SIZE
                 # an 8-bit pool is read with float32 activations (paged_decode_attention), and

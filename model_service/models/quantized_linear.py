@@ -40,6 +40,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._library = _library()
         self._level = quant_matmul.chosen_level(self._library)
+        # From this many tokens on, the product is in bfloat16 on dequantized tiles
+        # (quant_matmul.linear); None keeps the integer kernel for every batch.
+        self.float_from: int | None = quant_matmul.FLOAT_PRODUCT_TOKENS
 
     @property
     def types(self) -> list[str]:
@@ -47,7 +50,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = quant_matmul.linear(self._library, x.reshape(-1, self.in_features), self.segments, self._level)
+        out = quant_matmul.linear(self._library, x.reshape(-1, self.in_features), self.segments, self._level,
+                                  self.float_from)
         if self.bias is not None:
             out += self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)

@@ -254,6 +254,33 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
     return 0;
 }
 
+/* Rows [row_begin, row_end) of a linear's segments (as quant_linear takes them)
+ * dequantized into out [row_end - row_begin, cols] of dtype (float32 or bfloat16) at a
+ * SIMD level: the weights of a batched product that multiplies in floats (quant_matmul.py
+ * says when). Returns 0, or -1 for a level, type or dtype without this path. */
+int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t *types, const int32_t *rows,
+                            int cols, int row_begin, int row_end, void *out, int dtype, int level, int num_threads) {
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || level < QLEVEL_AVX2 || cols % 32 != 0) return -1;
+    for (int i = 0; i < segments; i++)
+        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0) return -1;
+#if defined(__x86_64__) || defined(__i386__)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int r = row_begin; r < row_end; r++) {
+        int segment = 0, first = 0;
+        while (r >= first + rows[segment]) first += rows[segment++];
+        const int type = types[segment];
+        const int64_t row_bytes = (int64_t)cols / qtype_block_weights(type) * qtype_block_bytes(type);
+        const uint8_t *row = (const uint8_t *)(intptr_t)weights[segment] + (r - first) * row_bytes;
+        const int64_t out_offset = (int64_t)(r - row_begin) * cols;
+        if (level >= QLEVEL_AVX512_VNNI) dequantize_row_vnni(type, row, cols / 32, out, out_offset, dtype);
+        else dequantize_row_avx2(type, row, cols / 32, out, out_offset, dtype);
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
+
 /* out[i] = row indices[i] of W dequantized (cols values, dtype), indices NULL: rows 0..n-1.
  * The embedding lookup of a quantized token_embd, and the tests' check of the layouts. */
 int quant_dequantize_rows(const uint8_t *weights, int type, int cols, const int64_t *indices, int n, void *out,

@@ -173,6 +173,44 @@ static inline __attribute__((always_inline)) void QS(pair_rows)(const int type, 
     out[1] = QS(hsum)(_mm256_add_ps(even1, odd1)) + extra_even1 + extra_odd1;
 }
 
+/* Eight float32 values stored as dtype (float32, or bfloat16 rounded to nearest even;
+ * values are never NaN here). */
+static inline __attribute__((always_inline)) void QS(store8)(void *out, int64_t i, __m256 w, int dtype) {
+    if (dtype == DTYPE_F32) {
+        _mm256_storeu_ps((float *)out + i, w);
+        return;
+    }
+    __m256i bits = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+/* A row's weights as dtype (float32 or bfloat16), w = scale (v - offset) + min per value
+ * as unpack_sub's arithmetic gives them (quant_blocks.h), for a batched product that
+ * multiplies them in floats (quant_matmul.py). */
+static void QS(dequantize_row)(const int type, const uint8_t *row, int subs, void *out, int64_t out_offset,
+                               int dtype) {
+    const int offset = type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
+    for (int s = 0; s < subs; s++) {
+        float scales[2], min;
+        const __m256i u = QS(unpack)(type, row, s, &scales[0], &scales[1], &min);
+        const __m256 base = _mm256_set1_ps(min);
+        for (int h = 0; h < 2; h++) {
+            const __m128i half = h ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+            const __m256 scale = _mm256_set1_ps(scales[h]);
+            for (int q = 0; q < 2; q++) {
+                const __m128i bytes = q ? _mm_unpackhi_epi64(half, half) : half;
+                __m256i values = type == QTYPE_Q8_0 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+                values = _mm256_sub_epi32(values, _mm256_set1_epi32(offset));
+                QS(store8)(out, out_offset + 32 * s + 16 * h + 8 * q,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(values), scale, base), dtype);
+            }
+        }
+    }
+}
+
 /* One function per type, nt a constant (4, or 1 for a tail: fewer cases to compile). */
 #define QS_TYPE_FN(TYPE_NAME, TYPE_CODE)                                                                  \
     static void QS(dot_##TYPE_NAME)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
