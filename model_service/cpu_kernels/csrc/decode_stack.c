@@ -85,7 +85,8 @@ static int linear(const stack_linear *w, const void *x, int tokens, int cols, in
  * norm's output. kv_pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in
  * kv_dtype (dtype, or an 8-bit type with dtype float32). slots: each token's slot (block * block_size + offset); tables, context_lens: the
  * sequences' block tables (int32, table_row_stride apart) and lengths after this step.
- * Returns 0, -1 on a kernel's refusal (a shape past its limits), -2 without scratch memory. */
+ * Returns 0, -1 on a kernel's refusal (a shape past its limits: the step stops at that
+ * call, and the caller fails it), -2 without scratch memory. */
 int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
                  const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
                  int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, int num_threads) {
@@ -103,7 +104,7 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
     const int64_t layer_elems = 2 * num_blocks * m->block_size * (int64_t)kv_size;
     int status = 0;
 
-    for (int l = 0; l < m->num_layers && status == 0; l++) {
+    for (int l = 0; l < m->num_layers; l++) {
         const stack_layer *layer = &m->layers[l];
         if (l == 0)
             rms_norm(hidden, width, (const void *)(intptr_t)layer->input_norm, normed, tokens, width, m->eps, dtype,
@@ -111,26 +112,32 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         else
             add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->input_norm, normed, tokens, width,
                          m->eps, dtype, num_threads);
-        status |= linear(&layer->qkv, normed, tokens, width, dtype, qkv, qkv_size, m->level, num_threads);
+        status = linear(&layer->qkv, normed, tokens, width, dtype, qkv, qkv_size, m->level, num_threads);
+        if (status != 0) break;
         rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
                         (const void *)(intptr_t)m->cos_table, (const void *)(intptr_t)m->sin_table, positions,
                         dtype, num_threads);
         char *k_cache = (char *)kv_pool + (size_t)(l * layer_elems) * kv_elem;
         char *v_cache = k_cache + (size_t)(layer_elems / 2) * kv_elem;
-        status |= write_kv(qkv + (size_t)q_size * elem, qkv_size, qkv + (size_t)(q_size + kv_size) * elem, qkv_size,
-                           tokens, kv_size, dtype, slots, k_cache, v_cache, kv_dtype, layer->k_scale, layer->v_scale,
-                           num_threads);
-        status |= paged_decode_attention(qkv, qkv_size, k_cache, v_cache, tables, table_row_stride, context_lens,
-                                         tokens, m->q_heads, m->kv_heads, head_dim, m->block_size, m->scale,
-                                         layer->sliding_window, dtype, attn, num_threads, kv_dtype, layer->k_scale,
-                                         layer->v_scale);
-        status |= linear(&layer->o, attn, tokens, q_size, dtype, delta, width, m->level, num_threads);
+        status = write_kv(qkv + (size_t)q_size * elem, qkv_size, qkv + (size_t)(q_size + kv_size) * elem, qkv_size,
+                          tokens, kv_size, dtype, slots, k_cache, v_cache, kv_dtype, layer->k_scale, layer->v_scale,
+                          num_threads);
+        if (status != 0) break;
+        status = paged_decode_attention(qkv, qkv_size, k_cache, v_cache, tables, table_row_stride, context_lens,
+                                        tokens, m->q_heads, m->kv_heads, head_dim, m->block_size, m->scale,
+                                        layer->sliding_window, dtype, attn, num_threads, kv_dtype, layer->k_scale,
+                                        layer->v_scale);
+        if (status != 0) break;
+        status = linear(&layer->o, attn, tokens, q_size, dtype, delta, width, m->level, num_threads);
+        if (status != 0) break;
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
                      width, m->eps, dtype, num_threads);
-        status |= linear(&layer->gate_up, normed, tokens, width, dtype, gate_up, 2 * m->intermediate, m->level,
-                         num_threads);
+        status = linear(&layer->gate_up, normed, tokens, width, dtype, gate_up, 2 * m->intermediate, m->level,
+                        num_threads);
+        if (status != 0) break;
         silu_mul(gate_up, act, tokens, m->intermediate, dtype, num_threads);
-        status |= linear(&layer->down, act, tokens, m->intermediate, dtype, delta, width, m->level, num_threads);
+        status = linear(&layer->down, act, tokens, m->intermediate, dtype, delta, width, m->level, num_threads);
+        if (status != 0) break;
     }
     if (status == 0)
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)m->final_norm, out, tokens, width, m->eps, dtype,
