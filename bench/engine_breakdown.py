@@ -6,11 +6,13 @@ float32 or bfloat16; W48 or one stream of 128 tokens); a real cache service proc
 leases the blocks, but the engine runs in this process (inprocess_engine.py) and its
 tokens, ids only as bench_vs_vllm.py asks for them, go to plain callbacks. Reports the
 wall time, engine steps by kind (prefill, decode by batch size), and the time inside the
-layer linears, the lm_head and paged attention (K/V write, gather and SDPA), measured by
-timing those calls (CPU work is synchronous).
+layer linears (quantized ones too), the lm_head, paged attention (K/V write, gather and
+SDPA), the norms, rotary, SiLU, a quantized model's one-call decode steps
+(cpu_decode_stack.py) and the step's inputs, measured by timing those calls (CPU work is
+synchronous).
 
     .venv/bin/python bench/engine_breakdown.py [--threads 2] [--model w48|smollm2|PATH]
-        [--dtype float32|bfloat16] [--workload w48|single]
+        [--dtype float32|bfloat16] [--workload w48|single] [--weights dequantize|native]
 """
 
 from __future__ import annotations
