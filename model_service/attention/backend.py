@@ -93,11 +93,12 @@ class PagedAttention:
             raise ValueError(f"pool block_size {kv_layer.shape[2]} != metadata block_size {meta.block_size}")
 
         triton_kernels = load_triton_kernels() if self.uses_triton(kv_layer) else None
-        write_library = self.cpu_kernel_library(q, kv_layer) if triton_kernels is None else None
+        # The C kernels serve both the write and decode attention, or neither.
+        library = self.cpu_kernel_library(q, kv_layer) if triton_kernels is None else None
         if triton_kernels is not None:
             triton_kernels.write_kv_triton(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
-        elif write_library is not None and kv_write.supports(k, v, kv_layer):
-            kv_write.write_kv(write_library, k, v, kv_layer, meta.slot_mapping, kv_scales)
+        elif library is not None and kv_write.supports(k, v, kv_layer):
+            kv_write.write_kv(library, k, v, kv_layer, meta.slot_mapping, kv_scales)
         else:
             write_kv_torch(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
 
@@ -113,7 +114,6 @@ class PagedAttention:
                     kv_scales=kv_scales,
                 )
             else:
-                library = self.cpu_kernel_library(q, kv_layer)
                 if library is not None:
                     decoded = paged_decode.paged_decode_attention(
                         library, q[:num_decode], kv_layer, tables, lens, scale, sliding_window, kv_scales)

@@ -8,8 +8,7 @@ import ctypes
 import torch
 
 from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+from pagedkv.kv_geometry import is_fp8
 
 
 def supports(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -17,7 +16,7 @@ def supports(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     or an 8-bit one."""
     _, _, _, kv_heads, head_dim = kv_layer.shape
     return (kv_layer.device.type == "cpu" and k.device.type == "cpu" and kv_layer.is_contiguous()
-            and k.dtype in DTYPE_CODES and v.dtype == k.dtype and (kv_layer.dtype == k.dtype or kv_layer.dtype in _FP8)
+            and k.dtype in DTYPE_CODES and v.dtype == k.dtype and (kv_layer.dtype == k.dtype or is_fp8(kv_layer.dtype))
             and k.stride(2) == 1 and k.stride(1) == head_dim and v.stride(2) == 1 and v.stride(1) == head_dim
             and k.shape[1:] == (kv_heads, head_dim) and v.shape == k.shape)
 

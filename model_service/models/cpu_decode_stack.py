@@ -27,9 +27,9 @@ from model_service.attention.metadata import AttentionMetadata
 from model_service.cpu_kernels import paged_decode, quant_matmul
 from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
 from model_service.models.quantized_linear import QuantizedLinear
+from pagedkv.kv_geometry import is_fp8
 
 MAX_SEGMENTS = 4  # decode_stack.c's STACK_MAX_SEGMENTS
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class _Linear(ctypes.Structure):
@@ -129,7 +129,7 @@ class DecodeStack:
         embeddings, [T, hidden] contiguous) used as the residual stream; None where this step
         is not one the stack takes."""
         tokens = hidden.shape[0]
-        fp8 = kv_pool.dtype in _FP8
+        fp8 = is_fp8(kv_pool.dtype)
         if (meta.num_decode_seqs != tokens or tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS  # products in bfloat16
                 or not kv_pool.is_contiguous() or kv_pool.device.type != "cpu"
                 or not hidden.is_contiguous() or hidden.dtype != self.dtype

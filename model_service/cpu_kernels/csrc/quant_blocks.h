@@ -40,6 +40,24 @@ static inline int qtype_block_bytes(int type) {
     }
 }
 
+/* Bytes of one row of cols weights of the type. */
+static inline int64_t qtype_row_bytes(int type, int cols) {
+    return (int64_t)cols / qtype_block_weights(type) * qtype_block_bytes(type);
+}
+
+/* Whether every segment's type has a kernel and its blocks tile a row of cols weights. */
+static inline int qtype_segments_fit(int segments, const int32_t *types, int cols) {
+    for (int i = 0; i < segments; i++)
+        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0) return 0;
+    return 1;
+}
+
+/* What the SIMD levels' unsigned unpacked values carry above the signed ones (v + offset):
+ * Q4_0 8, Q5_0 16, Q6_K 32; 0 for the types with a min, and Q8_0's signed bytes. */
+static inline int qtype_unsigned_offset(int type) {
+    return type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
+}
+
 static inline float half_to_f32(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, sizeof h);

@@ -190,9 +190,7 @@ static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
 int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int segments,
                  const int64_t *weights, const int32_t *types, const int32_t *rows, void *y, int64_t y_stride,
                  int level, int num_threads) {
-    if (cols % 32 != 0 || tokens <= 0) return -1;
-    for (int i = 0; i < segments; i++)
-        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0) return -1;
+    if (cols % 32 != 0 || tokens <= 0 || !qtype_segments_fit(segments, types, cols)) return -1;
     const int subs = cols / 32;
     int8_t *q = malloc((size_t)tokens * cols);
     float *d = malloc((size_t)tokens * subs * sizeof(float));
@@ -215,7 +213,7 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
             const dot_fn dot = select_dot(level, types[i]);
             const pair_fn pair = tokens == 1 ? select_pair(level, types[i]) : 0;
             const uint8_t *base = (const uint8_t *)(intptr_t)weights[i];
-            const int64_t row_bytes = (int64_t)cols / qtype_block_weights(types[i]) * qtype_block_bytes(types[i]);
+            const int64_t row_bytes = qtype_row_bytes(types[i], cols);
             const int count = rows[i], tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
 #pragma omp for schedule(static) nowait
             for (int tile = 0; tile < tiles; tile++) {
@@ -260,16 +258,16 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
  * says when). Returns 0, or -1 for a level, type or dtype without this path. */
 int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t *types, const int32_t *rows,
                             int cols, int row_begin, int row_end, void *out, int dtype, int level, int num_threads) {
-    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || level < QLEVEL_AVX2 || cols % 32 != 0) return -1;
-    for (int i = 0; i < segments; i++)
-        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0) return -1;
+    if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || level < QLEVEL_AVX2 || cols % 32 != 0
+        || !qtype_segments_fit(segments, types, cols))
+        return -1;
 #if defined(__x86_64__) || defined(__i386__)
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int r = row_begin; r < row_end; r++) {
         int segment = 0, first = 0;
         while (r >= first + rows[segment]) first += rows[segment++];
         const int type = types[segment];
-        const int64_t row_bytes = (int64_t)cols / qtype_block_weights(type) * qtype_block_bytes(type);
+        const int64_t row_bytes = qtype_row_bytes(type, cols);
         const uint8_t *row = (const uint8_t *)(intptr_t)weights[segment] + (r - first) * row_bytes;
         const int64_t out_offset = (int64_t)(r - row_begin) * cols;
         if (level >= QLEVEL_AVX512_VNNI) dequantize_row_vnni(type, row, cols / 32, out, out_offset, dtype);
@@ -286,7 +284,7 @@ int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t 
 int quant_dequantize_rows(const uint8_t *weights, int type, int cols, const int64_t *indices, int n, void *out,
                           int dtype, int num_threads) {
     if (qtype_block_bytes(type) == 0 || cols % qtype_block_weights(type) != 0) return -1;
-    const int64_t row_bytes = (int64_t)cols / qtype_block_weights(type) * qtype_block_bytes(type);
+    const int64_t row_bytes = qtype_row_bytes(type, cols);
 #pragma omp parallel for num_threads(num_threads) if (n > 1)
     for (int i = 0; i < n; i++) {
         const uint8_t *row = weights + (indices ? indices[i] : i) * row_bytes;

@@ -106,7 +106,7 @@ static inline __attribute__((always_inline)) __m256i QS(unpack)(const int type, 
 static inline __attribute__((always_inline)) void QS(step)(const int type, const uint8_t *row, int s,
                                                             const quant_acts *acts, int64_t t0, const int nt,
                                                             int subs, __m256 *acc, float *extra) {
-    const int offset = type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
+    const int offset = qtype_unsigned_offset(type);
     float scale0, scale1, min;
     const __m256i u = QS(unpack)(type, row, s, &scale0, &scale1, &min);
     for (int t = 0; t < nt; t++) {
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void QS(store8)(void *out, int64_t 
  * multiplies them in floats (quant_matmul.py). */
 static void QS(dequantize_row)(const int type, const uint8_t *row, int subs, void *out, int64_t out_offset,
                                int dtype) {
-    const int offset = type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
+    const int offset = qtype_unsigned_offset(type);
     for (int s = 0; s < subs; s++) {
         float scales[2], min;
         const __m256i u = QS(unpack)(type, row, s, &scales[0], &scales[1], &min);
