@@ -19,7 +19,7 @@ Cells (--cells picks some, in this order):
 
     .venv/bin/python bench/bench_serve.py [--rounds 3] [--cells c1,c8,c32,rate,prefix]
         [--rates 0.5,1,1.5,2] [--num-prompts N] [--servers vllm,pagedkv] [--threads 2]
-        [--pagedkv-flag=--max-prefill-tokens-while-decoding=512] [--json results.json]
+        [--pagedkv-flag=--max-prefill-tokens-while-decoding=512] [--variant NAME=FLAGS ...] [--json results.json]
 
 --num-prompts overrides every cell's request count (at least 8 for prefix: one per prefix;
 a smoke run: --num-prompts 4 --rounds 1). The vLLM venv is bench_vs_vllm.ensure_vllm_venv's (PAGEDKV_VLLM_VENV to
@@ -177,6 +177,10 @@ def run_client(python: Path, base_url: str, model_dir: Path, cell_args: list[str
     return result
 
 
+def file_name(server: str) -> str:
+    return server.replace(" ", "-")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -187,11 +191,22 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pagedkv-flag", action="append", default=[],
                         help="extra model-service flag, e.g. --pagedkv-flag=--max-prefill-tokens-while-decoding=0")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more pagedkv server, 'pagedkv NAME', with these model-service flags (space "
+                             "separated) after the --pagedkv-flag ones, measured in turns with the others, e.g. "
+                             "--variant 'cap256=--max-prefill-tokens-while-decoding=256'")
     parser.add_argument("--json", type=Path, default=None, help="also write every round's results here")
     args = parser.parse_args()
     servers = args.servers.split(",")
     if set(servers) - {"vllm", "pagedkv"}:
         parser.error("--servers takes vllm and pagedkv")
+    variants: dict[str, list[str]] = {"pagedkv": []}
+    for variant in args.variant:
+        name, _, flags = variant.partition("=")
+        if not name or not flags:
+            parser.error(f"--variant {variant!r}: expected NAME=FLAGS")
+        variants[f"pagedkv {name}"] = flags.split()
+        servers.append(f"pagedkv {name}")
     chosen = cells(args.cells.split(","), [float(rate) for rate in args.rates.split(",")])
     python = ensure_vllm_venv()
     model_dir = smollm2_checkpoint()
@@ -203,16 +218,16 @@ def main() -> int:
             print(f"starting {server}", flush=True)
             urls[server] = stack.enter_context(
                 vllm_server(python, model_dir, args.threads, tmp) if server == "vllm"
-                else pagedkv_server(model_dir, args.threads, tmp, args.pagedkv_flag))
+                else pagedkv_server(model_dir, args.threads, tmp, [*args.pagedkv_flag, *variants[server]]))
         warmup = [*RANDOM, "--num-prompts", "4", "--max-concurrency", "4"]
         for server in servers:  # on prompts no round uses
-            run_client(python, urls[server], model_dir, warmup, 10_000, tmp, f"warmup-{server}")
+            run_client(python, urls[server], model_dir, warmup, 10_000, tmp, f"warmup-{file_name(server)}")
         for round_index in range(args.rounds):
             order = servers if round_index % 2 == 0 else servers[::-1]
             for cell in chosen:
                 for server in order:
                     result = run_client(python, urls[server], model_dir, cell.client_args(args.num_prompts),
-                                        round_index, tmp, f"{cell.name}-{server}-{round_index}")
+                                        round_index, tmp, f"{cell.name}-{file_name(server)}-{round_index}")
                     results[cell.name][server].append(result)
                     print(f"  round {round_index + 1} {cell.name} {server}: {result['output_throughput']:.1f} tok/s, "
                           f"TTFT p50 {result['median_ttft_ms']:.0f} ms, ITL p99 {result['p99_itl_ms']:.0f} ms",
@@ -229,11 +244,11 @@ def main() -> int:
             rows = results[cell.name][server]
             values = [fmt.format(statistics.median(row[key] for row in rows)) for key, _, fmt in METRICS]
             ratio = "-"
-            if server == "pagedkv" and "vllm" in servers:
+            if server != "vllm" and "vllm" in servers:
                 ratios = [p["output_throughput"] / v["output_throughput"]
                           for p, v in zip(rows, results[cell.name]["vllm"])]
                 ratio = f"{statistics.median(ratios):.2f}x"
-            name = "vLLM CPU OpenAI server" if server == "vllm" else "pagedkv OpenAI API"
+            name = "vLLM CPU OpenAI server" if server == "vllm" else server.replace("pagedkv", "pagedkv OpenAI API", 1)
             print(f"| {cell.label} | {name} | " + " | ".join(values) + f" | {ratio} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

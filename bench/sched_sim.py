@@ -108,9 +108,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: float, b: float,
-             admit_now: bool = False, aging: int | None = None) -> dict:
+             admit_now: bool = False, aging: int | None = None, hold: int | None = None) -> dict:
     limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=64, max_batch_tokens=2048, lookahead_tokens=BLOCK,
                              max_model_len=1024, max_prefill_tokens_while_decoding=cap)
+    if hold is not None:
+        limits = dataclasses.replace(limits, prefix_hold_min_tokens=hold)
     if aging is not None:
         limits = dataclasses.replace(limits, prefill_aging_tokens=aging)
     scheduler = Scheduler(limits, NUM_BLOCKS)
@@ -123,6 +125,7 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
     arrivals: dict[str, float] = {}
     tokens_at: dict[str, list[float]] = {}
     queue = list(enumerate(prompts))
+    seqs: dict[str, Sequence] = {}
     now, pending, started = 0.0, None, 0
 
     def send(count: int) -> None:
@@ -133,6 +136,7 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
             scheduler.add(Sequence(request_id=request_id, token_ids=list(prompt), prompt_len=len(prompt),
                                    options=SamplingOptions(max_new_tokens=out, ignore_eos=True), arrival=index))
             arrivals[request_id], tokens_at[request_id] = now, []
+            seqs[request_id] = scheduler.waiting[-1]
             started += 1
 
     send(concurrency)
@@ -156,10 +160,12 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
             tokens_at[seq.request_id].append(now)
         finished = scheduler.update_from_output(step, StepOutput(sampled=sampled))
         send(len(finished))
+    seq_cached = {rid: seq.cached_tokens for rid, seq in seqs.items()}
     ttft = [times[0] - arrivals[rid] for rid, times in tokens_at.items()]
     itl = [later - earlier for times in tokens_at.values() for earlier, later in itertools.pairwise(times)]
     total = sum(len(times) for times in tokens_at.values())
-    return {"tok_s": 1e3 * total / now, "ttft50": statistics.median(ttft), "ttft99": percentile(ttft, 99),
+    prefill = sum(len(prompt) for prompt, _ in prompts) - sum(seq_cached.values())
+    return {"prefill": prefill, "tok_s": 1e3 * total / now, "ttft50": statistics.median(ttft), "ttft99": percentile(ttft, 99),
             "itl50": statistics.median(itl), "itl99": percentile(itl, 99)}
 
 
@@ -175,21 +181,27 @@ def main() -> int:
     parser.add_argument("--b", type=float, default=0.9, help="ms a prefill token adds to a step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aging", type=int, default=None, help="the scheduler's prefill_aging_tokens (default: its own)")
+    parser.add_argument("--holds", default=None,
+                        help="prefix_hold_min_tokens values to compare, e.g. 0,32 (default: the scheduler's own)")
     parser.add_argument("--admit-now", action="store_true",
                         help="a step that admits waits for those allocations and runs their prompts at once")
     args = parser.parse_args()
     print(f"step = {args.a0} + {args.a1} x decodes + {args.b} x prefill tokens (ms)\n")
-    print("| workload | cap | order | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| workload | cap | order | prefix hold | prompt tokens computed | output tok/s | TTFT p50 | TTFT p99 "
+          "| ITL p50 | ITL p99 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    holds = [int(h) for h in args.holds.split(",")] if args.holds else [None]
     for name in args.workloads.split(","):
         make, count, concurrency = WORKLOADS[name]
         prompts = make(count, args.seed)
         for cap in (int(c) for c in args.caps.split(",")):
             for order in args.orders.split(","):
-                r = simulate(prompts, concurrency, cap, order, args.a0, args.a1, args.b, args.admit_now,
-                             args.aging)
-                print(f"| {name} | {cap or 'none'} | {order} | {r['tok_s']:.1f} | {r['ttft50']:.0f} | "
-                      f"{r['ttft99']:.0f} | {r['itl50']:.0f} | {r['itl99']:.0f} |", flush=True)
+                for hold in holds:
+                    r = simulate(prompts, concurrency, cap, order, args.a0, args.a1, args.b, args.admit_now,
+                                 args.aging, hold)
+                    print(f"| {name} | {cap or 'none'} | {order} | {'own' if hold is None else hold} | "
+                          f"{r['prefill']} | {r['tok_s']:.1f} | {r['ttft50']:.0f} | {r['ttft99']:.0f} | "
+                          f"{r['itl50']:.0f} | {r['itl99']:.0f} |", flush=True)
     return 0
 
 

@@ -15,7 +15,8 @@ from model_service.attention.backend import BACKENDS, load_triton_kernels
 from model_service.attention.kv_quant import DEFAULT_SCALES, SCALE_KINDS, KvScales, namespace_tag
 from model_service.cache.client import CacheClient
 from model_service.engine.loop import Engine
-from model_service.engine.settings import DEFAULT_PREFILL_TOKENS_WHILE_DECODING, EngineSettings
+from model_service.engine.settings import (DEFAULT_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_PREFIX_HOLD_MIN_TOKENS,
+                                           EngineSettings)
 from model_service.errors import ModelLoadError
 from model_service.loading.fingerprint import checkpoint_fingerprint
 from model_service.loading.loader import load_model
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="prompt tokens a step carries beside sequences that decode (a step with none decoding takes "
                   "up to --max-batch-prefill-tokens): every decoding stream waits for the whole step, so a long "
                   "prompt goes in chunks of this size rather than in one long step; 0: no cap of its own")
+    add_flag(parser, "--prefix-hold-min-tokens", default=DEFAULT_PREFIX_HOLD_MIN_TOKENS, type=int,
+             help="a waiting prompt whose leading full blocks (at least this many tokens of them) another "
+                  "request is computing waits until they are committed and finds them in the prefix cache, "
+                  "instead of computing them again beside it; 0: admitted at once")
     add_flag(parser, "--lease-ahead-blocks", default=1, type=int,
              help="blocks a decoding sequence is leased ahead of its next token, in lease calls that go out "
                   "anyway, while the pool has room and nothing waits for it: one call every block_size steps "
@@ -208,6 +213,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_batch_tokens=args.max_batch_prefill_tokens, max_queued_requests=args.max_queued_requests,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+        prefix_hold_min_tokens=args.prefix_hold_min_tokens,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,

@@ -202,6 +202,35 @@ def test_a_prompt_admitted_while_another_decodes_starts_in_that_step(checkpoint,
             engine.stop(grace_s=0)
 
 
+@pytest.mark.parametrize("hold", [32, 0])
+def test_prompts_that_arrive_together_compute_their_shared_prefix_once(checkpoint, tmp_path, hold):
+    """Two prompts on one 96-token prefix reach the engine in the same step (it is held
+    while they are submitted). With --prefix-hold-min-tokens, the second waits for the
+    first's blocks to be committed and finds them cached; with 0 it computes them again
+    beside the first. Both generate what transformers does either way."""
+    loaded, reference = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams, prefix_hold_min_tokens=hold)
+        try:
+            streams.hold_when(lambda: len(streams.tokens("decoding")) >= 2)
+            engine.submit("decoding", prompt_ids(10, 7), greedy(30), streams.sink("decoding"))
+            assert streams.held.wait(60)
+            prefix = prompt_ids(96, seed=8)
+            prompts = {"first": prefix + [11, 12, 13], "second": prefix + [21, 22, 23, 24]}
+            for name, prompt in prompts.items():
+                engine.submit(name, prompt, greedy(4), streams.sink(name))
+            streams.resume()
+            wait_for(lambda: all(streams.finished(name) for name in ("decoding", *prompts)), 60, "all three to end")
+            cached = {name: streams.finished(name)[0].cached_tokens for name in prompts}
+            assert cached == ({"first": 0, "second": 96} if hold else {"first": 0, "second": 0})
+            for name, prompt in prompts.items():
+                assert streams.tokens(name) == hf_greedy(reference, prompt, 4)
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+
+
 def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path):
     loaded, _ = checkpoint
     streams = Streams()

@@ -801,6 +801,73 @@ def test_full_blocks_are_committed_in_calls_that_go_out_anyway():
     assert sum(len(c) for c in calls) == len(cache.commits)  # only in calls that went out anyway
 
 
+# --- prompts held while another sequence computes their prefix ----------------------------
+
+
+def shared_prefix_seqs(count: int, prefix_len: int, suffix_len: int, salts=None) -> list[Sequence]:
+    """`count` requests whose prompts are one prefix + a suffix of their own."""
+    seqs = []
+    for arrival in range(count):
+        prompt = list(range(1, prefix_len + 1)) + [1000 * (arrival + 1) + i for i in range(suffix_len)]
+        seqs.append(Sequence(request_id=f"r{arrival}", token_ids=prompt, prompt_len=len(prompt),
+                             options=SamplingOptions(max_new_tokens=4), arrival=arrival,
+                             cache_salt=salts[arrival] if salts else ""))
+    return seqs
+
+
+@pytest.mark.parametrize("hold", [0, 8])
+def test_a_prompt_waits_for_a_prefix_being_computed_and_finds_it_cached(hold):
+    """Three prompts sharing 24 tokens (6 blocks) arrive together; with a step of 8 tokens
+    the first takes three steps to compute the prefix. Held (prefix_hold_min_tokens
+    8), the others are admitted once it is computed and get it from the prefix cache; not
+    held, each computes it again."""
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=8, prefix_hold_min_tokens=hold)
+    scheduler = Scheduler(limits, 100)
+    cache = LedgerCache(100)
+    seqs = shared_prefix_seqs(3, prefix_len=24, suffix_len=3)
+    for seq in seqs:
+        scheduler.add(seq)
+    drive(scheduler, cache)
+    assert all(seq.status is Status.FINISHED and seq.num_output == 4 for seq in seqs)
+    if hold:
+        assert [seq.cached_tokens for seq in seqs] == [0, 24, 24]
+    else:  # the second is admitted beside the first and computes the prefix again
+        assert seqs[1].cached_tokens == 0 and seqs[2].cached_tokens < 24
+    assert not cache.leases and cache.available() == 100
+
+
+def test_a_prefix_too_short_to_hold_for_or_of_another_salt_holds_no_one():
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64, prefix_hold_min_tokens=32)
+    scheduler = Scheduler(limits, 100)
+    short = shared_prefix_seqs(2, prefix_len=24, suffix_len=3)  # 24 shared tokens < 32
+    for seq in short:
+        scheduler.add(seq)
+    first_step = scheduler.schedule()
+    assert first_step.lease_ops.allocations == short
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64, prefix_hold_min_tokens=8)
+    scheduler = Scheduler(limits, 100)
+    salted = shared_prefix_seqs(2, prefix_len=24, suffix_len=3, salts=["a", "b"])
+    for seq in salted:
+        scheduler.add(seq)
+    assert scheduler.schedule().lease_ops.allocations == salted  # another salt never finds the blocks
+
+
+def test_held_prompts_behind_a_preempted_one_all_finish():
+    """Twelve prompts on one prefix in a pool that forces preemptions: whoever is held is
+    held only while someone computes the prefix, so everyone finishes and every block
+    comes back."""
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=6, max_batch_tokens=12, prefix_hold_min_tokens=8)
+    scheduler = Scheduler(limits, 30)
+    cache = LedgerCache(30)
+    seqs = shared_prefix_seqs(12, prefix_len=20, suffix_len=5)
+    for seq in seqs:
+        scheduler.add(seq)
+    drive(scheduler, cache, max_steps=2000)
+    assert all(seq.status is Status.FINISHED and seq.num_output == 4 for seq in seqs)
+    assert sum(seq.cached_tokens for seq in seqs) >= 20 * 8
+    assert not cache.leases and cache.available() == 30
+
+
 # --- the session's block quota (--max-session-blocks) -----------------------------------
 
 

@@ -42,6 +42,7 @@ def build_scheduler(settings: EngineSettings, attachment: Attachment, eos_token_
         SchedulerLimits(block_size=block_size, max_num_seqs=settings.max_num_seqs,
                         max_batch_tokens=settings.max_batch_tokens,
                         max_prefill_tokens_while_decoding=settings.max_prefill_tokens_while_decoding,
+                        prefix_hold_min_tokens=settings.prefix_hold_min_tokens,
                         lookahead_tokens=settings.lease_ahead_blocks * block_size,
                         max_model_len=settings.max_model_len,
                         release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),

@@ -13,6 +13,9 @@ from model_service.sched.scheduler import POLICIES
 # prompts still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md,
 # "Issue 29").
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
+# Two blocks of 16: a prompt waits a step or so for a prefix this long rather than compute it
+# again (sched/inflight_prefixes.py; bench/sched_sim.py's prefix16 row in BENCHMARKS.md).
+DEFAULT_PREFIX_HOLD_MIN_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,9 @@ class EngineSettings:
     max_queued_requests: int = 256
     # Prompt tokens a step carries beside decoding sequences; 0: max_batch_tokens alone.
     max_prefill_tokens_while_decoding: int = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
+    # A waiting prompt sharing at least this many tokens of full blocks with a prompt being
+    # computed waits for them to be committed; 0: never waits.
+    prefix_hold_min_tokens: int = DEFAULT_PREFIX_HOLD_MIN_TOKENS
     client_name: str = "model_service"
     workspace_bytes: int = 0
     # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
@@ -46,7 +52,7 @@ class EngineSettings:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("lease_ahead_blocks", "max_prefill_tokens_while_decoding"):
+        for name in ("lease_ahead_blocks", "max_prefill_tokens_while_decoding", "prefix_hold_min_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
         if self.scheduling_policy not in POLICIES:

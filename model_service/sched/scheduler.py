@@ -47,6 +47,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from model_service.sched.inflight_prefixes import InflightPrefixes
 from model_service.sched.lease_ahead import PendingReleases, top_ups
 from model_service.sched.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
 from model_service.sched.sequence import Finish, Sequence, Status
@@ -77,13 +78,17 @@ class SchedulerLimits:
     # steps after it can overtake it (bench/sched_sim.py chose 8: fewer is shortest first
     # with no bound, more is first come, first chunked).
     prefill_aging_tokens: int = 8
+    # A waiting prompt whose leading full blocks (at least this many tokens of them)
+    # another sequence is computing waits for them to be committed, then finds them cached
+    # (inflight_prefixes.py); 0: admitted at once, computing them again.
+    prefix_hold_min_tokens: int = 32
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lookahead_tokens", "max_model_len", "release_hold_s", "max_prefill_tokens_while_decoding",
-                     "prefill_aging_tokens"):
+                     "prefill_aging_tokens", "prefix_hold_min_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
 
@@ -114,6 +119,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.allocating: int = 0  # allocate and fork ops in flight
+        self._allocations: list[Sequence] = []  # the sequences of the allocate ops in flight
         self._allocating_children = 0  # completions that will fork from sequences allocating
         self.blocks_available = blocks_available
         self._releases = PendingReleases(limits.release_hold_s, clock)
@@ -182,13 +188,18 @@ class Scheduler:
         """Preemption takes the largest: a tenant past its share first."""
         return (self.tenant_blocks.over_share(seq.tenant), *self._order(seq))
 
-    def _next_waiting(self, admitted: dict[str, int]) -> Sequence:
-        """The waiting sequence to admit next. With tenant shares, one whose tenant would
-        pass its share (counting `admitted`, the blocks it was given this step) goes after
-        every other tenant's."""
-        waiting = self.waiting
+    def _next_waiting(self, admitted: dict[str, int], prefixes: InflightPrefixes) -> Sequence | None:
+        """The waiting sequence to admit next, None when every one waits for a prefix
+        another sequence is computing (`prefixes`). With tenant shares, one whose tenant
+        would pass its share (counting `admitted`, the blocks it was given this step) goes
+        after every other tenant's."""
+        if not self.tenant_blocks.shares and self.policy == "fcfs":
+            return next((seq for seq in self.waiting if not prefixes.holds(seq)), None)
+        waiting = [seq for seq in self.waiting if not prefixes.holds(seq)]
+        if not waiting:
+            return None
         if not self.tenant_blocks.shares:
-            return waiting[0] if self.policy == "fcfs" else min(waiting, key=self._order)
+            return min(waiting, key=self._order)
         block_size = self.limits.block_size
         over_share = self.tenant_blocks.over_share
 
@@ -283,6 +294,7 @@ class Scheduler:
         for seq in ops.allocations:
             outcome = next(results)
             self.allocating -= 1
+            self._allocations.remove(seq)
             self._allocating_children -= len(seq.fork_children)
             if outcome.ok:
                 seq.lease_id = outcome.lease_id
@@ -469,8 +481,14 @@ class Scheduler:
         prompt_tokens = 0
         seats = self.seats_taken()
         admitted: dict[str, int] = {}  # blocks given to each tenant's sequences in this call
+        prefixes = InflightPrefixes(block_size, self.limits.prefix_hold_min_tokens)
+        if self.waiting:
+            prefixes.track(self.running)
+            prefixes.track(self._allocations)
         while self.waiting:
-            seq = self._next_waiting(admitted)
+            seq = self._next_waiting(admitted, prefixes)
+            if seq is None:
+                break
             busy = bool(self.running or self.allocating or ops.allocations)
             wanted = 1 + len(seq.fork_children)
             # An n-request bigger than --max-num-seqs runs alone rather than never.
@@ -491,6 +509,8 @@ class Scheduler:
             seats += wanted
             self._allocating_children += len(seq.fork_children)
             ops.allocations.append(seq)
+            self._allocations.append(seq)
+            prefixes.track((seq,))
             available -= needed
             admitted[seq.tenant] = admitted.get(seq.tenant, 0) + needed
             prompt_tokens += len(seq.token_ids)

@@ -1,0 +1,71 @@
+"""Prompts held back while another sequence computes the prefix they share.
+
+A waiting prompt whose leading full blocks are being computed by a sequence that runs (or
+is being admitted) would compute them a second time if admitted now: the prefix cache
+finds only committed blocks, and a block is committed in the first lease call after its
+K/V is written (Scheduler._commits_due). Held until those blocks are committed, the prompt
+gets them as cached tokens instead: under a shared system prompt or document, a burst of
+requests computes each prefix once rather than once a request (SGLang's scheduler defers
+such prompts for the same reason). What is held is only admission order: the cache
+service alone decides what a prompt finds, so a wrong guess costs a step, never a wrong
+token.
+
+A block is named by its chain (namespace, every token up to its end), as the cache
+service's prefix index names it, hashed: blocks of different tenants or cache salts, or
+with different tokens before them, never match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from model_service.sched.sequence import Sequence
+
+
+def block_chain(seq: Sequence, block_size: int, num_tokens: int) -> Iterator[int]:
+    """Hashes of the chains of seq's full blocks within its first `num_tokens` tokens."""
+    parent = hash((seq.tenant, seq.cache_salt))
+    tokens = seq.token_ids
+    for start in range(0, num_tokens - num_tokens % block_size, block_size):
+        parent = hash((parent, *tokens[start:start + block_size]))
+        yield parent
+
+
+class InflightPrefixes:
+    """The full blocks that sequences will compute but have not committed, by chain; and
+    which waiting prompts to hold for them (at least `min_tokens` of their prompt). Made
+    for one admission pass: a waiting prompt's chain is hashed once in it."""
+
+    def __init__(self, block_size: int, min_tokens: int) -> None:
+        self.block_size = block_size
+        self.min_tokens = min_tokens
+        self._pending: set[int] = set()
+        self._chains: dict[int, list[int]] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.min_tokens and self._pending)
+
+    def track(self, seqs: Iterable[Sequence]) -> None:
+        """Sequences that run or are being given blocks: their prompt's full blocks from
+        the first not yet computed (what is computed is committed in this step's call,
+        before any allocation in it) are pending."""
+        if not self.min_tokens:
+            return
+        for seq in seqs:
+            committed = seq.num_computed // self.block_size
+            if committed < seq.prompt_len // self.block_size:
+                chain = block_chain(seq, self.block_size, seq.prompt_len)
+                self._pending.update(key for index, key in enumerate(chain) if index >= committed)
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether seq should wait: it would look its prompt up in the prefix cache, and at
+        least min_tokens of its leading blocks are pending (its last token is always
+        computed, so only blocks before it count)."""
+        if not self.active or not seq.reuse_prefix:
+            return False
+        chain = self._chains.get(id(seq))
+        if chain is None:
+            chain = self._chains[id(seq)] = list(block_chain(seq, self.block_size, len(seq.token_ids) - 1))
+        shared = sum(self.block_size for key in chain if key in self._pending)
+        return shared >= self.min_tokens
