@@ -1,6 +1,7 @@
-"""Decode steps of SmolLM2's Q4_1 GGUF in process, three paths in turns: --weights native
-with a decode step's layers in one C call (models/cpu_decode_stack.py, the default),
-native through the per-layer modules, and --weights dequantize. One sequence, greedy,
+"""Decode steps of SmolLM2's Q4_1 GGUF in process, four paths in turns: --weights native
+with a decode step's layers in one C call (models/cpu_decode_stack.py, the default), the
+same with the blocks held as the file has them (PAGEDKV_QUANT_REPACK=0: not interleaved,
+csrc/quant_x8.h), native through the per-layer modules, and --weights dequantize. One sequence, greedy,
 tokens/s per round and their median (no services, no gRPC; tests/paged_runner.py does the
 bookkeeping, and its logits each step). A quick check where bench_quantized.py's service
 pairs are too slow to start on a loaded machine.
@@ -9,6 +10,7 @@ pairs are too slow to start on a loaded machine.
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -33,7 +35,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native = load_model("smollm2", torch.float32, "cpu", weights="native")
-    paths = {"native, one call a step": (native, True), "native, per layer": (native, False)}
+    os.environ["PAGEDKV_QUANT_REPACK"] = "0"
+    file_layout = load_model("smollm2", torch.float32, "cpu", weights="native")
+    del os.environ["PAGEDKV_QUANT_REPACK"]
+    paths = {"native, one call a step": (native, True), "native, file's layout, one call a step": (file_layout, True),
+             "native, per layer": (native, False)}
     if not args.skip_dequantize:
         paths["dequantize"] = (load_model("smollm2", torch.float32, "cpu", weights="dequantize"), True)
     rates: dict[str, list[float]] = {name: [] for name in paths}

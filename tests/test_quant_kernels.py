@@ -76,9 +76,14 @@ def test_linear_matches_float_reference(library, level, type_code, tokens, rows,
     # Rows further apart than cols: a linear's input may be a view.
     x = torch.randn(tokens, cols + 8, generator=generator)[:, :cols]
 
-    y = quant_matmul.linear(library, x, Segments([(type_code, torch.from_numpy(blocks))], cols), level).double().numpy()
+    y = quant_matmul.linear(library, x, Segments([(type_code, torch.from_numpy(blocks))], cols), level)
+    assert_within_the_activations_rounding(y, x, weights)
 
-    x64 = x.double().numpy()
+
+def assert_within_the_activations_rounding(y: torch.Tensor, x: torch.Tensor, weights: np.ndarray) -> None:
+    """The module docstring's two bounds."""
+    y, x64 = y.double().numpy(), x.double().numpy()
+    tokens, rows = y.shape
     magnitude = np.abs(x64) @ np.abs(weights).T
     amax = np.abs(x64.reshape(tokens, -1, 32)).max(axis=-1)  # [T, blocks]
     weight_mass = np.abs(weights.reshape(rows, -1, 32)).sum(axis=-1)  # [rows, blocks]
@@ -86,6 +91,61 @@ def test_linear_matches_float_reference(library, level, type_code, tokens, rows,
     assert np.all(np.abs(y - x64 @ weights.T) <= bound * 1.001 + 1e-4 * magnitude + 1e-6)
     emulated = quantized_activations(x64) @ weights.T
     np.testing.assert_allclose(y, emulated, rtol=0, atol=1e-4 * magnitude.max() + 1e-6)
+
+
+def interleaved(library, type_code: int, blocks: np.ndarray) -> tuple[int, torch.Tensor]:
+    """A copy of the blocks held as QuantizedLinear holds them: eight rows interleaved."""
+    held = torch.from_numpy(blocks.copy())
+    code = quant_matmul.repack(library, type_code, held)
+    assert code == type_code | quant_matmul.X8
+    return code, held
+
+
+X8_TYPES = list(quant_matmul.X8_TYPES)
+
+
+@pytest.mark.parametrize("level", range(len(LEVELS)), ids=LEVELS)
+@pytest.mark.parametrize("type_code", X8_TYPES, ids=[KERNEL_TYPES[t] for t in X8_TYPES])
+@pytest.mark.parametrize(("tokens", "rows", "blocks_per_row"), [(1, 8, 1), (2, 24, 3), (5, 56, 2), (17, 40, 2)])
+def test_interleaved_linear_matches_float_reference(library, level, type_code, tokens, rows, blocks_per_row):
+    """The interleaved layout's kernels (and, at 17 tokens, the float product on its rows
+    written back as the file's) within the same bounds as the file's layout."""
+    if level > quant_matmul.best_level(library):
+        pytest.skip(f"this CPU lacks {LEVELS[level]}")
+    if tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS and level == 0:
+        pytest.skip("the float product needs a SIMD level")
+    cols = 32 * blocks_per_row
+    blocks = random_blocks(type_code, rows, cols, seed=type_code * 100 + rows)
+    x = torch.randn(tokens, cols + 8, generator=torch.Generator().manual_seed(tokens))[:, :cols]
+    y = quant_matmul.linear(library, x, Segments([interleaved(library, type_code, blocks)], cols), level)
+    if tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS:  # bfloat16 operands: the float product's own bound
+        weights = reference_weights(blocks, type_code)
+        reference = x.double().numpy() @ weights.T
+        magnitude = np.abs(x.double().numpy()) @ np.abs(weights).T
+        assert np.all(np.abs(y.double().numpy() - reference) <= 2 ** -7 * magnitude + 1e-6)
+    else:
+        assert_within_the_activations_rounding(y, x, reference_weights(blocks, type_code))
+
+
+@pytest.mark.parametrize("type_code", X8_TYPES, ids=[KERNEL_TYPES[t] for t in X8_TYPES])
+def test_interleaving_keeps_every_row(library, type_code):
+    """Rows looked up in the interleaved layout (an embedding tied to an lm_head) dequantize
+    to the file's values, all of them and any few, and a layout that cannot be had is
+    refused rather than half made."""
+    cols, rows = 96, 32
+    blocks = random_blocks(type_code, rows, cols, seed=type_code)
+    code, held = interleaved(library, type_code, blocks)
+    assert not np.array_equal(held.numpy(), blocks)  # rearranged, in place
+    expected = torch.from_numpy(reference_weights(blocks, type_code)).float()
+    everything = quant_matmul.dequantize_rows(library, held, code, cols, None, torch.float32)
+    torch.testing.assert_close(everything, expected, rtol=0, atol=0)
+    picked = torch.tensor([31, 0, 9, 9, 17])
+    torch.testing.assert_close(quant_matmul.dequantize_rows(library, held, code, cols, picked, torch.float32),
+                               expected[picked], rtol=0, atol=0)
+    odd = torch.from_numpy(random_blocks(type_code, 12, cols, seed=1))
+    assert quant_matmul.repack(library, type_code, odd) == type_code  # 12 rows: held as the file has them
+    with pytest.raises(ValueError, match="groups of 8"):
+        Segments([(code, held[:12])], cols)
 
 
 @pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
@@ -101,6 +161,11 @@ def test_levels_agree_on_a_model_sized_product(library, type_code):
     for level in levels_here(library)[1:]:
         torch.testing.assert_close(quant_matmul.linear(library, x, segments, level, float_from=None), portable,
                                    rtol=0, atol=1e-5 * scale)
+    if type_code in X8_TYPES:  # the first 96 rows interleaved, at every level
+        x8 = Segments([interleaved(library, type_code, blocks[:96].numpy())], cols)
+        for level in levels_here(library):
+            torch.testing.assert_close(quant_matmul.linear(library, x, x8, level, float_from=None),
+                                       portable[:, :96], rtol=0, atol=1e-5 * scale)
     bf16 = quant_matmul.linear(library, x.bfloat16(), segments, levels_here(library)[-1], float_from=None)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), portable, rtol=3e-2, atol=3e-2 * portable.abs().max().item())
@@ -113,13 +178,17 @@ def test_a_tokens_result_does_not_depend_on_its_step(library, type_code):
     whose last row is left alone, so a sequence's greedy tokens do not depend on what it
     is batched with."""
     cols, rows = 2 * quant_matmul.BLOCK_SIZES[type_code][0], 37
-    segments = Segments([(type_code, torch.from_numpy(random_blocks(type_code, rows, cols, seed=type_code)))], cols)
+    blocks = random_blocks(type_code, rows, cols, seed=type_code)
+    layouts = {"file": Segments([(type_code, torch.from_numpy(blocks))], cols)}
+    if type_code in X8_TYPES:  # and 40 rows interleaved
+        layouts["x8"] = Segments([interleaved(library, type_code, random_blocks(type_code, 40, cols, seed=2))], cols)
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(type_code))
-    for level in levels_here(library):
-        batched = quant_matmul.linear(library, x, segments, level)
-        for token in range(len(x)):
-            alone = quant_matmul.linear(library, x[token:token + 1], segments, level)
-            assert torch.equal(alone[0], batched[token]), f"{LEVELS[level]}, token {token}"
+    for layout, segments in layouts.items():
+        for level in levels_here(library):
+            batched = quant_matmul.linear(library, x, segments, level)
+            for token in range(len(x)):
+                alone = quant_matmul.linear(library, x[token:token + 1], segments, level)
+                assert torch.equal(alone[0], batched[token]), f"{layout}, {LEVELS[level]}, token {token}"
 
 
 @pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])

@@ -28,13 +28,41 @@ KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K
 # type -> (weights, bytes) per block
 BLOCK_SIZES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
                14: (256, 210)}
+# A type's code with this bit: its blocks with eight rows interleaved (csrc/quant_x8.h),
+# the layout Q4_0, Q4_1 and Q8_0 rows are held in when their count is a multiple of 8.
+X8 = 0x100
+X8_TYPES = (2, 3, 8)
+REPACK_ENV = "PAGEDKV_QUANT_REPACK"  # 0: hold every type as the file has it (to compare)
 
 _level: int | None = None
 
 
+def base_type(type_code: int) -> int:
+    return type_code & ~X8
+
+
+def type_name(type_code: int) -> str:
+    """The file's name of the type (Q4_1), whatever layout its blocks are held in."""
+    return KERNEL_TYPES[base_type(type_code)]
+
+
 def row_bytes(type_code: int, cols: int) -> int:
-    weights, size = BLOCK_SIZES[type_code]
+    weights, size = BLOCK_SIZES[base_type(type_code)]
     return cols // weights * size
+
+
+def repack(library: ctypes.CDLL, type_code: int, blocks: torch.Tensor) -> int:
+    """The type code to hold `blocks` under: Q4_0, Q4_1 and Q8_0 rows in eights are
+    rearranged in place into interleaved groups (what their kernels read fastest) and get
+    that layout's code; other blocks stay as they are, under their own code."""
+    if (type_code not in X8_TYPES or blocks.shape[0] % 8 != 0 or not blocks.is_contiguous()
+            or os.environ.get(REPACK_ENV, "1").strip() == "0"):
+        return type_code
+    cols = blocks.shape[1] // BLOCK_SIZES[type_code][1] * BLOCK_SIZES[type_code][0]
+    code = library.quant_repack_x8(blocks.data_ptr(), type_code, blocks.shape[0], cols)
+    if code < 0:
+        raise RuntimeError(f"quant_repack_x8 failed ({code}) for {KERNEL_TYPES[type_code]} {tuple(blocks.shape)}")
+    return code
 
 
 def best_level(library: ctypes.CDLL) -> int:
@@ -63,11 +91,14 @@ class Segments:
     def __init__(self, parts: Sequence[tuple[int, torch.Tensor]], cols: int) -> None:
         self.parts = [(type_code, blocks.contiguous()) for type_code, blocks in parts]
         for type_code, blocks in self.parts:
-            if type_code not in KERNEL_TYPES:
+            if base_type(type_code) not in KERNEL_TYPES or (type_code & X8 and base_type(type_code) not in X8_TYPES):
                 raise ValueError(f"ggml type {type_code} has no kernel")
             if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(type_code, cols):
-                raise ValueError(f"blocks of type {KERNEL_TYPES[type_code]} for {cols} columns must be uint8 "
+                raise ValueError(f"blocks of type {type_name(type_code)} for {cols} columns must be uint8 "
                                  f"[rows, {row_bytes(type_code, cols)}], got {blocks.dtype} {tuple(blocks.shape)}")
+            if type_code & X8 and blocks.shape[0] % 8:
+                raise ValueError(f"interleaved {type_name(type_code)} blocks come in groups of 8 rows, "
+                                 f"got {blocks.shape[0]}")
         self.cols = cols
         self.rows = sum(blocks.shape[0] for _, blocks in self.parts)
         count = len(self.parts)
@@ -150,5 +181,5 @@ def dequantize_rows(library: ctypes.CDLL, blocks: torch.Tensor, type_code: int, 
     return out
 
 
-__all__ = ["FLOAT_PRODUCT_TOKENS", "KERNEL_TYPES", "LEVELS", "Segments", "chosen_level", "dequantize_rows",
-           "float_product", "linear", "load", "row_bytes"]
+__all__ = ["FLOAT_PRODUCT_TOKENS", "KERNEL_TYPES", "LEVELS", "X8", "Segments", "base_type", "chosen_level",
+           "dequantize_rows", "float_product", "linear", "load", "repack", "row_bytes", "type_name"]

@@ -8,7 +8,9 @@ bounds a CPU decode. A QuantizedEmbedding dequantizes only the rows looked up; a
 lm_head shares its blocks.
 
 The blocks are plain attributes, not parameters or buffers: `.to(dtype)` and `to_empty`
-must not touch them (the kernel holds their pointers); weights_held.py counts them.
+must not touch them (the kernel holds their pointers); weights_held.py counts them. They
+are handed over: Q4_0, Q4_1 and Q8_0 rows are rearranged in place, eight rows interleaved
+(quant_matmul.repack), which their kernels read fastest; the bytes stay the file's.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, parts: Sequence[tuple[int, torch.Tensor]],
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        self._library = _library()
+        parts = [(quant_matmul.repack(self._library, type_code, blocks), blocks) for type_code, blocks in parts]
         self.segments = Segments(parts, in_features)
         self.in_features, self.out_features = in_features, self.segments.rows
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._library = _library()
         self._level = quant_matmul.chosen_level(self._library)
         # From this many tokens on, the product is in bfloat16 on dequantized tiles
         # (quant_matmul.linear); None keeps the integer kernel for every batch.
@@ -46,7 +49,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def types(self) -> list[str]:
-        return [quant_matmul.KERNEL_TYPES[type_code] for type_code, _ in self.segments.parts]
+        return [quant_matmul.type_name(type_code) for type_code, _ in self.segments.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -66,11 +69,14 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, type_code: int, blocks: torch.Tensor, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self._library = _library()
+        # Rearranged as a tied lm_head's linear holds them: the two share the blocks.
+        blocks = blocks.contiguous()
+        type_code = quant_matmul.repack(self._library, type_code, blocks)
         self.type_code, self.embedding_dim, self.dtype = type_code, embedding_dim, dtype
         self.segments = Segments([(type_code, blocks)], embedding_dim)  # checks the shape
         self.blocks = self.segments.parts[0][1]
         self.num_embeddings = self.blocks.shape[0]
-        self._library = _library()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = quant_matmul.dequantize_rows(self._library, self.blocks, self.type_code, self.embedding_dim,
@@ -82,5 +88,5 @@ class QuantizedEmbedding(nn.Module):
         return QuantizedLinear(self.embedding_dim, [(self.type_code, self.blocks)])
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, type={quant_matmul.KERNEL_TYPES[self.type_code]}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={quant_matmul.type_name(self.type_code)}"
 

@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
+from model_service.cpu_kernels.quant_matmul import type_name
 from model_service.models.packed_linear import PackedLinear, packed_nbytes
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
@@ -40,7 +40,7 @@ def weights_bytes_by_type(model: nn.Module) -> dict[str, int]:
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             for type_code, blocks in module.segments.parts:
-                hold(blocks.data_ptr(), KERNEL_TYPES[type_code], blocks)
+                hold(blocks.data_ptr(), type_name(type_code), blocks)
         elif isinstance(module, PackedLinear):
             # An opaque oneDNN tensor (no data pointer), keyed by identity.
             packed = module.packed_weight

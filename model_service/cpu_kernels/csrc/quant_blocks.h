@@ -21,13 +21,25 @@ enum {
     QTYPE_Q4_K = 12, QTYPE_Q5_K = 13, QTYPE_Q6_K = 14,
 };
 
+/* A type's code with this bit set: the same blocks, eight rows interleaved (quant_x8.h);
+ * only Q4_0, Q4_1 and Q8_0 have that layout. */
+#define QTYPE_X8 0x100
+
+static inline int qtype_base(int type) { return type & ~QTYPE_X8; }
+
+static inline int qtype_is_x8(int type) { return (type & QTYPE_X8) != 0; }
+
+static inline int qtype_has_x8(int base) { return base == QTYPE_Q4_0 || base == QTYPE_Q4_1 || base == QTYPE_Q8_0; }
+
 /* Weights per block and bytes per block of each type; 0 for a type without a kernel. */
 static inline int qtype_block_weights(int type) {
+    type = qtype_base(type);
     return type == QTYPE_Q4_K || type == QTYPE_Q5_K || type == QTYPE_Q6_K ? 256 : 32;
 }
 
 static inline int qtype_block_bytes(int type) {
-    switch (type) {
+    if (qtype_is_x8(type) && !qtype_has_x8(qtype_base(type))) return 0;
+    switch (qtype_base(type)) {
     case QTYPE_Q4_0: return 18;
     case QTYPE_Q4_1: return 20;
     case QTYPE_Q5_0: return 22;
@@ -45,16 +57,20 @@ static inline int64_t qtype_row_bytes(int type, int cols) {
     return (int64_t)cols / qtype_block_weights(type) * qtype_block_bytes(type);
 }
 
-/* Whether every segment's type has a kernel and its blocks tile a row of cols weights. */
-static inline int qtype_segments_fit(int segments, const int32_t *types, int cols) {
+/* Whether every segment's type has a kernel and its blocks tile a row of cols weights
+ * (and an interleaved segment's rows come in eights). */
+static inline int qtype_segments_fit(int segments, const int32_t *types, const int32_t *rows, int cols) {
     for (int i = 0; i < segments; i++)
-        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0) return 0;
+        if (qtype_block_bytes(types[i]) == 0 || cols % qtype_block_weights(types[i]) != 0
+            || (qtype_is_x8(types[i]) && rows[i] % 8 != 0))
+            return 0;
     return 1;
 }
 
 /* What the SIMD levels' unsigned unpacked values carry above the signed ones (v + offset):
  * Q4_0 8, Q5_0 16, Q6_K 32; 0 for the types with a min, and Q8_0's signed bytes. */
 static inline int qtype_unsigned_offset(int type) {
+    type = qtype_base(type);
     return type == QTYPE_Q4_0 ? 8 : type == QTYPE_Q5_0 ? 16 : type == QTYPE_Q6_K ? 32 : 0;
 }
 
@@ -156,13 +172,16 @@ static inline void unpack_sub(int type, const uint8_t *row, int64_t sub, int8_t 
 }
 
 /* Activations quantized per token to 8 bits per 32 values (llama.cpp's Q8_0 idea): for
- * token t, q[t * cols + i] int8, d[t * subs + s] the scale of sub-block s (x ~ d * q), and
+ * token t, q[t * cols + i] int8, d[t * subs + s] the scale of sub-block s (x ~ d * q),
  * scaled_sums[t * 2 * subs + h] = d times the sum of q over half-sub-block h (16 values),
- * which the types with an offset or a min need. cols is a multiple of 32; subs = cols / 32. */
+ * which the types with an offset or a min need, and isums[t * subs + s] the sum of q over
+ * sub-block s (the interleaved kernels take offsets off in integers). cols is a multiple
+ * of 32; subs = cols / 32. */
 typedef struct {
     const int8_t *q;
     const float *d;
     const float *scaled_sums;
+    const int32_t *isums;
     int cols;
 } quant_acts;
 

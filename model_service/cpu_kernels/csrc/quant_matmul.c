@@ -17,6 +17,7 @@
 
 #include "cpu_math.h"
 #include "quant_blocks.h"
+#include "quant_x8.h"
 
 #define QUANT_TOKEN_TILE 4
 #define QUANT_ROW_TILE 16
@@ -27,6 +28,8 @@ typedef void (*dot_fn)(const uint8_t *row, const quant_acts *acts, int64_t t0, i
 /* Two rows times one token (the SIMD levels; NULL at the portable one). */
 typedef void (*pair_fn)(const uint8_t *row0, const uint8_t *row1, const quant_acts *acts, int64_t token, int subs,
                         float *out);
+/* The 8 rows of an interleaved group times one token (the SIMD levels; NULL at the portable one). */
+typedef void (*x8_fn)(const uint8_t *group, const quant_acts *acts, int64_t token, int subs, float *out);
 
 /* ---- portable ---- */
 
@@ -100,18 +103,26 @@ __attribute__((constructor)) static void fill_half_table(void) {
 #pragma GCC target("avx2,fma,f16c")
 #define QS(name) name##_avx2
 #define QS_DOT32(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#define QS_DOT32_ACC(acc, u, s) _mm256_add_epi32((acc), QS_DOT32(u, s))
+#define QS_X8_FLIP_S8 0 /* maddubs's int16 pairs would saturate on 255 x 127 */
 #include "quant_simd.h"
 #undef QS
 #undef QS_DOT32
+#undef QS_DOT32_ACC
+#undef QS_X8_FLIP_S8
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #define QS(name) name##_vnni
 #define QS_DOT32(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#define QS_DOT32_ACC(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define QS_X8_FLIP_S8 1
 #include "quant_simd.h"
 #undef QS
 #undef QS_DOT32
+#undef QS_DOT32_ACC
+#undef QS_X8_FLIP_S8
 #pragma GCC pop_options
 #endif
 
@@ -138,6 +149,16 @@ static dot_fn select_dot(int level, int type) {
     return portable_select(type);
 }
 
+static x8_fn select_x8(int level, int type) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level >= QLEVEL_AVX512_VNNI) return select_x8_vnni(qtype_base(type));
+    if (level == QLEVEL_AVX2) return select_x8_avx2(qtype_base(type));
+#endif
+    (void)level;
+    (void)type;
+    return 0;
+}
+
 static pair_fn select_pair(int level, int type) {
 #if defined(__x86_64__) || defined(__i386__)
     if (level >= QLEVEL_AVX512_VNNI) return select_pair_vnni(type);
@@ -150,9 +171,10 @@ static pair_fn select_pair(int level, int type) {
 
 /* ---- activations ---- */
 
-/* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), and scale
- * times sum per 16. */
-static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums) {
+/* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), scale
+ * times sum per 16, and sum per 32. */
+static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
+                         int32_t *isums) {
     float block[32];
     for (int s = 0; s < cols / 32; s++) {
         load_row(block, x, offset + 32 * s, 32, dtype);
@@ -169,6 +191,7 @@ static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int
         }
         sums[2 * s] = d[s] * (float)first;
         sums[2 * s + 1] = d[s] * (float)second;
+        isums[s] = first + second;
     }
 }
 
@@ -182,6 +205,44 @@ static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
 }
 
+/* Row lane r of an interleaved group times one token, at the portable level: each row
+ * written back as the file's blocks, then dot_portable. */
+static void x8_portable(int base, const uint8_t *group, const quant_acts *acts, int64_t token, int subs, float *out) {
+    const int bytes = qtype_block_bytes(base);
+    uint8_t row[subs * bytes];
+    for (int r = 0; r < 8; r++) {
+        for (int s = 0; s < subs; s++) x8_gather_block(base, group, s, r, row + s * bytes);
+        dot_portable(base, row, acts, token, 1, subs, out + r);
+    }
+}
+
+/* An interleaved segment's share of quant_linear (inside its parallel region: the tiles
+ * split across its threads): y[t, row0 + r] for its `count` rows, eight at a time, each
+ * token on its own (the group's bytes stay in L1 between tokens), the next group asked for
+ * before a group is read. */
+static void x8_segment(int level, int type, const uint8_t *weights, int count, int cols, const quant_acts *acts,
+                       int tokens, void *y, int64_t y_stride, int64_t row0, int dtype) {
+    const x8_fn x8 = select_x8(level, type);
+    const int base = qtype_base(type), subs = cols / 32;
+    const int64_t group_bytes = 8 * qtype_row_bytes(base, cols);
+    const int tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
+#pragma omp for schedule(static) nowait
+    for (int tile = 0; tile < tiles; tile++) {
+        const int first = tile * QUANT_ROW_TILE;
+        const int last = first + QUANT_ROW_TILE < count ? first + QUANT_ROW_TILE : count;
+        for (int g = first; g < last; g += 8) {
+            const uint8_t *group = weights + (int64_t)(g / 8) * group_bytes;
+            prefetch_row(group + group_bytes, group_bytes);
+            float out[8];
+            for (int t = 0; t < tokens; t++) {
+                if (x8) x8(group, acts, t, subs, out);
+                else x8_portable(base, group, acts, t, subs, out);
+                for (int r = 0; r < 8; r++) store1(y, (int64_t)t * y_stride + row0 + g + r, out[r], dtype);
+            }
+        }
+    }
+}
+
 /* y[t, row0 + r] for the `segments` segments of rows: segment i has rows[i] rows of
  * types[i] at weights[i] (row-major blocks, cols / block weights blocks a row). x: tokens
  * rows of cols values (x_stride apart, dtype); y: tokens rows y_stride apart, same dtype.
@@ -190,26 +251,34 @@ static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
 int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int segments,
                  const int64_t *weights, const int32_t *types, const int32_t *rows, void *y, int64_t y_stride,
                  int level, int num_threads) {
-    if (cols % 32 != 0 || tokens <= 0 || !qtype_segments_fit(segments, types, cols)) return -1;
+    if (cols % 32 != 0 || tokens <= 0 || !qtype_segments_fit(segments, types, rows, cols)) return -1;
     const int subs = cols / 32;
     int8_t *q = malloc((size_t)tokens * cols);
     float *d = malloc((size_t)tokens * subs * sizeof(float));
     float *sums = malloc((size_t)tokens * subs * 2 * sizeof(float));
-    if (q == NULL || d == NULL || sums == NULL) {
+    int32_t *isums = malloc((size_t)tokens * subs * sizeof(int32_t));
+    if (q == NULL || d == NULL || sums == NULL || isums == NULL) {
         free(q);
         free(d);
         free(sums);
+        free(isums);
         return -2;
     }
-    const quant_acts acts = {q, d, sums, cols};
+    const quant_acts acts = {q, d, sums, isums, cols};
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++)
             quantize_row(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
-                         sums + (int64_t)t * subs * 2);
+                         sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
         int64_t row0 = 0;
         for (int i = 0; i < segments; i++) {
+            if (qtype_is_x8(types[i])) {
+                x8_segment(level, types[i], (const uint8_t *)(intptr_t)weights[i], rows[i], cols, &acts, tokens, y,
+                           y_stride, row0, dtype);
+                row0 += rows[i];
+                continue;
+            }
             const dot_fn dot = select_dot(level, types[i]);
             const pair_fn pair = tokens == 1 ? select_pair(level, types[i]) : 0;
             const uint8_t *base = (const uint8_t *)(intptr_t)weights[i];
@@ -249,6 +318,7 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
     free(q);
     free(d);
     free(sums);
+    free(isums);
     return 0;
 }
 
@@ -259,16 +329,22 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
 int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t *types, const int32_t *rows,
                             int cols, int row_begin, int row_end, void *out, int dtype, int level, int num_threads) {
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || level < QLEVEL_AVX2 || cols % 32 != 0
-        || !qtype_segments_fit(segments, types, cols))
+        || !qtype_segments_fit(segments, types, rows, cols))
         return -1;
 #if defined(__x86_64__) || defined(__i386__)
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int r = row_begin; r < row_end; r++) {
         int segment = 0, first = 0;
         while (r >= first + rows[segment]) first += rows[segment++];
-        const int type = types[segment];
+        const int type = qtype_base(types[segment]);
         const int64_t row_bytes = qtype_row_bytes(type, cols);
-        const uint8_t *row = (const uint8_t *)(intptr_t)weights[segment] + (r - first) * row_bytes;
+        const uint8_t *segment_blocks = (const uint8_t *)(intptr_t)weights[segment];
+        uint8_t gathered[qtype_is_x8(types[segment]) ? row_bytes : 1];
+        const uint8_t *row = segment_blocks + (r - first) * row_bytes;
+        if (qtype_is_x8(types[segment])) {
+            x8_gather_row(types[segment], segment_blocks, r - first, cols, gathered);
+            row = gathered;
+        }
         const int64_t out_offset = (int64_t)(r - row_begin) * cols;
         if (level >= QLEVEL_AVX512_VNNI) dequantize_row_vnni(type, row, cols / 32, out, out_offset, dtype);
         else dequantize_row_avx2(type, row, cols / 32, out, out_offset, dtype);
@@ -285,9 +361,17 @@ int quant_dequantize_rows(const uint8_t *weights, int type, int cols, const int6
                           int dtype, int num_threads) {
     if (qtype_block_bytes(type) == 0 || cols % qtype_block_weights(type) != 0) return -1;
     const int64_t row_bytes = qtype_row_bytes(type, cols);
+    const int x8 = qtype_is_x8(type);
+    type = qtype_base(type);
 #pragma omp parallel for num_threads(num_threads) if (n > 1)
     for (int i = 0; i < n; i++) {
-        const uint8_t *row = weights + (indices ? indices[i] : i) * row_bytes;
+        const int64_t index = indices ? indices[i] : i;
+        uint8_t gathered[x8 ? row_bytes : 1];
+        const uint8_t *row = weights + index * row_bytes;
+        if (x8) {
+            x8_gather_row(type | QTYPE_X8, weights, index, cols, gathered);
+            row = gathered;
+        }
         int8_t v[32];
         float scale[2], min, values[32];
         for (int s = 0; s < cols / 32; s++) {
@@ -297,4 +381,24 @@ int quant_dequantize_rows(const uint8_t *weights, int type, int cols, const int6
         }
     }
     return 0;
+}
+
+/* Rearranges `rows` rows of cols weights of the type (the file's blocks) in place into
+ * interleaved groups of eight (quant_x8.h). Returns the layout's type code (type |
+ * QTYPE_X8), or -1 where there is none (another type, rows not a multiple of 8), -2
+ * without scratch memory; the blocks are untouched then. */
+int quant_repack_x8(uint8_t *blocks, int type, int rows, int cols) {
+    if (!qtype_has_x8(type) || qtype_is_x8(type) || rows % 8 != 0 || cols % 32 != 0) return -1;
+    const int bytes = qtype_block_bytes(type);
+    const int64_t row_bytes = qtype_row_bytes(type, cols), group_bytes = 8 * row_bytes;
+    uint8_t *copy = malloc(group_bytes);
+    if (copy == NULL) return -2;
+    for (int64_t g = 0; g < rows / 8; g++) {
+        uint8_t *group = blocks + g * group_bytes;
+        memcpy(copy, group, group_bytes);
+        for (int r = 0; r < 8; r++)
+            for (int s = 0; s < cols / 32; s++) x8_scatter_block(type, group, s, r, copy + r * row_bytes + s * bytes);
+    }
+    free(copy);
+    return type | QTYPE_X8;
 }

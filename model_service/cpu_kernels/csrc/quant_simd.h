@@ -173,6 +173,99 @@ static inline __attribute__((always_inline)) void QS(pair_rows)(const int type, 
     out[1] = QS(hsum)(_mm256_add_ps(even1, odd1)) + extra_even1 + extra_odd1;
 }
 
+/* out[r] = row r of an interleaved group (quant_x8.h) . activations of one token, r < 8.
+ * Two integer accumulators a sub-block (low and high nibbles, or alternate int8 chunks)
+ * and two float ones (even and odd sub-blocks): no chain of dependent adds bounds the
+ * loop. Q4_0's offset of 8, and at the VNNI level Q8_0's (its signed weights are read as
+ * unsigned by flipping their top bit: w + 128), come off the integer sum exactly
+ * (acts->isums); Q4_1's min is added in floats, against the activations' scaled sums. */
+/* acc + sub-block s of an interleaved group times one token's activations a (lane r: row r). */
+static inline __attribute__((always_inline)) __m256 QS(x8_sub)(const int base, const uint8_t *group, int s,
+                                                                const int8_t *a, float d, float sum,
+                                                                int32_t isum, __m256 acc) {
+    const int bytes = qtype_block_bytes(base), header = x8_header_bytes(base);
+    const uint8_t *g = group + (int64_t)s * 8 * bytes, *payload = g + 8 * header;
+    const uint8_t *ab = (const uint8_t *)a;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
+    int offset = 0;
+    if (base == QTYPE_Q8_0) {
+        for (int j = 0; j < 8; j += 2) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(payload + 32 * j));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(payload + 32 * j + 32));
+            const __m256i a0 = _mm256_set1_epi32((int)load_u32(ab + 4 * j));
+            const __m256i a1 = _mm256_set1_epi32((int)load_u32(ab + 4 * j + 4));
+#if QS_X8_FLIP_S8
+            const __m256i top = _mm256_set1_epi8((char)0x80);
+            first = QS_DOT32_ACC(first, _mm256_xor_si256(w0, top), a0);
+            second = QS_DOT32_ACC(second, _mm256_xor_si256(w1, top), a1);
+#else
+            first = QS_DOT32_ACC(first, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(a0, w0));
+            second = QS_DOT32_ACC(second, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(a1, w1));
+#endif
+        }
+        offset = QS_X8_FLIP_S8 ? 128 : 0;
+    } else {
+        for (int j = 0; j < 4; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(payload + 32 * j));
+            first = QS_DOT32_ACC(first, _mm256_and_si256(w, low4), _mm256_set1_epi32((int)load_u32(ab + 4 * j)));
+            second = QS_DOT32_ACC(second, _mm256_and_si256(_mm256_srli_epi16(w, 4), low4),
+                                  _mm256_set1_epi32((int)load_u32(ab + 16 + 4 * j)));
+        }
+        offset = base == QTYPE_Q4_0 ? 8 : 0;
+    }
+    __m256i dot = _mm256_add_epi32(first, second);
+    if (offset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * isum));
+    const __m256 scales = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(d));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, acc);
+    if (base == QTYPE_Q4_1)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))), _mm256_set1_ps(sum), acc);
+    return acc;
+}
+
+/* out[r] = row r of an interleaved group (quant_x8.h) . activations of one token, r < 8.
+ * Two integer accumulators a sub-block (low and high nibbles, or alternate int8 chunks)
+ * and two float ones (even and odd sub-blocks): no chain of dependent adds bounds the
+ * loop. Q4_0's offset of 8, and at the VNNI level Q8_0's (its signed weights are read as
+ * unsigned by flipping their top bit: w + 128), come off the integer sum exactly
+ * (acts->isums); Q4_1's min is added in floats, against the activations' scaled sums.
+ * A token's result does not depend on the others in its step. */
+static inline __attribute__((always_inline)) void QS(x8_group)(const int base, const uint8_t *group,
+                                                                const quant_acts *acts, int64_t token, int subs,
+                                                                float *out) {
+    const int8_t *q = acts->q + token * acts->cols;
+    const float *d = acts->d + token * subs, *sums = acts->scaled_sums + token * subs * 2;
+    const int32_t *isums = acts->isums + token * subs;
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int s = 0;
+    for (; s + 1 < subs; s += 2) {
+        even = QS(x8_sub)(base, group, s, q + 32 * s, d[s], sums[2 * s] + sums[2 * s + 1], isums[s], even);
+        odd = QS(x8_sub)(base, group, s + 1, q + 32 * s + 32, d[s + 1], sums[2 * s + 2] + sums[2 * s + 3],
+                         isums[s + 1], odd);
+    }
+    if (s < subs) even = QS(x8_sub)(base, group, s, q + 32 * s, d[s], sums[2 * s] + sums[2 * s + 1], isums[s], even);
+    _mm256_storeu_ps(out, _mm256_add_ps(even, odd));
+}
+
+#define QS_X8_FN(TYPE_NAME, TYPE_CODE)                                                                     \
+    static void QS(x8_##TYPE_NAME)(const uint8_t *group, const quant_acts *acts, int64_t token, int subs,  \
+                                   float *out) {                                                          \
+        QS(x8_group)(TYPE_CODE, group, acts, token, subs, out);                                            \
+    }
+QS_X8_FN(q4_0, QTYPE_Q4_0)
+QS_X8_FN(q4_1, QTYPE_Q4_1)
+QS_X8_FN(q8_0, QTYPE_Q8_0)
+#undef QS_X8_FN
+
+static x8_fn QS(select_x8)(int base) {
+    switch (base) {
+    case QTYPE_Q4_0: return QS(x8_q4_0);
+    case QTYPE_Q4_1: return QS(x8_q4_1);
+    case QTYPE_Q8_0: return QS(x8_q8_0);
+    default: return 0;
+    }
+}
+
 /* Eight float32 values stored as dtype (float32, or bfloat16 rounded to nearest even;
  * values are never NaN here). */
 static inline __attribute__((always_inline)) void QS(store8)(void *out, int64_t i, __m256 w, int dtype) {
