@@ -151,6 +151,7 @@ def float_product(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, lev
     tokens, cols = x.shape
     rows = segments.rows
     tile_rows = max(16, min(rows, FLOAT_TILE_BYTES // (2 * cols)))
+    tile_rows -= tile_rows % 8  # interleaved groups of 8 rows are dequantized whole
     tile = torch.empty((tile_rows, cols), dtype=torch.bfloat16)
     x16 = x.to(torch.bfloat16)
     out = torch.empty((tokens, rows), dtype=x.dtype)

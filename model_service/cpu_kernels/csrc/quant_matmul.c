@@ -342,6 +342,17 @@ int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t 
         uint8_t gathered[qtype_is_x8(types[segment]) ? row_bytes : 1];
         const uint8_t *row = segment_blocks + (r - first) * row_bytes;
         if (qtype_is_x8(types[segment])) {
+            /* A group wholly in the range is done at its first row, eight rows at once;
+             * a row of a group cut by the range's ends is written back as the file's. */
+            const int group_start = r - (r - first) % 8;
+            if (group_start >= row_begin && group_start + 8 <= row_end) {
+                if (r != group_start) continue;
+                const uint8_t *group = segment_blocks + (int64_t)(r - first) * row_bytes;
+                const int64_t out_offset = (int64_t)(r - row_begin) * cols;
+                if (level >= QLEVEL_AVX512_VNNI) dequantize_group_x8_vnni(type, group, cols / 32, out, out_offset, dtype);
+                else dequantize_group_x8_avx2(type, group, cols / 32, out, out_offset, dtype);
+                continue;
+            }
             x8_gather_row(types[segment], segment_blocks, r - first, cols, gathered);
             row = gathered;
         }

@@ -304,6 +304,63 @@ static void QS(dequantize_row)(const int type, const uint8_t *row, int subs, voi
     }
 }
 
+/* w's first four values at element `first` of out, its last four at `second`, as dtype
+ * (float32, or bfloat16 rounded to nearest even as store8 does). */
+static inline __attribute__((always_inline)) void QS(store_pair)(void *out, int64_t first, int64_t second,
+                                                                  __m256 w, int dtype) {
+    if (dtype == DTYPE_F32) {
+        _mm_storeu_ps((float *)out + first, _mm256_castps256_ps128(w));
+        _mm_storeu_ps((float *)out + second, _mm256_extractf128_ps(w, 1));
+        return;
+    }
+    __m256i bits = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storel_epi64((__m128i *)((uint16_t *)out + first), packed);
+    _mm_storel_epi64((__m128i *)((uint16_t *)out + second), _mm_unpackhi_epi64(packed, packed));
+}
+
+/* The 8 rows of an interleaved group as dtype (float32 or bfloat16): row r at element
+ * out_offset + r * cols of out, each value what dequantize_row gives for the file's row
+ * (w = scale v + min, or scale v - offset scale: the same single rounding). Two rows at a
+ * time: 8 bytes of a chunk vector are row 2p's four and row 2p + 1's. */
+static void QS(dequantize_group_x8)(const int base, const uint8_t *group, int subs, void *out, int64_t out_offset,
+                                    int dtype) {
+    const int bytes = qtype_block_bytes(base), header = x8_header_bytes(base);
+    const int64_t cols = 32 * (int64_t)subs;
+    for (int s = 0; s < subs; s++) {
+        const uint8_t *g = group + (int64_t)s * 8 * bytes, *payload = g + 8 * header;
+        const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        __m256 bases = base == QTYPE_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                       : base == QTYPE_Q4_0 ? _mm256_mul_ps(scales, _mm256_set1_ps(-8.0f))
+                                            : _mm256_setzero_ps();
+        for (int pair = 0; pair < 4; pair++) {
+            const __m256i lanes = _mm256_set_epi32(2 * pair + 1, 2 * pair + 1, 2 * pair + 1, 2 * pair + 1,
+                                                   2 * pair, 2 * pair, 2 * pair, 2 * pair);
+            const __m256 scale = _mm256_permutevar8x32_ps(scales, lanes);
+            const __m256 min = _mm256_permutevar8x32_ps(bases, lanes);
+            const int64_t first = out_offset + (int64_t)(2 * pair) * cols + 32 * s;
+            const int64_t second = first + cols;
+            const int chunks = base == QTYPE_Q8_0 ? 8 : 4;
+            for (int j = 0; j < chunks; j++) {
+                /* 8 bytes: row 2 pair's chunk, then row 2 pair + 1's */
+                const __m128i both = _mm_loadl_epi64((const __m128i *)(payload + 32 * j + 8 * pair));
+                if (base == QTYPE_Q8_0) {
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both));
+                    QS(store_pair)(out, first + 4 * j, second + 4 * j, _mm256_fmadd_ps(v, scale, min), dtype);
+                    continue;
+                }
+                const __m256i nibbles = _mm256_cvtepu8_epi32(both);
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, _mm256_set1_epi32(0x0F)));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(nibbles, 4));
+                QS(store_pair)(out, first + 4 * j, second + 4 * j, _mm256_fmadd_ps(lo, scale, min), dtype);
+                QS(store_pair)(out, first + 16 + 4 * j, second + 16 + 4 * j, _mm256_fmadd_ps(hi, scale, min), dtype);
+            }
+        }
+    }
+}
+
 /* One function per type, nt a constant (4, or 1 for a tail: fewer cases to compile). */
 #define QS_TYPE_FN(TYPE_NAME, TYPE_CODE)                                                                  \
     static void QS(dot_##TYPE_NAME)(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
