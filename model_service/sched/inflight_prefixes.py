@@ -17,30 +17,35 @@ with different tokens before them, never match.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from model_service.sched.sequence import Sequence
 
 
-def block_chain(seq: Sequence, block_size: int, num_tokens: int) -> Iterator[int]:
-    """Hashes of the chains of seq's full blocks within its first `num_tokens` tokens."""
-    parent = hash((seq.tenant, seq.cache_salt))
+def block_chain(seq: Sequence, block_size: int, num_tokens: int) -> list[int]:
+    """Hashes of the chains of seq's full blocks within its first `num_tokens` tokens,
+    extending what the sequence keeps (Sequence.block_chain) as far as needed."""
+    if seq.block_chain_size != block_size:  # a pool of another geometry since
+        seq.block_chain, seq.block_chain_size = [], block_size
+    chain = seq.block_chain
+    wanted = num_tokens // block_size
     tokens = seq.token_ids
-    for start in range(0, num_tokens - num_tokens % block_size, block_size):
-        parent = hash((parent, *tokens[start:start + block_size]))
-        yield parent
+    while len(chain) < wanted:
+        start = len(chain) * block_size
+        parent = chain[-1] if chain else hash((seq.tenant, seq.cache_salt))
+        chain.append(hash((parent, *tokens[start:start + block_size])))
+    return chain[:wanted]
 
 
 class InflightPrefixes:
     """The full blocks that sequences will compute but have not committed, by chain; and
     which waiting prompts to hold for them (at least `min_tokens` of their prompt). Made
-    for one admission pass: a waiting prompt's chain is hashed once in it."""
+    for one admission pass."""
 
     def __init__(self, block_size: int, min_tokens: int) -> None:
         self.block_size = block_size
         self.min_tokens = min_tokens
         self._pending: set[int] = set()
-        self._chains: dict[int, list[int]] = {}
 
     @property
     def active(self) -> bool:
@@ -55,8 +60,7 @@ class InflightPrefixes:
         for seq in seqs:
             committed = seq.num_computed // self.block_size
             if committed < seq.prompt_len // self.block_size:
-                chain = block_chain(seq, self.block_size, seq.prompt_len)
-                self._pending.update(key for index, key in enumerate(chain) if index >= committed)
+                self._pending.update(block_chain(seq, self.block_size, seq.prompt_len)[committed:])
 
     def holds(self, seq: Sequence) -> bool:
         """Whether seq should wait: it would look its prompt up in the prefix cache, and at
@@ -64,8 +68,6 @@ class InflightPrefixes:
         computed, so only blocks before it count)."""
         if not self.active or not seq.reuse_prefix:
             return False
-        chain = self._chains.get(id(seq))
-        if chain is None:
-            chain = self._chains[id(seq)] = list(block_chain(seq, self.block_size, len(seq.token_ids) - 1))
+        chain = block_chain(seq, self.block_size, len(seq.token_ids) - 1)
         shared = sum(self.block_size for key in chain if key in self._pending)
         return shared >= self.min_tokens

@@ -75,6 +75,11 @@ class Sequence:
     cache_salt: str = ""
     # Whose request it is (--api-keys), by name; "": no tenant.
     tenant: str = ""
+    # Hashes naming its full blocks of block_chain_size tokens by chain
+    # (sched/inflight_prefixes.py), as far as asked for: tokens only ever grow, so each
+    # block is hashed once.
+    block_chain: list[int] = field(default_factory=list)
+    block_chain_size: int = 0
 
     @property
     def num_output(self) -> int:
