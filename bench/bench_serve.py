@@ -9,8 +9,8 @@ each, otherwise their defaults (prefix caching on in both); requests are greedy
 (--temperature 0) with eos ignored. vLLM's server and the client
 run from the vLLM venv through bench/vllm_cli.py; pagedkv's services are real processes
 of this venv. Both servers stay up; each cell runs on one and then the other, who goes
-first alternating by round, every round on new prompts (a new --seed; the same prompts
-for both servers within a round). The table gives each metric's median over the rounds.
+first alternating by round, every cell of every round on new prompts (a --seed of its
+own; the same prompts for every server within a cell of a round). The table gives each metric's median over the rounds.
 
 Cells (--cells picks some, in this order):
   c1, c8, c32  random prompts of 128-384 tokens, 128 out, at concurrency 1, 8, 32
@@ -224,10 +224,13 @@ def main() -> int:
             run_client(python, urls[server], model_dir, warmup, 10_000, tmp, f"warmup-{file_name(server)}")
         for round_index in range(args.rounds):
             order = servers if round_index % 2 == 0 else servers[::-1]
-            for cell in chosen:
+            for cell_index, cell in enumerate(chosen):
+                # Every cell of every round on prompts of its own: c8 and c32 draw the same
+                # random prompts from one seed, and the second would find the first's cached.
+                seed = 1000 * round_index + cell_index
                 for server in order:
                     result = run_client(python, urls[server], model_dir, cell.client_args(args.num_prompts),
-                                        round_index, tmp, f"{cell.name}-{file_name(server)}-{round_index}")
+                                        seed, tmp, f"{cell.name}-{file_name(server)}-{round_index}")
                     results[cell.name][server].append(result)
                     print(f"  round {round_index + 1} {cell.name} {server}: {result['output_throughput']:.1f} tok/s, "
                           f"TTFT p50 {result['median_ttft_ms']:.0f} ms, ITL p99 {result['p99_itl_ms']:.0f} ms",

@@ -11,7 +11,8 @@ from model_service.sched.scheduler import POLICIES
 # SmolLM2 bfloat16 on CPU: a step of 32 decoding streams and a 512-token chunk took 7x the
 # decode-only step, one with 2,048 tokens 34x (one thread, CPU time); capped at 512, a burst's
 # prompts still go in few steps (bench/step_time_vs_chunk.py, bench/sched_sim.py; BENCHMARKS.md,
-# "Issue 29").
+# "Issue 29"). Against vLLM's server, 256 cut ITL p99 by a third but cost c32 6 % of its
+# tokens/s and its lead on TTFT p99 (BENCHMARKS.md, "the cap, quiet").
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 512
 # Two blocks of 16: a prompt waits a step or so for a prefix this long rather than compute it
 # again (sched/inflight_prefixes.py; bench/sched_sim.py's prefix16 row in BENCHMARKS.md).
