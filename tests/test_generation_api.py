@@ -4,6 +4,7 @@ and random sampling parameters that must never crash the engine."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import re
 
