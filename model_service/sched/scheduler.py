@@ -24,6 +24,10 @@ need, and a normally finished sequence's release may wait up to `release_hold_s`
 a call (lease_ahead.py): about one call every block_size steps at 48 streams, instead of
 nearly one a step.
 
+A waiting prompt whose leading full blocks another sequence is still computing is held
+back until they are committed (`prefix_hold_min_tokens`, inflight_prefixes.py): admitted
+then, it finds them cached instead of computing them beside that sequence.
+
 Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
 (priority, arrival) and preempts the lowest priority (largest number), newest first.
 Under either, tenants with a share of the pool (`tenant_kv_blocks`, from --api-keys
