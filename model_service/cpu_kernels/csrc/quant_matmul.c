@@ -11,7 +11,9 @@
  * rows are Q6_K and Q and K rows Q4_K, as Q4_K_M files have): one call quantizes x once
  * and fills every segment's columns of y. Rows split across threads in tiles of
  * QUANT_ROW_TILE; tokens go QUANT_TOKEN_TILE at a time, so a prefill or a batch of decodes
- * unpacks each sub-block once per four tokens.
+ * unpacks each sub-block once per four tokens. A segment held with eight rows interleaved
+ * (quant_x8.h: Q4_0, Q4_1, Q8_0) goes a group of eight rows at a time instead
+ * (x8_segment).
  */
 #include <stdlib.h>
 
@@ -205,7 +207,7 @@ static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
 }
 
-/* Row lane r of an interleaved group times one token, at the portable level: each row
+/* The 8 rows of an interleaved group times one token, at the portable level: each row
  * written back as the file's blocks, then dot_portable. */
 static void x8_portable(int base, const uint8_t *group, const quant_acts *acts, int64_t token, int subs, float *out) {
     const int bytes = qtype_block_bytes(base);

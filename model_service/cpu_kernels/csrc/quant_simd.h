@@ -1,10 +1,15 @@
 /* One weight row of a quantized type times up to QUANT_TOKEN_TILE tokens' 8-bit
- * activations, with 256-bit integer dot products: included once per instruction-set
- * level by quant_matmul.c, which defines
+ * activations, with 256-bit integer dot products (and, for the interleaved layout of
+ * quant_x8.h, eight rows times one token, x8_group; and rows dequantized for the float
+ * product): included once per instruction-set level by quant_matmul.c, which defines
  *     QS(name)        the level's name for a function (a suffix),
  *     QS_DOT32(u, s)  32 unsigned bytes u times 32 signed bytes s, summed in fours into
  *                     8 int32 lanes (lane i holds bytes 4i..4i+3): AVX2's maddubs +
  *                     madd, or one AVX-512 VNNI dpbusd.
+ *     QS_DOT32_ACC(acc, u, s)  the same, added to acc.
+ *     QS_X8_FLIP_S8   1 where Q8_0's signed weights may be read as unsigned (w + 128,
+ *                     dpbusd's int32 sums hold it), 0 where maddubs's int16 pairs would
+ *                     saturate (the sign trick instead).
  * inside a `#pragma GCC target` for that level.
  *
  * Each 32-weight sub-block is unpacked into 32 unsigned bytes (Q8_0: signed, multiplied
