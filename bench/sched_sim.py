@@ -133,10 +133,10 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
         for _ in range(min(count, len(queue))):
             index, (prompt, out) = queue.pop(0)
             request_id = f"r{index}"
-            scheduler.add(Sequence(request_id=request_id, token_ids=list(prompt), prompt_len=len(prompt),
-                                   options=SamplingOptions(max_new_tokens=out, ignore_eos=True), arrival=index))
+            seqs[request_id] = Sequence(request_id=request_id, token_ids=list(prompt), prompt_len=len(prompt),
+                                        options=SamplingOptions(max_new_tokens=out, ignore_eos=True), arrival=index)
+            scheduler.add(seqs[request_id])
             arrivals[request_id], tokens_at[request_id] = now, []
-            seqs[request_id] = scheduler.waiting[-1]
             started += 1
 
     send(concurrency)
@@ -160,13 +160,12 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
             tokens_at[seq.request_id].append(now)
         finished = scheduler.update_from_output(step, StepOutput(sampled=sampled))
         send(len(finished))
-    seq_cached = {rid: seq.cached_tokens for rid, seq in seqs.items()}
     ttft = [times[0] - arrivals[rid] for rid, times in tokens_at.items()]
     itl = [later - earlier for times in tokens_at.values() for earlier, later in itertools.pairwise(times)]
     total = sum(len(times) for times in tokens_at.values())
-    prefill = sum(len(prompt) for prompt, _ in prompts) - sum(seq_cached.values())
-    return {"prefill": prefill, "tok_s": 1e3 * total / now, "ttft50": statistics.median(ttft), "ttft99": percentile(ttft, 99),
-            "itl50": statistics.median(itl), "itl99": percentile(itl, 99)}
+    prefill = sum(len(prompt) for prompt, _ in prompts) - sum(seq.cached_tokens for seq in seqs.values())
+    return {"prefill": prefill, "tok_s": 1e3 * total / now, "ttft50": statistics.median(ttft),
+            "ttft99": percentile(ttft, 99), "itl50": statistics.median(itl), "itl99": percentile(itl, 99)}
 
 
 def main() -> int:

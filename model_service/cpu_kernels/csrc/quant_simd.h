@@ -178,12 +178,6 @@ static inline __attribute__((always_inline)) void QS(pair_rows)(const int type, 
     out[1] = QS(hsum)(_mm256_add_ps(even1, odd1)) + extra_even1 + extra_odd1;
 }
 
-/* out[r] = row r of an interleaved group (quant_x8.h) . activations of one token, r < 8.
- * Two integer accumulators a sub-block (low and high nibbles, or alternate int8 chunks)
- * and two float ones (even and odd sub-blocks): no chain of dependent adds bounds the
- * loop. Q4_0's offset of 8, and at the VNNI level Q8_0's (its signed weights are read as
- * unsigned by flipping their top bit: w + 128), come off the integer sum exactly
- * (acts->isums); Q4_1's min is added in floats, against the activations' scaled sums. */
 /* acc + sub-block s of an interleaved group times one token's activations a (lane r: row r). */
 static inline __attribute__((always_inline)) __m256 QS(x8_sub)(const int base, const uint8_t *group, int s,
                                                                 const int8_t *a, float d, float sum,
@@ -271,18 +265,21 @@ static x8_fn QS(select_x8)(int base) {
     }
 }
 
-/* Eight float32 values stored as dtype (float32, or bfloat16 rounded to nearest even;
- * values are never NaN here). */
+/* Eight float32 values as bfloat16, rounded to nearest even (values are never NaN here). */
+static inline __attribute__((always_inline)) __m128i QS(bf16x8)(__m256 w) {
+    __m256i bits = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+/* Eight float32 values stored as dtype (float32, or bfloat16: bf16x8). */
 static inline __attribute__((always_inline)) void QS(store8)(void *out, int64_t i, __m256 w, int dtype) {
     if (dtype == DTYPE_F32) {
         _mm256_storeu_ps((float *)out + i, w);
         return;
     }
-    __m256i bits = _mm256_castps_si256(w);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
-                     _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i), QS(bf16x8)(w));
 }
 
 /* A row's weights as dtype (float32 or bfloat16), w = scale (v - offset) + min per value
@@ -310,7 +307,7 @@ static void QS(dequantize_row)(const int type, const uint8_t *row, int subs, voi
 }
 
 /* w's first four values at element `first` of out, its last four at `second`, as dtype
- * (float32, or bfloat16 rounded to nearest even as store8 does). */
+ * (float32, or bfloat16: bf16x8). */
 static inline __attribute__((always_inline)) void QS(store_pair)(void *out, int64_t first, int64_t second,
                                                                   __m256 w, int dtype) {
     if (dtype == DTYPE_F32) {
@@ -318,10 +315,7 @@ static inline __attribute__((always_inline)) void QS(store_pair)(void *out, int6
         _mm_storeu_ps((float *)out + second, _mm256_extractf128_ps(w, 1));
         return;
     }
-    __m256i bits = _mm256_castps_si256(w);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    const __m128i packed = QS(bf16x8)(w);
     _mm_storel_epi64((__m128i *)((uint16_t *)out + first), packed);
     _mm_storel_epi64((__m128i *)((uint16_t *)out + second), _mm_unpackhi_epi64(packed, packed));
 }
