@@ -16,6 +16,7 @@ from gguf_checkpoints import write_gguf
 from paged_runner import PagedRunner
 
 from model_service.attention.metadata import AttentionMetadata
+from model_service.cpu_kernels import quant_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.loader import load_model
 from model_service.models.cpu_decode_stack import DecodeStack
@@ -24,30 +25,31 @@ PROMPTS = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
 DECODE_STEPS = 6
 
 
-def run(model, config, stack: bool, pool_dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+def run(model, config, stack: bool, pool_dtype: torch.dtype | None = None,
+        prompts: list[list[int]] = PROMPTS) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each decode step's logits and the pool after them (pool_dtype: an 8-bit pool, the
     model's scales set by the caller)."""
     model.decode_stack_enabled = stack
     runner = PagedRunner(model, config)
     if pool_dtype is not None:
         runner.pool = runner.pool.float().clamp(-400, 400).to(pool_dtype)
-    logits = runner.step([(str(i), prompt) for i, prompt in enumerate(PROMPTS)], num_decode_seqs=0)
+    logits = runner.step([(str(i), prompt) for i, prompt in enumerate(prompts)], num_decode_seqs=0)
     tokens = [int(rows[-1].argmax()) for rows in logits]
     steps = []
     for _ in range(DECODE_STEPS):
-        logits = runner.step([(str(i), [token]) for i, token in enumerate(tokens)], num_decode_seqs=len(PROMPTS))
+        logits = runner.step([(str(i), [token]) for i, token in enumerate(tokens)], num_decode_seqs=len(prompts))
         steps.append(torch.cat(logits))
         tokens = [int(rows[-1].argmax()) for rows in logits]
     return steps, runner.pool
 
 
-def assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype=None) -> None:
+def assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype=None, prompts=PROMPTS) -> None:
     model, config = loaded.model, loaded.config
-    reference_steps, reference_pool = run(model, config, stack=False, pool_dtype=pool_dtype)
+    reference_steps, reference_pool = run(model, config, stack=False, pool_dtype=pool_dtype, prompts=prompts)
     first_layer_calls = []
     layer_forward = model.layers[0].forward
     monkeypatch.setattr(model.layers[0], "forward", lambda *args: first_layer_calls.append(1) or layer_forward(*args))
-    steps, pool = run(model, config, stack=True, pool_dtype=pool_dtype)
+    steps, pool = run(model, config, stack=True, pool_dtype=pool_dtype, prompts=prompts)
     assert len(first_layer_calls) == 1, "a decode step took the per-layer path"  # the prefill alone
     assert isinstance(model._decode_stack, DecodeStack)
     for index, (ours, theirs) in enumerate(zip(steps, reference_steps, strict=True)):
@@ -71,6 +73,19 @@ def test_stack_on_an_fp8_pool_matches_the_layer_path(tmp_path, monkeypatch, pool
     loaded = load_model(str(path), torch.float32, "cpu", weights="native")
     loaded.model.set_kv_scales([(0.5 + layer, 0.25 * (layer + 1)) for layer in range(loaded.config.num_layers)])
     assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_large_decode_batch_takes_the_stack_when_every_linear_is_interleaved(tmp_path, monkeypatch, type_name):
+    """17 sequences decoding, past quant_matmul.FLOAT_PRODUCT_TOKENS: interleaved rows
+    multiply in integers at any batch, so the stack takes the step and gives the
+    per-layer path's bits. (Short prompts: 17 sequences of 8 tokens fill 34 of
+    PagedRunner's 48 blocks.)"""
+    path, _ = write_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name)
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 2)] for i in range(17)]
+    assert quant_matmul.FLOAT_PRODUCT_TOKENS <= len(prompts)
+    loaded = load_model(str(path), torch.float32, "cpu", weights="native")
+    assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
 
 
 def test_smollm2_stack_matches_the_layer_path(monkeypatch):

@@ -101,6 +101,8 @@ class Segments:
                                  f"got {blocks.shape[0]}")
         self.cols = cols
         self.rows = sum(blocks.shape[0] for _, blocks in self.parts)
+        # Interleaved rows multiply in integers at every token count (FLOAT_PRODUCT_TOKENS).
+        self.interleaved = all(type_code & X8 for type_code, _ in self.parts)
         count = len(self.parts)
         self.pointers = (ctypes.c_int64 * count)(*(blocks.data_ptr() for _, blocks in self.parts))
         self.types = (ctypes.c_int32 * count)(*(type_code for type_code, _ in self.parts))
@@ -111,10 +113,14 @@ class Segments:
         return sum(blocks.numel() for _, blocks in self.parts)
 
 
-# From this many tokens on, a product is faster in bfloat16 on weights dequantized a tile
-# at a time (oneDNN, AMX where the CPU has it) than by the integer kernel, whose time grows
-# with every token (BENCHMARKS.md, "One call a decode step, and the kernels again": even
-# at 16 tokens, 2.7x faster at 48 for a 3072 x 576 projection).
+# From this many tokens on, a product of rows held as the file's blocks is faster in
+# bfloat16 on weights dequantized a tile at a time (oneDNN, AMX where the CPU has it) than
+# by the integer kernel, whose time grows with every token (BENCHMARKS.md, "One call a
+# decode step, and the kernels again": even at 16 tokens, 2.7x faster at 48 for a 3072 x
+# 576 projection). Interleaved rows (X8) are not: their kernel unpacks a sub-block once
+# for a tile of tokens, and at the AVX-512 level takes sixteen rows a vector, which
+# measured 1.8x the float product at 48 tokens and at least level with it at 256
+# (BENCHMARKS.md, "Token tiles").
 FLOAT_PRODUCT_TOKENS = 16
 # Rows dequantized at a time: a tile of at most this many bytes of bfloat16 weights.
 FLOAT_TILE_BYTES = 4 << 20
@@ -125,9 +131,11 @@ def linear(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, level: int
            float_from: int | None = FLOAT_PRODUCT_TOKENS) -> torch.Tensor:
     """x [T, cols] (float32, bfloat16 or float16 on CPU, rows any distance apart) -> [T, rows].
     From `float_from` tokens on (None: never), a float32 or bfloat16 x at a SIMD level is
-    multiplied by float_product instead of the integer kernel."""
+    multiplied by float_product instead of the integer kernel, unless every row is
+    interleaved."""
     tokens = x.shape[0]
-    if float_from is not None and tokens >= float_from and x.dtype in _FLOAT_PRODUCT_DTYPES and level > 0:
+    if (float_from is not None and tokens >= float_from and x.dtype in _FLOAT_PRODUCT_DTYPES and level > 0
+            and not segments.interleaved):
         return float_product(library, x, segments, level)
     if x.stride(-1) != 1:
         x = x.contiguous()

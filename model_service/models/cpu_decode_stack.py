@@ -11,8 +11,8 @@ without bias, rotary tables in the model's dtype, the default paged attention on
 describes it to the C side once; `run` then takes a decode-only step on a pool of the
 model's own dtype (or an 8-bit pool under float32 activations), and answers None for
 anything else (a prefill, bfloat16 activations over an 8-bit pool, a batch large enough
-that the linears multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS), which the
-per-layer path serves.
+that linears not all interleaved multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS),
+which the per-layer path serves.
 """
 
 from __future__ import annotations
@@ -69,10 +69,12 @@ def _linear(module) -> _Linear | None:
 class DecodeStack:
     """The model described to decode_stack.c (weights by pointer: the model must outlive it)."""
 
-    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array, scaled: bool) -> None:
+    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array, scaled: bool, interleaved: bool) -> None:
         config = model.config
         self.model, self.library, self._layers = model, library, layers  # _layers: kept alive for the C side
         self.scaled = scaled  # the layers' 8-bit pool scales were set (an 8-bit pool is what it takes then)
+        # every linear's rows interleaved: integer products at any batch, as the per-layer path has them
+        self.interleaved = interleaved
         self.dtype = model.norm.weight.dtype
         self._described = _Model(
             num_layers=config.num_layers, hidden=config.hidden_size, q_heads=config.num_heads,
@@ -97,24 +99,25 @@ class DecodeStack:
         if rotary.cos_cache.dtype != norm_dtype or not rotary.cos_cache.is_contiguous() \
                 or not rotary.sin_cache.is_contiguous():
             return None
-        described = []
+        described, interleaved = [], True
         for layer in model.layers:
             attention = layer.self_attn
             if not isinstance(attention.attention, PagedAttention) or attention.attention.backend not in ("auto", "cpu"):
                 return None
-            linears = [_linear(attention.qkv_proj), _linear(attention.o_proj), _linear(layer.mlp.gate_up_proj),
-                       _linear(layer.mlp.down_proj)]
+            modules = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            linears = [_linear(module) for module in modules]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(linear is None for linear in linears) or any(
                     norm.dtype != norm_dtype or not norm.is_contiguous() for norm in norms):
                 return None
+            interleaved = interleaved and all(module.segments.interleaved for module in modules)
             k_scale, v_scale = attention.kv_scales or (1.0, 1.0)
             described.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears,
                                     attention.sliding_window or 0, k_scale, v_scale))
         # An 8-bit pool's scales are described too: set_kv_scales drops the stack, so a new
         # set is described again at the next step.
         scaled = model.layers[0].self_attn.kv_scales is not None
-        return cls(model, library, (_Layer * len(described))(*described), scaled)
+        return cls(model, library, (_Layer * len(described))(*described), scaled, interleaved)
 
     def points_at(self, model) -> bool:
         """Whether the weights described are still where `model` holds them (a `.to()` moves
@@ -130,7 +133,8 @@ class DecodeStack:
         is not one the stack takes."""
         tokens = hidden.shape[0]
         fp8 = is_fp8(kv_pool.dtype)
-        if (meta.num_decode_seqs != tokens or tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS  # products in bfloat16
+        if (meta.num_decode_seqs != tokens
+                or (tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS and not self.interleaved)  # products in bfloat16
                 or not kv_pool.is_contiguous() or kv_pool.device.type != "cpu"
                 or not hidden.is_contiguous() or hidden.dtype != self.dtype
                 or meta.block_size > paged_decode.MAX_BLOCK_SIZE

@@ -22,6 +22,13 @@
 #include "quant_x8.h"
 
 #define QUANT_TOKEN_TILE 4
+/* Tokens an interleaved group's unpacked sub-block serves at a time (quant_simd.h's
+ * x8_group): eight float accumulators and the eight weight vectors stay in registers
+ * (AVX-512 has 32 vector registers; at the AVX2 level some spill). */
+#define QUANT_X8_TOKENS 4
+/* The same for two groups a 512-bit vector (quant_simd.h's x16_group, the AVX-512 level):
+ * 16 float accumulators, 8 weight vectors and the integer sums fill its 32 registers. */
+#define QUANT_X16_TOKENS 8
 #define QUANT_ROW_TILE 16
 
 enum { QLEVEL_PORTABLE = 0, QLEVEL_AVX2 = 1, QLEVEL_AVX512_VNNI = 2 };
@@ -30,8 +37,13 @@ typedef void (*dot_fn)(const uint8_t *row, const quant_acts *acts, int64_t t0, i
 /* Two rows times one token (the SIMD levels; NULL at the portable one). */
 typedef void (*pair_fn)(const uint8_t *row0, const uint8_t *row1, const quant_acts *acts, int64_t token, int subs,
                         float *out);
-/* The 8 rows of an interleaved group times one token (the SIMD levels; NULL at the portable one). */
-typedef void (*x8_fn)(const uint8_t *group, const quant_acts *acts, int64_t token, int subs, float *out);
+/* The 8 rows of an interleaved group times tokens t0 .. t0 + nt - 1 (nt <= QUANT_X8_TOKENS),
+ * out[8 t + r] (the SIMD levels; NULL at the portable one). */
+typedef void (*x8_fn)(const uint8_t *group, const quant_acts *acts, int64_t t0, int nt, int subs, float *out);
+/* Two groups, group_bytes apart, times tokens t0 .. t0 + nt - 1 (nt <= QUANT_X16_TOKENS),
+ * out[16 t + r] (the AVX-512 level; NULL at the others). */
+typedef void (*x16_fn)(const uint8_t *group, int64_t group_bytes, const quant_acts *acts, int64_t t0, int nt,
+                       int subs, float *out);
 
 /* ---- portable ---- */
 
@@ -107,11 +119,13 @@ __attribute__((constructor)) static void fill_half_table(void) {
 #define QS_DOT32(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
 #define QS_DOT32_ACC(acc, u, s) _mm256_add_epi32((acc), QS_DOT32(u, s))
 #define QS_X8_FLIP_S8 0 /* maddubs's int16 pairs would saturate on 255 x 127 */
+#define QS_X16 0
 #include "quant_simd.h"
 #undef QS
 #undef QS_DOT32
 #undef QS_DOT32_ACC
 #undef QS_X8_FLIP_S8
+#undef QS_X16
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -120,11 +134,13 @@ __attribute__((constructor)) static void fill_half_table(void) {
 #define QS_DOT32(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
 #define QS_DOT32_ACC(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define QS_X8_FLIP_S8 1
+#define QS_X16 1
 #include "quant_simd.h"
 #undef QS
 #undef QS_DOT32
 #undef QS_DOT32_ACC
 #undef QS_X8_FLIP_S8
+#undef QS_X16
 #pragma GCC pop_options
 #endif
 
@@ -155,6 +171,15 @@ static x8_fn select_x8(int level, int type) {
 #if defined(__x86_64__) || defined(__i386__)
     if (level >= QLEVEL_AVX512_VNNI) return select_x8_vnni(qtype_base(type));
     if (level == QLEVEL_AVX2) return select_x8_avx2(qtype_base(type));
+#endif
+    (void)level;
+    (void)type;
+    return 0;
+}
+
+static x16_fn select_x16(int level, int type) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level >= QLEVEL_AVX512_VNNI) return select_x16_vnni(qtype_base(type));
 #endif
     (void)level;
     (void)type;
@@ -219,12 +244,13 @@ static void x8_portable(int base, const uint8_t *group, const quant_acts *acts, 
 }
 
 /* An interleaved segment's share of quant_linear (inside its parallel region: the tiles
- * split across its threads): y[t, row0 + r] for its `count` rows, eight at a time, each
- * token on its own (the group's bytes stay in L1 between tokens), the next group asked for
- * before a group is read. */
+ * split across its threads): y[t, row0 + r] for its `count` rows, eight at a time,
+ * QUANT_X8_TOKENS tokens at a time (the group's bytes stay in L1 between token tiles),
+ * the next group asked for before a group is read. */
 static void x8_segment(int level, int type, const uint8_t *weights, int count, int cols, const quant_acts *acts,
                        int tokens, void *y, int64_t y_stride, int64_t row0, int dtype) {
     const x8_fn x8 = select_x8(level, type);
+    const x16_fn x16 = select_x16(level, type);
     const int base = qtype_base(type), subs = cols / 32;
     const int64_t group_bytes = 8 * qtype_row_bytes(base, cols);
     const int tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
@@ -232,15 +258,33 @@ static void x8_segment(int level, int type, const uint8_t *weights, int count, i
     for (int tile = 0; tile < tiles; tile++) {
         const int first = tile * QUANT_ROW_TILE;
         const int last = first + QUANT_ROW_TILE < count ? first + QUANT_ROW_TILE : count;
-        for (int g = first; g < last; g += 8) {
+        for (int g = first; g < last;) {
             const uint8_t *group = weights + (int64_t)(g / 8) * group_bytes;
-            prefetch_row(group + group_bytes, group_bytes);
-            float out[8];
-            for (int t = 0; t < tokens; t++) {
-                if (x8) x8(group, acts, t, subs, out);
-                else x8_portable(base, group, acts, t, subs, out);
-                for (int r = 0; r < 8; r++) store1(y, (int64_t)t * y_stride + row0 + g + r, out[r], dtype);
+            if (x16 && g + 16 <= last) { /* two groups a vector */
+                prefetch_row(group + 2 * group_bytes, 2 * group_bytes);
+                float out[16 * QUANT_X16_TOKENS];
+                for (int t0 = 0; t0 < tokens; t0 += QUANT_X16_TOKENS) {
+                    const int nt = tokens - t0 < QUANT_X16_TOKENS ? tokens - t0 : QUANT_X16_TOKENS;
+                    x16(group, group_bytes, acts, t0, nt, subs, out);
+                    for (int t = 0; t < nt; t++)
+                        for (int r = 0; r < 16; r++)
+                            store1(y, (int64_t)(t0 + t) * y_stride + row0 + g + r, out[16 * t + r], dtype);
+                }
+                g += 16;
+                continue;
             }
+            prefetch_row(group + group_bytes, group_bytes);
+            float out[8 * QUANT_X8_TOKENS];
+            for (int t0 = 0; t0 < tokens; t0 += QUANT_X8_TOKENS) {
+                const int nt = tokens - t0 < QUANT_X8_TOKENS ? tokens - t0 : QUANT_X8_TOKENS;
+                if (x8) x8(group, acts, t0, nt, subs, out);
+                else
+                    for (int t = 0; t < nt; t++) x8_portable(base, group, acts, t0 + t, subs, out + 8 * t);
+                for (int t = 0; t < nt; t++)
+                    for (int r = 0; r < 8; r++)
+                        store1(y, (int64_t)(t0 + t) * y_stride + row0 + g + r, out[8 * t + r], dtype);
+            }
+            g += 8;
         }
     }
 }

@@ -178,78 +178,191 @@ static inline __attribute__((always_inline)) void QS(pair_rows)(const int type, 
     out[1] = QS(hsum)(_mm256_add_ps(even1, odd1)) + extra_even1 + extra_odd1;
 }
 
-/* acc + sub-block s of an interleaved group times one token's activations a (lane r: row r). */
-static inline __attribute__((always_inline)) __m256 QS(x8_sub)(const int base, const uint8_t *group, int s,
-                                                                const int8_t *a, float d, float sum,
-                                                                int32_t isum, __m256 acc) {
+/* Sub-block s of an interleaved group times tokens t0 .. t0 + nt - 1, into acc[t] (lane r:
+ * row r). The group's weights are unpacked once, into eight vectors w[c] holding weights
+ * 4c..4c+3 of the 8 rows (for Q4_0 and Q4_1, c < 4 the low nibbles of chunk c, c >= 4
+ * the high nibbles of chunk c - 4), and serve every token of the tile: unpacking was
+ * much of a sub-block's instructions when each token did its own (BENCHMARKS.md, "Token
+ * tiles"). w[c] meets activations 4c..4c+3 broadcast; two integer accumulators (even and
+ * odd c), so no chain of dependent adds bounds the loop. */
+static inline __attribute__((always_inline)) void QS(x8_sub)(const int base, const uint8_t *group, int s,
+                                                              const quant_acts *acts, int64_t t0, const int nt,
+                                                              int subs, __m256 *acc) {
     const int bytes = qtype_block_bytes(base), header = x8_header_bytes(base);
     const uint8_t *g = group + (int64_t)s * 8 * bytes, *payload = g + 8 * header;
-    const uint8_t *ab = (const uint8_t *)a;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
-    int offset = 0;
+    __m256i w[8];
+    int offset;
     if (base == QTYPE_Q8_0) {
-        for (int j = 0; j < 8; j += 2) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(payload + 32 * j));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(payload + 32 * j + 32));
-            const __m256i a0 = _mm256_set1_epi32((int)load_u32(ab + 4 * j));
-            const __m256i a1 = _mm256_set1_epi32((int)load_u32(ab + 4 * j + 4));
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_loadu_si256((const __m256i *)(payload + 32 * j));
 #if QS_X8_FLIP_S8
-            const __m256i top = _mm256_set1_epi8((char)0x80);
-            first = QS_DOT32_ACC(first, _mm256_xor_si256(w0, top), a0);
-            second = QS_DOT32_ACC(second, _mm256_xor_si256(w1, top), a1);
-#else
-            first = QS_DOT32_ACC(first, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(a0, w0));
-            second = QS_DOT32_ACC(second, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(a1, w1));
+            w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8((char)0x80));
 #endif
         }
         offset = QS_X8_FLIP_S8 ? 128 : 0;
     } else {
         for (int j = 0; j < 4; j++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(payload + 32 * j));
-            first = QS_DOT32_ACC(first, _mm256_and_si256(w, low4), _mm256_set1_epi32((int)load_u32(ab + 4 * j)));
-            second = QS_DOT32_ACC(second, _mm256_and_si256(_mm256_srli_epi16(w, 4), low4),
-                                  _mm256_set1_epi32((int)load_u32(ab + 16 + 4 * j)));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(payload + 32 * j));
+            w[j] = _mm256_and_si256(raw, low4);
+            w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         }
         offset = base == QTYPE_Q4_0 ? 8 : 0;
     }
-    __m256i dot = _mm256_add_epi32(first, second);
-    if (offset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * isum));
-    const __m256 scales = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(d));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, acc);
-    if (base == QTYPE_Q4_1)
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))), _mm256_set1_ps(sum), acc);
-    return acc;
+    const __m256 weight_scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    const __m256 mins = base == QTYPE_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                                           : _mm256_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        const int64_t token = t0 + t;
+        const uint8_t *a = (const uint8_t *)(acts->q + token * acts->cols + 32 * s);
+        __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c += 2) {
+            const __m256i a0 = _mm256_set1_epi32((int)load_u32(a + 4 * c));
+            const __m256i a1 = _mm256_set1_epi32((int)load_u32(a + 4 * c + 4));
+            if (base == QTYPE_Q8_0 && !QS_X8_FLIP_S8) {
+                first = QS_DOT32_ACC(first, _mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(a0, w[c]));
+                second = QS_DOT32_ACC(second, _mm256_sign_epi8(w[c + 1], w[c + 1]), _mm256_sign_epi8(a1, w[c + 1]));
+            } else {
+                first = QS_DOT32_ACC(first, w[c], a0);
+                second = QS_DOT32_ACC(second, w[c + 1], a1);
+            }
+        }
+        __m256i dot = _mm256_add_epi32(first, second);
+        if (offset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * acts->isums[token * subs + s]));
+        const __m256 scales = _mm256_mul_ps(weight_scales, _mm256_set1_ps(acts->d[token * subs + s]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, acc[t]);
+        if (base == QTYPE_Q4_1) {
+            const float *sums = acts->scaled_sums + (token * subs + s) * 2;
+            acc[t] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[0] + sums[1]), acc[t]);
+        }
+    }
 }
 
-/* out[r] = row r of an interleaved group (quant_x8.h) . activations of one token, r < 8.
- * Two integer accumulators a sub-block (low and high nibbles, or alternate int8 chunks)
- * and two float ones (even and odd sub-blocks): no chain of dependent adds bounds the
- * loop. Q4_0's offset of 8, and at the VNNI level Q8_0's (its signed weights are read as
- * unsigned by flipping their top bit: w + 128), come off the integer sum exactly
- * (acts->isums); Q4_1's min is added in floats, against the activations' scaled sums.
- * A token's result does not depend on the others in its step. */
+/* out[8 t + r] = row r of an interleaved group (quant_x8.h) . activations of token t0 + t,
+ * for t < NT and r < 8. Two float accumulators a token (even and odd sub-blocks). Q4_0's
+ * offset of 8, and at the VNNI level Q8_0's (its signed weights are read as unsigned by
+ * flipping their top bit: w + 128), come off the integer sum exactly (acts->isums); Q4_1's
+ * min is added in floats, against the activations' scaled sums. Each token's arithmetic is
+ * the same whatever the tile's size, so a token's result does not depend on the others in
+ * its step. */
 static inline __attribute__((always_inline)) void QS(x8_group)(const int base, const uint8_t *group,
-                                                                const quant_acts *acts, int64_t token, int subs,
-                                                                float *out) {
-    const int8_t *q = acts->q + token * acts->cols;
-    const float *d = acts->d + token * subs, *sums = acts->scaled_sums + token * subs * 2;
-    const int32_t *isums = acts->isums + token * subs;
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+                                                                const quant_acts *acts, int64_t t0, const int nt,
+                                                                int subs, float *out) {
+    __m256 even[QUANT_X8_TOKENS], odd[QUANT_X8_TOKENS];
+    for (int t = 0; t < nt; t++) even[t] = odd[t] = _mm256_setzero_ps();
     int s = 0;
     for (; s + 1 < subs; s += 2) {
-        even = QS(x8_sub)(base, group, s, q + 32 * s, d[s], sums[2 * s] + sums[2 * s + 1], isums[s], even);
-        odd = QS(x8_sub)(base, group, s + 1, q + 32 * s + 32, d[s + 1], sums[2 * s + 2] + sums[2 * s + 3],
-                         isums[s + 1], odd);
+        QS(x8_sub)(base, group, s, acts, t0, nt, subs, even);
+        QS(x8_sub)(base, group, s + 1, acts, t0, nt, subs, odd);
     }
-    if (s < subs) even = QS(x8_sub)(base, group, s, q + 32 * s, d[s], sums[2 * s] + sums[2 * s + 1], isums[s], even);
-    _mm256_storeu_ps(out, _mm256_add_ps(even, odd));
+    if (s < subs) QS(x8_sub)(base, group, s, acts, t0, nt, subs, even);
+    for (int t = 0; t < nt; t++) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(even[t], odd[t]));
 }
 
+#if QS_X16
+/* Two interleaved groups, sixteen rows, a 512-bit vector (lanes 0-7: the first group's
+ * rows, 8-15: the next group's): the AVX-512 level's tiles. A 512-bit dpbusd issues as
+ * fast as a 256-bit one on the CPUs measured (BENCHMARKS.md, "Token tiles"), so two
+ * groups a vector halve every per-token instruction a row costs. Each lane's arithmetic
+ * is x8_sub's, so a row's result is the same bits whichever path computes it. */
+static inline __attribute__((always_inline)) __m512i QS(load_pair256)(const uint8_t *first, const uint8_t *second) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)first)),
+                              _mm256_loadu_si256((const __m256i *)second), 1);
+}
+
+/* Eight float16 values at each of first and second as sixteen float32s. */
+static inline __attribute__((always_inline)) __m512 QS(halves16)(const uint8_t *first, const uint8_t *second) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)first)),
+                                                   _mm_loadu_si128((const __m128i *)second), 1));
+}
+
+/* x8_sub for the groups at group and group + group_bytes together. */
+static inline __attribute__((always_inline)) void QS(x16_sub)(const int base, const uint8_t *group,
+                                                               int64_t group_bytes, int s, const quant_acts *acts,
+                                                               int64_t t0, const int nt, int subs, __m512 *acc) {
+    const int bytes = qtype_block_bytes(base), header = x8_header_bytes(base);
+    const uint8_t *g0 = group + (int64_t)s * 8 * bytes, *g1 = g0 + group_bytes;
+    const uint8_t *p0 = g0 + 8 * header, *p1 = g1 + 8 * header;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i w[8];
+    int offset;
+    if (base == QTYPE_Q8_0) {
+        for (int j = 0; j < 8; j++)
+            w[j] = _mm512_xor_si512(QS(load_pair256)(p0 + 32 * j, p1 + 32 * j), _mm512_set1_epi8((char)0x80));
+        offset = 128;
+    } else {
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = QS(load_pair256)(p0 + 32 * j, p1 + 32 * j);
+            w[j] = _mm512_and_si512(raw, low4);
+            w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
+        offset = base == QTYPE_Q4_0 ? 8 : 0;
+    }
+    const __m512 weight_scales = QS(halves16)(g0, g1);
+    const __m512 mins = base == QTYPE_Q4_1 ? QS(halves16)(g0 + 16, g1 + 16) : _mm512_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        const int64_t token = t0 + t;
+        const uint8_t *a = (const uint8_t *)(acts->q + token * acts->cols + 32 * s);
+        __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+            first = _mm512_dpbusd_epi32(first, w[c], _mm512_set1_epi32((int)load_u32(a + 4 * c)));
+            second = _mm512_dpbusd_epi32(second, w[c + 1], _mm512_set1_epi32((int)load_u32(a + 4 * c + 4)));
+        }
+        __m512i dot = _mm512_add_epi32(first, second);
+        if (offset) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * acts->isums[token * subs + s]));
+        const __m512 scales = _mm512_mul_ps(weight_scales, _mm512_set1_ps(acts->d[token * subs + s]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc[t]);
+        if (base == QTYPE_Q4_1) {
+            const float *sums = acts->scaled_sums + (token * subs + s) * 2;
+            acc[t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sums[0] + sums[1]), acc[t]);
+        }
+    }
+}
+
+/* x8_group for two groups: out[16 t + r], r < 8 the first group's rows, r >= 8 the next's. */
+static inline __attribute__((always_inline)) void QS(x16_group)(const int base, const uint8_t *group,
+                                                                 int64_t group_bytes, const quant_acts *acts,
+                                                                 int64_t t0, const int nt, int subs, float *out) {
+    __m512 even[QUANT_X16_TOKENS], odd[QUANT_X16_TOKENS];
+    for (int t = 0; t < nt; t++) even[t] = odd[t] = _mm512_setzero_ps();
+    int s = 0;
+    for (; s + 1 < subs; s += 2) {
+        QS(x16_sub)(base, group, group_bytes, s, acts, t0, nt, subs, even);
+        QS(x16_sub)(base, group, group_bytes, s + 1, acts, t0, nt, subs, odd);
+    }
+    if (s < subs) QS(x16_sub)(base, group, group_bytes, s, acts, t0, nt, subs, even);
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(out + 16 * t, _mm512_add_ps(even[t], odd[t]));
+}
+
+#define QS_X16_FN(TYPE_NAME, TYPE_CODE)                                                                     \
+    static void QS(x16_##TYPE_NAME)(const uint8_t *group, int64_t group_bytes, const quant_acts *acts,      \
+                                    int64_t t0, int nt, int subs, float *out) {                             \
+        if (nt == QUANT_X16_TOKENS) QS(x16_group)(TYPE_CODE, group, group_bytes, acts, t0, QUANT_X16_TOKENS, subs, out); \
+        else                                                                                                \
+            for (int t = 0; t < nt; t++)                                                                    \
+                QS(x16_group)(TYPE_CODE, group, group_bytes, acts, t0 + t, 1, subs, out + 16 * t);          \
+    }
+QS_X16_FN(q4_0, QTYPE_Q4_0)
+QS_X16_FN(q4_1, QTYPE_Q4_1)
+QS_X16_FN(q8_0, QTYPE_Q8_0)
+#undef QS_X16_FN
+
+static x16_fn QS(select_x16)(int base) {
+    switch (base) {
+    case QTYPE_Q4_0: return QS(x16_q4_0);
+    case QTYPE_Q4_1: return QS(x16_q4_1);
+    case QTYPE_Q8_0: return QS(x16_q8_0);
+    default: return 0;
+    }
+}
+#endif
+
 #define QS_X8_FN(TYPE_NAME, TYPE_CODE)                                                                     \
-    static void QS(x8_##TYPE_NAME)(const uint8_t *group, const quant_acts *acts, int64_t token, int subs,  \
+    static void QS(x8_##TYPE_NAME)(const uint8_t *group, const quant_acts *acts, int64_t t0, int nt, int subs, \
                                    float *out) {                                                          \
-        QS(x8_group)(TYPE_CODE, group, acts, token, subs, out);                                            \
+        if (nt == QUANT_X8_TOKENS) QS(x8_group)(TYPE_CODE, group, acts, t0, QUANT_X8_TOKENS, subs, out);   \
+        else                                                                                              \
+            for (int t = 0; t < nt; t++) QS(x8_group)(TYPE_CODE, group, acts, t0 + t, 1, subs, out + 8 * t); \
     }
 QS_X8_FN(q4_0, QTYPE_Q4_0)
 QS_X8_FN(q4_1, QTYPE_Q4_1)
