@@ -253,6 +253,31 @@ def test_dequantize_rows_matches_gguf(library, type_code):
     torch.testing.assert_close(rows, expected[indices], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_every_level_quantizes_the_activations_alike(library, dtype):
+    """The SIMD levels quantize x in vectors: the same bytes, scales and sums as the portable
+    C, and as numpy's rounding of the same arithmetic, for blocks with ties (x.5 after
+    scaling), zeros, one value alone and both signs."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 128, generator=generator) * torch.tensor([1e-3, 1.0, 30.0, 1.0]).repeat_interleave(32)
+    x[1, :32] = 0.0  # a block of zeros: scale 0, values 0
+    x[2, 32:64] = torch.cat([torch.tensor([127.0]), torch.arange(31) - 14.5])  # scale 1: halves tie, to even
+    x[3, 64:96] = 0.0
+    x[3, 70] = -2.0  # one value alone
+    x = x.to(dtype)
+    portable = quant_matmul.quantize_activations(library, x, 0)
+    for level in levels_here(library)[1:]:
+        for ours, theirs in zip(quant_matmul.quantize_activations(library, x, level), portable, strict=True):
+            assert torch.equal(ours, theirs), LEVELS[level]
+    blocks = x.float().numpy().reshape(5, -1, 32)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    np.testing.assert_array_equal(portable[0].numpy().reshape(5, -1, 32), np.rint(blocks * inverse[..., None]))
+    np.testing.assert_array_equal(portable[1].numpy(), amax / np.float32(127))
+    np.testing.assert_array_equal(portable[3].numpy(), portable[0].numpy().reshape(5, -1, 32).sum(axis=-1))
+
+
 def test_zero_activations_give_zero(library):
     cols = 64
     blocks = torch.from_numpy(random_blocks(3, 4, cols, seed=0))

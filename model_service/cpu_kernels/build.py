@@ -60,13 +60,14 @@ SIGNATURES = {
     "quant_dequantize_rows": [_ptr, _i32, _i32, _ptr, _i32, _ptr, _i32, _i32],
     "quant_dequantize_linear": [_i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _i32, _i32, _i32],
     "quant_repack_x8": [_ptr, _i32, _i32, _i32],
+    "quant_quantize_activations": [_ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr],
     "decode_stack": [_ptr, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32],
     "write_kv": [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _f32, _f32, _i32],
 }
 RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes.c_int,
            "quant_best_level": ctypes.c_int, "quant_linear": ctypes.c_int, "quant_dequantize_rows": ctypes.c_int,
            "quant_dequantize_linear": ctypes.c_int, "quant_repack_x8": ctypes.c_int,
-           "decode_stack": ctypes.c_int, "write_kv": ctypes.c_int}
+           "quant_quantize_activations": ctypes.c_int, "decode_stack": ctypes.c_int, "write_kv": ctypes.c_int}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

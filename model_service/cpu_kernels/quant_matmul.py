@@ -175,6 +175,22 @@ def float_product(library: ctypes.CDLL, x: torch.Tensor, segments: Segments, lev
     return out
 
 
+def quantize_activations(library: ctypes.CDLL, x: torch.Tensor, level: int) -> tuple[torch.Tensor, ...]:
+    """x [T, cols] as quant_linear quantizes it at `level`: (q int8 [T, cols], d [T, cols/32],
+    scaled half-block sums [T, cols/16], integer sums [T, cols/32])."""
+    x = x.contiguous()
+    tokens, cols = x.shape
+    q = torch.empty((tokens, cols), dtype=torch.int8)
+    d = torch.empty((tokens, cols // 32))
+    sums = torch.empty((tokens, cols // 16))
+    isums = torch.empty((tokens, cols // 32), dtype=torch.int32)
+    status = library.quant_quantize_activations(x.data_ptr(), cols, tokens, cols, DTYPE_CODES[x.dtype], level,
+                                                q.data_ptr(), d.data_ptr(), sums.data_ptr(), isums.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"quant_quantize_activations failed ({status}) for {cols} columns")
+    return q, d, sums, isums
+
+
 def dequantize_rows(library: ctypes.CDLL, blocks: torch.Tensor, type_code: int, cols: int,
                     indices: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Rows `indices` (int64; None: all) of the blocks, dequantized to dtype: [n, cols]."""
@@ -191,4 +207,5 @@ def dequantize_rows(library: ctypes.CDLL, blocks: torch.Tensor, type_code: int, 
 
 
 __all__ = ["FLOAT_PRODUCT_TOKENS", "KERNEL_TYPES", "LEVELS", "X8", "Segments", "base_type", "chosen_level",
-           "dequantize_rows", "float_product", "linear", "load", "repack", "row_bytes", "type_name"]
+           "dequantize_rows", "float_product", "linear", "load", "quantize_activations", "repack", "row_bytes",
+           "type_name"]

@@ -186,6 +186,20 @@ static x16_fn select_x16(int level, int type) {
     return 0;
 }
 
+typedef void (*quantize_fn)(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
+                            int32_t *isums);
+static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
+                         int32_t *isums);
+
+static quantize_fn select_quantize(int level) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (level >= QLEVEL_AVX512_VNNI) return quantize_row_vnni;
+    if (level == QLEVEL_AVX2) return quantize_row_avx2;
+#endif
+    (void)level;
+    return quantize_row;
+}
+
 static pair_fn select_pair(int level, int type) {
 #if defined(__x86_64__) || defined(__i386__)
     if (level >= QLEVEL_AVX512_VNNI) return select_pair_vnni(type);
@@ -199,7 +213,8 @@ static pair_fn select_pair(int level, int type) {
 /* ---- activations ---- */
 
 /* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), scale
- * times sum per 16, and sum per 32. */
+ * times sum per 16, and sum per 32. (quant_simd.h's quantize_row, the SIMD levels' copy
+ * in vectors, must give the same bytes.) */
 static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
                          int32_t *isums) {
     float block[32];
@@ -311,12 +326,13 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
         return -2;
     }
     const quant_acts acts = {q, d, sums, isums, cols};
+    const quantize_fn quantize = select_quantize(level);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < tokens; t++)
-            quantize_row(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
-                         sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
+            quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
+                     sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
         int64_t row0 = 0;
         for (int i = 0; i < segments; i++) {
             if (qtype_is_x8(types[i])) {
@@ -365,6 +381,21 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
     free(d);
     free(sums);
     free(isums);
+    return 0;
+}
+
+/* x's tokens rows quantized as quant_linear quantizes them at `level`: q [tokens, cols],
+ * d [tokens, cols / 32], sums [tokens, cols / 16], isums [tokens, cols / 32]. The tests'
+ * check that every level gives the same bytes. Returns 0, or -1 for cols not a multiple
+ * of 32. */
+int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int level,
+                               int8_t *q, float *d, float *sums, int32_t *isums) {
+    if (cols % 32 != 0) return -1;
+    const quantize_fn quantize = select_quantize(level);
+    const int subs = cols / 32;
+    for (int t = 0; t < tokens; t++)
+        quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
+                 sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
     return 0;
 }
 

@@ -378,6 +378,48 @@ static x8_fn QS(select_x8)(int base) {
     }
 }
 
+/* quantize_row (quant_matmul.c) in vectors, the same arithmetic value by value (amax, one
+ * division each way, x times the inverse rounded to nearest even, integer sums), so the
+ * same bytes and scales: done a value at a time it took most of a 48-token product with
+ * 1536 columns (BENCHMARKS.md, "Token tiles"). */
+static void QS(quantize_row)(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
+                             int32_t *isums) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    float block[32];
+    for (int s = 0; s < cols / 32; s++) {
+        load_row(block, x, offset + 32 * s, 32, dtype);
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(block + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+        }
+        __m128 top = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+        top = _mm_max_ss(top, _mm_movehdup_ps(top));
+        const float block_max = _mm_cvtss_f32(top);
+        const float inverse = block_max > 0.0f ? 127.0f / block_max : 0.0f;
+        d[s] = block_max / 127.0f;
+        __m256i values[4];
+        for (int i = 0; i < 4; i++)
+            values[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        /* int32 -> int8 (exact: |value| <= 127); packs interleave 128-bit lanes, the
+         * permute puts the 32 bytes back in order */
+        const __m256i words = _mm256_packs_epi32(values[0], values[1]), words2 = _mm256_packs_epi32(values[2], values[3]);
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                          _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
+        _mm256_storeu_si256((__m256i *)(q + 32 * s), bytes);
+        const __m256i first8 = _mm256_add_epi32(values[0], values[1]), second8 = _mm256_add_epi32(values[2], values[3]);
+        __m128i halves = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(first8), _mm256_extracti128_si256(first8, 1)),
+                                        _mm_add_epi32(_mm256_castsi256_si128(second8), _mm256_extracti128_si256(second8, 1)));
+        halves = _mm_hadd_epi32(halves, halves); /* lanes: first, second, first, second */
+        const int first = _mm_cvtsi128_si32(halves), second = _mm_extract_epi32(halves, 1);
+        sums[2 * s] = d[s] * (float)first;
+        sums[2 * s + 1] = d[s] * (float)second;
+        isums[s] = first + second;
+    }
+}
+
 /* Eight float32 values as bfloat16, rounded to nearest even (values are never NaN here). */
 static inline __attribute__((always_inline)) __m128i QS(bf16x8)(__m256 w) {
     __m256i bits = _mm256_castps_si256(w);
