@@ -1,4 +1,5 @@
-"""The CPU paged-attention paths (PyTorch, and the C decode kernel) against a naive dense reference.
+"""The CPU paged-attention paths (PyTorch, and the C decode kernel, prefill included) against a
+naive dense reference.
 
 The reference never sees the pool: it keeps each sequence's K/V contiguous and computes an
 explicit causal softmax in float64, with K/V repeated per q head. Block tables are shuffled
@@ -105,7 +106,8 @@ MIXED_BATCHES = {
 }
 
 
-# "cpu" is the C decode kernel (model_service/cpu_kernels); prefill is the torch path in both.
+# "cpu" is the C decode kernel (model_service/cpu_kernels), for decode and, each prompt token
+# a query of its own, prefill; "torch" is gather + SDPA for both.
 CPU_BACKENDS = ["torch", "cpu"]
 
 

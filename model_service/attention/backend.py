@@ -6,7 +6,8 @@ a layer, an 8-bit pool's quantization included), torch's index_copy_ elsewhere.
 Decode attention by backend: "triton" (CUDA; the tests run it interpreted on CPU), "cpu"
 (the C kernel of model_service/cpu_kernels, reading blocks in place), "torch" (gather + SDPA, any
 device). "auto" takes Triton on CUDA and the C kernel on CPU, each where it loads, and
-the torch path otherwise.
+the torch path otherwise. Prefill: SDPA a sequence at a time, but where the C kernel
+serves a pool of the model's own dtype, which takes each prompt token as a decode query.
 
 Triton is imported lazily, on the first call that needs it, for two reasons: a CPU-only
 server never pays triton's import (about a second), and triton decides between compiled and
@@ -23,6 +24,7 @@ import torch
 from model_service import cpu_kernels
 from model_service.cpu_kernels import kv_write, paged_decode
 from model_service.attention.metadata import AttentionMetadata
+from pagedkv.kv_geometry import is_fp8
 from model_service.attention.torch_paged import (
     DecodePlan,
     decode_attention_torch,
@@ -124,9 +126,19 @@ class PagedAttention:
                 if num_tokens == num_decode:
                     return decoded  # a decode-only step: no copy into a step-wide buffer
                 out[:num_decode] = decoded
-        if num_tokens > num_decode:
-            # Prefill uses the torch path on every device, CUDA included: SDPA's fused kernels
-            # handle the long causal chunks well, and prefill runs once per prompt.
+        if num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
+            # On CPU each prompt token attends as a decode query over its own context (the
+            # keys up to its position, this step's already in the pool): the C kernel that
+            # decode steps use, 2-4x faster than SDPA a sequence at a time from 30 to 2,048
+            # tokens (BENCHMARKS.md, "Token tiles"), with a cached prefix and a window alike.
+            tables, lens = self._prefill_queries(meta)
+            out[num_decode:] = paged_decode.paged_decode_attention(
+                library, q[num_decode:], kv_layer, tables, lens, scale, sliding_window, kv_scales)
+        elif num_tokens > num_decode:
+            # Prefill on CUDA (and where the C kernels do not serve) takes the torch path:
+            # SDPA's fused kernels handle the long causal chunks well, and prefill runs once
+            # per prompt. So does an 8-bit pool on CPU, to attend over this step's K/V
+            # unquantized, as vLLM's prefill does.
             out[num_decode:] = prefill_attention_torch(
                 q[num_decode:],
                 kv_layer,
@@ -140,6 +152,25 @@ class PagedAttention:
                 kv_scales=kv_scales,
             )
         return out
+
+    @staticmethod
+    def _prefill_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prefill token as a decode query: its sequence's block table row and its
+        context length (position + 1), int32 [prefill tokens, ...]; built by the first layer
+        and shared by the rest through meta.step_memo."""
+        key = "prefill_queries"
+        queries = meta.step_memo.get(key) if meta.step_memo is not None else None
+        if queries is None:
+            num_decode = meta.num_decode_seqs
+            query_lens = meta.query_lens[num_decode:]
+            lens = torch.cat([torch.arange(context - length + 1, context + 1, dtype=torch.int32)
+                              for length, context in zip(query_lens, meta.context_lens_host[num_decode:], strict=True)])
+            rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+            tables = meta.block_tables[num_decode:].index_select(0, rows.to(meta.block_tables.device))
+            queries = (tables.to(torch.int32), lens)
+            if meta.step_memo is not None:
+                meta.step_memo[key] = queries
+        return queries
 
     @staticmethod
     def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> DecodePlan:
