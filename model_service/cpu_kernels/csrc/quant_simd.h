@@ -300,6 +300,9 @@ static inline __attribute__((always_inline)) void QS(x16_sub)(const int base, co
     }
     const __m512 weight_scales = QS(halves16)(g0, g1);
     const __m512 mins = base == QTYPE_Q4_1 ? QS(halves16)(g0 + 16, g1 + 16) : _mm512_setzero_ps();
+    /* unrolled: the tile's accumulators stay in registers (GCC keeps the loop, and them in
+     * memory, otherwise) */
+#pragma GCC unroll 8
     for (int t = 0; t < nt; t++) {
         const int64_t token = t0 + t;
         const uint8_t *a = (const uint8_t *)(acts->q + token * acts->cols + 32 * s);
