@@ -129,8 +129,8 @@ class PagedAttention:
         if num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
             # On CPU each prompt token attends as a decode query over its own context (the
             # keys up to its position, this step's already in the pool): the C kernel that
-            # decode steps use, 2-4x faster than SDPA a sequence at a time from 30 to 2,048
-            # tokens (BENCHMARKS.md, "Token tiles"), with a cached prefix and a window alike.
+            # decode steps use, 1.2-5.6x faster than SDPA a sequence at a time from 30 to
+            # 2,048 tokens (BENCHMARKS.md, "Token tiles"), with a cached prefix and a window alike.
             tables, lens = self._prefill_queries(meta)
             out[num_decode:] = paged_decode.paged_decode_attention(
                 library, q[num_decode:], kv_layer, tables, lens, scale, sliding_window, kv_scales)

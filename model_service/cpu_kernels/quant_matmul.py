@@ -119,7 +119,7 @@ class Segments:
 # decode step, and the kernels again": even at 16 tokens, 2.7x faster at 48 for a 3072 x
 # 576 projection). Interleaved rows (X8) are not: their kernel unpacks a sub-block once
 # for a tile of tokens, and at the AVX-512 level takes sixteen rows a vector, which
-# measured 1.8x the float product at 48 tokens and at least level with it at 256
+# measured 2.1-4.9x faster than the float product at 48 tokens and 1.4-4.3x at 256
 # (BENCHMARKS.md, "Token tiles").
 FLOAT_PRODUCT_TOKENS = 16
 # Rows dequantized at a time: a tile of at most this many bytes of bfloat16 weights.

@@ -1,0 +1,98 @@
+"""Prefill attention on CPU two ways, in turns in one process: SDPA a sequence at a time
+(attention/torch_paged.py's prefill_attention_torch, over this step's K/V) and the C
+decode kernel with each prompt token a query over its own context (what
+attention/backend.py does where the C kernels serve a pool of the model's dtype).
+
+    .venv/bin/python bench/prefill_attention.py [--threads 2] [--rounds 3] [--calls 20]
+
+SmolLM2's geometry (9 query heads, 3 K/V heads, head_dim 64, blocks of 16), float32, no
+cached prefix; batches of prompts as a prefill step carries them. Best of the rounds, ms a
+call (one layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+from model_service import cpu_kernels  # noqa: E402
+from model_service.attention.torch_paged import prefill_attention_torch  # noqa: E402
+from model_service.cpu_kernels import paged_decode  # noqa: E402
+
+BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64
+random.seed(0)
+BATCHES = {
+    "7 prompts of 8-200 (W48's)": [random.randint(8, 200) for _ in range(7)],
+    "20 x 30": [30] * 20,
+    "16 x 128": [128] * 16,
+    "4 x 512": [512] * 4,
+    "1 x 2048": [2048],
+}
+
+
+def paths(lens: list[int], library) -> dict:
+    blocks = [-(-length // BLOCK) for length in lens]
+    pool = torch.randn(2, sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    first = 1
+    for seq, count in enumerate(blocks):
+        tables[seq, :count] = torch.arange(first, first + count)
+        first += count
+    q = torch.randn(sum(lens), Q_HEADS, HEAD_DIM)
+
+    def gathered(side: int) -> torch.Tensor:
+        return torch.cat([pool[side][tables[seq, :blocks[seq]].long()].flatten(0, 1)[:length]
+                          for seq, length in enumerate(lens)])
+
+    k_new, v_new = gathered(0), gathered(1)
+    rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    context = torch.cat([torch.arange(1, length + 1, dtype=torch.int32) for length in lens])
+
+    def sdpa():
+        return prefill_attention_torch(q, pool, tables, tuple(lens), tuple(lens), HEAD_DIM ** -0.5, k_new, v_new)
+
+    def c_kernel():
+        return paged_decode.paged_decode_attention(library, q, pool, tables.index_select(0, rows), context,
+                                                   HEAD_DIM ** -0.5)
+
+    torch.testing.assert_close(c_kernel(), sdpa(), atol=2e-5, rtol=2e-5)
+    return {"sdpa": sdpa, "c": c_kernel}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    library = cpu_kernels.load()
+    if library is None:
+        print(f"no CPU kernels: {cpu_kernels.load_error()}")
+        return 1
+    print("| prompts | tokens | SDPA a sequence, ms | C kernel a token, ms | SDPA / C |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, lens in BATCHES.items():
+        fns = paths(lens, library)
+        best = {key: float("inf") for key in fns}
+        for _ in range(args.rounds):
+            for key, fn in fns.items():
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                best[key] = min(best[key], (time.perf_counter() - start) / args.calls * 1e3)
+        print(f"| {name} | {sum(lens)} | {best['sdpa']:.2f} | {best['c']:.2f} | {best['sdpa'] / best['c']:.2f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
