@@ -5,7 +5,9 @@ reads no other), ``seq`` an 8-byte big-endian counter from 0, the payload one ms
 ``EventBatch`` (``kv_events.py``). A subscriber that joins late or drops messages (PUB
 drops past its high-water mark rather than block the service) asks the optional
 ROUTER replay socket for every batch from a seq on: it sends the seq as 8 bytes and
-gets ``(seq, payload)`` frames for each batch still buffered, then ``(-1, b"")``.
+gets ``(topic, seq, payload)`` frames for each batch still buffered, then
+``(b"", -1, b"")``: the frames a live batch has, as vLLM 0.32's publisher replays them
+(vllm-router drops replies of any other shape).
 
 Sending happens on the event loop that serves Lease: a PUB send never blocks and costs
 a few µs, so no thread is needed; the replay socket is served by a task on that loop.
@@ -96,8 +98,8 @@ class KvEventPublisher:
             start = int.from_bytes(frames[-1], "big", signed=True)
             # A snapshot: publish() may append while this coroutine waits on a send.
             for seq, payload in [entry for entry in self._buffer if entry[0] >= start]:
-                await self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload))
-            await self._replay.send_multipart((*envelope, END_SEQ, b""))
+                await self._replay.send_multipart((*envelope, self._topic, seq.to_bytes(8, "big"), payload))
+            await self._replay.send_multipart((*envelope, b"", END_SEQ, b""))
 
     def close(self) -> None:
         if self._replay is not None:
