@@ -32,8 +32,12 @@ MAX_NEW_TOKENS = 32
 # Measured with e4m3 and unit scales (BENCHMARKS.md, "fp8 KV cache"): this test's 6 prompts
 # x 32 tokens, mean |Δ logprob| 0.042 over the 122 tokens before the first differences;
 # 4 prompts x 16 tokens, 0.027, first differences where bfloat16's top two were at most
-# 0.125 apart. The bounds leave about 2.5x and 4x that.
-NEAR_TIE = 0.5
+# 0.125 apart. The bounds leave about 2.5x and 4x that. Since prefill attention on a pool
+# of the model's dtype is the C kernel's (attention/backend.py) while an 8-bit pool's stays
+# SDPA over the step's unquantized K/V, the two runs also round the prompt's attention
+# differently: "Name three primary colors." then parts at a margin of 0.5 (a few bfloat16
+# steps of a logit near 20), so the near tie is 0.75.
+NEAR_TIE = 0.75
 MEAN_ABS_DLOGPROB = 0.1
 
 
