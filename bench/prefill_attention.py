@@ -3,7 +3,7 @@
 decode kernel with each prompt token a query over its own context (what
 attention/backend.py does where the C kernels serve a pool of the model's dtype).
 
-    .venv/bin/python bench/prefill_attention.py [--threads 2] [--rounds 3] [--calls 20]
+    .venv/bin/python bench/prefill_attention.py [--threads 2] [--rounds 3] [--seconds 0.4]
         [--dtype float32|bfloat16]
 
 SmolLM2's geometry (9 query heads, 3 K/V heads, head_dim 64, blocks of 16), no cached
@@ -16,17 +16,17 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from model_service import cpu_kernels  # noqa: E402
 from model_service.attention.torch_paged import prefill_attention_torch  # noqa: E402
 from model_service.cpu_kernels import paged_decode  # noqa: E402
+from quant_product import per_call_us  # noqa: E402
 
 BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 random.seed(0)
@@ -73,7 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=0.4)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -88,10 +88,7 @@ def main() -> int:
         best = {key: float("inf") for key in fns}
         for _ in range(args.rounds):
             for key, fn in fns.items():
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    fn()
-                best[key] = min(best[key], (time.perf_counter() - start) / args.calls * 1e3)
+                best[key] = min(best[key], per_call_us(fn, args.seconds) / 1e3)
         print(f"| {name} | {sum(lens)} | {best['sdpa']:.2f} | {best['c']:.2f} | {best['sdpa'] / best['c']:.2f} |",
               flush=True)
     return 0

@@ -12,8 +12,8 @@
  * and fills every segment's columns of y. Rows split across threads in tiles of
  * QUANT_ROW_TILE; tokens go QUANT_TOKEN_TILE at a time, so a prefill or a batch of decodes
  * unpacks each sub-block once per four tokens. A segment held with eight rows interleaved
- * (quant_x8.h: Q4_0, Q4_1, Q8_0) goes a group of eight rows at a time instead
- * (x8_segment).
+ * (quant_x8.h: Q4_0, Q4_1, Q8_0) goes a group of eight rows at a time instead, and at
+ * the AVX-512 level two groups at a time, eight tokens a tile (x8_segment).
  */
 #include <stdlib.h>
 
@@ -385,8 +385,8 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
 }
 
 /* x's tokens rows quantized as quant_linear quantizes them at `level`: q [tokens, cols],
- * d [tokens, cols / 32], sums [tokens, cols / 16], isums [tokens, cols / 32]. The tests'
- * check that every level gives the same bytes. Returns 0, or -1 for cols not a multiple
+ * d [tokens, cols / 32], sums [tokens, cols / 16], isums [tokens, cols / 32], for the
+ * tests' check that every level gives the same bytes. Returns 0, or -1 for cols not a multiple
  * of 32. */
 int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int level,
                                int8_t *q, float *d, float *sums, int32_t *isums) {
