@@ -24,7 +24,6 @@ import torch
 from model_service import cpu_kernels
 from model_service.cpu_kernels import kv_write, paged_decode
 from model_service.attention.metadata import AttentionMetadata
-from pagedkv.kv_geometry import is_fp8
 from model_service.attention.torch_paged import (
     DecodePlan,
     decode_attention_torch,
@@ -32,6 +31,7 @@ from model_service.attention.torch_paged import (
     prefill_attention_torch,
     write_kv_torch,
 )
+from pagedkv.kv_geometry import is_fp8
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 

@@ -1,7 +1,7 @@
 """Products with weights held in GGUF's quantized blocks, by the C kernels of
-csrc/quant_matmul.c: which instruction-set level runs, the linear (integer dot products
-for a few tokens, bfloat16 on dequantized tiles for many: float_product), and rows
-dequantized (an embedding lookup).
+csrc/quant_matmul.c: which instruction-set level runs, the linear (integer dot products;
+for many tokens of rows not interleaved, bfloat16 on dequantized tiles: float_product),
+and rows dequantized (an embedding lookup).
 
 The level is the best this CPU has (`quant_best_level`), or a lower one named by
 PAGEDKV_QUANT_KERNELS (portable, avx2, avx512_vnni): so a test, or a person comparing,

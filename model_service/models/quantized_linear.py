@@ -43,8 +43,8 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, self.segments.rows
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self._level = quant_matmul.chosen_level(self._library)
-        # From this many tokens on, the product is in bfloat16 on dequantized tiles
-        # (quant_matmul.linear); None keeps the integer kernel for every batch.
+        # From this many tokens on, the product of rows not interleaved is in bfloat16 on
+        # dequantized tiles (quant_matmul.linear); None keeps the integer kernel for every batch.
         self.float_from: int | None = quant_matmul.FLOAT_PRODUCT_TOKENS
 
     @property
