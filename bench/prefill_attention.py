@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from model_service import cpu_kernels  # noqa: E402
 from model_service.attention.torch_paged import prefill_attention_torch  # noqa: E402
 from model_service.cpu_kernels import paged_decode  # noqa: E402
-from quant_product import per_call_us  # noqa: E402
+from quant_product import best_in_turns  # noqa: E402
 
 BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 random.seed(0)
@@ -84,11 +84,8 @@ def main() -> int:
     print("| prompts | tokens | SDPA a sequence, ms | C kernel a token, ms | SDPA / C |")
     print("| --- | --- | --- | --- | --- |")
     for name, lens in BATCHES.items():
-        fns = paths(lens, library, getattr(torch, args.dtype))
-        best = {key: float("inf") for key in fns}
-        for _ in range(args.rounds):
-            for key, fn in fns.items():
-                best[key] = min(best[key], per_call_us(fn, args.seconds) / 1e3)
+        best = {key: us / 1e3 for key, us in best_in_turns(paths(lens, library, getattr(torch, args.dtype)),
+                                                           args.rounds, args.seconds).items()}
         print(f"| {name} | {sum(lens)} | {best['sdpa']:.2f} | {best['c']:.2f} | {best['sdpa'] / best['c']:.2f} |",
               flush=True)
     return 0

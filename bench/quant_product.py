@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,21 +25,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from model_service import cpu_kernels  # noqa: E402
 from model_service.cpu_kernels import quant_matmul  # noqa: E402
+from random_quant_blocks import random_blocks  # noqa: E402
 
 TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q6_k": 14}
 # SmolLM2-135M: fused q/k/v, o, fused gate/up, down (rows x cols)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-
-
-def random_blocks(type_code: int, rows: int, cols: int, seed: int) -> torch.Tensor:
-    generator = np.random.default_rng(seed)
-    weights, size = quant_matmul.BLOCK_SIZES[type_code]
-    blocks = generator.integers(0, 256, size=(rows, cols // weights, size), dtype=np.uint8)
-    half_fields = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}[type_code]
-    for offset in half_fields:
-        halves = (generator.standard_normal((rows, cols // weights)) * 0.02).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
-    return torch.from_numpy(blocks.reshape(rows, -1).copy())
 
 
 def per_call_us(fn, seconds: float) -> float:
@@ -50,6 +39,16 @@ def per_call_us(fn, seconds: float) -> float:
         fn()
         calls += 1
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def best_in_turns(paths: dict, rounds: int, seconds: float) -> dict[str, float]:
+    """Each path's best µs a call over `rounds` rounds, the paths taking turns in each (the
+    machine is shared: the best is the least disturbed)."""
+    best = {name: float("inf") for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            best[name] = min(best[name], per_call_us(fn, seconds))
+    return best
 
 
 def main() -> int:
@@ -76,7 +75,7 @@ def main() -> int:
         type_code = TYPES[type_name]
         for shape in args.shapes.split(","):
             rows, cols = SHAPES[shape]
-            blocks = random_blocks(type_code, rows, cols, seed=rows + cols)
+            blocks = torch.from_numpy(random_blocks(type_code, rows, cols, seed=rows + cols))
             code = quant_matmul.repack(library, type_code, blocks)
             segments = quant_matmul.Segments([(code, blocks)], cols)
             for tokens in (int(t) for t in args.tokens.split(",")):
@@ -85,10 +84,7 @@ def main() -> int:
                     "integer": lambda: quant_matmul.linear(library, x, segments, level, float_from=None),
                     "float": lambda: quant_matmul.float_product(library, x, segments, level),
                 }
-                best = {name: float("inf") for name in paths}
-                for _ in range(args.rounds):
-                    for name, fn in paths.items():
-                        best[name] = min(best[name], per_call_us(fn, args.seconds))
+                best = best_in_turns(paths, args.rounds, args.seconds)
                 print(f"| {type_name.upper()} | {shape} | {rows} x {cols} | {tokens} | {best['integer']:,.0f} | "
                       f"{best['float']:,.0f} | {best['float'] / best['integer']:.2f} |", flush=True)
     return 0

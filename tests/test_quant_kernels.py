@@ -17,32 +17,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from random_quant_blocks import random_blocks
 
 from model_service import cpu_kernels
 from model_service.cpu_kernels import quant_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES, LEVELS, Segments
 
 TYPES = list(KERNEL_TYPES)
-# Byte offsets of each type's float16 fields in a block: random bytes there could be NaN.
-HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
-
 
 @pytest.fixture(scope="module")
 def library():
     loaded = cpu_kernels.load()
     assert loaded is not None, cpu_kernels.load_error()
     return loaded
-
-
-def random_blocks(type_code: int, rows: int, cols: int, seed: int) -> np.ndarray:
-    """[rows, row bytes] of random blocks with finite scales (and mins of either sign)."""
-    generator = np.random.default_rng(seed)
-    weights, size = quant_matmul.BLOCK_SIZES[type_code]
-    blocks = generator.integers(0, 256, size=(rows, cols // weights, size), dtype=np.uint8)
-    for offset in HALF_FIELDS[type_code]:
-        halves = (generator.standard_normal((rows, cols // weights)) * 0.02).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = halves[..., None].view(np.uint8)
-    return blocks.reshape(rows, -1)
 
 
 def reference_weights(blocks: np.ndarray, type_code: int) -> np.ndarray:
