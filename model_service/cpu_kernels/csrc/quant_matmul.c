@@ -259,9 +259,10 @@ static void x8_portable(int base, const uint8_t *group, const quant_acts *acts, 
 }
 
 /* An interleaved segment's share of quant_linear (inside its parallel region: the tiles
- * split across its threads): y[t, row0 + r] for its `count` rows, eight at a time,
- * QUANT_X8_TOKENS tokens at a time (the group's bytes stay in L1 between token tiles),
- * the next group asked for before a group is read. */
+ * split across its threads): y[t, row0 + r] for its `count` rows, a group of eight at a
+ * time, QUANT_X8_TOKENS tokens a tile, or at the AVX-512 level two groups at a time,
+ * QUANT_X16_TOKENS tokens a tile (the groups' bytes stay in L1 between token tiles), the
+ * next rows asked for before they are read. */
 static void x8_segment(int level, int type, const uint8_t *weights, int count, int cols, const quant_acts *acts,
                        int tokens, void *y, int64_t y_stride, int64_t row0, int dtype) {
     const x8_fn x8 = select_x8(level, type);
@@ -275,31 +276,21 @@ static void x8_segment(int level, int type, const uint8_t *weights, int count, i
         const int last = first + QUANT_ROW_TILE < count ? first + QUANT_ROW_TILE : count;
         for (int g = first; g < last;) {
             const uint8_t *group = weights + (int64_t)(g / 8) * group_bytes;
-            if (x16 && g + 16 <= last) { /* two groups a vector */
-                prefetch_row(group + 2 * group_bytes, 2 * group_bytes);
-                float out[16 * QUANT_X16_TOKENS];
-                for (int t0 = 0; t0 < tokens; t0 += QUANT_X16_TOKENS) {
-                    const int nt = tokens - t0 < QUANT_X16_TOKENS ? tokens - t0 : QUANT_X16_TOKENS;
-                    x16(group, group_bytes, acts, t0, nt, subs, out);
-                    for (int t = 0; t < nt; t++)
-                        for (int r = 0; r < 16; r++)
-                            store1(y, (int64_t)(t0 + t) * y_stride + row0 + g + r, out[16 * t + r], dtype);
-                }
-                g += 16;
-                continue;
-            }
-            prefetch_row(group + group_bytes, group_bytes);
-            float out[8 * QUANT_X8_TOKENS];
-            for (int t0 = 0; t0 < tokens; t0 += QUANT_X8_TOKENS) {
-                const int nt = tokens - t0 < QUANT_X8_TOKENS ? tokens - t0 : QUANT_X8_TOKENS;
-                if (x8) x8(group, acts, t0, nt, subs, out);
+            const int wide = x16 && g + 16 <= last; /* two groups a vector */
+            const int width = wide ? 16 : 8, tile_tokens = wide ? QUANT_X16_TOKENS : QUANT_X8_TOKENS;
+            prefetch_row(group + width / 8 * group_bytes, width / 8 * group_bytes);
+            float out[16 * QUANT_X16_TOKENS];
+            for (int t0 = 0; t0 < tokens; t0 += tile_tokens) {
+                const int nt = tokens - t0 < tile_tokens ? tokens - t0 : tile_tokens;
+                if (wide) x16(group, group_bytes, acts, t0, nt, subs, out);
+                else if (x8) x8(group, acts, t0, nt, subs, out);
                 else
                     for (int t = 0; t < nt; t++) x8_portable(base, group, acts, t0 + t, subs, out + 8 * t);
                 for (int t = 0; t < nt; t++)
-                    for (int r = 0; r < 8; r++)
-                        store1(y, (int64_t)(t0 + t) * y_stride + row0 + g + r, out[8 * t + r], dtype);
+                    for (int r = 0; r < width; r++)
+                        store1(y, (int64_t)(t0 + t) * y_stride + row0 + g + r, out[width * t + r], dtype);
             }
-            g += 8;
+            g += width;
         }
     }
 }
