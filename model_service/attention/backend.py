@@ -157,33 +157,29 @@ class PagedAttention:
     def _prefill_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each prefill token as a decode query: its sequence's block table row and its
         context length (position + 1), int32 [prefill tokens, ...]; built by the first layer
-        and shared by the rest through meta.step_memo."""
-        key = "prefill_queries"
-        queries = meta.step_memo.get(key) if meta.step_memo is not None else None
-        if queries is None:
+        and shared by the rest (meta.shared)."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
             num_decode = meta.num_decode_seqs
             query_lens = meta.query_lens[num_decode:]
             lens = torch.cat([torch.arange(context - length + 1, context + 1, dtype=torch.int32)
                               for length, context in zip(query_lens, meta.context_lens_host[num_decode:], strict=True)])
             rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
             tables = meta.block_tables[num_decode:].index_select(0, rows.to(meta.block_tables.device))
-            queries = (tables.to(torch.int32), lens)
-            if meta.step_memo is not None:
-                meta.step_memo[key] = queries
-        return queries
+            return tables.to(torch.int32), lens
+
+        return meta.shared("prefill_queries", build)
 
     @staticmethod
     def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> DecodePlan:
         """The step's decode plan for this window: built by the first layer that needs it
-        and shared by the rest through meta.step_memo (built every layer without one)."""
-        key = ("decode_plan", sliding_window)
-        plan = meta.step_memo.get(key) if meta.step_memo is not None else None
-        if plan is None:
+        and shared by the rest (meta.shared; built every layer without a memo)."""
+
+        def build() -> DecodePlan:
             num_decode = meta.num_decode_seqs
-            plan = decode_plan(
+            return decode_plan(
                 meta.block_tables[:num_decode], meta.context_lens[:num_decode], meta.block_size, device,
                 max_context_len=max(meta.context_lens_host[:num_decode]), sliding_window=sliding_window,
             )
-            if meta.step_memo is not None:
-                meta.step_memo[key] = plan
-        return plan
+
+        return meta.shared(("decode_plan", sliding_window), build)

@@ -13,7 +13,9 @@ b * block_size + s of the sequence whose table lists b.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +42,14 @@ class AttentionMetadata:
     # None (no sharing) for metadata whose tensors are refilled in place between steps, as
     # captured decode graphs do: a memo would keep serving the first step's plan.
     step_memo: dict | None = None
+
+    def shared(self, key: Any, build: Callable[[], Any]) -> Any:
+        """step_memo[key], built by `build` on first use (every call without a memo)."""
+        if self.step_memo is None:
+            return build()
+        if key not in self.step_memo:
+            self.step_memo[key] = build()
+        return self.step_memo[key]
 
     @property
     def num_seqs(self) -> int:
