@@ -39,6 +39,7 @@ from model_service.models import fused_ops  # noqa: E402
 from model_service.models.fused_ops import RotaryStep  # noqa: E402
 from model_service.models.cpu_decode_stack import DecodeStack  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
+from model_service.models.panel_linear import PanelLinear  # noqa: E402
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 from model_service.worker.runner import ModelRunner  # noqa: E402
 
@@ -62,7 +63,7 @@ def timed(owner, name: str, label) -> None:
 
 
 def instrument(vocab_size: int) -> None:
-    for linear in (nn.Linear, PackedLinear, QuantizedLinear):
+    for linear in (nn.Linear, PackedLinear, PanelLinear, QuantizedLinear):
         timed(linear, "forward", lambda args: "lm_head" if args[0].out_features == vocab_size else "layer linears")
     for embedding in (nn.Embedding, QuantizedEmbedding):
         timed(embedding, "forward", lambda args: "embedding")

@@ -13,13 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_checkpoints import write_gguf
+from hf_checkpoints import write_checkpoint
 from paged_runner import PagedRunner
 
 from model_service.attention.metadata import AttentionMetadata
-from model_service.cpu_kernels import quant_matmul
+from model_service.cpu_kernels import bf16_matmul, load, quant_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.loader import load_model
 from model_service.models.cpu_decode_stack import DecodeStack
+from model_service.models.panel_linear import PanelLinear
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
 DECODE_STEPS = 6
@@ -88,15 +90,40 @@ def test_a_large_decode_batch_takes_the_stack_when_every_linear_is_interleaved(t
     assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
 
 
+BF16_LEVELS = [name for level, name in enumerate(bf16_matmul.LEVELS)
+               if load() is not None and level <= load().bf16_best_level()]
+
+
+@pytest.mark.parametrize("level", BF16_LEVELS)
+def test_a_bfloat16_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monkeypatch, level):
+    """A bfloat16 checkpoint's linears in bf16_matmul's panels: one kernel at every batch,
+    so 17 sequences decoding take the stack too, and give the per-layer path's bits."""
+    monkeypatch.setenv(bf16_matmul.ENV, level)
+    loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.bfloat16, "cpu")
+    layer = loaded.model.layers[0]
+    assert all(isinstance(module, PanelLinear) for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 2)] for i in range(17)]
+    assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
+
+
+def test_smollm2_in_bfloat16_stack_matches_the_layer_path(monkeypatch):
+    monkeypatch.setenv(bf16_matmul.ENV, BF16_LEVELS[-1])
+    assert_stack_is_the_layer_path(load_model("smollm2", torch.bfloat16, "cpu"), monkeypatch)
+
+
 def test_smollm2_stack_matches_the_layer_path(monkeypatch):
     assert_stack_is_the_layer_path(load_model("smollm2", torch.float32, "cpu", weights="native"), monkeypatch)
 
 
-def test_models_it_does_not_take_run_the_layer_path(tmp_path):
+def test_models_it_does_not_take_run_the_layer_path(tmp_path, monkeypatch):
     path, _ = write_gguf(tmp_path / "tiny-Q8_0.gguf", "Q8_0")
     dequantized = load_model(str(path), torch.float32, "cpu", weights="dequantize")
     run(dequantized.model, dequantized.config, stack=True)
-    assert dequantized.model._decode_stack is False  # float linears: asked once, then left alone
+    assert dequantized.model._decode_stack is False  # float32 linears: asked once, then left alone
+    monkeypatch.setenv(bf16_matmul.ENV, "onednn")
+    onednn = load_model(str(path), torch.bfloat16, "cpu", weights="dequantize")
+    run(onednn.model, onednn.config, stack=True)
+    assert onednn.model._decode_stack is False  # oneDNN's packed weights run outside C
 
     native = load_model(str(path), torch.float32, "cpu", weights="native")
     stack = DecodeStack.of(native.model)

@@ -1,7 +1,9 @@
-"""bfloat16 CPU linears with oneDNN-packed weights: the same numbers as F.linear, load_model
-packs exactly the bfloat16 CPU models, and the packed copy is the only one held (a tied
-lm_head's weight stays, being the embedding's): weights_bytes counts what the model's
-tensors hold, bfloat16 about half of float32's, and a load grows the process by that much."""
+"""bfloat16 CPU linears with packed weights, oneDNN's (PackedLinear) or the C kernel's
+panels (PanelLinear, as PAGEDKV_BF16_KERNELS picks): oneDNN's give F.linear's numbers,
+load_model packs exactly the bfloat16 CPU models, and the packed copy is the only one held
+(a tied lm_head's weight stays, being the embedding's): weights_bytes counts what the
+model's tensors hold, bfloat16 about half of float32's, and a load grows the process by
+that much."""
 
 from __future__ import annotations
 
@@ -19,11 +21,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model_service.loading.loader import load_model
+from model_service.cpu_kernels import bf16_matmul
 from model_service.models.packed_linear import PackedLinear, pack_linears, packed_nbytes, packing_supported
+from model_service.models.panel_linear import PanelLinear
 from model_service.models.weights_held import weights_bytes
 
 PACKING = packing_supported("cpu", torch.bfloat16)
 needs_packing = pytest.mark.skipif(not PACKING, reason="this CPU's oneDNN has no bfloat16 support")
+# Who packs: oneDNN, or the C kernel's portable level (any CPU the library builds on).
+PACKINGS = [pytest.param("onednn", marks=needs_packing), "portable"]
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +60,17 @@ def test_packed_linear_equals_f_linear_at_every_batch_size(bias):
             packed(torch.randn(3, 96))
 
 
-@needs_packing
-def test_load_model_packs_bfloat16_cpu_models_only(checkpoints):
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_load_model_packs_bfloat16_cpu_models_only(checkpoints, monkeypatch, packing):
+    monkeypatch.setenv(bf16_matmul.ENV, packing)
     packed = load_model(str(checkpoints["qwen2"]), torch.bfloat16, "cpu").model
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    assert linears and all(isinstance(m, PackedLinear if packing == "onednn" else PanelLinear) for m in linears)
     # The embedding looks rows up in the tied lm_head's weight: it stays; no other does.
     assert packed.lm_head.weight is packed.embed_tokens.weight
     assert all(m.weight is None for m in linears if m is not packed.lm_head)
     plain = load_model(str(checkpoints["qwen2"]), torch.float32, "cpu").model
-    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert not any(isinstance(m, (PackedLinear, PanelLinear)) for m in plain.modules())
     assert pack_linears(plain) == 0
 
 
@@ -92,9 +99,11 @@ def held_tensor_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.parametrize("packing", ["onednn", "portable"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_weights_bytes_count_the_tensors_held_and_bfloat16_halves_them(checkpoints, kind):
-    """Runs where packing does not happen too: then the plain bfloat16 weights are held."""
+def test_weights_bytes_count_the_tensors_held_and_bfloat16_halves_them(checkpoints, monkeypatch, kind, packing):
+    """Runs where oneDNN's packing does not happen too: then the plain bfloat16 weights are held."""
+    monkeypatch.setenv(bf16_matmul.ENV, packing)
     path = str(checkpoints[kind])
     float32, bfloat16 = (load_model(path, dtype, "cpu") for dtype in (torch.float32, torch.bfloat16))
     for loaded in (float32, bfloat16):
@@ -102,13 +111,16 @@ def test_weights_bytes_count_the_tensors_held_and_bfloat16_halves_them(checkpoin
             == held_tensor_bytes(loaded.model)
     config = json.loads((checkpoints[kind] / "config.json").read_text())
     # More than half: a packed lm_head tied to the embedding is one bfloat16 copy of it
-    # more, and oneDNN pads some packed weights (qwen2's 96-row qkv_proj to 128 rows).
-    tied_copy = 2 * config["vocab_size"] * config["hidden_size"] if PACKING and config["tie_word_embeddings"] else 0
-    packed = [m for m in bfloat16.model.modules() if isinstance(m, PackedLinear)]
-    padding = sum(packed_nbytes(m.packed_weight) - 2 * m.in_features * m.out_features for m in packed)
+    # more, and oneDNN pads some packed weights (qwen2's 96-row qkv_proj to 128 rows),
+    # panels a last panel's rows to 16.
+    packs = packing == "portable" or PACKING
+    tied_copy = 2 * config["vocab_size"] * config["hidden_size"] if packs and config["tie_word_embeddings"] else 0
+    packed = [m for m in bfloat16.model.modules() if isinstance(m, (PackedLinear, PanelLinear))]
+    padding = sum((packed_nbytes(m.packed_weight) if isinstance(m, PackedLinear) else m.panels.nbytes)
+                  - 2 * m.in_features * m.out_features for m in packed)
     half = float32.weights_bytes_by_type["float32"] // 2
     assert bfloat16.weights_bytes_by_type == {"bfloat16": half + tied_copy + padding}
-    assert 0 <= padding <= 0.05 * half and bool(packed) == PACKING
+    assert 0 <= padding <= 0.05 * half and bool(packed) == packs
 
 
 def write_wide_checkpoint(small, directory, hidden=1024, intermediate=2048, layers=4):

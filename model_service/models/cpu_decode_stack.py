@@ -1,17 +1,18 @@
 """A decode step's decoder layers in one C call (cpu_kernels/csrc/decode_stack.c), for a
-model whose layer linears are all held in quantized blocks on CPU.
+model whose layer linears are all held in quantized blocks on CPU, or all in bfloat16
+panels (panel_linear.py).
 
 At one stream, a decode step through models/llama.py's modules is ~300 small operations,
 each a dispatch (and a ctypes call for the C kernels): on SmolLM2's Q4_1 file those were a
-third of the step. decode_stack.c runs the same kernels in the same order over the same
+third of the step, and on SmolLM2 in bfloat16 ~5 of a 15.8 ms step. decode_stack.c runs the same kernels in the same order over the same
 buffers, so the step's results are the same bits; only the Python between them goes.
 
-`DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized and
-without bias, rotary tables in the model's dtype, the default paged attention on CPU) and
+`DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized, or
+every one in bfloat16 panels under bfloat16 activations, and without bias, rotary tables in the model's dtype, the default paged attention on CPU) and
 describes it to the C side once; `run` then takes a decode-only step on a pool of the
 model's own dtype (or an 8-bit pool under float32 activations), and answers None for
 anything else (a prefill, bfloat16 activations over an 8-bit pool, a batch large enough
-that linears not all interleaved multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS),
+that quantized linears not all interleaved multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS),
 which the per-layer path serves.
 """
 
@@ -26,10 +27,12 @@ from model_service.attention.backend import PagedAttention
 from model_service.attention.metadata import AttentionMetadata
 from model_service.cpu_kernels import paged_decode, quant_matmul
 from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
+from model_service.models.panel_linear import PanelLinear
 from model_service.models.quantized_linear import QuantizedLinear
 from pagedkv.kv_geometry import is_fp8
 
 MAX_SEGMENTS = 4  # decode_stack.c's STACK_MAX_SEGMENTS
+BF16_PANELS = 0x1000  # decode_stack.c's STACK_BF16_PANELS
 
 
 class _Linear(ctypes.Structure):
@@ -49,10 +52,15 @@ class _Model(ctypes.Structure):
                 ("dtype", ctypes.c_int32), ("block_size", ctypes.c_int32), ("level", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("final_norm", ctypes.c_int64), ("cos_table", ctypes.c_int64), ("sin_table", ctypes.c_int64),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("bf16_level", ctypes.c_int32)]
 
 
 def _linear(module) -> _Linear | None:
+    if isinstance(module, PanelLinear) and module.bias is None:
+        described = _Linear(segments=1)
+        described.types[0], described.rows[0] = BF16_PANELS, module.out_features
+        described.weights[0] = module.panels.data_ptr()
+        return described
     if not isinstance(module, QuantizedLinear) or module.bias is not None \
             or len(module.segments.parts) > MAX_SEGMENTS:
         return None
@@ -69,20 +77,22 @@ def _linear(module) -> _Linear | None:
 class DecodeStack:
     """The model described to decode_stack.c (weights by pointer: the model must outlive it)."""
 
-    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array, scaled: bool, interleaved: bool) -> None:
+    def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array, scaled: bool, any_batch: bool,
+                 quant_level: int, bf16_level: int) -> None:
         config = model.config
         self.model, self.library, self._layers = model, library, layers  # _layers: kept alive for the C side
         self.scaled = scaled  # the layers' 8-bit pool scales were set (an 8-bit pool is what it takes then)
-        # every linear's rows interleaved: integer products at any batch, as the per-layer path has them
-        self.interleaved = interleaved
+        # every linear's product the same kernel at any batch, as the per-layer path has it:
+        # bfloat16 panels, or quantized rows all interleaved (integer products)
+        self.any_batch = any_batch
         self.dtype = model.norm.weight.dtype
         self._described = _Model(
             num_layers=config.num_layers, hidden=config.hidden_size, q_heads=config.num_heads,
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
-            dtype=DTYPE_CODES[self.dtype], block_size=0, level=quant_matmul.chosen_level(library),
+            dtype=DTYPE_CODES[self.dtype], block_size=0, level=quant_level,
             eps=config.rms_norm_eps, scale=config.head_dim ** -0.5,
             final_norm=model.norm.weight.data_ptr(), cos_table=model.rotary.cos_cache.data_ptr(),
-            sin_table=model.rotary.sin_cache.data_ptr(), layers=layers)
+            sin_table=model.rotary.sin_cache.data_ptr(), layers=layers, bf16_level=bf16_level)
 
     @classmethod
     def of(cls, model) -> DecodeStack | None:
@@ -99,7 +109,7 @@ class DecodeStack:
         if rotary.cos_cache.dtype != norm_dtype or not rotary.cos_cache.is_contiguous() \
                 or not rotary.sin_cache.is_contiguous():
             return None
-        described, interleaved = [], True
+        described, any_batch, quantized, bf16_levels = [], True, False, set()
         for layer in model.layers:
             attention = layer.self_attn
             if not isinstance(attention.attention, PagedAttention) or attention.attention.backend not in ("auto", "cpu"):
@@ -110,14 +120,23 @@ class DecodeStack:
             if any(linear is None for linear in linears) or any(
                     norm.dtype != norm_dtype or not norm.is_contiguous() for norm in norms):
                 return None
-            interleaved = interleaved and all(module.segments.interleaved for module in modules)
+            for module in modules:
+                if isinstance(module, PanelLinear):
+                    bf16_levels.add(module.level)
+                else:
+                    quantized = True
+                    any_batch = any_batch and module.segments.interleaved
             k_scale, v_scale = attention.kv_scales or (1.0, 1.0)
             described.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears,
                                     attention.sliding_window or 0, k_scale, v_scale))
+        # Panels take bfloat16 activations, and one level serves the whole call.
+        if bf16_levels and (norm_dtype != torch.bfloat16 or len(bf16_levels) > 1):
+            return None
         # An 8-bit pool's scales are described too: set_kv_scales drops the stack, so a new
         # set is described again at the next step.
         scaled = model.layers[0].self_attn.kv_scales is not None
-        return cls(model, library, (_Layer * len(described))(*described), scaled, interleaved)
+        return cls(model, library, (_Layer * len(described))(*described), scaled, any_batch,
+                   quant_matmul.chosen_level(library) if quantized else 0, bf16_levels.pop() if bf16_levels else 0)
 
     def points_at(self, model) -> bool:
         """Whether the weights described are still where `model` holds them (a `.to()` moves
@@ -134,7 +153,7 @@ class DecodeStack:
         tokens = hidden.shape[0]
         fp8 = is_fp8(kv_pool.dtype)
         if (meta.num_decode_seqs != tokens
-                or (tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS and not self.interleaved)  # products in bfloat16
+                or (tokens >= quant_matmul.FLOAT_PRODUCT_TOKENS and not self.any_batch)  # products in bfloat16
                 or not kv_pool.is_contiguous() or kv_pool.device.type != "cpu"
                 or not hidden.is_contiguous() or hidden.dtype != self.dtype
                 or meta.block_size > paged_decode.MAX_BLOCK_SIZE

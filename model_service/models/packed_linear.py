@@ -1,4 +1,5 @@
-"""bfloat16 linears on CPU with their weights pre-packed for oneDNN (AMX / AVX512-BF16).
+"""bfloat16 linears on CPU with their weights pre-packed for oneDNN (AMX / AVX512-BF16),
+where the C kernel of panel_linear.py does not serve them (pack_linears chooses).
 
 An eager `F.linear` in bfloat16 on CPU hands oneDNN a plain row-major weight, which it
 reorders into its blocked layout on every call: measured on the 2-core dev machine over
@@ -25,6 +26,9 @@ from collections import Counter
 
 import torch
 from torch import nn
+
+from model_service.cpu_kernels import bf16_matmul
+from model_service.models.panel_linear import PanelLinear
 
 # oneDNN picks a blocked layout for a typical batch; any batch size runs on it.
 PACKING_BATCH_HINT = 64
@@ -75,22 +79,32 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swaps every nn.Linear of a CPU bfloat16 model for a PackedLinear; returns how many.
-    A no-op (0) on other devices and dtypes. Each plain weight is freed as its linear is
-    swapped (unless shared): packing needs one linear's copy more than the model, not two
-    models' worth."""
+    """Swaps every nn.Linear of a CPU bfloat16 model for one that multiplies by a packed copy
+    of its weight; returns how many. The C kernel's panels (panel_linear.py) where
+    bf16_matmul.chosen_level says so, oneDNN's PackedLinear otherwise. A no-op (0) on other
+    devices and dtypes. Each plain weight is freed as its linear is swapped (unless shared):
+    packing needs one linear's copy more than the model, not two models' worth."""
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     if not names:
         return 0
     weight = model.get_submodule(names[0]).weight
-    if not packing_supported(weight.device, weight.dtype):
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return 0
     del weight
+    level, onednn = bf16_matmul.chosen_level(), packing_supported("cpu", torch.bfloat16)
     holders = Counter(parameter.data_ptr() for module in model.modules()
                       for parameter in module._parameters.values() if parameter is not None)
+    swapped = 0
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        setattr(parent, child, PackedLinear.from_linear(linear, keep_weight=holders[linear.weight.data_ptr()] > 1))
-    return len(names)
+        shared = holders[linear.weight.data_ptr()] > 1
+        if level is not None and linear.in_features % 2 == 0:  # panels hold pairs of columns
+            setattr(parent, child, PanelLinear.from_linear(linear, level, keep_weight=shared))
+        elif onednn:
+            setattr(parent, child, PackedLinear.from_linear(linear, keep_weight=shared))
+        else:
+            continue
+        swapped += 1
+    return swapped

@@ -5,6 +5,8 @@ What GetModelInfo and the Attach's sizing report (weights_bytes, weights_bytes_b
 - quantized blocks (QuantizedLinear, QuantizedEmbedding: --weights native, --quantization
   int8) at their size, under their GGUF type ("Q4_1", "Q8_0", ...): they are plain
   attributes, not parameters, so model.parameters() alone would miss them;
+- a PanelLinear's panels (bf16_matmul.c's layout, the last panel's rows padded to 16) at
+  their size;
 - a PackedLinear's oneDNN copy of its weight at the bytes oneDNN allocated for it (its
   blocked layout may pad); its plain weight is gone, except a tied lm_head's, which is
   the embedding's parameter (counted once, with the parameters).
@@ -21,6 +23,7 @@ from torch import nn
 
 from model_service.cpu_kernels.quant_matmul import type_name
 from model_service.models.packed_linear import PackedLinear, packed_nbytes
+from model_service.models.panel_linear import PanelLinear
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 
@@ -41,6 +44,8 @@ def weights_bytes_by_type(model: nn.Module) -> dict[str, int]:
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             for type_code, blocks in module.segments.parts:
                 hold(blocks.data_ptr(), type_name(type_code), blocks)
+        elif isinstance(module, PanelLinear):
+            hold(module.panels.data_ptr(), _dtype_name(module.panels.dtype), module.panels)
         elif isinstance(module, PackedLinear):
             # An opaque oneDNN tensor (no data pointer), keyed by identity.
             packed = module.packed_weight

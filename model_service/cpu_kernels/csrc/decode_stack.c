@@ -1,5 +1,5 @@
 /* A whole decode step's decoder layers in one call, for models whose linears are held in
- * quantized blocks (quant_matmul.c).
+ * quantized blocks (quant_matmul.c) or, for bfloat16 models, in bf16_matmul.c's panels.
  *
  * A decode step of one stream on a 30-layer model is ~300 small operations; through
  * PyTorch each costs a dispatch, a tensor and, for the C kernels, a ctypes call, and at
@@ -26,8 +26,11 @@
 #include "cpu_math.h"
 
 #define STACK_MAX_SEGMENTS 4
+/* A linear's type when its one segment is bfloat16 panels (bf16_linear), not quantized
+ * blocks: above every ggml type code and its interleaved variant (quant_matmul.py's X8). */
+#define STACK_BF16_PANELS 0x1000
 
-/* One linear's rows as quant_linear takes them. */
+/* One linear's rows as quant_linear takes them, or bfloat16 panels (STACK_BF16_PANELS). */
 typedef struct {
     int32_t segments;
     int32_t types[STACK_MAX_SEGMENTS];
@@ -48,12 +51,15 @@ typedef struct {
     float eps, scale;
     int64_t final_norm, cos_table, sin_table; /* [hidden]; rotary tables [positions, head_dim / 2] */
     const stack_layer *layers;
+    int32_t bf16_level; /* bf16_linear's, for panel linears */
 } stack_model;
 
 /* Declared by the other kernel sources of this library. */
 int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int segments,
                  const int64_t *weights, const int32_t *types, const int32_t *rows, void *y, int64_t y_stride,
                  int level, int num_threads);
+int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
+                int64_t y_stride, int level, int num_threads);
 void rms_norm(const void *x, int64_t x_row_stride, const void *weight, void *out, int rows, int cols, float eps,
               int dtype, int num_threads);
 void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, const void *weight, void *out,
@@ -74,8 +80,12 @@ static size_t dtype_bytes(int dtype) {
     return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2 ? 1 : 2;
 }
 
-static int linear(const stack_linear *w, const void *x, int tokens, int cols, int dtype, void *y, int64_t y_stride,
-                  int level, int num_threads) {
+static int linear(const stack_model *m, const stack_linear *w, const void *x, int tokens, int cols, void *y,
+                  int64_t y_stride, int num_threads) {
+    if (w->types[0] == STACK_BF16_PANELS)
+        return bf16_linear(x, cols, tokens, cols, w->rows[0], (const void *)(intptr_t)w->weights[0], y, y_stride,
+                           m->bf16_level, num_threads);
+    const int dtype = m->dtype, level = m->level;
     return quant_linear(x, cols, tokens, cols, dtype, w->segments, w->weights, w->types, w->rows, y, y_stride,
                         level, num_threads);
 }
@@ -112,7 +122,7 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         else
             add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->input_norm, normed, tokens, width,
                          m->eps, dtype, num_threads);
-        status = linear(&layer->qkv, normed, tokens, width, dtype, qkv, qkv_size, m->level, num_threads);
+        status = linear(m, &layer->qkv, normed, tokens, width, qkv, qkv_size, num_threads);
         if (status != 0) break;
         rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
                         (const void *)(intptr_t)m->cos_table, (const void *)(intptr_t)m->sin_table, positions,
@@ -128,15 +138,14 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
                                         layer->sliding_window, dtype, attn, num_threads, kv_dtype, layer->k_scale,
                                         layer->v_scale);
         if (status != 0) break;
-        status = linear(&layer->o, attn, tokens, q_size, dtype, delta, width, m->level, num_threads);
+        status = linear(m, &layer->o, attn, tokens, q_size, delta, width, num_threads);
         if (status != 0) break;
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
                      width, m->eps, dtype, num_threads);
-        status = linear(&layer->gate_up, normed, tokens, width, dtype, gate_up, 2 * m->intermediate, m->level,
-                        num_threads);
+        status = linear(m, &layer->gate_up, normed, tokens, width, gate_up, 2 * m->intermediate, num_threads);
         if (status != 0) break;
         silu_mul(gate_up, act, tokens, m->intermediate, dtype, num_threads);
-        status = linear(&layer->down, act, tokens, m->intermediate, dtype, delta, width, m->level, num_threads);
+        status = linear(m, &layer->down, act, tokens, m->intermediate, delta, width, num_threads);
         if (status != 0) break;
     }
     if (status == 0)
