@@ -1,7 +1,9 @@
-"""Prefill attention on CPU two ways, in turns in one process: SDPA a sequence at a time
-(attention/torch_paged.py's prefill_attention_torch, over this step's K/V) and the C
-decode kernel with each prompt token a query over its own context (what
-attention/backend.py does where the C kernels serve a pool of the model's dtype).
+"""Prefill attention on CPU, in turns in one process: SDPA a sequence at a time
+(attention/torch_paged.py's prefill_attention_torch, over this step's K/V), the C decode
+kernel with each prompt token a query over its own context (what attention/backend.py
+does where the C kernels serve a pool of the model's dtype), and, in bfloat16 on a CPU
+with AVX-512 BF16, the prefill kernel that backend.py takes there instead (sixteen
+queries a vector: cpu_kernels/prefill_attention.py).
 
     .venv/bin/python bench/prefill_attention.py [--threads 2] [--rounds 3] [--seconds 0.4]
         [--dtype float32|bfloat16]
@@ -25,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from model_service import cpu_kernels  # noqa: E402
 from model_service.attention.torch_paged import prefill_attention_torch  # noqa: E402
-from model_service.cpu_kernels import paged_decode  # noqa: E402
+from model_service.cpu_kernels import paged_decode, prefill_attention  # noqa: E402
 from quant_product import best_in_turns  # noqa: E402
 
 BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64
@@ -64,9 +66,18 @@ def paths(lens: list[int], library, dtype: torch.dtype) -> dict:
         return paged_decode.paged_decode_attention(library, q, pool, tables.index_select(0, rows), context,
                                                    HEAD_DIM ** -0.5)
 
+    def prefill_kernel():
+        out = torch.empty_like(q)
+        prefill_attention.prefill_attention(library, q, pool, tables, lens, lens, HEAD_DIM ** -0.5, None, out)
+        return out
+
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(c_kernel().float(), sdpa().float(), atol=tolerance, rtol=tolerance)
-    return {"sdpa": sdpa, "c": c_kernel}
+    found = {"sdpa": sdpa, "c": c_kernel}
+    if prefill_attention.supports(library, q, pool):
+        found["prefill"] = prefill_kernel
+    for path in found.values():
+        torch.testing.assert_close(path().float(), sdpa().float(), atol=tolerance, rtol=tolerance)
+    return found
 
 
 def main() -> int:
@@ -81,13 +92,15 @@ def main() -> int:
     if library is None:
         print(f"no CPU kernels: {cpu_kernels.load_error()}")
         return 1
-    print("| prompts | tokens | SDPA a sequence, ms | C kernel a token, ms | SDPA / C |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| prompts | tokens | SDPA a sequence, ms | C kernel a token, ms | SDPA / C "
+          "| prefill kernel, ms | C / prefill kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, lens in BATCHES.items():
         best = {key: us / 1e3 for key, us in best_in_turns(paths(lens, library, getattr(torch, args.dtype)),
                                                            args.rounds, args.seconds).items()}
-        print(f"| {name} | {sum(lens)} | {best['sdpa']:.2f} | {best['c']:.2f} | {best['sdpa'] / best['c']:.2f} |",
-              flush=True)
+        prefill = (f"{best['prefill']:.2f} | {best['c'] / best['prefill']:.2f}" if "prefill" in best else "- | -")
+        print(f"| {name} | {sum(lens)} | {best['sdpa']:.2f} | {best['c']:.2f} | {best['sdpa'] / best['c']:.2f} "
+              f"| {prefill} |", flush=True)
     return 0
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 
 from model_service import cpu_kernels
-from model_service.cpu_kernels import kv_write, paged_decode
+from model_service.cpu_kernels import kv_write, paged_decode, prefill_attention
 from model_service.attention.metadata import AttentionMetadata
 from model_service.attention.torch_paged import (
     DecodePlan,
@@ -126,7 +126,13 @@ class PagedAttention:
                 if num_tokens == num_decode:
                     return decoded  # a decode-only step: no copy into a step-wide buffer
                 out[:num_decode] = decoded
-        if num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
+        if num_tokens > num_decode and library is not None and prefill_attention.supports(library, q, kv_layer):
+            # A bfloat16 pool on a CPU with AVX-512 BF16: sixteen queries a vector, a lane
+            # each (BENCHMARKS.md, "A bfloat16 decode stack").
+            prefill_attention.prefill_attention(
+                library, q[num_decode:], kv_layer, meta.block_tables[num_decode:], meta.query_lens[num_decode:],
+                meta.context_lens_host[num_decode:], scale, sliding_window, out[num_decode:])
+        elif num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
             # On CPU each prompt token attends as a decode query over its own context (the
             # keys up to its position, this step's already in the pool): the C kernel that
             # decode steps use, 1.2-5.6x faster than SDPA a sequence at a time from 30 to
