@@ -4,16 +4,18 @@ panels (panel_linear.py).
 
 At one stream, a decode step through models/llama.py's modules is ~300 small operations,
 each a dispatch (and a ctypes call for the C kernels): on SmolLM2's Q4_1 file those were a
-third of the step, and on SmolLM2 in bfloat16 ~5 of a 15.8 ms step. decode_stack.c runs the same kernels in the same order over the same
-buffers, so the step's results are the same bits; only the Python between them goes.
+third of the step, in bfloat16 ~5 ms of 15.8. decode_stack.c runs the same kernels in the
+same order over the same buffers, so the step's results are the same bits; only the Python
+between them goes.
 
-`DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized, or
-every one in bfloat16 panels under bfloat16 activations, and without bias, rotary tables in the model's dtype, the default paged attention on CPU) and
-describes it to the C side once; `run` then takes a decode-only step on a pool of the
-model's own dtype (or an 8-bit pool under float32 activations), and answers None for
-anything else (a prefill, bfloat16 activations over an 8-bit pool, a batch large enough
-that quantized linears not all interleaved multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS),
-which the per-layer path serves.
+`DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized or
+in bfloat16 panels under bfloat16 activations, none with a bias; rotary tables in the
+model's dtype; the default paged attention on CPU) and describes it to the C side once;
+`run` then takes a decode-only step on a pool of the model's own dtype (or an 8-bit pool
+under float32 activations), and answers None for anything else (a prefill, bfloat16
+activations over an 8-bit pool, a batch large enough that quantized linears not all
+interleaved multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS), which the per-layer
+path serves.
 """
 
 from __future__ import annotations
