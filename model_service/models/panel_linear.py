@@ -2,8 +2,8 @@
 weights held in its panels of 16 rows.
 
 At a decode step's few tokens a linear's time is its weights' bytes over the memory's
-bandwidth: on SmolLM2-135M's 120 layer linears the kernel read the weights at 38 GB/s a
-step of one token against oneDNN's packed product's 27, 1.2-1.4x faster at 1-32 tokens
+bandwidth: on SmolLM2-135M's 120 layer linears the kernel read the weights at 38-41 GB/s
+a step of one token against oneDNN's packed product's 27-35, 1.2-1.4x faster at 1-32 tokens
 (BENCHMARKS.md, "A bfloat16 decode stack"). Being C, it also runs inside the decode stack's
 one call a step (cpu_decode_stack.py), which oneDNN's product cannot. A token's result does
 not depend on the batch it is in.

@@ -3,9 +3,9 @@
  *
  * Why not oneDNN's: at a decode step's few tokens a product reads each weight once and
  * does little with it, so its time is the weights' bytes over the memory's bandwidth plus
- * the call's own cost. oneDNN's packed product read SmolLM2's 120 layer weights at 27 GB/s
- * in a step of one token, this kernel at 38 (BENCHMARKS.md, "A bfloat16 decode stack"), and
- * oneDNN cannot run inside decode_stack.c's one call a step.
+ * the call's own cost. oneDNN's packed product read SmolLM2's 120 layer weights at 27-35
+ * GB/s in a step of one token, this kernel at 38-41 (BENCHMARKS.md, "A bfloat16 decode
+ * stack"), and oneDNN cannot run inside decode_stack.c's one call a step.
  *
  * The panel layout (bf16_pack_panels): rows in panels of 16, each panel [cols / 2][16][2],
  * so one 64-byte line holds a pair of columns of 16 rows. At the AVX-512 level a line is
