@@ -22,11 +22,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from model_service import cpu_kernels  # noqa: E402
 from model_service.cpu_kernels import bf16_matmul  # noqa: E402
 from model_service.models.packed_linear import PackedLinear, packing_supported  # noqa: E402
 from model_service.models.panel_linear import PanelLinear  # noqa: E402
-from quant_product import SHAPES, best_in_turns  # noqa: E402
+from quant_product import SHAPES, add_turn_arguments, best_in_turns, kernel_library  # noqa: E402
 
 LM_HEAD = (49152, 576)
 LAYERS = 30
@@ -41,16 +40,16 @@ def both(rows: int, cols: int, level: int, seed: int) -> tuple[PanelLinear, Pack
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,4,8,16,32,64,256,2048")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.3)
+    add_turn_arguments(parser, seconds=0.3)
     parser.add_argument("--skip-single", action="store_true", help="only the 120 linears of a step")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if cpu_kernels.load() is None or not packing_supported("cpu", torch.bfloat16):
-        print("needs the CPU kernel library and oneDNN's bfloat16")
+    library = kernel_library(args)
+    if library is None:
         return 1
-    level = int(cpu_kernels.load().bf16_best_level())
+    if not packing_supported("cpu", torch.bfloat16):
+        print("oneDNN has no bfloat16 on this CPU: nothing to compare against")
+        return 1
+    level = bf16_matmul.best_level(library)
     tokens = [int(count) for count in args.tokens.split(",")]
     print(f"C kernel level {bf16_matmul.LEVELS[level]}, {args.threads} threads")
     with torch.inference_mode():

@@ -25,10 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from model_service import cpu_kernels  # noqa: E402
 from model_service.attention.torch_paged import prefill_attention_torch  # noqa: E402
 from model_service.cpu_kernels import paged_decode, prefill_attention  # noqa: E402
-from quant_product import best_in_turns  # noqa: E402
+from quant_product import add_turn_arguments, best_in_turns, kernel_library  # noqa: E402
 
 BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 random.seed(0)
@@ -68,7 +67,8 @@ def paths(lens: list[int], library, dtype: torch.dtype) -> dict:
 
     def prefill_kernel():
         out = torch.empty_like(q)
-        prefill_attention.prefill_attention(library, q, pool, tables, lens, lens, HEAD_DIM ** -0.5, None, out)
+        prefill_attention.prefill_attention(library, q, pool, prefill_attention.prefill_sequences(tables, lens, lens),
+                                            HEAD_DIM ** -0.5, None, out)
         return out
 
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
@@ -82,15 +82,11 @@ def paths(lens: list[int], library, dtype: torch.dtype) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.4)
+    add_turn_arguments(parser, seconds=0.4)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    library = cpu_kernels.load()
+    library = kernel_library(args)
     if library is None:
-        print(f"no CPU kernels: {cpu_kernels.load_error()}")
         return 1
     print("| prompts | tokens | SDPA a sequence, ms | C kernel a token, ms | SDPA / C "
           "| prefill kernel, ms | C / prefill kernel |")

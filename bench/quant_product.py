@@ -51,20 +51,32 @@ def best_in_turns(paths: dict, rounds: int, seconds: float) -> dict[str, float]:
     return best
 
 
+def add_turn_arguments(parser: argparse.ArgumentParser, seconds: float) -> None:
+    """--threads, --rounds, --seconds: how the kernel benchmarks here run their paths in turns."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=seconds)
+
+
+def kernel_library(args: argparse.Namespace):
+    """The CPU kernel library at args.threads threads, or None (said why on stdout)."""
+    torch.set_num_threads(args.threads)
+    library = cpu_kernels.load()
+    if library is None:
+        print(f"no CPU kernels: {cpu_kernels.load_error()}")
+    return library
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default="q4_1,q8_0")
     parser.add_argument("--tokens", default="1,4,16,48,128,512")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.3)
+    add_turn_arguments(parser, seconds=0.3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    library = cpu_kernels.load()
+    library = kernel_library(args)
     if library is None:
-        print(f"no CPU kernels: {cpu_kernels.load_error()}")
         return 1
     level = quant_matmul.chosen_level(library)
     dtype = getattr(torch, args.dtype)

@@ -47,7 +47,8 @@ def reference(q: torch.Tensor, layer: torch.Tensor, table: torch.Tensor, context
 
 def attend(q, layer, table, query_len, context, scale, window=None):
     out = torch.empty(q.shape, dtype=torch.bfloat16)
-    prefill_attention.prefill_attention(library, q, layer, table[None], [query_len], [context], scale, window, out)
+    sequences = prefill_attention.prefill_sequences(table[None], [query_len], [context])
+    prefill_attention.prefill_attention(library, q, layer, sequences, scale, window, out)
     return out
 
 
@@ -89,7 +90,8 @@ def test_two_sequences_in_one_call_and_rows_apart():
     q = fused[:, :96].view(24, 3, 32)
     tables = torch.stack([table, table.flip(0)])
     out = torch.empty((24, 3, 32), dtype=torch.bfloat16)
-    prefill_attention.prefill_attention(library, q, layer, tables, [10, 14], [40, 14], 0.2, None, out)
+    sequences = prefill_attention.prefill_sequences(tables, [10, 14], [40, 14])
+    prefill_attention.prefill_attention(library, q, layer, sequences, 0.2, None, out)
     assert torch.equal(out[:10], attend(q[:10].contiguous(), layer, table, 10, 40, 0.2))
     assert torch.equal(out[10:], attend(q[10:].contiguous(), layer, table.flip(0).contiguous(), 14, 14, 0.2))
 

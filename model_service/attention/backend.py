@@ -129,9 +129,10 @@ class PagedAttention:
         if num_tokens > num_decode and library is not None and prefill_attention.supports(library, q, kv_layer):
             # A bfloat16 pool on a CPU with AVX-512 BF16: sixteen queries a vector, a lane
             # each (BENCHMARKS.md, "A bfloat16 decode stack").
-            prefill_attention.prefill_attention(
-                library, q[num_decode:], kv_layer, meta.block_tables[num_decode:], meta.query_lens[num_decode:],
-                meta.context_lens_host[num_decode:], scale, sliding_window, out[num_decode:])
+            sequences = meta.shared("prefill_sequences", lambda: prefill_attention.prefill_sequences(
+                meta.block_tables[num_decode:], meta.query_lens[num_decode:], meta.context_lens_host[num_decode:]))
+            prefill_attention.prefill_attention(library, q[num_decode:], kv_layer, sequences, scale, sliding_window,
+                                                out[num_decode:])
         elif num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
             # On CPU each prompt token attends as a decode query over its own context (the
             # keys up to its position, this step's already in the pool): the C kernel that

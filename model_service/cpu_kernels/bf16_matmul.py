@@ -13,6 +13,7 @@ PAGEDKV_BF16_KERNELS picks who multiplies a bfloat16 model's linears on CPU:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -25,6 +26,12 @@ CHOICES = ("auto", *LEVELS, "onednn")
 PANEL_ROWS = 16  # bf16_matmul.c's BF16_PANEL_ROWS
 
 
+@functools.cache
+def best_level(library: ctypes.CDLL) -> int:
+    """The highest level this CPU runs (asked of the library once)."""
+    return int(library.bf16_best_level())
+
+
 def chosen_level() -> int | None:
     """The C kernel's level for a bfloat16 model's linears, or None where oneDNN's packed
     product serves them (PAGEDKV_BF16_KERNELS, the CPU, a library that did not build)."""
@@ -34,7 +41,7 @@ def chosen_level() -> int | None:
     library = load()
     if requested == "onednn" or library is None:
         return None
-    best = int(library.bf16_best_level())
+    best = best_level(library)
     if requested == "auto":
         return best if LEVELS[best] == "avx512_bf16" else None
     level = LEVELS.index(requested)
@@ -86,4 +93,4 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-__all__ = ["CHOICES", "ENV", "LEVELS", "PANEL_ROWS", "chosen_level", "linear", "pack_panels", "unpack_panels"]
+__all__ = ["CHOICES", "ENV", "LEVELS", "PANEL_ROWS", "best_level", "chosen_level", "linear", "pack_panels", "unpack_panels"]
