@@ -45,6 +45,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(BENCH)]
 
+import vllm_cores  # noqa: E402
 from bench_vs_vllm import ensure_vllm_venv, smollm2_checkpoint  # noqa: E402
 from processes import free_port, start_cache_service, start_model_service  # noqa: E402
 
@@ -121,7 +122,7 @@ def vllm_server(python: Path, model_dir: Path, threads: int, tmp: Path, *, dtype
     override it on CPU: vllm/platforms/cpu.py, so it is left out)."""
     port = free_port()
     log_path = tmp / "vllm-server.log"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = vllm_cores.environment(threads)
     kv_args = []
     if kv_cache_bytes is None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_GIB)
@@ -137,6 +138,7 @@ def vllm_server(python: Path, model_dir: Path, threads: int, tmp: Path, *, dtype
             wait_http_ready(f"http://127.0.0.1:{port}/v1/models", process, log_path, timeout_s=1800)
             yield f"http://127.0.0.1:{port}"
         finally:
+            print(f"vLLM's OpenAI server computed on {vllm_cores.binding(process.pid)}", flush=True)
             process.terminate()
             try:
                 process.wait(60)

@@ -60,6 +60,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(BENCH)]
 from bench_generate import metric, workload, write_w48_checkpoint  # noqa: E402
 from json_lines_child import JsonLinesChild  # noqa: E402
 from processes import start_cache_service, start_model_service  # noqa: E402
+import vllm_cores  # noqa: E402
 from vllm_grpc import VllmGrpcServer  # noqa: E402
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc  # noqa: E402
@@ -125,8 +126,9 @@ class VllmWorker(JsonLinesChild):
 
     name = "vLLM"
 
-    def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, kv_cache_dtype: str = "auto") -> None:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS="2")
+    def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, threads: int,
+                 kv_cache_dtype: str = "auto") -> None:
+        env = vllm_cores.environment(threads, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
         super().__init__([str(python), str(BENCH / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN),
                           kv_cache_dtype], log_path, env)
 
@@ -241,7 +243,7 @@ def main() -> int:
                 vllm_log = tmp / f"vllm-{model_key}-{dtype}.log"
                 vllm = (VllmGrpcServer(python, model_dir, dtype, vllm_log, MAX_MODEL_LEN, args.threads,
                                        stream=not args.no_stream, stream_interval=args.stream_interval)
-                        if args.vllm_path == "grpc" else VllmWorker(python, model_dir, dtype, vllm_log))
+                        if args.vllm_path == "grpc" else VllmWorker(python, model_dir, dtype, vllm_log, args.threads))
                 try:
                     pagedkv_path = (pagedkv_services(model_dir, dtype, tmp, args.threads, args.pagedkv_flag,
                                                      args.stream_interval, not args.no_stream)
@@ -260,6 +262,8 @@ def main() -> int:
                                 v, p = rows[work]["vllm"][-1], rows[work]["pagedkv"][-1]
                                 print(f"  round {round_index + 1} {work}: pagedkv {rate(p):.0f} tok/s, "
                                       f"vLLM {rate(v):.0f} tok/s, ratio {rate(p) / rate(v):.2f}", flush=True)
+                    vllm_binding = vllm_cores.binding(vllm.process.pid)
+                    print(f"  vLLM computed on {vllm_binding}", flush=True)
                 finally:
                     vllm.close()
                 for work in workloads:
@@ -272,19 +276,21 @@ def main() -> int:
                         "ratios": [rate(p) / rate(v) for p, v in zip(paged, theirs)],
                         "same": (sum(s for s, _ in same), sum(n for _, n in same)),
                         "lease_wait": max(r["lease_wait_share"] for r in paged),
+                        "vllm_binding": vllm_binding,
                     })
 
     load = os.getloadavg()
     print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, vLLM {args.vllm_path}, "
           f"{'whole completions (stream false)' if args.no_stream else f'stream_interval {args.stream_interval}'}; "
-          f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+          f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; vLLM with "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU=0 (every core)\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
-          "| same greedy outputs | cache wait, max |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| same greedy outputs | cache wait, max | vLLM's cores |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for cell in cells:
         print(f"| {cell['cell']} | {cell['pagedkv']:,.0f} | {cell['vllm']:,.0f} | "
               f"**{statistics.median(cell['ratios']):.2f}x** | {', '.join(f'{r:.2f}' for r in cell['ratios'])} | "
-              f"{cell['same'][0]}/{cell['same'][1]} | {100 * cell['lease_wait']:.2f} % |")
+              f"{cell['same'][0]}/{cell['same'][1]} | {100 * cell['lease_wait']:.2f} % | {cell['vllm_binding']} |")
     return 0
 
 

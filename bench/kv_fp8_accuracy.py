@@ -107,7 +107,7 @@ def run_config(kv_dtype: str, scales: str, token_lists, max_new_tokens: int, tmp
 
 def run_vllm(python: Path, kv_dtype: str, token_lists, max_new_tokens: int, tmp: Path):
     """The same as run_config, from vLLM's offline engine with this kv_cache_dtype (bfloat16: auto)."""
-    worker = VllmWorker(python, smollm2_checkpoint(), "bfloat16", tmp / f"vllm-{kv_dtype}.log",
+    worker = VllmWorker(python, smollm2_checkpoint(), "bfloat16", tmp / f"vllm-{kv_dtype}.log", 2,
                         "auto" if kv_dtype == "bfloat16" else kv_dtype)
     try:
         reply = worker.run([[tokens, max_new_tokens] for tokens in token_lists], logprobs=2)

@@ -58,7 +58,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         runs = {}
         if not args.no_vllm:
-            worker = VllmWorker(ensure_vllm_venv(), smollm2_checkpoint(), "bfloat16", Path(tmp) / "vllm.log", fp8)
+            worker = VllmWorker(ensure_vllm_venv(), smollm2_checkpoint(), "bfloat16", Path(tmp) / "vllm.log",
+                                args.threads, fp8)
             stack.callback(worker.close)
             runs[VLLM] = worker.run
         for name in ("bfloat16", fp8):

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import grpc
+import vllm_cores
 from processes import free_port
 
 from pagedkv.health_probe import check
@@ -67,7 +68,7 @@ class VllmGrpcServer:
         self.log_path = log_path
         self.log = open(log_path, "wb")
         self.address = f"127.0.0.1:{free_port()}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", OMP_NUM_THREADS=str(threads))
+        env = vllm_cores.environment(threads, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
         self.process = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.launchers.grpc_server", "--model", str(model_dir), "--dtype", dtype,
              "--max-model-len", str(max_model_len), "--max-num-seqs", "64", "--no-enable-prefix-caching",
