@@ -267,7 +267,7 @@ class KvPool:
             headroom=self.settings.headroom,
             workspace_bytes=workspace_bytes,
             max_model_len=max_model_len,
-            kv_cache_bytes=self.settings.kv_cache_bytes if geometry.device == "cpu" else None,
+            kv_cache_bytes=self.settings.kv_cache_bytes,  # CUDA: caps the device budget; CPU: is the budget
             max_blocks=self.settings.max_blocks,
             weights_bytes=weights_bytes,
             weights_bytes_by_type=weights_bytes_by_type,

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--headroom", default=0.05, type=float,
              help="share of the budget left unallocated for allocator slack and activations warmup did not see")
     add_flag(parser, "--kv-cache-bytes", default=None, type=parse_bytes,
-             help="CPU: the pool budget, e.g. 256MiB (default: --memory-fraction of available RAM)")
+             help="the pool budget, e.g. 256MiB; CUDA: a cap below what --memory-fraction leaves (default: "
+                  "--memory-fraction of device memory, or of available RAM on CPU)")
     add_flag(parser, "--max-blocks", default=None, type=int, help="upper bound on the number of blocks")
     add_flag(parser, "--lease-ttl-ms", default=5000, type=int,
              help="a session silent this long has every lease reclaimed")
@@ -85,8 +86,9 @@ async def reap_forever(pool: KvPool) -> None:
         await pool.reclaim_expired()
 
 
-async def serve(args: argparse.Namespace) -> None:
-    settings = PoolSettings(
+def pool_settings(args: argparse.Namespace) -> PoolSettings:
+    """The pool's settings from the command line (one place, so tests read what serve uses)."""
+    return PoolSettings(
         block_size=args.block_size,
         memory_fraction=args.memory_fraction,
         headroom=args.headroom,
@@ -100,6 +102,10 @@ async def serve(args: argparse.Namespace) -> None:
                            disk_cache_bytes=args.disk_cache_bytes),
         check_invariants=args.check_invariants,
     )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    settings = pool_settings(args)
     kv_events = kv_event_publishers(args)
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)
     if removed:

@@ -456,3 +456,36 @@ def test_cli_kv_cache_dtype_halves_the_block_and_keeps_the_weights(llama_config,
     assert narrow["num_blocks"] in (2 * wide["num_blocks"], 2 * wide["num_blocks"] + 1)
     assert sizing_cli.main([*argv, "--kv-cache-dtype", "int4"]) == 2
     assert "unsupported KV dtype 'int4'" in capsys.readouterr().err
+
+
+# ---- the cache service's --kv-cache-bytes on CUDA -------------------------------------
+
+
+class _Sized(Exception):
+    """Stops KvPool._create after sizing: allocating a CUDA pool needs a GPU."""
+
+
+def test_kv_cache_bytes_reaches_the_cuda_pool_through_the_cache_service(monkeypatch):
+    # The flag as the cache service parses it (docker-compose.gpu.yml's 256MiB), through
+    # serve's settings and KvPool's Attach path to size_pool, with the CUDA memory query
+    # faked: an 80 GiB device with 64 GiB free would otherwise give the pool ~50 GiB.
+    from cache_service import pool as pool_module
+    from cache_service import server
+
+    args = server.build_parser().parse_args(["--kv-cache-bytes", "256MiB"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 * GiB, 80 * GiB))
+    received = {}
+
+    def spy(geometry, **kwargs):
+        received.update(kwargs, report=size_pool(geometry, **kwargs))
+        raise _Sized
+
+    monkeypatch.setattr(pool_module, "size_pool", spy)
+    pool = pool_module.KvPool(server.pool_settings(args))
+    with pytest.raises(_Sized):
+        pool.attach("model", LLAMA3_8B, workspace_bytes=GiB, max_model_len=1024)
+    assert (received["memory_total"], received["memory_free"]) == (80 * GiB, 64 * GiB)
+    assert received["kv_cache_bytes"] == 256 * MiB
+    report = received["report"]
+    assert report.limited_by == "kv_cache_bytes" and report.pool_bytes <= 256 * MiB
+    assert report.num_blocks == 121  # floor(256 MiB × 0.95 / 2 MiB)
