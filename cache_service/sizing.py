@@ -1,7 +1,7 @@
 """How many KV blocks fit, and why: the one sizing formula of README.md ("Sizing: how many tokens fit").
 
     bytes_per_block = 2 (K and V) × num_layers × block_size × num_kv_heads × head_dim × dtype_bytes
-    CUDA:  budget = total × memory_fraction − (total − free_now)
+    CUDA:  budget = total × memory_fraction − (total − free_now), capped by kv_cache_bytes
            (free_now is read after the model service loaded its weights and kept its
            warmup workspace, so both are inside "total − free_now")
     CPU:   budget = kv_cache_bytes if given, else memory_fraction × available RAM

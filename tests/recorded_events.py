@@ -13,7 +13,7 @@ class RecordedEvent:
         self.log = log
         self.number = next(numbers)
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         self.log.append(("record", self.number))
 
     def synchronize(self) -> None:

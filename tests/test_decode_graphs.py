@@ -207,6 +207,7 @@ class FakeCuda:
         self.streams_made = 0
         self.graphs = 0
         self.devices_set = []
+        self.stream_devices = []  # the device each stream was made or asked for on
 
     def install(self, monkeypatch) -> None:
         import contextlib
@@ -214,8 +215,9 @@ class FakeCuda:
         fake = self
 
         class Stream:
-            def __init__(self) -> None:
+            def __init__(self, device=None) -> None:
                 fake.streams_made += 1
+                fake.stream_devices.append(device)
 
             def wait_stream(self, other) -> None:
                 pass
@@ -231,7 +233,10 @@ class FakeCuda:
 
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream.__new__(Stream))
+        monkeypatch.setattr(torch.cuda, "current_stream",
+                            lambda device=None: fake.stream_devices.append(device) or Stream.__new__(Stream))
+        monkeypatch.setattr(torch.cuda, "current_device",
+                            lambda: torch.device(fake.devices_set[-1]).index if fake.devices_set else 0)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
@@ -250,6 +255,18 @@ def test_every_capture_shares_one_side_stream(monkeypatch):
     replays = [capture(lambda: torch.zeros(2)) for _ in range(5)]
     assert cuda.graphs == 5 and cuda.streams_made == 1
     assert torch.equal(replays[3](), torch.zeros(2))
+
+
+def test_captures_use_the_streams_of_the_threads_current_device(monkeypatch):
+    # The capturing thread (the engine's, at Attach) has set the model's device; its streams
+    # are named by it rather than left to whichever device a bare current_stream() means.
+    from model_service.worker.decode_graphs import cuda_graph_capture
+
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    torch.cuda.set_device(torch.device("cuda:1"))
+    cuda_graph_capture()(lambda: torch.zeros(2))
+    assert cuda.stream_devices and set(cuda.stream_devices) == {1}
 
 
 def test_device_cuda_n_becomes_the_current_device(monkeypatch):
@@ -339,7 +356,7 @@ class FakeEvent:
     def __init__(self) -> None:
         self.number = len([entry for entry in FakeEvent.log if entry.startswith("record")])
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         FakeEvent.log.append(f"record {self.number}")
 
     def synchronize(self) -> None:

@@ -48,6 +48,7 @@ from model_service.sched.step import Step, StepOutput
 from model_service.sched.sequence import Finish
 from model_service.worker.decode_graphs import DecodeGraphPool
 from model_service.worker.runner import ModelRunner
+from model_service.worker.torch_threads import use_device
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
@@ -189,8 +190,10 @@ class Engine:
     # -- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        # This thread's OpenMP pool is the process's only one (torch_threads.py).
+        # This thread's OpenMP pool is the process's only one, and it launches on the
+        # model's CUDA device, not cuda:0 (torch_threads.py).
         torch.set_num_threads(self._torch_threads)
+        use_device(self.device)
         try:
             while not self._stopping.is_set():
                 if not self.connected.is_set():

@@ -52,14 +52,15 @@ def cuda_graph_capture(pool=None) -> Capture:
     streams: list[torch.cuda.Stream] = []
 
     def capture(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        device = torch.cuda.current_device()  # the capturing thread's (torch_threads.use_device)
         if not streams:
-            streams.append(torch.cuda.Stream())
+            streams.append(torch.cuda.Stream(device))
         side = streams[0]
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm up: lazy init and autotuning stay out of the graph
             step()
             step()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             output = step()

@@ -65,9 +65,7 @@ class ModelRunner:
             rows = last_token_indices(meta.query_lens)
             if prompt_logits:
                 self._prompt_logits(batch, hidden, rows, prompt_logits)
-        if self.new_event is not None:
-            self._writes = self.new_event()
-            self._writes.record()
+        self.record_writes()
         due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
@@ -79,6 +77,18 @@ class ModelRunner:
             selected = hidden.index_select(0, to_device(selected_rows, torch.int64, self.device))
         logits = self.model.compute_logits(selected, float32=False)
         return [batch[i][0] for i in due], logits
+
+    def record_writes(self) -> None:
+        """Records the write fence behind the work enqueued so far (CUDA; nothing elsewhere)."""
+        if self.new_event is not None:
+            self._writes = self.new_event()
+            self._writes.record(self.step_stream())
+
+    def step_stream(self) -> Any:
+        """The stream a step's work goes to: the pool's device's current stream, named, since
+        a bare record() takes the calling thread's current device's, which on another device
+        fences nothing. None off CUDA (a test's stand-in event records on nothing)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def wait_for_writes(self) -> None:
         """Returns once every K/V write enqueued so far has landed in the pool: call before
