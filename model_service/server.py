@@ -193,7 +193,7 @@ async def serve(args: argparse.Namespace) -> int:
     kv_absmax: list = []
     workspace = run_in_passing_thread(lambda: measure_workspace(
         loaded.model, (config.num_layers, config.num_kv_heads, config.head_dim), dtype, device,
-        block_size=16, num_tokens=warmup_tokens, kv_absmax=kv_absmax))
+        block_size=16, num_tokens=warmup_tokens, kv_absmax=kv_absmax, max_num_seqs=args.max_num_seqs))
     kv_scales = None
     if is_fp8(kv_dtype):
         kv_scales = KvScales.from_absmax(*kv_absmax[0]) if args.kv_cache_scales == "warmup" else \

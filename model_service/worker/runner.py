@@ -21,6 +21,8 @@ from model_service.attention.metadata import AttentionMetadata
 from model_service.device_copies import to_device
 from model_service.worker.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
+from model_service.sample.params import SamplingOptions
+from model_service.sample.sampler import make_generator, sample
 from model_service.sched.sequence import Sequence
 
 
@@ -172,11 +174,19 @@ class ModelRunner:
 
 def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ...], dtype: torch.dtype,
                       device: torch.device, block_size: int, num_tokens: int,
-                      kv_absmax: list[tuple[list[float], list[float]]] | None = None) -> int:
-    """Runs one prefill of num_tokens tokens into a scratch pool; returns the activation
-    workspace it needed, in bytes (the scratch pool itself not counted). kv_absmax, when
-    given, receives the scratch pool's per-layer largest |K| and |V| (the warmup scales of
-    an 8-bit pool, attention/kv_quant.py).
+                      kv_absmax: list[tuple[list[float], list[float]]] | None = None,
+                      max_num_seqs: int = 1, memory: PeakMemory | None = None) -> int:
+    """Runs the largest step the engine can make into a scratch pool, and samples from it;
+    returns the activation workspace that needed, in bytes (the scratch pool itself not
+    counted). kv_absmax, when given, receives the scratch pool's per-layer largest |K| and
+    |V| (the warmup scales of an 8-bit pool, attention/kv_quant.py).
+
+    The largest step: num_tokens tokens in all (the scheduler's token budget), of which
+    max_num_seqs - 1 are decode rows and the rest one prefill chunk, every row due, so the
+    logits have max_num_seqs rows; then those rows are sampled as the costliest request
+    would have them (temperature, top-p: on CUDA a sort of the whole vocabulary per row).
+    A prefill alone missed the logits and the sampler's [rows, vocab] float32 copies, and
+    the CUDA modules they load lazily, all of which came after the pool was sized.
 
     The warmup's token ids are spread over the vocabulary by a fixed stride rather than one
     id repeated, so those maxima see many tokens' K/V; activations' sizes do not depend on it.
@@ -185,29 +195,58 @@ def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ..
     service's reading of free memory already leaves room for it. CPU: the growth of the
     process's peak resident set, reported for the record.
     """
-    num_blocks = -(-num_tokens // block_size)
+    decodes = max(min(max_num_seqs, num_tokens) - 1, 0)
+    prefill_tokens = num_tokens - decodes
+    prefill_blocks = -(-prefill_tokens // block_size)
+    num_blocks = prefill_blocks + decodes  # a decode row's context fits one block
     scratch = torch.zeros((kv_shape_per_block[0], 2, num_blocks, block_size, *kv_shape_per_block[1:]),
                           dtype=dtype, device=device)
     vocab = model.config.vocab_size
-    token_ids = [(index * 7919) % vocab for index in range(num_tokens)]
-    sequence = Sequence(request_id="warmup", token_ids=token_ids, prompt_len=num_tokens,
-                        options=None, arrival=-1, block_table=list(range(num_blocks)))
+    token_ids = [(index * 7919) % vocab for index in range(prefill_tokens + 2 * decodes)]
+    batch = [(Sequence(request_id=f"warmup-decode-{row}", token_ids=token_ids[prefill_tokens + 2 * row:][:2],
+                       prompt_len=1, options=None, arrival=-1, block_table=[prefill_blocks + row], num_computed=1), 1)
+             for row in range(decodes)]  # decodes lead a batch (ModelRunner.prepare)
+    batch.append((Sequence(request_id="warmup", token_ids=token_ids[:prefill_tokens], prompt_len=prefill_tokens,
+                           options=None, arrival=-1, block_table=list(range(prefill_blocks))), prefill_tokens))
     runner = ModelRunner(model, scratch, block_size)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        runner.execute([(sequence, num_tokens)])
-        torch.cuda.synchronize(device)
-        workspace = torch.cuda.max_memory_allocated(device) - before
-    else:
-        before = peak_rss_bytes()
-        runner.execute([(sequence, num_tokens)])
-        workspace = max(peak_rss_bytes() - before, 0)
+    options = [WARMUP_SAMPLING] * len(batch)
+    generators = [make_generator(row, device) for row in range(len(batch))]
+    memory = memory or PeakMemory(device)
+    memory.start()
+    due, logits = runner.execute(batch)
+    sample(logits, options[: len(due)], generators[: len(due)])
+    workspace = memory.growth()
     if kv_absmax is not None:
         kv_absmax.append(pool_absmax(scratch))
     del runner, scratch
     return workspace
+
+
+# What the warmup samples with: a temperature and a nucleus, the sampler's costliest path.
+WARMUP_SAMPLING = SamplingOptions(max_new_tokens=1, temperature=1.0, top_p=0.95)
+
+
+class PeakMemory:
+    """The peak memory of the work between start() and growth(): on CUDA the caching
+    allocator's peak of allocated bytes, elsewhere the process's peak resident set."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._before = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+        else:
+            self._before = peak_rss_bytes()
+
+    def growth(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self._before
+        return max(peak_rss_bytes() - self._before, 0)
 
 
 def peak_rss_bytes() -> int:
