@@ -3,7 +3,8 @@
 The kernels otherwise run only under Triton's interpreter here, which accepts code that
 the GPU compiler rejects or spills. This compiles a representative set of what the backend
 can launch (model dtypes, head dims 64 and 128, GQA groups 1-8, the smallest, usual and
-largest allowed block sizes, split and whole-context decode) with Triton's bundled ptxas,
+largest allowed block sizes, split and whole-context decode, an 8-bit pool) with Triton's
+bundled ptxas,
 and fails on a compile error or any spilled register. scripts/compile_kernels.py compiles
 the whole matrix. About 3 s a configuration on one core.
 """
@@ -34,11 +35,16 @@ DECODE = [
     (torch.float32, 5, 128, 1, False),
     (torch.bfloat16, 3, 128, 8, True),
 ]
-WRITE_KV = [(torch.bfloat16, 8, 128, 16), (torch.float16, 1, 64, MAX_BLOCK_SIZE)]
+# An 8-bit pool (--kv-cache-dtype fp8_e4m3): decode reads bytes and widens them (FP8_KIND 1),
+# the write stores bytes (uint8). e5m2 (FP8_KIND 2) differs only in a constexpr shift;
+# scripts/compile_kernels.py compiles it with the rest of the matrix.
+DECODE_FP8 = [(torch.bfloat16, 8, 128, 16, True, 1)]
+WRITE_KV = [(torch.bfloat16, 8, 128, 16), (torch.float16, 1, 64, MAX_BLOCK_SIZE), (torch.uint8, 8, 128, 16)]
 REDUCE = [(torch.bfloat16, 128, 32), (torch.float32, 64, 2)]
 
 CONFIGS = (
     [aot.decode_config(*args) for args in DECODE]
+    + [aot.decode_config(*args) for args in DECODE_FP8]
     + [aot.write_kv_config(*args) for args in WRITE_KV]
     + [aot.reduce_config(*args) for args in REDUCE]
 )
@@ -46,7 +52,9 @@ CONFIGS = (
 
 def config_id(config: tuple) -> str:
     kernel, _, dtype, constants = config
-    shown = "-".join(f"{value}" for name, value in constants.items() if name not in ("num_warps",) and "PAD" not in name)
+    shown = "-".join(f"{name.lower()}{value}" if name == "FP8_KIND" else f"{value}"
+                     for name, value in constants.items()
+                     if name not in ("num_warps",) and "PAD" not in name and (name != "FP8_KIND" or value))
     return f"{kernel}-{aot.TRITON_DTYPES[dtype]}-{shown}"
 
 

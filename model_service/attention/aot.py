@@ -31,7 +31,10 @@ from model_service.attention import triton_kernels
 
 # (name, capability): what pagedkv targets. sm_80 is A100, sm_90 is H100/H200.
 ARCHITECTURES = {"sm_80": 80, "sm_90": 90}
-TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 # An 8-bit pool's bytes: write_kv_triton stores K/V quantized in torch before
+                 # the kernel, as uint8 (triton_kernels.py), so its write kernel is a u8 one.
+                 torch.uint8: "u8"}
 # The decode kernel's integer pointers; the model-dtype ones are q, kv, out.
 _INT32_POINTERS = {"tables_ptr", "lens_ptr"}
 _FP32_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr"}
@@ -58,8 +61,11 @@ class CompiledReport:
                 f"local {self.local_bytes:>5} B stack {self.stack_bytes:>4} B  {self.seconds:5.1f} s")
 
 
-def decode_config(dtype: torch.dtype, group: int, head_dim: int, block_size: int, split: bool) -> tuple:
-    config = triton_kernels.decode_config(group, head_dim, block_size)
+def decode_config(dtype: torch.dtype, group: int, head_dim: int, block_size: int, split: bool,
+                  fp8_kind: int = 0) -> tuple:
+    """dtype: the model's (q, out); fp8_kind (triton_kernels.FP8_KINDS): an 8-bit pool's
+    K/V, read as bytes and widened in the kernel."""
+    config = triton_kernels.decode_config(group, head_dim, block_size, fp8_kind)
     return "decode", triton_kernels._decode_kernel, dtype, {**config, "SPLIT": split}
 
 
@@ -74,7 +80,8 @@ def write_kv_config(dtype: torch.dtype, kv_heads: int, head_dim: int, block_size
 def compile_kernel(kernel: str, fn, dtype: torch.dtype, config: dict, arch: str) -> CompiledReport:
     """Compile one kernel at one configuration for one architecture; raises on a compile error."""
     constants = {name: value for name, value in config.items() if name != "num_warps"}
-    signature = {name: _argument_type(name, dtype) if name not in constants else "constexpr" for name in fn.arg_names}
+    signature = {name: _argument_type(name, dtype, constants) if name not in constants else "constexpr"
+                 for name in fn.arg_names}
     aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
     started = time.perf_counter()
     compiled = triton.compile(
@@ -87,7 +94,9 @@ def compile_kernel(kernel: str, fn, dtype: torch.dtype, config: dict, arch: str)
     return CompiledReport(kernel, arch, TRITON_DTYPES[dtype], config, registers, local_bytes, stack_bytes, seconds)
 
 
-def _argument_type(name: str, dtype: torch.dtype) -> str:
+def _argument_type(name: str, dtype: torch.dtype, constants: dict) -> str:
+    if name == "kv_ptr" and constants.get("FP8_KIND"):
+        return "*u8"  # decode_attention_triton hands an 8-bit pool over as its bytes
     if name in _INT32_POINTERS:
         return "*i32"
     if name in _FP32_POINTERS:
