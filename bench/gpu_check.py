@@ -2,8 +2,10 @@
 
     python bench/gpu_check.py                    # prints a report; exit 1 if a check fails
     python bench/gpu_check.py --min-bandwidth-fraction 0.4 --skip services
+    python bench/gpu_check.py --only kernels --only fp8_kv
 
-Exit status: 0 every check passed, 1 a check failed, 2 no CUDA device (nothing was run).
+Exit status: 0 every check passed, 1 a check failed, 2 nothing was checked (no CUDA
+device, or every check skipped: a run that checks nothing never passes).
 Every check can fail; a dependency a check needs that does not import fails that check.
 
 Needs torch with CUDA and triton for every check; the model and services checks also need
@@ -20,6 +22,9 @@ in ten minutes on one H200 (most of it Triton compiling the kernel variants).
    random block tables whose ids are distinct across rows, a padded entry; each element
    within its dtype's rounding of the reference plus float32 accumulation (UNIT_ROUNDOFF).
    The K/V write against plain indexing, bit for bit.
+fp8_kv: an 8-bit pool (e4m3 and e5m2, scales other than 1): the decode kernel against the
+   same float64 reference over the pool's dequantized values, within the same bound; the
+   8-bit write against torch's own cast of K/V over their scales, byte for byte.
 2. bandwidth: the decode kernel's K/V read rate must reach --min-bandwidth-fraction of a
    device-to-device copy of the same bytes measured in the same run (a copy reads and
    writes each byte; the kernel only reads them); the split must make one 32K-token
@@ -32,6 +37,13 @@ in ten minutes on one H200 (most of it Triton compiling the kernel variants).
 4. graphs: over a pool of random K/V with random, distinct block tables and tokens a row,
    graph replays (24 rows, 7 rows in a larger bucket, 3 short rows, each also reversed)
    match the eager step row for row, and nothing is captured again.
+sampling: sample() on CUDA at temperature > 0 (temperature alone; top-k with top-p;
+   min-p), 16,384 rows of one logits row, each row its own generator: the drawn tokens'
+   frequencies within --max-sampling-tv total variation of the distribution computed in
+   float64 from the same logits (reference_distribution, no code shared with the sampler).
+cuda_n: the model on the last GPU (cuda:N, N = device_count - 1) as --device cuda:N runs
+   it: the warmup in a passing thread, a prefill and graph-replayed decode steps in a new
+   thread (the engine's), against the CPU path's logits.
 5. model: the whole model on CUDA (Triton kernels) against transformers on CUDA, bfloat16
    and float16, Llama and Mistral (sliding window): logits within tests/low_precision.py's
    tolerance over prefill and decode.
@@ -40,7 +52,9 @@ in ten minutes on one H200 (most of it Triton compiling the kernel variants).
    Attach to both; both (decode graphs on) serve every prompt concurrently, greedy and
    equal to transformers on CUDA up to a near tie; the workspace at Attach includes the
    graphs' memory; one service reads the K/V the other wrote through the prefix cache
-   and still agrees with transformers; nothing stays leased.
+   and still agrees with transformers; nothing stays leased. Then tokens/s end to end: 8
+   streams of 128 tokens through one service against transformers' generate() of the same
+   batch on the same GPU; the ratio must reach --min-throughput-ratio.
 """
 
 from __future__ import annotations
@@ -58,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))  # hf_checkpoints, low_precision, processes, cache_helpers
 
-CHECKS = ("kernels", "bandwidth", "graph_memory", "graphs", "model", "services")
+CHECKS = ("kernels", "fp8_kv", "bandwidth", "graph_memory", "graphs", "sampling", "cuda_n", "model", "services")
 FAILURES: list[str] = []
 # (check, result, measured, bound): the table printed at the end, for BENCHMARKS.md.
 ROWS: list[tuple[str, str, str, str]] = []
@@ -84,8 +98,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the decode kernel's read rate must reach this fraction of the copy's (default 0.3)")
     parser.add_argument("--max-graph-memory-ratio", type=float, default=1.5,
                         help="all decode graphs may reserve this many times the largest one alone (default 1.5)")
+    parser.add_argument("--max-sampling-tv", type=float, default=0.05,
+                        help="largest total variation between drawn and float64 token frequencies (default 0.05)")
+    parser.add_argument("--min-throughput-ratio", type=float, default=0.25,
+                        help="the services' tokens/s over transformers' generate() on the same batch (default 0.25)")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave out a check (repeatable)")
+    parser.add_argument("--only", action="append", default=[], choices=CHECKS,
+                        help="run only this check (repeatable; the others are skipped)")
     args = parser.parse_args(argv)
+    if args.only:
+        args.skip = sorted(set(args.skip) | (set(CHECKS) - set(args.only)))
+    if set(args.skip) >= set(CHECKS):
+        parser.error("every check is skipped: nothing would be checked, and a run that checks nothing never passes")
+    if not 0 < args.max_sampling_tv < 1:
+        parser.error(f"--max-sampling-tv must be in (0, 1), got {args.max_sampling_tv}")
+    if args.min_throughput_ratio <= 0:
+        parser.error(f"--min-throughput-ratio must be positive, got {args.min_throughput_ratio}")
     if not 0 < args.min_bandwidth_fraction <= 1:
         parser.error(f"--min-bandwidth-fraction must be in (0, 1], got {args.min_bandwidth_fraction}")
     if args.max_graph_memory_ratio < 1:
@@ -189,6 +217,179 @@ def kernels_match(args) -> None:
             triton_kernels.write_kv_triton(k, v, pool, slots)
             check(f"write_kv {name} head_dim {head_dim}", torch.equal(pool, expected_pool),
                   "63 slots written, a -1 slot skipped, against plain indexing")
+
+
+def _fp8_pool(source, scales, kv_dtype):
+    """[2, ...] float32 K/V -> the 8-bit pool torch's own cast makes of K / k_scale, V / v_scale
+    (saturated to the format's range), as kv_dtype."""
+    import torch
+
+    limit = torch.finfo(kv_dtype).max
+    halves = [(source[i] / scales[i]).clamp(-limit, limit).to(kv_dtype).view(torch.uint8) for i in (0, 1)]
+    return torch.stack(halves).view(kv_dtype)
+
+
+def fp8_kv_match(args) -> None:
+    import torch
+
+    from model_service.attention import triton_kernels
+
+    torch.manual_seed(1)
+    batch, kv_heads, block_size, width = 16, 4, 16, 44
+    scales = (0.05, 0.02)  # not 1: the kernels fold both into the softmax and the output
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        kv_name = str(kv_dtype)[6:]
+        for dtype in (torch.float16, torch.bfloat16):
+            name = str(dtype)[6:]
+            for head_dim in (64, 128):
+                source = random_pool(1, batch * width + 64, block_size, kv_heads, head_dim, torch.float32)[0]
+                pool = _fp8_pool(source, scales, kv_dtype)
+                dequantized = torch.stack([pool[0].double() * scales[0], pool[1].double() * scales[1]])
+                v_max = float(dequantized[1].abs().max())
+                worst: dict[tuple, float] = {}
+                for group in (1, 4, 8):
+                    for num_splits in (None, 1, 8):
+                        lens = torch.randint(1, width * block_size, (batch,), device="cuda", dtype=torch.int32)
+                        tables = random_tables(batch, width, pool.shape[1])
+                        q = torch.randn(batch, kv_heads * group, head_dim, device="cuda", dtype=dtype)
+                        scale = head_dim ** -0.5
+                        expected = reference_decode(q, dequantized, tables, lens, scale)
+                        got = triton_kernels.decode_attention_triton(q, pool, tables, lens, scale,
+                                                                     num_splits=num_splits, kv_scales=scales)
+                        worst[(group, num_splits)] = dtype_margin(got, expected, v_max, name)
+                key, margin = max(worst.items(), key=lambda item: item[1])
+                check(f"decode {kv_name} pool, {name} q, head_dim {head_dim}", margin <= 1.0,
+                      f"{len(worst)} cases (groups 1/4/8, splits auto/1/8) against float64 over the dequantized "
+                      f"pool; worst {margin:.2f} of the bound at group, splits {key}",
+                      measured=f"{margin:.2f} of bound", bound="<= 1")
+            k = torch.randn(64, kv_heads, 128, device="cuda", dtype=torch.bfloat16) * 3
+            v = torch.randn_like(k) * 3
+            k[0, 0, 0] = 1e6  # saturates: the largest finite value, never inf or NaN
+            layer = torch.zeros(2, 40, block_size, kv_heads, 128, device="cuda", dtype=kv_dtype)
+            slots = torch.randperm(40 * block_size, device="cuda")[:64]
+            triton_kernels.write_kv_triton(k, v, layer, slots, kv_scales=scales)
+            expected = _fp8_pool(torch.stack([k.float(), v.float()]), scales, kv_dtype)
+            written = layer.view(torch.uint8).view(2, -1, kv_heads, 128)[:, slots]
+            check(f"write_kv {kv_name} pool", torch.equal(written, expected.view(torch.uint8)),
+                  "64 tokens (one saturating) against torch's cast of K/k_scale and V/v_scale, byte for byte")
+
+
+def reference_distribution(logits, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """The probabilities sample() draws from, in float64 from one row of logits: temperature,
+    min-p (below min_p x the best probability: out), top-k (below the k-th logit: out, ties
+    kept), then the nucleus (the best tokens up to and including the first at which the
+    mass ranked above it reaches top_p; ties with its smallest kept), renormalised."""
+    import torch
+
+    scaled = logits.double() / temperature
+    if min_p > 0:
+        probs = torch.softmax(scaled, -1)
+        scaled = scaled.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_k > 0:
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, top_k).values[-1], float("-inf"))
+    probs = torch.softmax(scaled, -1)
+    if top_p < 1:
+        ordered = torch.sort(probs, descending=True).values
+        above = torch.cumsum(ordered, 0) - ordered
+        smallest = ordered[above < top_p].min()
+        probs = probs.masked_fill(probs < smallest, 0.0)
+    return probs / probs.sum()
+
+
+def sampling_distribution(args) -> None:
+    import torch
+
+    from model_service.sample.params import SamplingOptions
+    from model_service.sample.sampler import make_generator, sample
+
+    rows, vocab = 16384, 1000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 3  # float32, as the sampler reads
+    cases = (("temperature 0.7", dict(temperature=0.7)),
+             ("temperature 1, top-k 50, top-p 0.9", dict(temperature=1.0, top_k=50, top_p=0.9)),
+             ("temperature 1.3, min-p 0.05", dict(temperature=1.3, min_p=0.05)))
+    for seed, (name, knobs) in enumerate(cases):
+        options = [SamplingOptions(max_new_tokens=1, **knobs)] * rows
+        generators = [make_generator(seed * rows + row, "cuda") for row in range(rows)]
+        drawn = sample(logits.cuda().expand(rows, vocab), options, generators).cpu()
+        frequencies = torch.bincount(drawn, minlength=vocab).double() / rows
+        expected = reference_distribution(logits, **knobs)
+        tv = 0.5 * float((frequencies - expected).abs().sum())
+        outside = int(frequencies[expected == 0].gt(0).sum())
+        check(f"sampling on CUDA, {name}", tv <= args.max_sampling_tv and outside == 0,
+              f"{rows} rows: total variation {tv:.3f} from float64 (bound {args.max_sampling_tv:g}); "
+              f"{outside} tokens drawn outside the reference's support", measured=f"TV {tv:.3f}",
+              bound=f"<= {args.max_sampling_tv:g}, none outside")
+
+
+def _steps_on(runner, model):
+    """Logits (CPU float32) of a prefill of 20 tokens then 6 decode steps of one sequence."""
+    import torch
+
+    from model_service.sched.sequence import Sequence
+
+    tokens = [(index * 37) % model.config.vocab_size for index in range(26)]
+    sequence = Sequence("a", tokens[:20], 20, None, 0, block_table=[0, 1])
+    out = []
+    _, logits = runner.execute([(sequence, 20)])
+    out.append(logits.float().cpu())
+    sequence.num_computed = 20
+    for position in range(20, 26):
+        sequence.token_ids.append(tokens[position])
+        _, logits = runner.execute([(sequence, 1)])
+        out.append(logits.float().cpu())
+        sequence.num_computed += 1
+    runner.wait_for_writes()
+    return torch.cat(out)
+
+
+def cuda_n(args) -> None:
+    import threading
+
+    import torch
+
+    from model_service.loading.tiny import build_tiny_model
+    from model_service.worker.decode_graphs import DecodeGraphs, cuda_graph_capture
+    from model_service.worker.runner import ModelRunner, measure_workspace
+    from model_service.worker.torch_threads import run_in_passing_thread, use_device
+
+    index = torch.cuda.device_count() - 1
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)  # what --device cuda:N does in the main thread (server.resolve_device)
+    try:
+        model = build_tiny_model(torch.float32, device, attention_backend="triton")
+        config = model.config
+        shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+        workspace = run_in_passing_thread(lambda: measure_workspace(model, shape, torch.float32, device, 16, 64,
+                                                                     max_num_seqs=8))
+        result: dict = {}
+
+        def engine_thread() -> None:  # as Engine._run: the device first, then attach and steps
+            try:
+                use_device(device)
+                pool = torch.zeros(config.num_layers, 2, 4, 16, config.num_kv_heads, config.head_dim, device=device)
+                graphs = DecodeGraphs(model, pool, 16, 4, 64, cuda_graph_capture())
+                runner = ModelRunner(model, pool, 16, graphs)
+                result["logits"] = _steps_on(runner, model)
+                result["replays"] = graphs.replays
+            except Exception as error:  # reported below, in the main thread
+                result["error"] = error
+
+        thread = threading.Thread(target=engine_thread, name="engine")
+        thread.start()
+        thread.join()
+    finally:
+        torch.cuda.set_device(0)  # the checks after this one run on cuda:0
+    if "error" in result:
+        raise result["error"]
+    reference = build_tiny_model(torch.float32, "cpu", attention_backend="torch")
+    pool = torch.zeros(config.num_layers, 2, 4, 16, config.num_kv_heads, config.head_dim)
+    expected = _steps_on(ModelRunner(reference, pool, 16), reference)
+    error = float((result["logits"] - expected).abs().max())
+    note = "" if index else " (one GPU here: cuda:0 named explicitly)"
+    check(f"cuda:{index}: warmup, prefill and graph decode from new threads vs the CPU path",
+          error < 2e-3 and result["replays"] == 6 and workspace > 0,
+          f"max |logit diff| {error:.1e} over 7 steps, {result['replays']} graph replays, warmup workspace "
+          f"{workspace:,} bytes{note}", measured=f"{error:.1e}", bound="< 2e-3, 6 replays")
 
 
 def timed(fn, repeats: int = 50) -> float:
@@ -520,13 +721,51 @@ def services_on_one_gpu(args) -> None:
                 wait_for(lambda: stats(cache_client).blocks_leased == 0, 60, "every block to be released")
                 check("services: nothing left leased", stats(cache_client).blocks_leased == 0,
                       measured=str(stats(cache_client).blocks_leased), bound="0")
+                throughput(args, stubs[0], reference, generator, generate)
+
+
+def throughput(args, stub, reference, generator, generate, streams: int = 8, new_tokens: int = 128) -> None:
+    """tokens/s end to end (gRPC, scheduler, decode graphs, sampling, streaming) against
+    transformers' generate() of the same batch on the same GPU, each measured after a warm-up."""
+    import torch
+
+    prompts = [torch.randint(4, 300, (32,), generator=generator).tolist() for _ in range(streams)]
+
+    def ours() -> float:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(streams) as executor:
+            produced = sum(len(tokens) for tokens, _ in executor.map(lambda p: generate(stub, p, new_tokens), prompts))
+        return produced / (time.perf_counter() - started)
+
+    def theirs() -> float:
+        ids = torch.tensor(prompts, device="cuda")
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = reference.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=0)
+        torch.cuda.synchronize()
+        return (out.shape[1] - ids.shape[1]) * streams / (time.perf_counter() - started)
+
+    ours(), theirs()  # warm-up: kernels, graphs, allocator
+    service_tps, reference_tps = ours(), theirs()
+    ratio = service_tps / reference_tps
+    print(json.dumps({"service_tokens_per_s": service_tps, "transformers_tokens_per_s": reference_tps,
+                      "ratio": ratio, "streams": streams, "new_tokens": new_tokens}), flush=True)
+    check("services: tokens/s end to end vs transformers generate()", ratio >= args.min_throughput_ratio,
+          f"{streams} streams x {new_tokens} tokens: {service_tps:.0f} tokens/s through gRPC, transformers "
+          f"{reference_tps:.0f} ({ratio:.2f}x; needs >= {args.min_throughput_ratio:g})",
+          measured=f"{service_tps:.0f} tok/s ({ratio:.2f}x)", bound=f">= {args.min_throughput_ratio:g}x")
 
 
 STEPS = {
     "kernels": kernels_match,
+    "fp8_kv": fp8_kv_match,
     "bandwidth": decode_bandwidth,
     "graph_memory": graph_memory,
     "graphs": decode_graphs_do_not_recapture,
+    "sampling": sampling_distribution,
+    "cuda_n": cuda_n,
     "model": model_vs_transformers,
     "services": services_on_one_gpu,
 }
@@ -552,6 +791,9 @@ def main(argv: list[str] | None = None) -> int:
             check(name, False, repr(error))
     print_table()
     print(f"\n{time.perf_counter() - started:.0f} s", flush=True)
+    if not ROWS:
+        print("nothing checked: no check ran or reported a result", file=sys.stderr, flush=True)
+        return 2
     print("FAILED: " + ", ".join(FAILURES) if FAILURES else "all GPU checks passed", flush=True)
     return 1 if FAILURES else 0
 
