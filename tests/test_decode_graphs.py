@@ -208,6 +208,7 @@ class FakeCuda:
         self.graphs = 0
         self.devices_set = []
         self.stream_devices = []  # the device each stream was made or asked for on
+        self.capture_streams = []  # the stream each graph was captured on
 
     def install(self, monkeypatch) -> None:
         import contextlib
@@ -227,8 +228,9 @@ class FakeCuda:
                 pass
 
         @contextlib.contextmanager
-        def graph(cuda_graph, pool=None):
+        def graph(cuda_graph, pool=None, stream=None):
             fake.graphs += 1
+            fake.capture_streams.append(stream)
             yield
 
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
@@ -267,6 +269,8 @@ def test_captures_use_the_streams_of_the_threads_current_device(monkeypatch):
     torch.cuda.set_device(torch.device("cuda:1"))
     cuda_graph_capture()(lambda: torch.zeros(2))
     assert cuda.stream_devices and set(cuda.stream_devices) == {1}
+    # Not torch.cuda.graph's default capture stream, made on whichever device captured first.
+    assert len(cuda.capture_streams) == 1 and cuda.capture_streams[0] is not None
 
 
 def test_device_cuda_n_becomes_the_current_device(monkeypatch):

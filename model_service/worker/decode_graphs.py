@@ -62,7 +62,9 @@ def cuda_graph_capture(pool=None) -> Capture:
             step()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # Captured on the side stream, named: torch.cuda.graph's default capture stream is
+        # made once a process, on the device current at the first capture anywhere.
+        with torch.cuda.graph(graph, pool=pool, stream=side):
             output = step()
 
         def replay() -> torch.Tensor:
