@@ -73,7 +73,7 @@ def tiny():
     return load_model("tiny")
 
 
-def _sequence(config, length: int = 5) -> Sequence:
+def _sequence(length: int = 5) -> Sequence:
     return Sequence(request_id="r", token_ids=list(range(3, 3 + length)), prompt_len=length, options=None,
                     arrival=0, block_table=[0])
 
@@ -94,7 +94,7 @@ def test_a_step_records_its_fence(tiny):
     runner = ModelRunner(tiny.model, pool, 16)
     streams = []
     runner.new_event = lambda: SimpleNamespace(record=streams.append)
-    runner.execute([(_sequence(config), 5)])
+    runner.execute([(_sequence(), 5)])
     assert streams == [None]  # CPU: no stream
 
 
@@ -127,6 +127,13 @@ def test_the_engine_thread_sets_the_engine_device_before_any_step(monkeypatch, t
 def test_a_model_on_cuda_1_steps_from_a_new_thread():  # pragma: no cover - GPU only
     device = torch.device("cuda:1")
     torch.cuda.set_device(device)  # as --device cuda:1 does in the main thread
+    try:
+        _steps_on_cuda_1_from_a_new_thread(device)
+    finally:
+        torch.cuda.set_device(0)  # the tests after this one run on cuda:0
+
+
+def _steps_on_cuda_1_from_a_new_thread(device: torch.device) -> None:  # pragma: no cover - GPU only
     loaded = load_model("tiny", torch.float32, device, attention_backend="triton")
     reference = load_model("tiny", torch.float32, "cpu", attention_backend="torch")
     config = loaded.config
@@ -136,7 +143,7 @@ def test_a_model_on_cuda_1_steps_from_a_new_thread():  # pragma: no cover - GPU 
         use_device(device)
         pool = torch.zeros(config.num_layers, 2, 2, 16, config.num_kv_heads, config.head_dim, device=device)
         runner = ModelRunner(loaded.model, pool, 16)
-        _, logits = runner.execute([(_sequence(config), 5)])
+        _, logits = runner.execute([(_sequence(), 5)])
         runner.wait_for_writes()
         results["cuda"] = logits.float().cpu()
 
@@ -144,5 +151,5 @@ def test_a_model_on_cuda_1_steps_from_a_new_thread():  # pragma: no cover - GPU 
     thread.start()
     thread.join()
     pool = torch.zeros(config.num_layers, 2, 2, 16, config.num_kv_heads, config.head_dim)
-    _, expected = ModelRunner(reference.model, pool, 16).execute([(_sequence(config), 5)])
+    _, expected = ModelRunner(reference.model, pool, 16).execute([(_sequence(), 5)])
     torch.testing.assert_close(results["cuda"], expected.float(), atol=1e-3, rtol=1e-3)
