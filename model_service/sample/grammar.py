@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import threading
 import time
@@ -94,8 +95,14 @@ class CompilerBusy(Exception):
 @dataclass(slots=True)
 class _Compiling:
     future: Future
-    deadline: float  # time.monotonic() past which its waiters give up
     tenant: str
+    # time.monotonic() past which its waiters give up: set when the compile itself starts,
+    # after the vocabulary is read (once, at the first compile: not the request's cost).
+    deadline: float = math.inf
+
+    def remaining_s(self) -> float:
+        # While the deadline is unset, waiters look again this often.
+        return min(self.deadline - time.monotonic(), 0.25)
 
 
 class GrammarCompiler:
@@ -132,10 +139,14 @@ class GrammarCompiler:
         if compiled is not None:
             return compiled
         compiling = self.start(spec)
-        try:
-            return compiling.future.result(timeout=max(compiling.deadline - time.monotonic(), 0))
-        except FutureTimeout:
-            raise self._timed_out(spec) from None
+        while (remaining := compiling.remaining_s()) > 0:
+            try:
+                return compiling.future.result(timeout=remaining)
+            except FutureTimeout:
+                continue
+        if compiling.future.done():
+            return compiling.future.result()
+        raise self._timed_out(spec)
 
     async def compile_async(self, spec: StructuredSpec, tenant: str = ""):
         """compile(), awaited on the event loop without holding any thread, and counted
@@ -144,11 +155,12 @@ class GrammarCompiler:
         if compiled is not None:
             return compiled
         compiling = self.start(spec, tenant)
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiling.future)),
-                                          max(compiling.deadline - time.monotonic(), 0))
-        except TimeoutError:
-            raise self._timed_out(spec) from None
+        compiled = asyncio.wrap_future(compiling.future)  # asyncio.wait never cancels it
+        while not compiled.done() and (remaining := compiling.remaining_s()) > 0:
+            await asyncio.wait([compiled], timeout=remaining)
+        if not compiled.done():
+            raise self._timed_out(spec)
+        return compiled.result()
 
     def cached(self, spec: StructuredSpec):
         with self._lock:
@@ -169,29 +181,34 @@ class GrammarCompiler:
                                        f"compiles at most {limits.max_json_depth} (--max-json-schema-depth): "
                                        "flatten the schema (use $defs and $ref for repeated parts)")
         with self._lock:
-            running = self._compiling.get(spec)
+            too_slow = spec in self._too_slow
+            running = None if too_slow else self._compiling.get(spec)
             if running is not None:
                 metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
                 return running
-            if spec in self._too_slow:
+            if too_slow:
                 raise self._timed_out(spec, before=True)
-            if len(self._compiling) >= limits.threads:
-                raise CompilerBusy(f"{len(self._compiling)} grammars are compiling, the limit is "
-                                   f"--grammar-compile-threads {limits.threads}; retry later")
             mine = sum(1 for other in self._compiling.values() if tenant and other.tenant == tenant)
             if tenant and mine >= limits.per_tenant:
                 raise CompilerBusy(f"tenant {tenant!r} has {mine} grammars compiling, the limit is "
                                    f"--grammar-compiles-per-tenant {limits.per_tenant}; retry later")
-            compiling = self._compiling[spec] = _Compiling(Future(), time.monotonic() + limits.timeout_s, tenant)
-        threading.Thread(target=self._run, args=(spec, compiling.future), name="grammar-compile", daemon=True).start()
+            if len(self._compiling) >= limits.threads:
+                raise CompilerBusy(f"{len(self._compiling)} grammars are compiling, the limit is "
+                                   f"--grammar-compile-threads {limits.threads}; retry later")
+            compiling = self._compiling[spec] = _Compiling(Future(), tenant)
+        threading.Thread(target=self._run, args=(spec, compiling), name="grammar-compile", daemon=True).start()
         return compiling
 
-    def _run(self, spec: StructuredSpec, future: Future) -> None:
+    def _run(self, spec: StructuredSpec, compiling: _Compiling) -> None:
+        future = compiling.future
         try:
-            compiled = self._compile(spec)
+            compiler = self._xgrammar_compiler()
+            compiling.deadline = time.monotonic() + self.limits.timeout_s
+            compiled = self._compile(compiler, spec)
         except BaseException as error:  # InvalidStructure, or xgrammar's bad_alloc: the waiters get it
             with self._lock:
                 self._compiling.pop(spec, None)
+                self._too_slow.pop(spec, None)
             future.set_exception(error)
             return
         with self._lock:
@@ -204,19 +221,21 @@ class GrammarCompiler:
         future.set_result(compiled)
 
     def _timed_out(self, spec: StructuredSpec, before: bool = False) -> InvalidStructure:
-        with self._lock:
-            if spec in self._compiling:  # still running: remembered until it ends
-                self._too_slow[spec] = None
-                while len(self._too_slow) > MAX_CACHED_GRAMMARS:
-                    self._too_slow.popitem(last=False)
+        """The error of a compile past its deadline; `before`: one found so at an earlier
+        request, the caller holding the lock."""
+        if not before:
+            with self._lock:
+                if spec in self._compiling:  # still running: remembered until it ends
+                    self._too_slow[spec] = None
+                    while len(self._too_slow) > MAX_CACHED_GRAMMARS:
+                        self._too_slow.popitem(last=False)
         metrics.GRAMMAR_COMPILES.labels(spec.kind, "timeout").inc()
         when = "when it was last sent, and it is still compiling" if before else ""
         return InvalidStructure(f"structured.{spec.kind} did not compile within {self.limits.timeout_s:g} s "
                                 f"(--grammar-compile-timeout-s){' ' + when if when else ''}: send a smaller or "
                                 "less deeply nested schema, regex or grammar")
 
-    def _compile(self, spec: StructuredSpec):
-        started = time.perf_counter()
+    def _xgrammar_compiler(self):
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
@@ -224,8 +243,12 @@ class GrammarCompiler:
                 # Reading the vocabulary takes about a second: done once, at the first spec.
                 info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+            return self._compiler
+
+    def _compile(self, compiler, spec: StructuredSpec):
+        started = time.perf_counter()
         try:
-            compiled = self._compile_with(self._compiler, spec)
+            compiled = self._compile_with(compiler, spec)
         except InvalidStructure:
             metrics.GRAMMAR_COMPILES.labels(spec.kind, "invalid").inc()
             raise
