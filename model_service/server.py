@@ -120,16 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
                   "HTTP; read again on SIGHUP; --auth-token is the single-tenant form")
     add_flag(parser, "--max-prompts-per-request", default=DEFAULT_MAX_PROMPTS, type=int,
              help="prompts one /v1/completions body may list (each is a request); 400 past it")
-    add_flag(parser, "--grammar-compile-threads", default=CompileLimits.threads, type=int,
+    add_flag(parser, "--grammar-compile-threads", default=CompileLimits().threads, type=int,
              help="structured-output grammars compiled at once, on threads of their own (a compile past its "
                   "timeout still holds one until it ends); a new compile past them answers RESOURCE_EXHAUSTED")
-    add_flag(parser, "--grammar-compile-timeout-s", default=CompileLimits.timeout_s, type=float,
+    add_flag(parser, "--grammar-compile-timeout-s", default=CompileLimits().timeout_s, type=float,
              help="seconds a structured output's grammar may take to compile; past them the request is "
                   "INVALID_ARGUMENT, and the same spec again is refused at once while it still compiles")
-    add_flag(parser, "--max-json-schema-depth", default=CompileLimits.max_json_depth, type=int,
+    add_flag(parser, "--max-json-schema-depth", default=CompileLimits().max_json_depth, type=int,
              help="deepest nesting of objects and arrays in a structured-output JSON schema (compile time grows "
                   "with the cube of it); deeper is INVALID_ARGUMENT before compiling")
-    add_flag(parser, "--grammar-compiles-per-tenant", default=CompileLimits.per_tenant, type=int,
+    add_flag(parser, "--grammar-compiles-per-tenant", default=CompileLimits().per_tenant, type=int,
              help="grammars one --api-keys tenant may have compiling at once; past them RESOURCE_EXHAUSTED")
     add_flag(parser, "--max-request-bytes", default=DEFAULT_MAX_REQUEST_BYTES, type=parse_bytes,
              help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
