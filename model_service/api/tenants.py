@@ -74,6 +74,7 @@ class ApiKeys:
         # Swapped whole, on the event loop: a lookup sees the old keys or the new ones.
         self._by_digest = {_digest(key.encode()): tenant for key, tenant in by_key.items()}
         self.tenants = {tenant.name: tenant for tenant in by_key.values()}
+        self.has_tenants = any(self.tenants)  # a named one: --auth-token's key has no name
 
     @classmethod
     def configure(cls, auth_token: str | None, api_keys_file: str | None) -> ApiKeys | None:
@@ -108,10 +109,6 @@ class ApiKeys:
         self._use(loaded)
         log.info("api_keys_reloaded", path=str(self.path), keys=len(loaded), tenants=len(self.tenants))
         return True
-
-    @property
-    def has_tenants(self) -> bool:
-        return any(self.tenants)
 
     def tenant_of(self, token: bytes) -> Tenant | None:
         return self._by_digest.get(_digest(token)) if token else None
