@@ -123,8 +123,8 @@ def test_every_prompt_counts_against_the_tenant_before_any_is_validated(services
     prompts = [[10**6], [5, 6], [7, 8]]
     response = post(model, "/v1/completions", KEY_A, {"model": MODEL, "prompt": prompts, "max_tokens": 1})
     assert response.status_code == 400 and response.json()["error"]["code"] == "resource_exhausted"
-    assert "tenant 'a' has 0 requests open and this call asks for 3 more; its max_concurrent_requests is 2 " \
-           "(--api-keys): send at most 2 prompts in one body" in error_of(response)
+    assert "tenant 'a' has 0 requests open and this call asks for 3 more, its max_concurrent_requests is 2 " \
+           "(--api-keys); send at most 2 prompts in one body" in error_of(response)
     no_block_leased(cache)
 
 

@@ -40,19 +40,21 @@ async def admit(generation: GenerationService, requests: Sequence[model_pb2.Gene
 def check_room(generation: GenerationService, tenant: Tenant, count: int) -> None:
     """RESOURCE_EXHAUSTED unless `count` more requests fit the tenant's limits and the
     service's --max-concurrent-streams; retry later only when they could ever fit."""
+    # One request is told as GenerationService tells it; a body of several, with its count.
+    asks = "" if count == 1 else f" and this call asks for {count} more"
     limit = generation.max_concurrent_streams
     if limit and generation.open_streams + count > limit:
         raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"{generation.open_streams} Generate streams are open and this call asks for {count} more; "
-                       f"the limit is --max-concurrent-streams {limit}; retry later", retry_later=count <= limit)
+                       f"{generation.open_streams} Generate streams are open{asks}, the limit is "
+                       f"--max-concurrent-streams {limit}; retry later", retry_later=count <= limit)
     for open_now, limit, what in ((tenant.open_requests, tenant.max_concurrent_requests, "max_concurrent_requests"),
                                   (tenant.queued_requests, tenant.max_queued_requests, "max_queued_requests")):
         if limit and open_now + count > limit:
             state = "open" if what == "max_concurrent_requests" else "queued"
             fix = "retry later" if count <= limit else f"send at most {limit} prompts in one body"
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"tenant {tenant.name!r} has {open_now} requests {state} and this call asks for {count} "
-                           f"more; its {what} is {limit} (--api-keys): {fix}", retry_later=count <= limit)
+                           f"tenant {tenant.name!r} has {open_now} requests {state}{asks}, its {what} is {limit} "
+                           f"(--api-keys); {fix}", retry_later=count <= limit)
 
 
 async def compile_grammars(generation: GenerationService, requests: Sequence[model_pb2.GenerateRequest],

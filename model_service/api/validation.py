@@ -96,8 +96,9 @@ def validate_generate_request(
         if grammars is None:
             raise InvalidRequest("structured output is not available in this service")
         try:
-            # Compiled already, as a rule: both doors await the compile before validating.
-            options = replace(options, grammar=grammars.compile(options.structured))  # InvalidStructure: its message
+            # Compiled already, as a rule: both doors await the compile (and count its cache
+            # hit) before validating (admit.py).
+            options = replace(options, grammar=grammars.compile(options.structured, count_hit=False))
         except CompilerBusy as error:
             raise PoolTooSmall(str(error)) from None
     total = len(prompt_token_ids) + options.max_new_tokens

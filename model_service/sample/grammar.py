@@ -132,10 +132,11 @@ class GrammarCompiler:
         self._too_slow: OrderedDict[StructuredSpec, None] = OrderedDict()  # timed out, not finished since
         self.compiles = 0  # cache misses, for tests and the benchmark
 
-    def compile(self, spec: StructuredSpec):
+    def compile(self, spec: StructuredSpec, count_hit: bool = True):
         """The spec's xgrammar CompiledGrammar, waited for on this thread; InvalidStructure
-        with the compiler's message or the limit it passed; CompilerBusy."""
-        compiled = self.cached(spec)
+        with the compiler's message or the limit it passed; CompilerBusy. count_hit: False
+        where the request's lookup was counted already (compile_async at its door)."""
+        compiled = self.cached(spec, count_hit)
         if compiled is not None:
             return compiled
         compiling = self.start(spec)
@@ -162,12 +163,13 @@ class GrammarCompiler:
             raise self._timed_out(spec)
         return compiled.result()
 
-    def cached(self, spec: StructuredSpec):
+    def cached(self, spec: StructuredSpec, count_hit: bool = True):
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
-                metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
+                if count_hit:
+                    metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
             return compiled
 
     def start(self, spec: StructuredSpec, tenant: str = "") -> _Compiling:
