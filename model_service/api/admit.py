@@ -30,11 +30,18 @@ async def admit(generation: GenerationService, requests: Sequence[model_pb2.Gene
     """Raises GenerateError when the requests cannot all start now; else scopes their cache
     salts to the tenant and compiles their grammars."""
     check_room(generation, tenant, len(requests))
+    scope_cache_salts(requests, tenant, api_keys)
+    await compile_grammars(generation, requests, tenant)
+
+
+def scope_cache_salts(requests: Sequence[model_pb2.GenerateRequest], tenant: Tenant,
+                      api_keys: ApiKeys | None) -> None:
+    """With --api-keys, each request's salt becomes its tenant's namespace: what it runs
+    with, and what a render shows the routers that hash its blocks as the KV events do."""
     if api_keys is not None and api_keys.has_tenants:
         for request in requests:
             if len(request.cache_salt) <= MAX_CACHE_SALT_CHARS:  # a longer one is refused by validation
                 request.cache_salt = cache_namespace(tenant, request.cache_salt)
-    await compile_grammars(generation, requests, tenant)
 
 
 def check_room(generation: GenerationService, tenant: Tenant, count: int) -> None:

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
-from model_service.api.admit import admit, compile_grammars
+from model_service.api.admit import admit, compile_grammars, scope_cache_salts
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.openai_http import render, to_generate
 from model_service.api.openai_http.to_generate import DEFAULT_MAX_PROMPTS
@@ -132,6 +132,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         refuse_unsupported(body)
         requests = to_generate.completion_requests(body, _request_id(body, request, f"cmpl-{uuid.uuid4().hex}"),
                                                    max_prompts)
+        scope_cache_salts(requests, _tenant(request), api_keys)
         await compile_grammars(generation, requests, _tenant(request))
         return [render.rendered(one, model_name, *await generation.render(one), body) for one in requests]
 
@@ -142,6 +143,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         one = await asyncio.to_thread(to_generate.chat_request, body,
                                       _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"),
                                       plan_tools(body, template_source))
+        scope_cache_salts([one], _tenant(request), api_keys)
         await compile_grammars(generation, [one], _tenant(request))
         return render.rendered(one, model_name, *await generation.render(one), body)
 
