@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import time
 
 import structlog
@@ -24,9 +25,11 @@ from model_service.worker.runner import measure_workspace
 from model_service.worker.torch_threads import run_in_passing_thread
 from model_service.api.generation import GenerationService, deliver_on_loop
 from model_service.api.openai_http.app import DEFAULT_MAX_REQUEST_BYTES, create_app
+from model_service.api.openai_http.to_generate import DEFAULT_MAX_PROMPTS
 from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
 from model_service.api.tenants import ApiKeys
+from model_service.sample.grammar import CompileLimits
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.kv_geometry import SUPPORTED_DTYPES, dtype_name, is_fp8, kv_cache_dtype
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -113,8 +116,21 @@ def build_parser() -> argparse.ArgumentParser:
                   "--auth-token apply as on gRPC")
     add_flag(parser, "--api-keys", default=None,
              help="YAML or JSON file mapping each bearer key to {tenant, max_concurrent_requests, "
-                  "max_queued_requests, min_priority, kv_blocks} (all but tenant optional), on gRPC and HTTP; "
-                  "--auth-token is the single-tenant form")
+                  "max_queued_requests, min_priority, kv_blocks, admin} (all but tenant optional), on gRPC and "
+                  "HTTP; read again on SIGHUP; --auth-token is the single-tenant form")
+    add_flag(parser, "--max-prompts-per-request", default=DEFAULT_MAX_PROMPTS, type=int,
+             help="prompts one /v1/completions body may list (each is a request); 400 past it")
+    add_flag(parser, "--grammar-compile-threads", default=CompileLimits().threads, type=int,
+             help="structured-output grammars compiled at once, on threads of their own (a compile past its "
+                  "timeout still holds one until it ends); a new compile past them answers RESOURCE_EXHAUSTED")
+    add_flag(parser, "--grammar-compile-timeout-s", default=CompileLimits().timeout_s, type=float,
+             help="seconds a structured output's grammar may take to compile; past them the request is "
+                  "INVALID_ARGUMENT, and the same spec again is refused at once while it still compiles")
+    add_flag(parser, "--max-json-schema-depth", default=CompileLimits().max_json_depth, type=int,
+             help="deepest nesting of objects and arrays in a structured-output JSON schema (compile time grows "
+                  "with the cube of it); deeper is INVALID_ARGUMENT before compiling")
+    add_flag(parser, "--grammar-compiles-per-tenant", default=CompileLimits().per_tenant, type=int,
+             help="grammars one --api-keys tenant may have compiling at once; past them RESOURCE_EXHAUSTED")
     add_flag(parser, "--max-request-bytes", default=DEFAULT_MAX_REQUEST_BYTES, type=parse_bytes,
              help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
     add_flag(parser, "--served-model-name", default=None,
@@ -160,8 +176,19 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes} is too small (at least 1024)")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be 1 (every token at once) or more, got {args.stream_interval}")
+    for flag, value in (("--max-prompts-per-request", args.max_prompts_per_request),
+                        ("--grammar-compile-threads", args.grammar_compile_threads),
+                        ("--max-json-schema-depth", args.max_json_schema_depth),
+                        ("--grammar-compiles-per-tenant", args.grammar_compiles_per_tenant)):
+        if value < 1:
+            raise ValueError(f"{flag} must be 1 or more, got {value}")
+    if not args.grammar_compile_timeout_s > 0:
+        raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
     # Read first: a broken keys file is a start-up error, before a model loads for minutes.
     api_keys = ApiKeys.configure(args.auth_token, args.api_keys)
+    if api_keys is not None and api_keys.path is not None:
+        # Revoking a key takes effect without a restart (tenants.py).
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, api_keys.reload)
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
@@ -241,6 +268,9 @@ async def serve(args: argparse.Namespace) -> int:
                                    max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
                                    max_concurrent_streams=args.max_concurrent_streams,
                                    stream_interval=args.stream_interval)
+    generation.grammars.limits = CompileLimits(
+        threads=args.grammar_compile_threads, timeout_s=args.grammar_compile_timeout_s,
+        max_json_depth=args.max_json_schema_depth, per_tenant=args.grammar_compiles_per_tenant)
     servicer = ModelServicer(generation, api_keys)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server),
@@ -248,7 +278,8 @@ async def serve(args: argparse.Namespace) -> int:
     http = None
     if args.http_port >= 0:
         http = HttpServer(create_app(generation, served_model_name=args.served_model_name, api_keys=api_keys,
-                                     max_request_bytes=args.max_request_bytes),
+                                     max_request_bytes=args.max_request_bytes,
+                                     max_prompts=args.max_prompts_per_request),
                           args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)
         await http.start()
     await server.start(extra_ports={"http_port": http.port if http else -1})

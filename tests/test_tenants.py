@@ -85,3 +85,22 @@ def test_a_tenant_past_its_request_limit_is_resource_exhausted_others_are_not(li
     generation.start(request("a-3"), tenant=tenant).close()  # a slot freed, taken again
     held.pop().close()
     assert tenant.open_requests == 0 and tenant.queued_requests == 0
+
+
+def test_a_reload_drops_revoked_keys_and_updates_a_tenant_in_place(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-aaaaaaaa": {"tenant": "a", "max_concurrent_requests": 2},
+                                "sk-bbbbbbbb": {"tenant": "b"}}))
+    path.chmod(0o600)
+    keys = ApiKeys.configure("single-token", str(path))
+    a = keys.tenant_of(b"sk-aaaaaaaa")
+    a.open_requests = 1  # a request in flight, counted on this object
+    path.write_text(json.dumps({"sk-aaaaaaaa": {"tenant": "a", "max_concurrent_requests": 5},
+                                "sk-cccccccc": {"tenant": "c", "admin": True}}))
+    assert keys.reload()
+    assert keys.tenant_of(b"sk-aaaaaaaa") is a and a.max_concurrent_requests == 5 and a.open_requests == 1
+    assert keys.tenant_of(b"sk-bbbbbbbb") is None and keys.tenant_of(b"sk-cccccccc").admin
+    assert keys.tenant_of(b"single-token") is SINGLE and SINGLE.admin
+    path.write_text("{not json")
+    assert not keys.reload()  # a broken file changes nothing
+    assert keys.tenant_of(b"sk-cccccccc") is not None

@@ -2,7 +2,7 @@
 file, three tenants) and --auth-token (a key of no tenant), on a pool of 32 blocks: keys
 map to tenants on gRPC and HTTP alike, a tenant past its max_concurrent_requests gets
 RESOURCE_EXHAUSTED / 429 while the other runs, cached prefixes are not shared between
-tenants (cache_salt defaults to the tenant), a tenant past its kv_blocks share is the one
+tenants (each salt is scoped to its tenant), a tenant past its kv_blocks share is the one
 preempted when the pool runs short, and the per-tenant Prometheus series, scraped from
 /metrics, count what each ran, held and lost to preemption.
 """
@@ -91,14 +91,16 @@ def test_a_tenant_past_its_concurrent_requests_is_429_and_resource_exhausted_the
     assert metric(model, 'pagedkv_model_tenant_tokens_total{kind="completion",tenant="b"}') >= 2
 
 
-def test_tenants_do_not_share_cached_prefixes_unless_given_one_salt(services):
+def test_tenants_do_not_share_cached_prefixes_even_given_one_salt(services):
     _, _, stub = services
     generate(stub, KEY_A, prompt=PROMPT)
     assert generate(stub, KEY_A, prompt=PROMPT).usage.cached_tokens > 0
     assert generate(stub, KEY_B, prompt=PROMPT).usage.cached_tokens == 0
-    # The same salt, given by both, shares again.
+    # A salt is scoped to its tenant: the same salt, given by both, shares nothing, and a's
+    # own salt hits its own blocks.
     generate(stub, KEY_A, prompt=PROMPT, cache_salt="shared")
-    assert generate(stub, KEY_B, prompt=PROMPT, cache_salt="shared").usage.cached_tokens > 0
+    assert generate(stub, KEY_A, prompt=PROMPT, cache_salt="shared").usage.cached_tokens > 0
+    assert generate(stub, KEY_B, prompt=PROMPT, cache_salt="shared").usage.cached_tokens == 0
 
 
 def test_the_tenant_series_count_requests_tokens_blocks_and_preemptions_and_none_is_no_tenant(services):

@@ -1,13 +1,15 @@
 """ModelService over gRPC: the gRPC front door of model_service.api.generation.
 
-It only translates: calls go to the GenerationService, a GenerateError becomes the call's
-status. Validation and the engine live behind GenerationService, shared with the HTTP door.
+It only translates: calls go to the GenerationService (after admit.py's checks, as the
+HTTP door's), a GenerateError becomes the call's status. Validation and the engine live
+behind GenerationService, shared with the HTTP door.
 """
 
 from __future__ import annotations
 
 import time
 
+from model_service.api.admit import admit
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.tenants import SINGLE, ApiKeys, Tenant
 from pagedkv.bearer import presented_token
@@ -33,7 +35,12 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         # The call's deadline holds inside the engine too (DEADLINE_EXCEEDED, blocks freed).
         remaining_s = context.time_remaining()
         deadline = time.monotonic() + remaining_s if remaining_s is not None else None
-        responses = self.generation.generate(request, deadline=deadline, tenant=self._tenant(context))
+        tenant = self._tenant(context)
+        try:
+            await admit(self.generation, [request], tenant, self.api_keys)
+        except GenerateError as error:
+            await context.abort(error.code, error.message)
+        responses = self.generation.generate(request, deadline=deadline, tenant=tenant)
         try:
             async for response in responses:
                 yield response

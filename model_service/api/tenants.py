@@ -4,27 +4,38 @@
 
     sk-team-a: {tenant: team-a, max_concurrent_requests: 8, max_queued_requests: 4, min_priority: 0}
     sk-team-b: {tenant: team-b}
+    sk-ops: {tenant: ops, admin: true}
 
 Every field but `tenant` is optional (0 or absent: no limit). `--auth-token` stays the
-single-tenant form: one key, no tenant, no limits. A tenant's requests are counted
-against its limits (RESOURCE_EXHAUSTED, HTTP 429, past them), a priority it asks below its
-`min_priority` becomes `min_priority` (lower runs first), its `cache_salt` defaults
-to its name, so tenants never share cached prefixes unless given the same salt, and its
-`kv_blocks` goes to the scheduler by its name (kv_block_shares).
+single-tenant form: one key, no tenant, no limits, and an admin's. A tenant's requests are
+counted against its limits (RESOURCE_EXHAUSTED, HTTP 429, past them), a priority it asks
+below its `min_priority` becomes `min_priority` (lower runs first), its cached prefixes
+live in a namespace of its own (cache_namespace: the tenant and the salt it sends, so no
+salt reaches another tenant's), and its `kv_blocks` goes to the scheduler by its name
+(kv_block_shares). `admin` keys may also drop the prefix cache, which every tenant shares.
 Keys are looked up by their SHA-256, so no comparison runs over a key's own bytes.
+
+The file holds secrets: one that others may read is loaded with a warning. SIGHUP reads it
+again (server.py): a key taken out stops working at once, a tenant's changed limits apply
+to its next request, and requests in flight keep the tenant they started with.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+import stat
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from model_service.metrics import NO_TENANT
 
-FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks")
+log = structlog.get_logger()
+
+FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "admin")
 
 
 @dataclass(slots=True)
@@ -36,31 +47,68 @@ class Tenant:
     # Its share of the pool, in blocks (0: none): past it, its sequences are preempted
     # first and its waiting ones admitted after other tenants' (sched/scheduler.py).
     kv_blocks: int = 0
+    admin: bool = False  # may drop the prefix cache (POST /reset_prefix_cache), every tenant's
     # Counted on the event loop by GenerationService.
     open_requests: int = field(default=0, compare=False)
     queued_requests: int = field(default=0, compare=False)
 
 
-# The tenant of --auth-token's key: no name, no limits.
-SINGLE = Tenant("")
+# The tenant of --auth-token's key (and of every request when no key is asked for): no
+# name, no limits, an admin.
+SINGLE = Tenant("", admin=True)
 
 
 class ApiKeys:
     """Bearer key -> Tenant."""
 
-    def __init__(self, tenants_by_key: dict[str, Tenant]) -> None:
-        self._by_digest = {_digest(key.encode()): tenant for key, tenant in tenants_by_key.items()}
-        self.tenants = {tenant.name: tenant for tenant in tenants_by_key.values()}
+    def __init__(self, tenants_by_key: dict[str, Tenant], *, auth_token: str | None = None,
+                 path: Path | None = None) -> None:
+        self._auth_token = auth_token
+        self.path = path  # the --api-keys file, read again by reload()
+        self._use(tenants_by_key)
+
+    def _use(self, tenants_by_key: dict[str, Tenant]) -> None:
+        by_key = dict(tenants_by_key)
+        if self._auth_token:
+            by_key.setdefault(self._auth_token, SINGLE)
+        # Swapped whole, on the event loop: a lookup sees the old keys or the new ones.
+        self._by_digest = {_digest(key.encode()): tenant for key, tenant in by_key.items()}
+        self.tenants = {tenant.name: tenant for tenant in by_key.values()}
+        self.has_tenants = any(self.tenants)  # a named one: --auth-token's key has no name
 
     @classmethod
     def configure(cls, auth_token: str | None, api_keys_file: str | None) -> ApiKeys | None:
         """The keys both doors accept; None when neither flag is set (no auth)."""
         if not auth_token and not api_keys_file:
             return None
-        by_key = load_api_keys(Path(api_keys_file)) if api_keys_file else {}
-        if auth_token:
-            by_key.setdefault(auth_token, SINGLE)
-        return cls(by_key)
+        path = Path(api_keys_file) if api_keys_file else None
+        return cls(load_api_keys(path) if path else {}, auth_token=auth_token, path=path)
+
+    def reload(self) -> bool:
+        """Reads the --api-keys file again (SIGHUP). Keys taken out stop working; a tenant
+        that stays keeps its Tenant object, its limits updated in place, so the requests it
+        has in flight are still counted against it. A file that no longer loads changes
+        nothing (logged). Returns whether the new keys are in use."""
+        if self.path is None:
+            return False
+        try:
+            loaded = load_api_keys(self.path)
+        except ValueError as error:
+            log.error("api_keys_not_reloaded", reason=str(error))
+            return False
+        for key, tenant in loaded.items():
+            current = self.tenants.get(tenant.name)
+            if current is not None and current is not SINGLE:
+                if current.kv_blocks != tenant.kv_blocks:
+                    log.warning("api_keys_kv_blocks_unchanged", tenant=tenant.name,
+                                reason="the scheduler's kv_blocks shares are set at start-up; restart to change them")
+                for limit in fields(Tenant):
+                    if limit.compare and limit.name not in ("name", "kv_blocks"):
+                        setattr(current, limit.name, getattr(tenant, limit.name))
+                loaded[key] = current
+        self._use(loaded)
+        log.info("api_keys_reloaded", path=str(self.path), keys=len(loaded), tenants=len(self.tenants))
+        return True
 
     def tenant_of(self, token: bytes) -> Tenant | None:
         return self._by_digest.get(_digest(token)) if token else None
@@ -74,12 +122,26 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
+def cache_namespace(tenant: Tenant, cache_salt: str) -> str:
+    """The salt a request of `tenant` runs with when the service has tenants: its tenant and
+    the salt it sent, so that no salt a tenant sends (not even another's name) reaches
+    another tenant's cached prefixes; two tenants sending one salt share nothing. The
+    salt is hashed to keep the namespace short (the cache service takes 256 characters);
+    the name has no fixed length, the hash has, so `name:hash` cannot be read two ways."""
+    digest = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{tenant.name}:{digest}"
+
+
 def load_api_keys(path: Path) -> dict[str, Tenant]:
     """The file's key -> Tenant; ValueError naming the file and the entry for anything wrong."""
     try:
         text = path.read_text()
+        mode = path.stat().st_mode
     except OSError as error:
         raise ValueError(f"--api-keys {path}: cannot read it ({error.strerror})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("api_keys_file_readable_by_others", path=str(path), mode=oct(stat.S_IMODE(mode)),
+                    fix=f"chmod 600 {path}: it holds every tenant's key")
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -107,8 +169,11 @@ def load_api_keys(path: Path) -> dict[str, Tenant]:
         if name == NO_TENANT:
             raise ValueError(f"{where}: tenant {NO_TENANT!r} is the metrics' label of requests without a tenant; "
                              "give this one another name")
-        tenants[key] = Tenant(name, **{name_: _count(entry, name_, where) for name_ in FIELDS[1:]
-                                       if entry.get(name_) is not None})
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: admin must be true or false, got {admin!r}")
+        tenants[key] = Tenant(name, admin=admin, **{name_: _count(entry, name_, where) for name_ in FIELDS[1:-1]
+                                                    if entry.get(name_) is not None})
     return _one_tenant_object_per_name(tenants, path)
 
 

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 
 from model_service.api.chat_messages import message_bytes, message_chars, template_messages, template_tools
 from model_service.text.chat_template import ChatTemplate, ChatTemplateError
-from model_service.sample.grammar import GrammarCompiler
+from model_service.sample.grammar import CompilerBusy, GrammarCompiler
 from model_service.sample.params import InvalidRequest, MAX_COMPLETIONS, SamplingOptions
 from model_service.api.sampling_proto import options_from_proto
 from model_service.text.tokenizer import Tokenizer
@@ -95,7 +95,12 @@ def validate_generate_request(
     if options.structured is not None:
         if grammars is None:
             raise InvalidRequest("structured output is not available in this service")
-        options = replace(options, grammar=grammars.compile(options.structured))  # InvalidStructure: its message
+        try:
+            # Compiled already, as a rule: both doors await the compile (and count its cache
+            # hit) before validating (admit.py).
+            options = replace(options, grammar=grammars.compile(options.structured, count_hit=False))
+        except CompilerBusy as error:
+            raise PoolTooSmall(str(error)) from None
     total = len(prompt_token_ids) + options.max_new_tokens
     pool_tokens = limits.max_total_tokens
     if pool_tokens and total > pool_tokens:
@@ -129,10 +134,14 @@ def check_text_bytes(request: model_pb2.GenerateRequest, limits: GenerateLimits)
     if request.prompt:
         check_prompt_bytes(request.prompt, limits)
     elif request.messages:
-        # The tools are rendered into the prompt with the messages: their text counts too.
-        check_prompt_bytes_of(sum(message_chars(message) for message in request.messages) + len(request.tools_json),
+        # The tools and the template's variables are rendered into the prompt with the
+        # messages (and converted for the template beforehand): their text counts too.
+        variables = request.chat_template_kwargs.ByteSize() if request.HasField("chat_template_kwargs") else 0
+        check_prompt_bytes_of(sum(message_chars(message) for message in request.messages) + len(request.tools_json)
+                              + variables,
                               lambda: sum(message_bytes(message) for message in request.messages)
-                              + len(request.tools_json.encode()), limits, "the messages' text is")
+                              + len(request.tools_json.encode()) + variables, limits,
+                              "the messages' text with chat_template_kwargs is" if variables else "the messages' text is")
 
 
 def check_prompt_bytes(prompt: str, limits: GenerateLimits) -> None:

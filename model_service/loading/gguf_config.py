@@ -76,7 +76,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         vocab_size=int(vocab_size),
         hidden_size=hidden_size,
         intermediate_size=int(file.require(key("feed_forward_length"))),
-        num_layers=int(file.require(key("block_count"))),
+        num_layers=_block_count(file, key("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -88,6 +88,18 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         eos_token_ids=eos_token_ids,
         bos_token_id=None if bos is None else int(bos),
     )
+
+
+def _block_count(file: GGUFFile, key: str) -> int:
+    """The layer count, which the model is built with before any weight is read: at most
+    the layers whose tensors (blk.N.*) the file holds, so a small file cannot claim
+    millions of layers and have them allocated."""
+    claimed = _positive(file, key, int(file.require(key)))
+    present = len({name.split(".", 2)[1] for name in file.tensors if name.startswith("blk.")})
+    if claimed > present:
+        raise ModelLoadError(f"{file.path}: {key} is {claimed:,} but the file holds the tensors of {present:,} "
+                             "layers (blk.N.*); the metadata does not match the weights")
+    return claimed
 
 
 def _positive(file: GGUFFile, key: str, value: int) -> int:

@@ -1,8 +1,9 @@
 """Structured output: a request's constraint, compiled once by xgrammar, and the token masks it puts on a step.
 
-`StructuredSpec` (params.py) is what a request asked for. `GrammarCompiler` compiles it against the model's vocabulary, off the engine
-thread (validation runs on a worker thread), and keeps the result by the spec's text, so
-the thousandth request with one schema pays a dictionary lookup. On the engine thread
+`StructuredSpec` (params.py) is what a request asked for. `GrammarCompiler` compiles it against the model's vocabulary, on
+threads of its own within the bounds of CompileLimits (the front doors await it before
+validation runs), and keeps the result by the spec's text, so the thousandth request with
+one schema pays a dictionary lookup. On the engine thread
 each constrained completion holds an xgrammar `GrammarMatcher` (its position in the
 grammar); `TokenMasks.prepare` fills one bitmask row per constrained row of a step and
 `TokenMask.apply` puts all of them on those rows' logits in one call, before temperature,
@@ -12,13 +13,17 @@ by its sampled token. A step without a constrained row never gets here.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -71,65 +76,181 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Collection[int]):
     raise InvalidStructure(f"structured output is not available for a {type(tokenizer).__name__}")
 
 
-class GrammarCompiler:
-    """Compiles specs for one model's vocabulary; thread-safe; keeps the last MAX_CACHED_GRAMMARS."""
+@dataclass(frozen=True, slots=True)
+class CompileLimits:
+    """What compiling may cost: xgrammar's time grows with a schema's nesting (cubically)
+    and with its size, so a request's grammar is compiled on a thread of a small pool of
+    its own, never the one that tokenizes, and waited for only so long."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], max_threads: int = 2) -> None:
+    threads: int = 2  # compiles at once, stragglers included (--grammar-compile-threads)
+    timeout_s: float = 10.0  # --grammar-compile-timeout-s
+    max_json_depth: int = 64  # nesting of a JSON schema's objects and arrays (--max-json-schema-depth)
+    per_tenant: int = 1  # compiles one tenant may have running (--grammar-compiles-per-tenant)
+
+
+class CompilerBusy(Exception):
+    """Every compile thread is taken, or the tenant has its share compiling: retry later."""
+
+
+@dataclass(slots=True)
+class _Compiling:
+    future: Future
+    tenant: str
+    # time.monotonic() past which its waiters give up: set when the compile itself starts,
+    # after the vocabulary is read (once, at the first compile: not the request's cost).
+    deadline: float = math.inf
+
+    def remaining_s(self) -> float:
+        # While the deadline is unset, waiters look again this often.
+        return min(self.deadline - time.monotonic(), 0.25)
+
+
+class GrammarCompiler:
+    """Compiles specs for one model's vocabulary; thread-safe; keeps the last MAX_CACHED_GRAMMARS.
+
+    A compile runs on a daemon thread of its own, at most `limits.threads` at once; its
+    waiters give up at its deadline with InvalidStructure naming the limit. Python cannot
+    stop a thread, so one that timed out runs on to its end (a straggler) and keeps its
+    place: while every place is taken, a new compile is refused (CompilerBusy) rather than
+    queued, and a spec that timed out is refused at once when sent again. (A subprocess
+    could be killed instead, but xgrammar's import brings torch, seconds a process, and
+    every compiled grammar would cross back serialized.) A grammar that finishes after its
+    deadline is still cached, so the spec costs nothing the next time."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], max_threads: int = 2,
+                 limits: CompileLimits = CompileLimits()) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = frozenset(stop_token_ids)
-        self._max_threads = max_threads
+        self._max_threads = max_threads  # xgrammar's own threads, within one compile
+        self.limits = limits  # may be replaced before the first compile (server.py)
         self._compiler = None  # made at the first compile
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()  # held while the vocabulary is read, once
         self._cache: OrderedDict[StructuredSpec, object] = OrderedDict()
-        self._pending: dict[StructuredSpec, Future] = {}  # being compiled by one thread, awaited by others
+        self._compiling: dict[StructuredSpec, _Compiling] = {}  # running, stragglers included
+        self._too_slow: OrderedDict[StructuredSpec, None] = OrderedDict()  # timed out, not finished since
         self.compiles = 0  # cache misses, for tests and the benchmark
 
-    def compile(self, spec: StructuredSpec):
-        """The spec's xgrammar CompiledGrammar, or InvalidStructure with the compiler's message."""
+    def compile(self, spec: StructuredSpec, count_hit: bool = True):
+        """The spec's xgrammar CompiledGrammar, waited for on this thread; InvalidStructure
+        with the compiler's message or the limit it passed; CompilerBusy. count_hit: False
+        where the request's lookup was counted already (compile_async at its door)."""
+        compiled = self.cached(spec, count_hit)
+        if compiled is not None:
+            return compiled
+        compiling = self.start(spec)
+        while (remaining := compiling.remaining_s()) > 0:
+            try:
+                return compiling.future.result(timeout=remaining)
+            except FutureTimeout:
+                continue
+        if compiling.future.done():
+            return compiling.future.result()
+        raise self._timed_out(spec)
+
+    async def compile_async(self, spec: StructuredSpec, tenant: str = ""):
+        """compile(), awaited on the event loop without holding any thread, and counted
+        against `tenant`'s compiles ("": none)."""
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        compiling = self.start(spec, tenant)
+        compiled = asyncio.wrap_future(compiling.future)  # asyncio.wait never cancels it
+        while not compiled.done() and (remaining := compiling.remaining_s()) > 0:
+            await asyncio.wait([compiled], timeout=remaining)
+        if not compiled.done():
+            raise self._timed_out(spec)
+        return compiled.result()
+
+    def cached(self, spec: StructuredSpec, count_hit: bool = True):
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
                 self._cache.move_to_end(spec)
+                if count_hit:
+                    metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
+            return compiled
+
+    def start(self, spec: StructuredSpec, tenant: str = "") -> _Compiling:
+        """The spec's compile: the one running (another request sent the same spec), or a
+        new one on a thread of its own."""
+        limits = self.limits
+        if spec.kind == "json":
+            depth = json_depth(spec.text)
+            if depth > limits.max_json_depth:
+                raise InvalidStructure(f"structured.json nests objects and arrays {depth} deep; this server "
+                                       f"compiles at most {limits.max_json_depth} (--max-json-schema-depth): "
+                                       "flatten the schema (use $defs and $ref for repeated parts)")
+        with self._lock:
+            too_slow = spec in self._too_slow
+            running = None if too_slow else self._compiling.get(spec)
+            if running is not None:
                 metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
-                return compiled
-            pending = self._pending.get(spec)
-            if pending is None:
-                pending = self._pending[spec] = Future()
-                compiling = True
-            else:
-                compiling = False  # another request compiles this very spec: wait for its result
-        if not compiling:
-            metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
-            return pending.result()
-        # Compiled outside the lock: one slow grammar does not hold up the others.
+                return running
+            if too_slow:
+                raise self._timed_out(spec, before=True)
+            mine = sum(1 for other in self._compiling.values() if tenant and other.tenant == tenant)
+            if tenant and mine >= limits.per_tenant:
+                raise CompilerBusy(f"tenant {tenant!r} has {mine} grammars compiling, the limit is "
+                                   f"--grammar-compiles-per-tenant {limits.per_tenant}; retry later")
+            if len(self._compiling) >= limits.threads:
+                raise CompilerBusy(f"{len(self._compiling)} grammars are compiling, the limit is "
+                                   f"--grammar-compile-threads {limits.threads}; retry later")
+            compiling = self._compiling[spec] = _Compiling(Future(), tenant)
+        threading.Thread(target=self._run, args=(spec, compiling), name="grammar-compile", daemon=True).start()
+        return compiling
+
+    def _run(self, spec: StructuredSpec, compiling: _Compiling) -> None:
+        future = compiling.future
         try:
-            compiled = self._compile(spec)
-        except BaseException as error:
+            compiler = self._xgrammar_compiler()
+            compiling.deadline = time.monotonic() + self.limits.timeout_s
+            compiled = self._compile(compiler, spec)
+        except BaseException as error:  # InvalidStructure, or xgrammar's bad_alloc: the waiters get it
             with self._lock:
-                self._pending.pop(spec, None)
-            pending.set_exception(error)
-            raise
+                self._compiling.pop(spec, None)
+                self._too_slow.pop(spec, None)
+            future.set_exception(error)
+            return
         with self._lock:
             self.compiles += 1
-            self._pending.pop(spec, None)
+            self._compiling.pop(spec, None)
+            self._too_slow.pop(spec, None)
             self._cache[spec] = compiled
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        pending.set_result(compiled)
-        return compiled
+        future.set_result(compiled)
 
-    def _compile(self, spec: StructuredSpec):
-        started = time.perf_counter()
-        with self._lock:
+    def _timed_out(self, spec: StructuredSpec, before: bool = False) -> InvalidStructure:
+        """The error of a compile past its deadline; `before`: one found so at an earlier
+        request, the caller holding the lock."""
+        if not before:
+            with self._lock:
+                if spec in self._compiling:  # still running: remembered until it ends
+                    self._too_slow[spec] = None
+                    while len(self._too_slow) > MAX_CACHED_GRAMMARS:
+                        self._too_slow.popitem(last=False)
+        metrics.GRAMMAR_COMPILES.labels(spec.kind, "timeout").inc()
+        when = "when it was last sent, and it is still compiling" if before else ""
+        return InvalidStructure(f"structured.{spec.kind} did not compile within {self.limits.timeout_s:g} s "
+                                f"(--grammar-compile-timeout-s){' ' + when if when else ''}: send a smaller or "
+                                "less deeply nested schema, regex or grammar")
+
+    def _xgrammar_compiler(self):
+        with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
                 # Reading the vocabulary takes about a second: done once, at the first spec.
                 info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+            return self._compiler
+
+    def _compile(self, compiler, spec: StructuredSpec):
+        started = time.perf_counter()
         try:
-            compiled = self._compile_with(self._compiler, spec)
+            compiled = self._compile_with(compiler, spec)
         except InvalidStructure:
             metrics.GRAMMAR_COMPILES.labels(spec.kind, "invalid").inc()
             raise
@@ -158,6 +279,29 @@ class GrammarCompiler:
             return compiler.compile_grammar(spec.text)
         except Exception as error:  # xgrammar raises RuntimeError, ValueError and its own types
             raise InvalidStructure(f"structured.{spec.kind} does not compile: {compiler_message(error)}") from None
+
+
+def json_depth(text: str) -> int:
+    """How deep a JSON text nests objects and arrays, in one pass over it (json.loads would
+    recurse, and raise RecursionError on a deep enough one)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "}]":
+            depth -= 1
+    return deepest
 
 
 def compiler_message(error: BaseException) -> str:

@@ -18,8 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import format_sse_event
 
+from model_service.api.admit import admit, compile_grammars, scope_cache_salts
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.openai_http import render, to_generate
+from model_service.api.openai_http.to_generate import DEFAULT_MAX_PROMPTS
 from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
 from model_service.api.openai_http.gate import PRINCIPAL, Gate
 from model_service.api.openai_http.logprobs import TokenNames
@@ -34,7 +36,7 @@ from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndp
 from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
 from model_service.api.openai_http.tools import ToolCallEndpoint, plan_tools
 from model_service.api.openai_http.unsupported import refuse_unsupported
-from model_service.api.tenants import SINGLE, ApiKeys
+from model_service.api.tenants import SINGLE, ApiKeys, Tenant
 
 DONE = format_sse_event(data_str="[DONE]")
 # nginx's status for "the client closed the request": nobody reads it, the log does.
@@ -47,8 +49,9 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 def create_app(generation: GenerationService, *, served_model_name: str | None = None,
                auth_token: str | None = None, api_keys: ApiKeys | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """api_keys: the keys and their tenants (tenants.py); else auth_token, one key."""
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+    """api_keys: the keys and their tenants (tenants.py); else auth_token, one key.
+    max_prompts: the most prompts one /v1/completions body may carry."""
     app = FastAPI(title="pagedkv model service", summary="OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_handlers(app)
     # Token and body size are checked in front of FastAPI, which reads the body first (gate.py).
@@ -93,7 +96,10 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         refuse_unsupported(body)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         tools = plan_tools(body, template_source)
-        requests = [to_generate.chat_request(body, _request_id(body, request, response_id), tools)]
+        # Off the loop: the body's chat_template_kwargs become a protobuf Struct, a walk over
+        # however much JSON the client sent.
+        requests = [await asyncio.to_thread(to_generate.chat_request, body, _request_id(body, request, response_id),
+                                            tools)]
         if tools is None:
             endpoint = ChatEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs)
         else:
@@ -106,7 +112,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         check_model(body.model)
         refuse_unsupported(body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = to_generate.completion_requests(body, _request_id(body, request, response_id))
+        requests = to_generate.completion_requests(body, _request_id(body, request, response_id), max_prompts)
         endpoint = CompletionEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs is not None)
         return await run(body, requests, endpoint, request)
 
@@ -115,7 +121,8 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
         if body.model is not None:
             check_model(body.model)
-        token_ids = await generation.tokenize(render.tokenize_request(body), body.add_special_tokens)
+        token_ids = await generation.tokenize(await asyncio.to_thread(render.tokenize_request, body),
+                                              body.add_special_tokens)
         return render.tokenize_body(token_ids, generation.engine.settings.max_model_len,
                                     token_names if body.return_token_strs else None)
 
@@ -123,23 +130,34 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
     async def completions_render(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
         check_model(body.model)
         refuse_unsupported(body)
-        requests = to_generate.completion_requests(body, _request_id(body, request, f"cmpl-{uuid.uuid4().hex}"))
+        requests = to_generate.completion_requests(body, _request_id(body, request, f"cmpl-{uuid.uuid4().hex}"),
+                                                   max_prompts)
+        scope_cache_salts(requests, _tenant(request), api_keys)
+        await compile_grammars(generation, requests, _tenant(request))
         return [render.rendered(one, model_name, *await generation.render(one), body) for one in requests]
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         check_model(body.model)
         refuse_unsupported(body)
-        one = to_generate.chat_request(body, _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"),
-                                       plan_tools(body, template_source))
+        one = await asyncio.to_thread(to_generate.chat_request, body,
+                                      _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"),
+                                      plan_tools(body, template_source))
+        scope_cache_salts([one], _tenant(request), api_keys)
+        await compile_grammars(generation, [one], _tenant(request))
         return render.rendered(one, model_name, *await generation.render(one), body)
 
     # vLLM's endpoint of the same name: the pool drops this model's cached prefixes (its
     # KV events tell routers), so requests sharing them stop being drawn here. /flush_cache
     # is SGLang's name for it, which vllm-router's own POST /flush_cache sends to every worker.
+    # It costs every tenant its cached prefixes: an admin's key only (tenants.py).
     @app.post("/reset_prefix_cache")
     @app.post("/flush_cache")
-    async def reset_prefix_cache() -> dict[str, Any]:
+    async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+        if not _tenant(request).admin:
+            raise ApiError(403, f"{request.url.path} drops every tenant's cached prefixes: it takes an admin's key "
+                           "(--auth-token, or a key of a tenant with `admin: true` in --api-keys)",
+                           code="permission_denied")
         dropped, kept = await generation.reset_prefix_cache()
         return {"blocks_dropped": dropped, "blocks_kept": kept}
 
@@ -147,8 +165,9 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         return token_ids_as_names if body.return_tokens_as_token_ids else token_names
 
     async def run(body: GenerationFields, requests, endpoint: Endpoint, request: Request) -> Response:
-        tenant = request.scope.get(PRINCIPAL) or SINGLE
-        running = await Running.start(generation, requests, tenant)  # GenerateError: the handler answers it
+        tenant = _tenant(request)
+        await admit(generation, requests, tenant, api_keys)  # GenerateError: the handler answers it
+        running = await Running.start(generation, requests, tenant)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(events(endpoint, running, len(requests) * body.n, include_usage), on_end=running.close)
@@ -158,6 +177,10 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
             running.close()
 
     return app
+
+
+def _tenant(request: Request) -> Tenant:
+    return request.scope.get(PRINCIPAL) or SINGLE
 
 
 def _request_id(body: GenerationFields, request: Request, response_id: str) -> str:
@@ -181,7 +204,8 @@ async def collect(endpoint: Endpoint, running: Running, request: Request) -> Res
         gathering.cancel()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     gathering.result()  # a GenerateError goes to its handler
-    return JSONResponse(endpoint.body())
+    # Off the loop: a tool-calling answer is parsed whole here (tools.py).
+    return JSONResponse(await asyncio.to_thread(endpoint.body))
 
 
 async def events(endpoint: Endpoint, running: Running, num_choices: int, include_usage: bool):
@@ -191,7 +215,10 @@ async def events(endpoint: Endpoint, running: Running, num_choices: int, include
         yield sse(endpoint.chunk(choices, with_usage_field=include_usage))
     try:
         async for prompt_index, response in running.results():
-            for choices in endpoint.stream_choices(prompt_index, response):
+            # A choice's last message may have its whole output parsed (tool calls): off the loop.
+            choices_of = (await asyncio.to_thread(endpoint.stream_choices, prompt_index, response)
+                          if response.finish_reason else endpoint.stream_choices(prompt_index, response))
+            for choices in choices_of:
                 yield sse(endpoint.chunk(choices, with_usage_field=include_usage))
     except GenerateError as error:
         yield sse(from_generate_error(error).body())

@@ -26,6 +26,7 @@ from model_service.sample.params import SamplingOptions, StructuredSpec
 from pagedkv.model.v1 import model_pb2
 
 
+@to_generate.refusing_surrogates
 def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> model_pb2.GenerateRequest:
     request = model_pb2.GenerateRequest()
     if isinstance(body, TokenizeCompletionRequest):

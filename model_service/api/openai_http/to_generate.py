@@ -24,6 +24,9 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 # JSON may spell a lone UTF-16 surrogate ("\\ud800"); it is no Unicode text, a proto string
 # cannot hold it, and it must be a 400, not the 500 of an escaped UnicodeEncodeError.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# --max-prompts-per-request's default: the prompts of one /v1/completions body, each a
+# request of its own. As many as --max-queued-requests' default lets wait.
+DEFAULT_MAX_PROMPTS = 256
 
 
 def refusing_surrogates(translate):
@@ -126,9 +129,15 @@ def _json_type(value: Any) -> str:
 
 
 @refusing_surrogates
-def completion_requests(body: CompletionRequest, request_id: str) -> list[model_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt of the body (a batch of prompts is several)."""
+def completion_requests(body: CompletionRequest, request_id: str,
+                        max_prompts: int = DEFAULT_MAX_PROMPTS) -> list[model_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt of the body (a batch of prompts is several), at most
+    `max_prompts` of them (--max-prompts-per-request)."""
     prompts = _prompts(body.prompt)
+    if len(prompts) > max_prompts:
+        raise ApiError(400, f"prompt is a list of {len(prompts):,} prompts; this server takes at most {max_prompts:,} "
+                       "in one body (--max-prompts-per-request): send them in several requests", param="prompt",
+                       code="invalid_value")
     requests = []
     for index, prompt in enumerate(prompts):
         request = model_pb2.GenerateRequest(request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}")

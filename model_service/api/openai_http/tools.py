@@ -31,7 +31,8 @@ from model_service.api.openai_http.protocol import ChatCompletionRequest
 from model_service.api.openai_http.responses import FINISH_REASON, ChatEndpoint, stop_reason
 from pagedkv.model.v1 import model_pb2
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_SPACE = re.compile(r"\s*")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -129,19 +130,26 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Hermes's format: text, then `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
     blocks with nothing but whitespace between and after them. Anything else (a block that is
     not such JSON, an unclosed block, text after the calls) leaves the whole output as
-    content: the client gets what the model wrote, never part of a call."""
-    start = text.find("<tool_call>")
+    content: the client gets what the model wrote, never part of a call.
+
+    The tags are found with str.find, each character looked at a bounded number of
+    times: a regular expression around the block's text backtracks on a long run of
+    whitespace (which a model looping on it writes), for minutes at ten thousand."""
+    start = text.find(HERMES_OPEN)
     if start < 0:
         return text, []
     calls, position = [], start
-    for match in HERMES_CALL.finditer(text, start):
-        call = _hermes_call(match.group(1))
-        if call is None or text[position:match.start()].strip():
+    while (position := _SPACE.match(text, position).end()) < len(text):
+        if not text.startswith(HERMES_OPEN, position):
+            return text, []  # text after the calls, or between them
+        end = text.find(HERMES_CLOSE, position + len(HERMES_OPEN))
+        if end < 0:
+            return text, []  # never closed
+        call = _hermes_call(text[position + len(HERMES_OPEN):end])
+        if call is None:
             return text, []
         calls.append(call)
-        position = match.end()
-    if not calls or text[position:].strip():
-        return text, []
+        position = end + len(HERMES_CLOSE)
     content = text[:start].strip()
     return content or None, calls
 
