@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from recorded_events import recording_events
 from prometheus_client import REGISTRY
 
 from model_service.cache.client import CacheClient
+from model_service.engine import live_requests
 from model_service.engine.loop import Engine
 from model_service.engine.settings import EngineSettings
 from model_service.loading.loader import load_model
@@ -231,20 +233,53 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(checkpoin
             engine.stop(grace_s=0)
 
 
-def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path):
+def test_a_request_shares_the_prefix_of_one_still_running(checkpoint, tmp_path):
+    """Full blocks are committed to the prefix cache while their sequence runs: a request
+    submitted while the first one decodes (the engine held, so it has not finished) gets
+    them as cached_tokens, ends while the first still runs, and generates what transformers
+    does from the whole prompt."""
+    loaded, reference = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams)
+        try:
+            prefix = prompt_ids(96, seed=9100)
+            streams.hold_when(lambda: len(streams.tokens("long")) >= 1)
+            engine.submit("long", prefix, greedy(150), streams.sink("long"))
+            assert streams.held.wait(60)
+            late = prefix + [7, 8, 9, 10, 11]
+            engine.submit("late", late, greedy(4), streams.sink("late"))
+            streams.hold_when(lambda: bool(streams.finished("late")))
+            streams.resume()
+            assert streams.held.wait(60)
+            long_tokens = len(streams.tokens("long"))
+            streams.resume()
+            assert 1 < long_tokens < 150 and not streams.finished("long")
+            assert streams.finished("late")[0].cached_tokens == 96  # the 6 full blocks of the prefix
+            assert streams.tokens("late") == hf_greedy(reference, late, 4)
+            assert engine.abort(["long"]) == 1
+            wait_for(lambda: streams.finished("long"), 30, "the long request to end")
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path, monkeypatch):
     loaded, _ = checkpoint
     streams = Streams()
     with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
         engine = start_engine(loaded, cache.address, streams, max_num_seqs=1)
         try:
+            # Deadlines an hour away, then the engine's clock moved past them while it is
+            # held: however slow the machine, neither passes early and both pass then.
+            hour = time.monotonic() + 3600
             streams.hold_when(lambda: len(streams.tokens("running")) >= 1)
-            engine.submit("running", prompt_ids(10, 5), greedy(200), streams.sink("running"),
-                          deadline=time.monotonic() + 0.3)
+            engine.submit("running", prompt_ids(10, 5), greedy(200), streams.sink("running"), deadline=hour)
             assert streams.held.wait(60)
-            # Queued behind it (one sequence at a time), with a deadline that passes while held.
-            engine.submit("queued", prompt_ids(10, 6), greedy(5), streams.sink("queued"),
-                          deadline=time.monotonic() + 0.05)
-            time.sleep(0.4)  # both deadlines pass while the engine is held
+            # Queued behind it (one sequence at a time).
+            engine.submit("queued", prompt_ids(10, 6), greedy(5), streams.sink("queued"), deadline=hour)
+            monkeypatch.setattr(live_requests, "time", SimpleNamespace(
+                monotonic=lambda: time.monotonic() + 7200, perf_counter=time.perf_counter))
             streams.resume()
             wait_for(lambda: streams.finished("queued") and streams.finished("running"), 30, "both to end")
             for name in ("queued", "running"):

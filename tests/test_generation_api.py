@@ -490,27 +490,3 @@ def test_every_out_of_range_parameter_is_invalid_argument(stack, case):
 def test_nothing_is_left_leased(stack):
     _, cache, _ = stack
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
-
-
-def test_a_request_shares_the_prefix_of_one_still_running(stack):
-    """Full blocks are committed to the prefix cache while their sequence runs: a request
-    that arrives meanwhile with the same prefix gets them as cached_tokens (not only once
-    the first one ends) and generates what transformers does from the whole prompt."""
-    stub, cache_rpc, reference = stack
-    for attempt in range(3):
-        prefix = prompt_ids(96, seed=9100 + attempt)
-        long_call = stub.Generate(model_pb2.GenerateRequest(
-            prompt_token_ids=prefix, sampling=model_pb2.SamplingParams(max_new_tokens=150, ignore_eos=True)),
-            timeout=120)
-        next(long_call)  # its prompt is in the pool: the next lease call commits its blocks
-        late = prefix + [7, 8, 9, 10, 11]
-        messages = run(stub, late, max_new_tokens=4, ignore_eos=True)[0]
-        still_running = long_call.running()
-        long_call.cancel()
-        if still_running:
-            break
-    else:
-        pytest.skip("the first request finished before the second every time: nothing ran side by side")
-    assert messages[-1].usage.cached_tokens >= 80, messages[-1].usage  # 96 tokens: full blocks of it
-    assert tokens_of(messages) == hf_generate(reference, late, 4)
-    wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 30, "every block back")
