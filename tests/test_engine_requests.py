@@ -129,12 +129,26 @@ def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
             engine.stop(grace_s=0)
 
 
+def count_computed_tokens(engine) -> list[int]:
+    """Every step's forward-pass token counts, as the scheduler is told them."""
+    counts: list[int] = []
+    update = engine.scheduler.update_from_output
+
+    def counting(step, output):
+        counts.extend(new_tokens for _, new_tokens in step.batch)
+        return update(step, output)
+
+    engine.scheduler.update_from_output = counting
+    return counts
+
+
 def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp_path):
     loaded, reference = checkpoint
     streams = Streams()
     # 10 blocks: 4 completions of 40 + 40 tokens hold 2 shared + 4 x 3 = 14.
     with start_cache_service(tmp_path, "--kv-cache-bytes", str(10 * block_bytes(loaded)), "--headroom", "0") as cache:
         engine = start_engine(loaded, cache.address, streams, max_model_len=96)
+        computed = count_computed_tokens(engine)
         try:
             prompt = prompt_ids(40, seed=2)
             engine.submit("small", prompt, greedy(40, n=4), streams.sink("small"))
@@ -144,9 +158,12 @@ def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp
             assert all(streams.tokens("small", i) == expected for i in range(4))
             assert all(d.error is None for d in streams.finished("small"))
             # Each completion's usage: the 5 blocks of its 79 written positions (none is
-            # leased past prompt + max_new_tokens), and what preemption made it compute again.
+            # leased past prompt + max_new_tokens), and what preemption made it compute again:
+            # every position the forward passes computed past the first time. Completion 0
+            # computes positions 0-78 once, each fork 40-78 (it shares the prompt's).
             assert [d.peak_kv_blocks for d in streams.finished("small")] == [5] * 4
-            assert sum(d.recomputed_tokens for d in streams.finished("small")) > 0
+            recomputed = sum(d.recomputed_tokens for d in streams.finished("small"))
+            assert recomputed == sum(computed) - (79 + 3 * 39) > 0
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
