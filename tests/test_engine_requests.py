@@ -16,6 +16,7 @@ from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service
 from recorded_events import recording_events
+from reference_generate import prompt_ids, reference_greedy
 from prometheus_client import REGISTRY
 
 from model_service.cache.client import CacheClient
@@ -92,17 +93,6 @@ def greedy(max_new_tokens: int, **fields) -> SamplingOptions:
     return SamplingOptions(max_new_tokens=max_new_tokens, ignore_eos=True, **fields)
 
 
-def hf_greedy(model, prompt, max_new_tokens) -> list[int]:
-    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                            do_sample=False, eos_token_id=None, pad_token_id=0,
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return output[0, len(prompt):].tolist()
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
     loaded, reference = checkpoint
     streams = Streams()
@@ -122,7 +112,7 @@ def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
             assert held.sequences == 4
             assert held.blocks_leased == 2 + 4 * 1
             wait_for(lambda: len(streams.finished("n4")) == 4, 60, "the 4 completions to finish")
-            expected = hf_greedy(reference, prompt, 12)
+            expected = reference_greedy(reference, prompt, 12)
             assert all(streams.tokens("n4", i) == expected for i in range(4))
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
@@ -154,7 +144,7 @@ def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp
             engine.submit("small", prompt, greedy(40, n=4), streams.sink("small"))
             wait_for(lambda: len(streams.finished("small")) == 4, 120, "the 4 completions to finish")
             assert engine.scheduler.preemptions > 0, "the small pool forced no preemption"
-            expected = hf_greedy(reference, prompt, 40)
+            expected = reference_greedy(reference, prompt, 40)
             assert all(streams.tokens("small", i) == expected for i in range(4))
             assert all(d.error is None for d in streams.finished("small"))
             # Each completion's usage: the 5 blocks of its 79 written positions (none is
@@ -244,7 +234,7 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(checkpoin
             cached = {name: streams.finished(name)[0].cached_tokens for name in prompts}
             assert cached == ({"first": 0, "second": 96} if hold else {"first": 0, "second": 0})
             for name, prompt in prompts.items():
-                assert streams.tokens(name) == hf_greedy(reference, prompt, 4)
+                assert streams.tokens(name) == reference_greedy(reference, prompt, 4)
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
@@ -273,7 +263,7 @@ def test_a_request_shares_the_prefix_of_one_still_running(checkpoint, tmp_path):
             streams.resume()
             assert 1 < long_tokens < 150 and not streams.finished("long")
             assert streams.finished("late")[0].cached_tokens == 96  # the 6 full blocks of the prefix
-            assert streams.tokens("late") == hf_greedy(reference, late, 4)
+            assert streams.tokens("late") == reference_greedy(reference, late, 4)
             assert engine.abort(["long"]) == 1
             wait_for(lambda: streams.finished("long"), 30, "the long request to end")
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
@@ -411,7 +401,7 @@ def test_a_step_that_raises_ends_its_requests_and_the_engine_runs_on(checkpoint,
             prompt = prompt_ids(12, 6)
             engine.submit("after", prompt, greedy(6), streams.sink("after"))
             wait_for(lambda: streams.finished("after"), 60, "the next request to finish")
-            assert streams.tokens("after") == hf_greedy(reference, prompt, 6) and engine.connected.is_set()
+            assert streams.tokens("after") == reference_greedy(reference, prompt, 6) and engine.connected.is_set()
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
@@ -469,7 +459,7 @@ def test_no_block_enters_the_prefix_index_before_the_writes_behind_it(checkpoint
             engine.submit("r", prompt, greedy(20), streams.sink("r"))
             wait_for(lambda: streams.finished("r"), 60, "the request to finish")
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
-            assert streams.tokens("r") == hf_greedy(reference, prompt, 20)
+            assert streams.tokens("r") == reference_greedy(reference, prompt, 20)
         finally:
             engine.stop(grace_s=0)
     unwaited = None  # the latest recorded event not yet waited for

@@ -16,6 +16,7 @@ from hf_checkpoints import EOS_ID, write_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from processes import start_cache_service, start_model_service
+from reference_generate import prompt_ids, reference_greedy
 from transformers.generation.logits_process import MinPLogitsWarper
 
 from pagedkv.cache.v1 import cache_pb2
@@ -38,10 +39,6 @@ def stack(tmp_path_factory):
         channel.close()
 
 
-def prompt_ids(length: int, seed: int) -> list[int]:
-    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def run(stub, prompt, timeout=60, request_id="", stream=None, **sampling) -> dict[int, list[model_pb2.GenerateResponse]]:
     """Every message of one Generate call, by completion index (stream: GenerateRequest.stream, None: unset)."""
     request = model_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, stream=stream,
@@ -60,13 +57,6 @@ def tokens_of(messages) -> list[int]:
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab]: transformers' logits at every position, float32."""
     return model(torch.tensor([ids])).logits[0].float()
-
-
-def hf_generate(model, prompt, max_new_tokens, **kwargs) -> list[int]:
-    kwargs.setdefault("eos_token_id", None)
-    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
-    return output[0, len(prompt):].tolist()
 
 
 def assert_logprob_matches(entry: model_pb2.TokenLogprob, expected_row: torch.Tensor, token: int, top: int):
@@ -134,17 +124,17 @@ def test_repetition_penalty_equals_transformers_generate(stack):
     plain = tokens_of(run(stub, prompt, max_new_tokens=24, ignore_eos=True)[0])
     for penalty in (1.5, 0.8):
         got = tokens_of(run(stub, prompt, max_new_tokens=24, ignore_eos=True, repetition_penalty=penalty)[0])
-        assert got == hf_generate(reference, prompt, 24, min_new_tokens=24, repetition_penalty=penalty)
+        assert got == reference_greedy(reference, prompt, 24, min_new_tokens=24, repetition_penalty=penalty)
     assert got != plain, "the penalty changed nothing: the test would not see it ignored"
 
 
 def test_min_tokens_equals_transformers_min_new_tokens(stack):
     stub, _, reference = stack
     prompt = prompt_ids(10, seed=6)
-    greedy = hf_generate(reference, prompt, 8, min_new_tokens=8)
+    greedy = reference_greedy(reference, prompt, 8, min_new_tokens=8)
     stop = greedy[1]  # greedy would stop at its second token
     got = tokens_of(run(stub, prompt, max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop], min_tokens=5)[0])
-    expected = hf_generate(reference, prompt, 12, eos_token_id=stop, min_new_tokens=5)
+    expected = reference_greedy(reference, prompt, 12, eos_token_id=stop, min_new_tokens=5)
     expected = expected[: expected.index(stop) + 1] if stop in expected else expected
     assert got == expected and len(got) > 2
     assert stop not in got[:5]
@@ -201,7 +191,7 @@ def test_n_greedy_gives_n_equal_completions_equal_to_transformers(stack):
     prompt = prompt_ids(40, seed=9)
     by_index = run(stub, prompt, n=4, max_new_tokens=12, ignore_eos=True)
     assert sorted(by_index) == [0, 1, 2, 3]
-    expected = hf_generate(reference, prompt, 12, min_new_tokens=12)
+    expected = reference_greedy(reference, prompt, 12, min_new_tokens=12)
     lasts = []
     for index, messages in by_index.items():
         assert tokens_of(messages) == expected, f"completion {index}"

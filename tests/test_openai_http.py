@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from cache_helpers import cache_stub, stats, wait_for
+from cache_helpers import cache_stub, no_block_leased, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service, start_model_service
 
@@ -67,10 +67,6 @@ def stub(model):
 
 def leased(cache) -> int:
     return stats(cache_stub(cache.address), metadata=METADATA).blocks_leased
-
-
-def no_block_leased(cache) -> None:
-    wait_for(lambda: leased(cache) == 0, 30, "every block released")
 
 
 def grpc_text(stub, **fields) -> tuple[str, model_pb2.GenerateResponse]:
@@ -127,7 +123,7 @@ def test_completion_equals_grpc_greedy(client, stub, cache):
     assert completion.usage.prompt_tokens == last.usage.prompt_tokens
     assert completion.usage.completion_tokens == 12
     assert completion.usage.total_tokens == last.usage.prompt_tokens + 12
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 def test_completion_prompt_as_token_ids_and_as_a_batch(client, stub):
@@ -247,7 +243,7 @@ def test_client_closing_a_stream_frees_its_blocks_at_once(client, cache, model):
             break
     assert leased(cache) > 0, "the request should hold blocks while it streams"
     stream.close()
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
     # Cancelled, not run to its 400 tokens.
     wait_for(lambda: metric(model, "pagedkv_model_requests_total", finish_reason="aborted") == aborted_before + 1,
              30, "the request counted as aborted")
@@ -275,7 +271,7 @@ def test_client_hanging_up_on_a_whole_answer_cancels_it(model, cache):
         done_first.append(timeout_s)
     else:
         pytest.fail(f"all 450 tokens were done before the client hung up at every timeout tried: {done_first} s")
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 def test_32_concurrent_streams_complete_and_equal_grpc(model, stub, cache):
@@ -293,7 +289,7 @@ def test_32_concurrent_streams_complete_and_equal_grpc(model, stub, cache):
             return await asyncio.gather(*(one(p) for p in prompts))
 
     assert asyncio.run(stream_all()) == expected
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -463,7 +459,7 @@ def test_stream_limit_is_429_through_http_as_through_grpc(limited, cache):
     channel.close()
     assert grpc_error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     holding.close()
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 def test_not_attached_is_503(tmp_path):
@@ -488,7 +484,7 @@ def test_reset_prefix_cache_needs_the_token_and_drops_this_models_cached_blocks(
         urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60)
     assert error.value.code == 401
     client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=2, temperature=0)
-    no_block_leased(cache)  # its release registered the prompt's full blocks
+    no_block_leased(cache, metadata=METADATA)  # its release registered the prompt's full blocks
     before = stats(cache_stub(cache.address), metadata=METADATA).blocks_cached
     request = urllib.request.Request(url, data=b"", method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -498,4 +494,4 @@ def test_reset_prefix_cache_needs_the_token_and_drops_this_models_cached_blocks(
     assert after == before - answer["blocks_dropped"]  # another model's blocks in this pool stay
     usage = client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=2, temperature=0).usage
     assert usage.prompt_tokens_details.cached_tokens == 0
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from cache_helpers import cache_stub, stats, wait_for
+from cache_helpers import no_block_leased
 
 from pagedkv.model.v1 import model_pb2
 
@@ -53,10 +53,6 @@ def stack(smollm2_stack):
 @pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack[2].http_url, api_key="unused", max_retries=0, timeout=300)
-
-
-def no_block_leased(cache) -> None:
-    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
 
 
 def generate(stub, structured, *, messages=PERSON_ASK, seed=None, n=1, temperature=1.0, max_new_tokens=96,

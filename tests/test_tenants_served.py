@@ -15,6 +15,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+import grpc_generate
 from cache_helpers import cache_stub, stats, wait_for
 from processes import start_cache_service, start_model_service
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,8 +45,7 @@ def services(tmp_path_factory):
 
 
 def generate(stub, key: str, **fields) -> model_pb2.GenerateResponse:
-    request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(max_new_tokens=2), **fields)
-    return list(stub.Generate(request, timeout=120, metadata=bearer_metadata(key)))[-1]
+    return grpc_generate.generate(stub, sampling=dict(max_new_tokens=2), metadata=bearer_metadata(key), **fields).last
 
 
 def metric(model, line_start: str) -> float:
