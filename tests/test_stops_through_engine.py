@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import grpc
+import grpc_generate
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
@@ -61,10 +62,8 @@ def stub(stack):
 
 
 def generate(stub, prompt: list[int], **sampling) -> tuple[list[model_pb2.GenerateResponse], list[int], str]:
-    request = model_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=model_pb2.SamplingParams(**sampling))
-    responses = list(stub.Generate(request, timeout=120))
-    tokens = [token for response in responses for token in response.token_ids]
-    return responses, tokens, "".join(response.text for response in responses)
+    answer = grpc_generate.generate(stub, prompt_token_ids=prompt, sampling=sampling)
+    return answer.responses, answer.tokens, answer.text
 
 
 def assert_finished(responses, reason, tokens, prompt) -> None:
