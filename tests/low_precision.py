@@ -15,6 +15,7 @@ Used by tests/test_low_precision_vs_transformers.py and bench/gpu_check.py.
 from __future__ import annotations
 
 import torch
+from reference_generate import reference_output
 
 ULPS = 4
 
@@ -50,14 +51,7 @@ def agreeing_prefix(ours: list[int], theirs: list[int], logits: torch.Tensor, dt
     return len(ours)
 
 
-def reference_greedy(reference, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def reference_greedy_with_logits(reference, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy generate (eos ignored) and its raw logits at each step [n, vocab] (on CPU)."""
-    device = reference.device
-    with torch.inference_mode():
-        output = reference.generate(
-            torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-            output_logits=True, return_dict_in_generate=True,
-        )
+    output = reference_output(reference, prompt, max_new_tokens, output_logits=True, return_dict_in_generate=True)
     return output.sequences[0, len(prompt):].tolist(), torch.cat(output.logits).float().cpu()

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from kernel_marks import needs_c_kernels
 
 from model_service.attention import AttentionMetadata, PagedAttention
 from model_service.attention.torch_paged import decode_attention_torch, prefill_attention_torch, write_kv_torch
@@ -108,7 +109,7 @@ MIXED_BATCHES = {
 
 # "cpu" is the C decode kernel (model_service/cpu_kernels), for decode and, each prompt token
 # a query of its own, prefill; "torch" is gather + SDPA for both.
-CPU_BACKENDS = ["torch", "cpu"]
+CPU_BACKENDS = ["torch", pytest.param("cpu", marks=needs_c_kernels)]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -206,6 +207,7 @@ def test_unknown_backend_and_bad_head_counts_are_errors():
         PagedAttention("torch")(torch.randn(1, 3, HEAD_DIM), k, v, kv_layer, meta, 0.25)
 
 
+@needs_c_kernels
 def test_auto_uses_the_c_kernel_for_a_cpu_pool():
     kv_layer = torch.zeros(2, 1, 8, 1, 4)
     attention = PagedAttention("auto")

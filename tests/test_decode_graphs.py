@@ -1,8 +1,11 @@
 """Decode-step graphs: bucketed batch sizes, padded tables, no capture after start-up.
 
-On CPU the capture is eager (the step function itself is replayed), which checks what
-the graph path owns: bucketing, padding, static buffers refilled in place, and that new
-batch sizes and prompt lengths never capture again.
+On CPU the capture is a fake (eager: the step function itself is replayed, and the fake
+counts its captures), which checks what the graph path owns: bucketing, padding, static
+buffers refilled in place, and that new batch sizes and prompt lengths never capture
+again. The fake's counters say only what the fake saw: the tests marked `needs_cuda`
+capture real CUDA graphs (Triton attention, which skips padding rows) and run only where
+CUDA is available.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from model_service.worker.runner import ModelRunner
 from model_service.sched.sequence import Sequence
 
 BLOCK_SIZE = 16
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA graphs")
 
 
 class SkipPaddingAttention:
@@ -78,7 +82,7 @@ def test_buckets():
     assert batch_buckets(1) == [1]
 
 
-def test_graph_decode_matches_eager_and_never_recaptures():
+def test_fake_capture_graph_decode_matches_eager_and_never_recaptures():
     torch.manual_seed(0)
     model = build_tiny_model(attention=SkipPaddingAttention())
     config = model.config
@@ -138,7 +142,7 @@ def test_runner_replays_graphs_for_decode_steps_and_runs_prefill_eagerly(monkeyp
     assert [list(range(20))] * 2 == [values for values in indexed if values == list(range(20))]  # positions
 
 
-def test_graphs_are_captured_largest_bucket_first():
+def test_fake_capture_graphs_are_captured_largest_bucket_first():
     # With one memory pool, the smaller graphs reuse the largest one's buffers only if it
     # was captured first.
     model = build_tiny_model(attention=SkipPaddingAttention())
@@ -149,7 +153,7 @@ def test_graphs_are_captured_largest_bucket_first():
     assert sizes == sorted(batch_buckets(24), reverse=True)
 
 
-def test_graph_pool_captures_before_attach_and_recaptures_per_attach():
+def test_fake_capture_graph_pool_captures_before_attach_and_recaptures_per_attach():
     torch.manual_seed(1)
     model = build_tiny_model(attention=SkipPaddingAttention())
     config = model.config
@@ -166,6 +170,29 @@ def test_graph_pool_captures_before_attach_and_recaptures_per_attach():
         due, logits = ModelRunner(model, pool, BLOCK_SIZE, graphs).execute(batch)
         torch.testing.assert_close(logits, ModelRunner(model, pool, BLOCK_SIZE).execute(batch)[1], atol=1e-5, rtol=1e-5)
         assert graphs.replays == 1
+
+
+@needs_cuda
+def test_cuda_graphs_replay_as_the_eager_step_and_never_recapture():
+    """Real CUDA graphs (cuda_graph_capture), not the fake: each bucket captured once, in
+    the graph pool, and a replay over new batch sizes and lengths equals the eager step."""
+    from model_service.attention.backend import PagedAttention as Attention
+
+    torch.manual_seed(0)
+    model = build_tiny_model(device="cuda", attention=Attention("triton"))
+    config = model.config
+    graph_pool = DecodeGraphPool(model, max_num_seqs=16, max_model_len=256)
+    pool = torch.randn(config.num_layers, 2, 256, BLOCK_SIZE, config.num_kv_heads, config.head_dim, device="cuda")
+    graphs = graph_pool.capture(pool, BLOCK_SIZE)
+    captured = graphs.captures
+    assert captured == len(batch_buckets(16)) and graph_pool.memory_bytes > 0
+    with_graphs, eager = ModelRunner(model, pool, BLOCK_SIZE, graphs), ModelRunner(model, pool, BLOCK_SIZE)
+    for replay, lengths in enumerate(([5], [17, 40, 3], [33] * 8, [100, 7, 64, 12, 90]), start=1):
+        batch = decode_batch(lengths)
+        _, replayed = with_graphs.execute(batch)
+        assert graphs.replays == replay
+        torch.testing.assert_close(replayed, eager.execute(batch)[1], atol=1e-4, rtol=1e-4)
+    assert graphs.captures == captured, "a new shape captured a new graph"
 
 
 def test_prefill_and_oversized_batches_take_the_eager_path():

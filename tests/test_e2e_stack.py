@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
+import grpc_generate
 from cache_helpers import stats, wait_for
 from pagedkv.cache.v1 import cache_pb2_grpc
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -134,8 +135,7 @@ def assert_no_leased_blocks(cache) -> None:
 
 
 def generate(model, prompt: str, max_new_tokens: int = MAX_NEW_TOKENS) -> list[model_pb2.GenerateResponse]:
-    request = model_pb2.GenerateRequest(prompt=prompt, sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens))
-    return list(model.Generate(request, timeout=60))
+    return grpc_generate.generate(model, prompt=prompt, sampling=dict(max_new_tokens=max_new_tokens), timeout=60).responses
 
 
 def run_client(stack, *args: str) -> subprocess.CompletedProcess:

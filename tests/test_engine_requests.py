@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -15,9 +16,11 @@ from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service
 from recorded_events import recording_events
+from reference_generate import prompt_ids, reference_greedy
 from prometheus_client import REGISTRY
 
 from model_service.cache.client import CacheClient
+from model_service.engine import live_requests
 from model_service.engine.loop import Engine
 from model_service.engine.settings import EngineSettings
 from model_service.loading.loader import load_model
@@ -90,17 +93,6 @@ def greedy(max_new_tokens: int, **fields) -> SamplingOptions:
     return SamplingOptions(max_new_tokens=max_new_tokens, ignore_eos=True, **fields)
 
 
-def hf_greedy(model, prompt, max_new_tokens) -> list[int]:
-    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                            do_sample=False, eos_token_id=None, pad_token_id=0,
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return output[0, len(prompt):].tolist()
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
     loaded, reference = checkpoint
     streams = Streams()
@@ -120,11 +112,24 @@ def test_n_completions_lease_the_prompts_full_blocks_once(checkpoint, tmp_path):
             assert held.sequences == 4
             assert held.blocks_leased == 2 + 4 * 1
             wait_for(lambda: len(streams.finished("n4")) == 4, 60, "the 4 completions to finish")
-            expected = hf_greedy(reference, prompt, 12)
+            expected = reference_greedy(reference, prompt, 12)
             assert all(streams.tokens("n4", i) == expected for i in range(4))
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
+
+
+def count_computed_tokens(engine) -> list[int]:
+    """Every step's forward-pass token counts, as the scheduler is told them."""
+    counts: list[int] = []
+    update = engine.scheduler.update_from_output
+
+    def counting(step, output):
+        counts.extend(new_tokens for _, new_tokens in step.batch)
+        return update(step, output)
+
+    engine.scheduler.update_from_output = counting
+    return counts
 
 
 def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp_path):
@@ -133,18 +138,22 @@ def test_n_completions_under_a_small_pool_preempt_and_stay_exact(checkpoint, tmp
     # 10 blocks: 4 completions of 40 + 40 tokens hold 2 shared + 4 x 3 = 14.
     with start_cache_service(tmp_path, "--kv-cache-bytes", str(10 * block_bytes(loaded)), "--headroom", "0") as cache:
         engine = start_engine(loaded, cache.address, streams, max_model_len=96)
+        computed = count_computed_tokens(engine)
         try:
             prompt = prompt_ids(40, seed=2)
             engine.submit("small", prompt, greedy(40, n=4), streams.sink("small"))
             wait_for(lambda: len(streams.finished("small")) == 4, 120, "the 4 completions to finish")
             assert engine.scheduler.preemptions > 0, "the small pool forced no preemption"
-            expected = hf_greedy(reference, prompt, 40)
+            expected = reference_greedy(reference, prompt, 40)
             assert all(streams.tokens("small", i) == expected for i in range(4))
             assert all(d.error is None for d in streams.finished("small"))
             # Each completion's usage: the 5 blocks of its 79 written positions (none is
-            # leased past prompt + max_new_tokens), and what preemption made it compute again.
+            # leased past prompt + max_new_tokens), and what preemption made it compute again:
+            # every position the forward passes computed past the first time. Completion 0
+            # computes positions 0-78 once, each fork 40-78 (it shares the prompt's).
             assert [d.peak_kv_blocks for d in streams.finished("small")] == [5] * 4
-            assert sum(d.recomputed_tokens for d in streams.finished("small")) > 0
+            recomputed = sum(d.recomputed_tokens for d in streams.finished("small"))
+            assert recomputed == sum(computed) - (79 + 3 * 39) > 0
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
@@ -225,26 +234,59 @@ def test_prompts_that_arrive_together_compute_their_shared_prefix_once(checkpoin
             cached = {name: streams.finished(name)[0].cached_tokens for name in prompts}
             assert cached == ({"first": 0, "second": 96} if hold else {"first": 0, "second": 0})
             for name, prompt in prompts.items():
-                assert streams.tokens(name) == hf_greedy(reference, prompt, 4)
+                assert streams.tokens(name) == reference_greedy(reference, prompt, 4)
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
 
 
-def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path):
+def test_a_request_shares_the_prefix_of_one_still_running(checkpoint, tmp_path):
+    """Full blocks are committed to the prefix cache while their sequence runs: a request
+    submitted while the first one decodes (the engine held, so it has not finished) gets
+    them as cached_tokens, ends while the first still runs, and generates what transformers
+    does from the whole prompt."""
+    loaded, reference = checkpoint
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams)
+        try:
+            prefix = prompt_ids(96, seed=9100)
+            streams.hold_when(lambda: len(streams.tokens("long")) >= 1)
+            engine.submit("long", prefix, greedy(150), streams.sink("long"))
+            assert streams.held.wait(60)
+            late = prefix + [7, 8, 9, 10, 11]
+            engine.submit("late", late, greedy(4), streams.sink("late"))
+            streams.hold_when(lambda: bool(streams.finished("late")))
+            streams.resume()
+            assert streams.held.wait(60)
+            long_tokens = len(streams.tokens("long"))
+            streams.resume()
+            assert 1 < long_tokens < 150 and not streams.finished("long")
+            assert streams.finished("late")[0].cached_tokens == 96  # the 6 full blocks of the prefix
+            assert streams.tokens("late") == reference_greedy(reference, late, 4)
+            assert engine.abort(["long"]) == 1
+            wait_for(lambda: streams.finished("long"), 30, "the long request to end")
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+
+
+def test_deadlines_in_the_queue_and_mid_stream(checkpoint, tmp_path, monkeypatch):
     loaded, _ = checkpoint
     streams = Streams()
     with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
         engine = start_engine(loaded, cache.address, streams, max_num_seqs=1)
         try:
+            # Deadlines an hour away, then the engine's clock moved past them while it is
+            # held: however slow the machine, neither passes early and both pass then.
+            hour = time.monotonic() + 3600
             streams.hold_when(lambda: len(streams.tokens("running")) >= 1)
-            engine.submit("running", prompt_ids(10, 5), greedy(200), streams.sink("running"),
-                          deadline=time.monotonic() + 0.3)
+            engine.submit("running", prompt_ids(10, 5), greedy(200), streams.sink("running"), deadline=hour)
             assert streams.held.wait(60)
-            # Queued behind it (one sequence at a time), with a deadline that passes while held.
-            engine.submit("queued", prompt_ids(10, 6), greedy(5), streams.sink("queued"),
-                          deadline=time.monotonic() + 0.05)
-            time.sleep(0.4)  # both deadlines pass while the engine is held
+            # Queued behind it (one sequence at a time).
+            engine.submit("queued", prompt_ids(10, 6), greedy(5), streams.sink("queued"), deadline=hour)
+            monkeypatch.setattr(live_requests, "time", SimpleNamespace(
+                monotonic=lambda: time.monotonic() + 7200, perf_counter=time.perf_counter))
             streams.resume()
             wait_for(lambda: streams.finished("queued") and streams.finished("running"), 30, "both to end")
             for name in ("queued", "running"):
@@ -359,7 +401,7 @@ def test_a_step_that_raises_ends_its_requests_and_the_engine_runs_on(checkpoint,
             prompt = prompt_ids(12, 6)
             engine.submit("after", prompt, greedy(6), streams.sink("after"))
             wait_for(lambda: streams.finished("after"), 60, "the next request to finish")
-            assert streams.tokens("after") == hf_greedy(reference, prompt, 6) and engine.connected.is_set()
+            assert streams.tokens("after") == reference_greedy(reference, prompt, 6) and engine.connected.is_set()
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
         finally:
             engine.stop(grace_s=0)
@@ -417,7 +459,7 @@ def test_no_block_enters_the_prefix_index_before_the_writes_behind_it(checkpoint
             engine.submit("r", prompt, greedy(20), streams.sink("r"))
             wait_for(lambda: streams.finished("r"), 60, "the request to finish")
             wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
-            assert streams.tokens("r") == hf_greedy(reference, prompt, 20)
+            assert streams.tokens("r") == reference_greedy(reference, prompt, 20)
         finally:
             engine.stop(grace_s=0)
     unwaited = None  # the latest recorded event not yet waited for

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from cache_helpers import cache_stub, stats, wait_for
 from generate_stream import GenerateStream
+from grpc_generate import greedy
 from processes import (DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service,
                        start_model_service)
 
@@ -78,10 +79,7 @@ def health(address: str) -> str:
 
 
 def generate(stub, tokens: list[int], max_new_tokens: int) -> model_pb2.GenerateResponse:
-    last = None
-    for response in stub.Generate(request(tokens, max_new_tokens), timeout=GENEROUS_S):
-        last = response
-    return last
+    return greedy(stub, tokens, max_new_tokens, timeout=GENEROUS_S)[1]
 
 
 def start_both(tmp_path, cache_args, model_args=()):

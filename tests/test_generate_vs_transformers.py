@@ -13,32 +13,12 @@ import grpc
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
+from grpc_generate import greedy
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service, start_model_service
+from reference_generate import reference_greedy
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
-
-
-def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' generate, greedy, eos ignored (no eos id, so it runs to the end)."""
-    output = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )
-    return output[0, len(prompt):].tolist()
-
-
-def generate(stub, prompt: list[int], max_new_tokens: int) -> tuple[list[int], model_pb2.GenerateResponse]:
-    tokens, last = [], None
-    request = model_pb2.GenerateRequest(
-        prompt_token_ids=prompt,
-        sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True),
-    )
-    for response in stub.Generate(request, timeout=120):
-        tokens.extend(response.token_ids)
-        last = response
-    return tokens, last
-
 
 def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
@@ -72,13 +52,13 @@ def test_one_and_eight_concurrent_requests_match(checkpoint, tmp_path):
         lengths = [6 + 5 * i for i in range(8)]
         expected = [reference_greedy(reference, p, n) for p, n in zip(batch, lengths)]
 
-        tokens, last = generate(stub, batch[0], lengths[0])
+        tokens, last = greedy(stub, batch[0], lengths[0])
         assert tokens == expected[0], f"{kind}: single request differs from transformers"
         assert last.finish_reason == model_pb2.FINISH_REASON_LENGTH
         assert last.usage.prompt_tokens == len(batch[0]) and last.usage.completion_tokens == lengths[0]
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: generate(stub, batch[i], lengths[i])[0], range(8)))
+            results = list(pool.map(lambda i: greedy(stub, batch[i], lengths[i])[0], range(8)))
         for i, (got, want) in enumerate(zip(results, expected)):
             assert got == want, f"{kind}: concurrent request {i} differs from transformers"
         wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
@@ -97,7 +77,7 @@ def test_preemption_and_prefix_cache_keep_outputs_exact(llama, tmp_path):
         batch = [p + p[:20] for p in batch]  # longer prompts
         expected = [reference_greedy(reference, p, 40) for p in batch]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda p: generate(stub, p, 40), batch))
+            answers = list(pool.map(lambda p: greedy(stub, p, 40), batch))
         assert [tokens for tokens, _ in answers] == expected, f"{kind}: outputs changed under preemption"
         metrics = urllib.request.urlopen(model.metrics_url).read().decode()
         preemptions = [line for line in metrics.splitlines() if line.startswith("pagedkv_model_preemptions_total")]
@@ -115,8 +95,8 @@ def test_preemption_and_prefix_cache_keep_outputs_exact(llama, tmp_path):
         # later can have evicted them, depending on how the batch was scheduled.)
         longest = max(range(len(batch)), key=lambda i: len(batch[i]))
         assert len(batch[longest]) > 32
-        assert generate(stub, batch[longest], 40)[0] == expected[longest]
-        tokens, last = generate(stub, batch[longest], 40)
+        assert greedy(stub, batch[longest], 40)[0] == expected[longest]
+        tokens, last = greedy(stub, batch[longest], 40)
         assert tokens == expected[longest]
         assert last.usage.cached_tokens >= 16 and last.usage.cached_tokens % 16 == 0
         cache_stats = stats(cache_stub(cache.address))

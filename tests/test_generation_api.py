@@ -16,6 +16,7 @@ from hf_checkpoints import EOS_ID, write_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from processes import start_cache_service, start_model_service
+from reference_generate import prompt_ids, reference_greedy
 from transformers.generation.logits_process import MinPLogitsWarper
 
 from pagedkv.cache.v1 import cache_pb2
@@ -38,10 +39,6 @@ def stack(tmp_path_factory):
         channel.close()
 
 
-def prompt_ids(length: int, seed: int) -> list[int]:
-    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def run(stub, prompt, timeout=60, request_id="", stream=None, **sampling) -> dict[int, list[model_pb2.GenerateResponse]]:
     """Every message of one Generate call, by completion index (stream: GenerateRequest.stream, None: unset)."""
     request = model_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, stream=stream,
@@ -60,13 +57,6 @@ def tokens_of(messages) -> list[int]:
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab]: transformers' logits at every position, float32."""
     return model(torch.tensor([ids])).logits[0].float()
-
-
-def hf_generate(model, prompt, max_new_tokens, **kwargs) -> list[int]:
-    kwargs.setdefault("eos_token_id", None)
-    output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
-    return output[0, len(prompt):].tolist()
 
 
 def assert_logprob_matches(entry: model_pb2.TokenLogprob, expected_row: torch.Tensor, token: int, top: int):
@@ -134,17 +124,17 @@ def test_repetition_penalty_equals_transformers_generate(stack):
     plain = tokens_of(run(stub, prompt, max_new_tokens=24, ignore_eos=True)[0])
     for penalty in (1.5, 0.8):
         got = tokens_of(run(stub, prompt, max_new_tokens=24, ignore_eos=True, repetition_penalty=penalty)[0])
-        assert got == hf_generate(reference, prompt, 24, min_new_tokens=24, repetition_penalty=penalty)
+        assert got == reference_greedy(reference, prompt, 24, min_new_tokens=24, repetition_penalty=penalty)
     assert got != plain, "the penalty changed nothing: the test would not see it ignored"
 
 
 def test_min_tokens_equals_transformers_min_new_tokens(stack):
     stub, _, reference = stack
     prompt = prompt_ids(10, seed=6)
-    greedy = hf_generate(reference, prompt, 8, min_new_tokens=8)
+    greedy = reference_greedy(reference, prompt, 8, min_new_tokens=8)
     stop = greedy[1]  # greedy would stop at its second token
     got = tokens_of(run(stub, prompt, max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop], min_tokens=5)[0])
-    expected = hf_generate(reference, prompt, 12, eos_token_id=stop, min_new_tokens=5)
+    expected = reference_greedy(reference, prompt, 12, eos_token_id=stop, min_new_tokens=5)
     expected = expected[: expected.index(stop) + 1] if stop in expected else expected
     assert got == expected and len(got) > 2
     assert stop not in got[:5]
@@ -201,7 +191,7 @@ def test_n_greedy_gives_n_equal_completions_equal_to_transformers(stack):
     prompt = prompt_ids(40, seed=9)
     by_index = run(stub, prompt, n=4, max_new_tokens=12, ignore_eos=True)
     assert sorted(by_index) == [0, 1, 2, 3]
-    expected = hf_generate(reference, prompt, 12, min_new_tokens=12)
+    expected = reference_greedy(reference, prompt, 12, min_new_tokens=12)
     lasts = []
     for index, messages in by_index.items():
         assert tokens_of(messages) == expected, f"completion {index}"
@@ -490,27 +480,3 @@ def test_every_out_of_range_parameter_is_invalid_argument(stack, case):
 def test_nothing_is_left_leased(stack):
     _, cache, _ = stack
     wait_for(lambda: stats(cache).blocks_leased == 0, 10, "every block to be released")
-
-
-def test_a_request_shares_the_prefix_of_one_still_running(stack):
-    """Full blocks are committed to the prefix cache while their sequence runs: a request
-    that arrives meanwhile with the same prefix gets them as cached_tokens (not only once
-    the first one ends) and generates what transformers does from the whole prompt."""
-    stub, cache_rpc, reference = stack
-    for attempt in range(3):
-        prefix = prompt_ids(96, seed=9100 + attempt)
-        long_call = stub.Generate(model_pb2.GenerateRequest(
-            prompt_token_ids=prefix, sampling=model_pb2.SamplingParams(max_new_tokens=150, ignore_eos=True)),
-            timeout=120)
-        next(long_call)  # its prompt is in the pool: the next lease call commits its blocks
-        late = prefix + [7, 8, 9, 10, 11]
-        messages = run(stub, late, max_new_tokens=4, ignore_eos=True)[0]
-        still_running = long_call.running()
-        long_call.cancel()
-        if still_running:
-            break
-    else:
-        pytest.skip("the first request finished before the second every time: nothing ran side by side")
-    assert messages[-1].usage.cached_tokens >= 80, messages[-1].usage  # 96 tokens: full blocks of it
-    assert tokens_of(messages) == hf_generate(reference, late, 4)
-    wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 30, "every block back")

@@ -14,6 +14,7 @@ import torch
 from gguf_checkpoints import QUANT_TYPES, write_gguf
 from processes import start_cache_service, start_model_service
 from paged_runner import PagedRunner
+from reference_generate import reference_greedy
 from test_model_vs_transformers import reference_logits
 
 from model_service.errors import ModelLoadError
@@ -48,11 +49,7 @@ def test_paged_forward_and_greedy_tokens_match_transformers(gguf_models):
     for _ in range(NEW_TOKENS - 1):
         (logits,) = runner.step([("a", [ours[-1]])], num_decode_seqs=1)
         ours.append(int(logits[-1].argmax()))
-    theirs = reference.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-        eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )[0, len(prompt):].tolist()
-    assert ours == theirs
+    assert ours == reference_greedy(reference, prompt, NEW_TOKENS)
 
 
 def test_config_tokenizer_and_template_come_from_the_metadata(gguf_models):

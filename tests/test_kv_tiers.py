@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import zlib
 
 import pytest
 import torch
@@ -133,13 +134,23 @@ def test_models_and_salts_never_share_tier_blocks():
     assert stack.run(tokens, ("model-1", "")).cached_tokens_host == 12
 
 
+def two_hashes(key) -> int:
+    """Every block hash is 0 or 1, the same in every run (hash() of a str is salted per process)."""
+    return zlib.crc32(repr(key).encode()) & 1
+
+
 def test_colliding_hashes_never_promote_another_prefix():
-    stack = Stack(TierSettings(host_cache_bytes=8 * BYTES_PER_BLOCK), hash_fn=lambda key: hash(key) & 1)
+    stack = Stack(TierSettings(host_cache_bytes=8 * BYTES_PER_BLOCK), hash_fn=two_hashes)
+    host_hits = []
     for seed in range(6):
         stack.run(tokens_of(seed))
         stack.demote_all()
         stack.evict_everything()
-        stack.run(tokens_of(seed))  # each run checks every hit's bytes
+        host_hits.append(stack.run(tokens_of(seed)).cached_tokens_host)  # run() checks every hit's bytes
+    # The first prefix's first two blocks take both hash values (its third hashes like one of
+    # them, so it is not cached) and come back from the host tier with their bytes checked;
+    # every later prefix's first block hashes like one of those entries and gets nothing.
+    assert host_hits == [8, 0, 0, 0, 0, 0]
 
 
 def test_the_disk_tier_survives_a_restart(tmp_path):

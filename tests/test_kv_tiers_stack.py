@@ -18,6 +18,7 @@ import pytest
 import torch
 from cache_helpers import cache_stub, leased_blocks, stats, wait_for
 from generate_stream import GenerateStream
+from grpc_generate import greedy
 from processes import free_port, start_cache_service, start_model_service, start_together
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -37,12 +38,7 @@ def prompt(seed: int) -> list[int]:
 
 
 def generate(stub, tokens: list[int]) -> tuple[list[int], model_pb2.Usage]:
-    request = model_pb2.GenerateRequest(prompt_token_ids=tokens, sampling=model_pb2.SamplingParams(
-        max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-    out, last = [], None
-    for response in stub.Generate(request, timeout=120):
-        out.extend(response.token_ids)
-        last = response
+    out, last = greedy(stub, tokens, NEW_TOKENS)
     return out, last.usage
 
 

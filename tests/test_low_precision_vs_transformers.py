@@ -14,13 +14,14 @@ import grpc
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
+from grpc_generate import greedy
 from hf_checkpoints import write_checkpoint
-from low_precision import agreeing_prefix, assert_close_in_dtype, reference_greedy
+from low_precision import agreeing_prefix, assert_close_in_dtype, reference_greedy_with_logits
 from paged_runner import PagedRunner
 from processes import start_cache_service, start_model_service
 
 from model_service.loading.loader import load_model
-from pagedkv.model.v1 import model_pb2, model_pb2_grpc
+from pagedkv.model.v1 import model_pb2_grpc
 
 KINDS = ["llama", "mistral", "qwen2"]  # mistral: sliding window 7, shorter than the sequences
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,20 +59,6 @@ def test_paged_logits_within_dtype_tolerance(checkpoint, dtype_name):
         (logits,) = runner.step([("a", [prompt[position]])], num_decode_seqs=1)
         assert_close_in_dtype(logits, expected[position : position + 1], dtype, f"{kind} {dtype_name} decode {position}")
 
-
-def generate(stub, prompt: list[int], max_new_tokens: int) -> list[int]:
-    request = model_pb2.GenerateRequest(
-        prompt_token_ids=prompt,
-        sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True),
-    )
-    tokens, last = [], None
-    for response in stub.Generate(request, timeout=120):
-        tokens.extend(response.token_ids)
-        last = response
-    assert last.finish_reason == model_pb2.FINISH_REASON_LENGTH
-    return tokens
-
-
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_greedy_through_both_services(checkpoint, dtype_name, tmp_path):
     kind, path = checkpoint
@@ -80,13 +67,13 @@ def test_greedy_through_both_services(checkpoint, dtype_name, tmp_path):
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 300, (n,), generator=generator).tolist() for n in (6, 19, 33)]
     new_tokens = 12
-    expected = [reference_greedy(reference, prompt, new_tokens) for prompt in prompts]
+    expected = [reference_greedy_with_logits(reference, prompt, new_tokens) for prompt in prompts]
 
     with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", str(path), "--dtype", dtype_name) as model:
         stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # batched decode
-            results = list(pool.map(lambda p: generate(stub, p, new_tokens), prompts))
+            results = list(pool.map(lambda p: greedy(stub, p, new_tokens)[0], prompts))
         wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block to be released")
 
     agreed = [

@@ -22,39 +22,15 @@ import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
 from generate_stream import GenerateStream
+from grpc_generate import greedy
 from hf_checkpoints import write_checkpoint
 from processes import free_port, start_cache_service, start_model_service, start_together
+from reference_generate import prompt_ids, reference_greedy
 
 from pagedkv.health_probe import check as health_check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    output = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )
-    return output[0, len(prompt):].tolist()
-
-
-def prompt(seed: int, length: int, vocab: int = 300) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab, (length,), generator=generator).tolist()
-
-
-def generate(stub, tokens: list[int], max_new_tokens: int, cache_salt: str = "") -> tuple[list[int], model_pb2.GenerateResponse]:
-    request = model_pb2.GenerateRequest(
-        prompt_token_ids=tokens, cache_salt=cache_salt,
-        sampling=model_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True),
-    )
-    out, last = [], None
-    for response in stub.Generate(request, timeout=120):
-        out.extend(response.token_ids)
-        last = response
-    return out, last
-
 
 def model_stub(service) -> model_pb2_grpc.ModelServiceStub:
     return model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(service.address))
@@ -73,34 +49,34 @@ def two_models(tmp_path_factory):
 
 def test_two_models_share_the_pool_but_never_a_prefix(two_models, tmp_path):
     (path_a, path_b), (ref_a, ref_b) = two_models
-    shared_prompt = prompt(1, 40)  # two full blocks outlive each request as prefix cache
+    shared_prompt = prompt_ids(40, 1)  # two full blocks outlive each request as prefix cache
     want_a, want_b = reference_greedy(ref_a, shared_prompt, 8), reference_greedy(ref_b, shared_prompt, 8)
     assert want_a != want_b, "the two checkpoints must differ in what they generate"
     with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache:
         # One after the other: A caches the prompt's blocks, then B comes on the same pool.
         with start_model_service(tmp_path, cache.address, "--model", str(path_a)) as model_a:
             info_a = model_stub(model_a).GetModelInfo(model_pb2.GetModelInfoRequest())
-            tokens, last = generate(model_stub(model_a), shared_prompt, 8)
+            tokens, last = greedy(model_stub(model_a), shared_prompt, 8)
             assert tokens == want_a and last.usage.cached_tokens == 0
         assert stats(cache_stub(cache.address)).blocks_cached >= 2
         with start_model_service(tmp_path, cache.address, "--model", str(path_b)) as model_b:
             stub_b = model_stub(model_b)
             info_b = stub_b.GetModelInfo(model_pb2.GetModelInfoRequest())
             assert info_a.model_fingerprint and info_a.model_fingerprint != info_b.model_fingerprint
-            tokens, last = generate(stub_b, shared_prompt, 8)
+            tokens, last = greedy(stub_b, shared_prompt, 8)
             assert last.usage.cached_tokens == 0, "model B was given model A's cached K/V"
             assert tokens == want_b
             # At the same time: A restarted (same checkpoint) hits its own cache, B its own.
             with start_model_service(tmp_path, cache.address, "--model", str(path_a)) as restarted_a:
                 stub_a = model_stub(restarted_a)
-                tokens, last = generate(stub_a, shared_prompt, 8)
+                tokens, last = greedy(stub_a, shared_prompt, 8)
                 assert tokens == want_a and last.usage.cached_tokens >= 16, last.usage
-                tokens, last = generate(stub_b, shared_prompt, 8)
+                tokens, last = greedy(stub_b, shared_prompt, 8)
                 assert tokens == want_b and last.usage.cached_tokens >= 16, last.usage
-                batch = [prompt(10 + i, 20 + 7 * i) for i in range(4)]
+                batch = [prompt_ids(20 + 7 * i, 10 + i) for i in range(4)]
                 expected = [(reference_greedy(ref_a, p, 12), reference_greedy(ref_b, p, 12)) for p in batch]
                 with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                    runs = [(pool.submit(generate, stub_a, p, 12), pool.submit(generate, stub_b, p, 12)) for p in batch]
+                    runs = [(pool.submit(greedy, stub_a, p, 12), pool.submit(greedy, stub_b, p, 12)) for p in batch]
                     for (run_a, run_b), (exp_a, exp_b) in zip(runs, expected):
                         assert run_a.result()[0] == exp_a and run_b.result()[0] == exp_b
         wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
@@ -111,7 +87,7 @@ def test_two_models_on_one_disk_tier_never_share_a_block_even_after_a_restart(tw
     gets them (cached_tokens 0), A does (from disk); the same after the cache service is
     restarted over the same folder, with both model services re-attaching by themselves."""
     (path_a, path_b), (ref_a, ref_b) = two_models
-    before, after = prompt(3, 40), prompt(4, 40)  # two full blocks each outlive A's request
+    before, after = prompt_ids(40, 3), prompt_ids(40, 4)  # two full blocks each outlive A's request
     want = {(name, tuple(tokens)): reference_greedy(reference, tokens, 4)
             for name, reference in (("a", ref_a), ("b", ref_b)) for tokens in (before, after)}
     cache_args = ("--kv-cache-bytes", "16MiB", "--disk-cache-dir", tmp_path / "kv-disk", "--disk-cache-bytes", "4MiB",
@@ -126,7 +102,7 @@ def test_two_models_on_one_disk_tier_never_share_a_block_even_after_a_restart(tw
             return health_check(channel) == "SERVING"
 
     def run(name: str, stub, tokens: list[int]) -> model_pb2.Usage:
-        out, last = generate(stub, tokens, 4)
+        out, last = greedy(stub, tokens, 4)
         assert out == want[(name, tuple(tokens))], f"model {name}'s output changed"
         return last.usage
 
@@ -167,19 +143,19 @@ def test_cache_salt_isolates_tenants(tmp_path):
     with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp_path, cache.address) as model:
         stub = model_stub(model)
-        tokens = prompt(2, 50, vocab=256)  # three full blocks of 16
-        first, last = generate(stub, tokens, 4, cache_salt="tenant-1")
+        tokens = prompt_ids(50, 2, vocab=256)  # three full blocks of 16
+        first, last = greedy(stub, tokens, 4, cache_salt="tenant-1")
         assert last.usage.cached_tokens == 0
         for other in ("tenant-2", ""):
-            out, last = generate(stub, tokens, 4, cache_salt=other)
+            out, last = greedy(stub, tokens, 4, cache_salt=other)
             assert last.usage.cached_tokens == 0, f"salt {other!r} hit tenant-1's cache"
             assert out == first  # isolation costs recompute, never correctness
-        out, last = generate(stub, tokens, 4, cache_salt="tenant-1")
+        out, last = greedy(stub, tokens, 4, cache_salt="tenant-1")
         assert last.usage.cached_tokens == 48 and out == first
-        out, last = generate(stub, tokens, 4)
+        out, last = greedy(stub, tokens, 4)
         assert last.usage.cached_tokens == 48, "the unsalted request cached its own blocks a moment ago"
         with pytest.raises(grpc.RpcError) as error:
-            generate(stub, tokens, 4, cache_salt="x" * 257)
+            greedy(stub, tokens, 4, cache_salt="x" * 257)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in error.value.details()
 
 
@@ -199,7 +175,7 @@ def test_a_stalled_model_service_never_writes_into_blocks_others_hold(two_models
             start_model_service(tmp_path, cache.address, *model_args) as model_b:
         cache_rpc = cache_stub(cache.address)
         stub_a, stub_b = model_stub(model_a), model_stub(model_b)
-        streams = [GenerateStream(stub_a, prompt(20 + i, 24), 100) for i in range(4)]
+        streams = [GenerateStream(stub_a, prompt_ids(24, 20 + i), 100) for i in range(4)]
         for stream in streams:
             assert stream.first_token.wait(60)
         os.kill(model_a.pid, signal.SIGSTOP)
@@ -208,10 +184,10 @@ def test_a_stalled_model_service_never_writes_into_blocks_others_hold(two_models
             wait_for(lambda: stats(cache_rpc).sessions == 1, 30, "the stopped service's session to expire")
             wait_for(lambda: stats(cache_rpc).blocks_leased == 0, 30, "its blocks to be reclaimed after the grace")
             # B now needs every block of the pool, A's old ones too.
-            batch = [prompt(40 + i, 30) for i in range(6)]
+            batch = [prompt_ids(30, 40 + i) for i in range(6)]
             expected = [reference_greedy(reference, p, 90) for p in batch]
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
-                results = list(pool.map(lambda p: generate(stub_b, p, 90)[0], batch))
+                results = list(pool.map(lambda p: greedy(stub_b, p, 90)[0], batch))
             assert results == expected, "B's outputs changed while A was stopped"
             assert held > 0
         finally:
@@ -226,11 +202,11 @@ def test_a_stalled_model_service_never_writes_into_blocks_others_hold(two_models
                 return health_check(channel) == "SERVING"
 
         wait_for(lambda: serving(model_a) and stats(cache_rpc).sessions == 2, 60, "A to attach again", poll_s=0.1)
-        fresh = [prompt(60 + i, 30) for i in range(4)]
+        fresh = [prompt_ids(30, 60 + i) for i in range(4)]
         expected = [reference_greedy(reference, p, 40) for p in fresh]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            from_a = pool.submit(lambda: [generate(stub_a, p, 40)[0] for p in fresh[:2]])
-            from_b = pool.submit(lambda: [generate(stub_b, p, 40)[0] for p in fresh[2:]])
+            from_a = pool.submit(lambda: [greedy(stub_a, p, 40)[0] for p in fresh[:2]])
+            from_b = pool.submit(lambda: [greedy(stub_b, p, 40)[0] for p in fresh[2:]])
             assert from_a.result() == expected[:2], "A did not recover exactly"
             assert from_b.result() == expected[2:]
         events = {event.get("event") for event in model_a.log_events()}

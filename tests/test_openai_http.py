@@ -11,15 +11,17 @@ its own exception class, and leaves no block leased.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import grpc
 import openai
 import pytest
-from cache_helpers import cache_stub, stats, wait_for
+from cache_helpers import cache_stub, no_block_leased, stats, wait_for
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service, start_model_service
 
@@ -67,10 +69,6 @@ def stub(model):
 
 def leased(cache) -> int:
     return stats(cache_stub(cache.address), metadata=METADATA).blocks_leased
-
-
-def no_block_leased(cache) -> None:
-    wait_for(lambda: leased(cache) == 0, 30, "every block released")
 
 
 def grpc_text(stub, **fields) -> tuple[str, model_pb2.GenerateResponse]:
@@ -127,7 +125,7 @@ def test_completion_equals_grpc_greedy(client, stub, cache):
     assert completion.usage.prompt_tokens == last.usage.prompt_tokens
     assert completion.usage.completion_tokens == 12
     assert completion.usage.total_tokens == last.usage.prompt_tokens + 12
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 def test_completion_prompt_as_token_ids_and_as_a_batch(client, stub):
@@ -247,35 +245,39 @@ def test_client_closing_a_stream_frees_its_blocks_at_once(client, cache, model):
             break
     assert leased(cache) > 0, "the request should hold blocks while it streams"
     stream.close()
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
     # Cancelled, not run to its 400 tokens.
     wait_for(lambda: metric(model, "pagedkv_model_requests_total", finish_reason="aborted") == aborted_before + 1,
              30, "the request counted as aborted")
 
 
 def test_client_hanging_up_on_a_whole_answer_cancels_it(model, cache):
-    # The client must hang up before the whole answer is ready, on a slow machine or a fast
-    # one: when the answer was done first (it came in time, or the service had finished it
-    # when the client gave up), ask again with half the timeout.
+    # The client hangs up once the service is generating its answer (its generated-token
+    # count moved), not after a timeout: what the hang-up meets does not depend on the
+    # machine's speed. Only if all 450 tokens were done between that count and the hang-up
+    # (the answer ended "length") is it asked again.
     def ended(reason: str) -> float:
         return metric(model, "pagedkv_model_requests_total", finish_reason=reason)
 
-    done_first = []
-    for timeout_s in (0.5, 0.25, 0.12, 0.06, 0.03, 0.015):
+    url = urllib.parse.urlsplit(model.http_url)
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 450, "temperature": 0, "ignore_eos": True})
+    for _ in range(5):
         aborted_before, finished_before = ended("aborted"), ended("length")
-        impatient = openai.OpenAI(base_url=model.http_url, api_key=TOKEN, max_retries=0, timeout=timeout_s)
-        try:
-            impatient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=450, temperature=0,
-                                         extra_body={"ignore_eos": True})
-        except openai.APITimeoutError:
-            wait_for(lambda: ended("aborted") + ended("length") > aborted_before + finished_before, 60,
-                     "the hung-up request to end")
-            if ended("aborted") == aborted_before + 1:
-                break
-        done_first.append(timeout_s)
+        generated_before = metric(model, "pagedkv_model_generated_tokens_total")
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        connection.request("POST", url.path + "/completions", body, {
+            "content-type": "application/json", "authorization": f"Bearer {TOKEN}"})
+        wait_for(lambda: metric(model, "pagedkv_model_generated_tokens_total") > generated_before, 60,
+                 "the answer's first tokens")
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        wait_for(lambda: ended("aborted") + ended("length") > aborted_before + finished_before, 60,
+                 "the hung-up request to end")
+        if ended("aborted") == aborted_before + 1:
+            break
     else:
-        pytest.fail(f"all 450 tokens were done before the client hung up at every timeout tried: {done_first} s")
-    no_block_leased(cache)
+        pytest.fail("all 450 tokens were done before the hang-up every time")
+    no_block_leased(cache, metadata=METADATA)
 
 
 def test_32_concurrent_streams_complete_and_equal_grpc(model, stub, cache):
@@ -293,7 +295,7 @@ def test_32_concurrent_streams_complete_and_equal_grpc(model, stub, cache):
             return await asyncio.gather(*(one(p) for p in prompts))
 
     assert asyncio.run(stream_all()) == expected
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -463,7 +465,7 @@ def test_stream_limit_is_429_through_http_as_through_grpc(limited, cache):
     channel.close()
     assert grpc_error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     holding.close()
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)
 
 
 def test_not_attached_is_503(tmp_path):
@@ -488,7 +490,7 @@ def test_reset_prefix_cache_needs_the_token_and_drops_this_models_cached_blocks(
         urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60)
     assert error.value.code == 401
     client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=2, temperature=0)
-    no_block_leased(cache)  # its release registered the prompt's full blocks
+    no_block_leased(cache, metadata=METADATA)  # its release registered the prompt's full blocks
     before = stats(cache_stub(cache.address), metadata=METADATA).blocks_cached
     request = urllib.request.Request(url, data=b"", method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -498,4 +500,4 @@ def test_reset_prefix_cache_needs_the_token_and_drops_this_models_cached_blocks(
     assert after == before - answer["blocks_dropped"]  # another model's blocks in this pool stay
     usage = client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=2, temperature=0).usage
     assert usage.prompt_tokens_details.cached_tokens == 0
-    no_block_leased(cache)
+    no_block_leased(cache, metadata=METADATA)

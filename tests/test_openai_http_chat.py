@@ -20,6 +20,7 @@ import grpc
 import openai
 import pytest
 from cache_helpers import cache_stub, stats, wait_for
+from google.protobuf import struct_pb2
 from hf_checkpoints import write_checkpoint
 from processes import start_cache_service, start_model_service
 
@@ -109,6 +110,20 @@ def test_chat_template_kwargs_reach_the_template(client, checkpoint):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
                                           extra_body={"chat_template_kwargs": {"brief": True}})
     assert chat.usage.prompt_tokens == len(ids)
+
+
+def test_grpc_chat_template_kwargs_reach_the_template(services, checkpoint):
+    """The template's own variable, set through gRPC: the prompt is the one transformers
+    renders with it, not the shorter one without it."""
+    _, _, stub = services
+    brief, plain = template_ids(checkpoint, MESSAGES, brief=True), template_ids(checkpoint, MESSAGES)
+    assert len(brief) != len(plain)
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"brief": True})
+    request = model_pb2.GenerateRequest(messages=[model_pb2.ChatMessage(**message) for message in MESSAGES],
+                                        chat_template_kwargs=kwargs, sampling=model_pb2.SamplingParams(**GREEDY))
+    last = list(stub.Generate(request, timeout=120))[-1]
+    assert last.usage.prompt_tokens == len(brief)
 
 
 def test_chat_stream_sends_the_role_first_then_content_then_the_reason(client):
@@ -295,21 +310,23 @@ def test_tool_call_round_trip_with_the_openai_client(client, services, checkpoin
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
 
 
-def check_auto_choice(choice) -> None:
-    """What tool_choice "auto" may answer: content, or well-formed calls of the given tools."""
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        for call in choice.message.tool_calls:
-            assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
-            assert isinstance(json.loads(call.function.arguments), dict)
-    else:
-        assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+def check_call(call) -> None:
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)
 
 
-def test_tool_choice_auto_answers_content_or_well_formed_tool_calls(client):
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, n=3, seed=4)
-    for choice in answer.choices:
-        check_auto_choice(choice)
+def test_tool_choice_auto_passes_a_callless_answer_through_as_content(client, services, checkpoint):
+    """Greedy, the tiny model writes no <tool_call>: the answer is exactly the text gRPC
+    generates from the prompt rendered with the tools, as content, with no tool_calls."""
+    _, _, stub = services
+    expected = grpc_text(stub, prompt_token_ids=template_ids(checkpoint, ASK, tools=TOOLS),
+                         sampling=GREEDY | dict(max_new_tokens=24))
+    assert "<tool_call>" not in expected
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    [choice] = answer.choices
+    assert choice.message.content == expected and not choice.message.tool_calls
+    assert choice.finish_reason == "length"
 
 
 # What a model that chooses to call writes in Hermes's format, forced with a regex so that
@@ -322,9 +339,9 @@ def test_tool_choice_auto_parses_the_model_s_call_into_tool_calls(client):
     answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, seed=5,
                                             extra_body={"structured_outputs": {"regex": SAYS_A_CALL}})
     [choice] = answer.choices
-    check_auto_choice(choice)
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
     [call] = choice.message.tool_calls
+    check_call(call)
     assert json.loads(call.function.arguments) in ({"city": "Paris", "unit": "C"}, {"city": "Rome", "unit": "C"})
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=160, seed=5,
                                                  stream=True, extra_body={"structured_outputs": {"regex": SAYS_A_CALL}}))

@@ -288,6 +288,8 @@ def test_cache_service_starts_among_hostile_files(shm_dir, tmp_path):
 
 
 # ---- CUDA IPC: the field mapping, with torch's reduce/rebuild stood in for ---------------
+# The tests named fake_* check pagedkv's mapping against fakes of torch's reduce and
+# rebuild, and what the fakes recorded; the needs_cuda tests below them run the real ones.
 
 
 FAKE_INFO = CudaIpcInfo(
@@ -311,7 +313,7 @@ def test_export_refuses_a_cpu_tensor():
         export_cuda_pool(torch.zeros(4))
 
 
-def test_export_maps_reduce_tensor_fields(monkeypatch):
+def test_fake_reduce_export_maps_reduce_tensor_fields(monkeypatch):
     tensor = torch.zeros(4)
 
     def fake_reduce(given):
@@ -325,7 +327,7 @@ def test_export_maps_reduce_tensor_fields(monkeypatch):
     assert export_cuda_pool(tensor) == FAKE_INFO
 
 
-def test_export_without_event(monkeypatch):
+def test_fake_reduce_export_without_event(monkeypatch):
     args = (torch.Tensor, torch.Size([4]), (1,), 0, torch.storage.TypedStorage, torch.float32, 0, b"h", 16, 0,
             False, b"r", 0, None, False)
     monkeypatch.setattr(reductions, "reduce_tensor", lambda tensor: (reductions.rebuild_cuda_tensor, args))
@@ -333,7 +335,7 @@ def test_export_without_event(monkeypatch):
     assert (info.event_handle, info.event_sync_required, info.device) == (b"", False, "cuda:0")
 
 
-def test_proto_round_trip_reaches_rebuild_cuda_tensor_in_order(monkeypatch):
+def test_fake_rebuild_proto_round_trip_reaches_rebuild_cuda_tensor_in_order(monkeypatch):
     calls = []
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: calls.append(args) or "tensor")
     handle = cache_pb2.PoolHandle.FromString(handle_to_proto(FAKE_INFO).SerializeToString())
@@ -345,7 +347,7 @@ def test_proto_round_trip_reaches_rebuild_cuda_tensor_in_order(monkeypatch):
     )]
 
 
-def test_import_passes_none_for_no_event(monkeypatch):
+def test_fake_rebuild_import_passes_none_for_no_event(monkeypatch):
     calls = []
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: calls.append(args))
     import_cuda_pool(CudaIpcInfo(**{**{f: getattr(FAKE_INFO, f) for f in CudaIpcInfo.__dataclass_fields__},
@@ -377,7 +379,22 @@ def test_shared_handle_to_proto_alias(shm_dir):
     assert pool_memory.shared_handle_to_proto(handle) == handle_to_proto(handle)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA IPC handles")
+
+
+@needs_cuda
+def test_export_of_a_real_cuda_tensor_names_its_storage():
+    tensor = torch.zeros(SHAPE, dtype=torch.float16, device="cuda")[1]  # a view: offset into its storage
+    info = export_cuda_pool(tensor)
+    assert (info.shape, info.stride, info.dtype, info.device) == (tuple(tensor.shape), tensor.stride(),
+                                                                  torch.float16, f"cuda:{tensor.device.index}")
+    assert info.storage_handle and info.storage_offset == tensor.storage_offset()
+    assert info.storage_size_bytes >= tensor.untyped_storage().nbytes()
+    handle = cache_pb2.PoolHandle.FromString(handle_to_proto(info).SerializeToString())
+    assert handle.WhichOneof("memory") == "cuda_ipc" and handle.device == info.device
+
+
+@needs_cuda
 def test_cuda_pool_in_a_second_process():
     tensor = torch.full(SHAPE, 1.5, device="cuda")
     handle = pool_memory.cuda_handle_to_proto(tensor)

@@ -11,17 +11,20 @@ request goes where the rest of the prefix is.
 What the router knows is what it has read of the events, and a test must not route
 before that includes what the test just did. Two things stand between an event being
 out and the router knowing it: its SUB socket joins a publisher some time after it
-connects, after /health answers (ZMQ's slow joiner: what was published before is lost
-to it for good; its replay of missed seqs starts only when a later batch arrives, and
-none is configured here), and it applies what it reads a little later, in order, per
-replica. So ``router_caught_up`` sees to both, from where the router routes requests,
-whatever the timing: each test starts with both prefix caches empty and the router
-caught up (``cluster``), so it has joined both streams before the test's own events,
-and the test waits for it again after its events, before it routes what they decide.
+connects, after /health answers (ZMQ's slow joiner: what was published before never
+reaches the socket; the router fetches those batches from the cache service's replay
+socket, --kv-event-replay-source, only once a later batch shows the gap), and it applies
+what it reads a little later, in order, per replica. So ``router_caught_up`` sees to
+both, from where the router routes requests, whatever the timing: each test starts with
+both prefix caches empty and the router caught up (``cluster``), so it has joined both
+streams before the test's own events, and the test waits for it again after its events,
+before it routes what they decide. One test starts a second router after a replica
+published a prefix, which that router can know only through the replay.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -61,14 +64,16 @@ def finished_requests(model) -> float:
 
 
 def start_replica(tmp: Path) -> tuple:
-    """A cache service publishing KV events and a model service on it; (cache, model, events endpoint).
-    32 MiB: 3,888 blocks. router_caught_up stores at most 6 blocks a pair of sentinels on
-    each replica and tries at most MAX_PAIRS pairs, so even two calls after a test warmed
-    its prompts cannot push those out of the cache."""
-    events = f"tcp://127.0.0.1:{free_port()}"
-    cache = start_cache_service(tmp, "--kv-cache-bytes", "32MiB", "--kv-events-endpoint", events)
+    """A cache service publishing KV events, with their replay socket, and a model service
+    on it; (cache, model, events endpoint, replay endpoint). 32 MiB: 3,888 blocks.
+    router_caught_up stores at most 6 blocks a pair of sentinels on each replica and tries
+    at most MAX_PAIRS pairs, so even two calls after a test warmed its prompts cannot push
+    those out of the cache."""
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cache = start_cache_service(tmp, "--kv-cache-bytes", "32MiB", "--kv-events-endpoint", events,
+                                "--kv-events-replay-endpoint", replay)
     try:
-        return cache, start_model_service(tmp, cache.address, "--served-model-name", MODEL), events
+        return cache, start_model_service(tmp, cache.address, "--served-model-name", MODEL), events, replay
     except BaseException:
         cache.stop()
         raise
@@ -112,6 +117,8 @@ class Replica:
     cache: object
     model: object
     stream: EventStream
+    events: str  # the cache service's KV events endpoint
+    replay: str  # and its replay socket
 
     @property
     def base_url(self) -> str:
@@ -123,6 +130,7 @@ class Cluster:
     url: str  # the router's
     replicas: tuple[Replica, Replica]
     tie: str  # the replica ("a" or "b") this router process takes between equal costs
+    tmp: Path  # the module's folder (logs)
 
 
 def complete(replica: Replica, prompt: str) -> dict:
@@ -208,6 +216,51 @@ def router_caught_up(cluster: Cluster, timeout_s: float = 120) -> None:
         pool_size *= 2
 
 
+@contextlib.contextmanager
+def router(tmp: Path, replicas: tuple[Replica, Replica], name: str = "router"):
+    """vllm-router's kv_aware policy in front of the replicas, subscribed to their KV events
+    and to their replay sockets; yields its URL once it serves."""
+    worker_urls = [replica.base_url for replica in replicas]
+    port = free_port()
+    # Its own Prometheus port: the default (29000) is one for the whole machine.
+    argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            # Its first look at the workers' /health may come before they answer it
+            # (default: again 30 s later).
+            "--worker-startup-check-interval", "1",
+            "--worker-urls", *worker_urls, "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+    for worker_url, replica in zip(worker_urls, replicas):
+        argv += ["--kv-event-source", f"{worker_url}={replica.events}",
+                 "--kv-event-replay-source", f"{worker_url}={replica.replay}"]
+    log_path = tmp / f"{name}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"vllm-router exited {process.returncode}: {log_path.read_text()}")
+        try:
+            return urllib.request.urlopen(url + "/health", timeout=5).status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    try:
+        wait_for(ready, 120, "vllm-router to serve")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def tie_of(url: str, replicas: tuple[Replica, Replica]) -> str:
+    """The replica a router process takes between equal costs: two prompts no replica holds."""
+    models = tuple(replica.model for replica in replicas)
+    ties = {routed(url, models, sentinel(2) + "?")[0] for _ in range(2)}
+    assert len(ties) == 1, f"vllm-router broke two ties two ways ({ties}): router_caught_up needs one"
+    return ties.pop()
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     """Two replicas and vllm-router in front of them, for the module: a Cluster whose
@@ -217,38 +270,13 @@ def replicas(tmp_path_factory):
     # One after the other: a child started from a worker thread would get SIGTERM when
     # that thread ends (processes.py asks the kernel for it, PR_SET_PDEATHSIG).
     started = []
-    streams = []
+    replicas = ()
     try:
         for _ in range(2):
             started.append(start_replica(tmp))
-        streams = [EventStream(events) for _, _, events in started]
-        replicas = tuple(Replica(name, cache, model, stream)
-                         for name, (cache, model, _), stream in zip("ab", started, streams))
-        worker_urls = [replica.base_url for replica in replicas]
-        port = free_port()
-        # Its own Prometheus port: the default (29000) is one for the whole machine.
-        argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                # Its first look at the workers' /health may come before they answer it
-                # (default: again 30 s later).
-                "--worker-startup-check-interval", "1",
-                "--worker-urls", *worker_urls, "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
-        for worker_url, (_, _, events) in zip(worker_urls, started):
-            argv += ["--kv-event-source", f"{worker_url}={events}"]
-        with open(tmp / "router.log", "wb") as log:
-            router = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            if router.poll() is not None:
-                raise AssertionError(f"vllm-router exited {router.returncode}: {(tmp / 'router.log').read_text()}")
-            try:
-                return urllib.request.urlopen(url + "/health", timeout=5).status == 200
-            except (urllib.error.URLError, ConnectionError):
-                return False
-
-        try:
-            wait_for(ready, 120, "vllm-router to serve")
+        replicas = tuple(Replica(name, cache, model, EventStream(events), events, replay)
+                         for name, (cache, model, events, replay) in zip("ab", started))
+        with router(tmp, replicas) as url:
             # Our own SUB sockets join their publishers some time after they connect too: each
             # has joined once it reads a batch published after the connect, any of those
             # stored here until one arrives.
@@ -263,18 +291,11 @@ def replicas(tmp_path_factory):
                             sent.intersection(event.block_hashes)), 1.0):
                         break
                     assert time.monotonic() < deadline, f"replica {replica.name}'s KV events never reached the test"
-            # The tie-break: two prompts no replica holds (equal costs) go to one replica.
-            models = tuple(replica.model for replica in replicas)
-            ties = {routed(url, models, sentinel(2) + "?")[0] for _ in range(2)}
-            assert len(ties) == 1, f"vllm-router broke two ties two ways ({ties}): router_caught_up needs one"
-            yield Cluster(url, replicas, ties.pop())
-        finally:
-            router.terminate()
-            router.wait(timeout=15)
+            yield Cluster(url, replicas, tie_of(url, replicas), tmp)
     finally:
-        for stream in streams:
-            stream.socket.close()
-        for cache, model, _ in started:
+        for replica in replicas:
+            replica.stream.socket.close()
+        for cache, model, _, _ in started:
             model.stop()
             cache.stop()
 
@@ -377,3 +398,27 @@ def test_the_routers_flush_cache_empties_every_replicas_prefix_cache(cluster):
     for replica in cluster.replicas:
         answer = complete(replica, prompt)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (replica.name, answer["usage"])
+
+
+def test_a_router_started_late_learns_what_it_missed_from_the_replay_sockets(cluster):
+    """A's BlockStored for the whole prefix goes out before a second router exists, so its
+    SUB socket never reads it (ZMQ drops what was published before a subscriber joined).
+    B's first two blocks of the prefix go out once that router has joined both streams.
+    Routed there, the prefix goes to A (six blocks over B's two) only if the router fetched
+    A's missed batches from A's replay socket: without them it knows B's blocks alone."""
+    a, b = cluster.replicas
+    models = (a.model, b.model)
+    tokens = tokenize(a, PREFIX)
+    digests = chain(tokens, BLOCK_SIZE)
+    full_blocks = len(tokens) // BLOCK_SIZE
+    complete(a, PREFIX)
+    a.stream.wait_for_stored(external(digests[full_blocks - 1]))
+    with router(cluster.tmp, cluster.replicas, "late-router") as url:
+        late = Cluster(url, cluster.replicas, tie_of(url, cluster.replicas), cluster.tmp)
+        router_caught_up(late)  # joined both streams: what B publishes now, it reads
+        complete(b, PREFIX[:40] + "~" * 12)  # BOS and 40 bytes: the prefix's first two full blocks
+        b.stream.wait_for_stored(external(digests[1]))
+        router_caught_up(late)
+        where, answer = routed(url, models, PREFIX + "asked late?")
+    assert where == "a", "the late router never replayed A's events from before it started"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks * BLOCK_SIZE

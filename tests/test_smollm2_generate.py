@@ -103,8 +103,9 @@ def test_conversations_match_transformers_alone_and_eight_at_once(stack, referen
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
 
 
-def test_chat_template_kwargs_reach_the_template(stack):
+def test_chat_template_kwargs_the_template_does_not_read_change_nothing(stack):
     # SmolLM2's template reads no extra variable: the kwargs are accepted and change nothing.
+    # That they reach a template that reads them is test_openai_http_chat.py's (gRPC and HTTP).
     stub, _, _ = stack
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     kwargs = struct_pb2.Struct()

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from cache_helpers import cache_stub, stats, wait_for
+from cache_helpers import no_block_leased
 
 from pagedkv.model.v1 import model_pb2
 
@@ -53,10 +53,6 @@ def stack(smollm2_stack):
 @pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack[2].http_url, api_key="unused", max_retries=0, timeout=300)
-
-
-def no_block_leased(cache) -> None:
-    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block to be released")
 
 
 def generate(stub, structured, *, messages=PERSON_ASK, seed=None, n=1, temperature=1.0, max_new_tokens=96,
@@ -193,13 +189,30 @@ def test_response_format_json_schema_and_json_object(client, stack):
         "name": "person", "schema": PERSON, "strict": True}}, messages=[{"role": "user", "content": "A person?"}])
     assert answer.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
-    # Any object: nothing bounds its length, so only what the grammar guarantees is checked.
+    # Any object: nothing bounds its length, so a length stop leaves it unclosed. All of it,
+    # to the last character, must still be what a JSON object can start with: xgrammar's own
+    # JSON grammar, over a byte vocabulary, accepts the text and (after a stop) its end.
     answer = chat(client, response_format={"type": "json_object"}, max_tokens=32)
     content = answer.choices[0].message.content
-    assert content.startswith("{")
+    assert content.startswith("{") and json_prefix(content), content
     if answer.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)
     no_block_leased(stack[1])
+
+
+def json_prefix(text: str) -> bool:
+    """Whether text is the start (or the whole) of a JSON value: xgrammar's built-in JSON
+    grammar, compiled for a vocabulary of single bytes, accepts every byte of it."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo([bytes([i]).decode("latin-1") for i in range(256)], xgr.VocabType.RAW)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.builtin_json_grammar()))
+    return matcher.accept_string(text)
+
+
+def test_json_prefix_tells_a_cut_object_from_prose():
+    assert json_prefix('{"name": "Ann", "pets": ["c') and json_prefix('{"a": 1}')
+    assert not json_prefix('{"a": 1} and more') and not json_prefix("Here is a person: {")
 
 
 def test_parse_with_a_pydantic_model(client):

@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
+from grpc_generate import greedy
 
 from pagedkv.model.v1 import model_pb2
 
@@ -31,12 +32,7 @@ PRESSURE_PROMPT_TOKENS = 480  # under the stack's --max-model-len 512, with the 
 
 
 def generate(stub, prompt: str = "", token_ids=()) -> tuple[list[int], model_pb2.Usage]:
-    request = model_pb2.GenerateRequest(prompt=prompt, prompt_token_ids=token_ids, sampling=model_pb2.SamplingParams(
-        max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-    out, last = [], None
-    for response in stub.Generate(request, timeout=300):
-        out.extend(response.token_ids)
-        last = response
+    out, last = greedy(stub, token_ids, NEW_TOKENS, timeout=300, prompt=prompt)
     return out, last.usage
 
 

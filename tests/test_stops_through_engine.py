@@ -15,11 +15,13 @@ from __future__ import annotations
 import concurrent.futures
 
 import grpc
+import grpc_generate
 import pytest
 import torch
 from cache_helpers import cache_stub, stats, wait_for
 from hf_checkpoints import BOS_ID, EOS_ID, EXTRA_ID, write_checkpoint
 from processes import start_cache_service, start_model_service
+from reference_generate import reference_greedy
 
 from model_service.text.detokenizer import IncrementalDetokenizer
 from model_service.text.tokenizer import HFTokenizer
@@ -34,7 +36,7 @@ def reference_and_path(tmp_path_factory):
 
     path = write_checkpoint("llama", tmp_path_factory.mktemp("llama-eos"))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    free = greedy(reference, PROMPT, 12)
+    free = reference_greedy(reference, PROMPT, 12)
     index = next(i for i in range(2, len(free)) if free[i] not in free[:i])
     with torch.no_grad():
         reference.lm_head.weight[EOS_ID] = 1.02 * reference.lm_head.weight[free[index]]
@@ -59,22 +61,9 @@ def stub(stack):
     wait_for(lambda: stats(cache).blocks_leased == 0, 30, "this test's blocks to be released")
 
 
-def greedy(reference, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
-    """transformers' greedy generate; eos_token_id None runs to max_new_tokens."""
-    extra = {} if eos_token_id is not None else {"min_new_tokens": max_new_tokens}
-    with torch.inference_mode():
-        output = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **extra,
-        )
-    return output[0, len(prompt):].tolist()
-
-
 def generate(stub, prompt: list[int], **sampling) -> tuple[list[model_pb2.GenerateResponse], list[int], str]:
-    request = model_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=model_pb2.SamplingParams(**sampling))
-    responses = list(stub.Generate(request, timeout=120))
-    tokens = [token for response in responses for token in response.token_ids]
-    return responses, tokens, "".join(response.text for response in responses)
+    answer = grpc_generate.generate(stub, prompt_token_ids=prompt, sampling=sampling)
+    return answer.responses, answer.tokens, answer.text
 
 
 def assert_finished(responses, reason, tokens, prompt) -> None:
@@ -88,7 +77,7 @@ def assert_finished(responses, reason, tokens, prompt) -> None:
 def test_greedy_ends_on_the_models_eos_as_transformers_generate(reference_and_path, stub):
     reference, _, eos_index = reference_and_path
     assert reference.generation_config.eos_token_id == [EOS_ID, EXTRA_ID]
-    expected = greedy(reference, PROMPT, 16, eos_token_id=reference.generation_config.eos_token_id)
+    expected = reference_greedy(reference, PROMPT, 16, eos_token_id=reference.generation_config.eos_token_id)
     assert len(expected) == eos_index + 1 and expected[-1] == EOS_ID, expected  # the premise
 
     responses, tokens, text = generate(stub, PROMPT, max_new_tokens=16, temperature=0)
@@ -99,7 +88,7 @@ def test_greedy_ends_on_the_models_eos_as_transformers_generate(reference_and_pa
 
     # ignore_eos runs on through it to max_new_tokens, still equal to transformers.
     responses, tokens, _ = generate(stub, PROMPT, max_new_tokens=10, temperature=0, ignore_eos=True)
-    assert tokens == greedy(reference, PROMPT, 10)
+    assert tokens == reference_greedy(reference, PROMPT, 10)
     assert EOS_ID in tokens
     assert_finished(responses, model_pb2.FINISH_REASON_LENGTH, tokens, PROMPT)
 
@@ -107,7 +96,7 @@ def test_greedy_ends_on_the_models_eos_as_transformers_generate(reference_and_pa
 def free_run(reference, stub, prompt, max_new_tokens):
     """The service's unstopped greedy stream (eos ignored), checked against transformers."""
     responses, tokens, text = generate(stub, prompt, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
-    assert tokens == greedy(reference, prompt, max_new_tokens)
+    assert tokens == reference_greedy(reference, prompt, max_new_tokens)
     return responses, tokens, text
 
 
