@@ -1,8 +1,8 @@
 """Paged decode attention by the C kernel (csrc/paged_decode.c): the torch path's contract
 (attention/torch_paged.py decode_attention_torch), reading K/V in place from the pool.
 
-PAGEDKV_ATTENTION_KERNELS picks the level of the attention kernels (this one and
-prefill_attention.py's):
+PAGEDKV_ATTENTION_KERNELS picks its level (prefill_attention.py and kv_write.py have
+switches of their own):
 - unset or "auto": the highest this CPU runs;
 - "portable", "avx2" or "avx512": that level (one above the CPU's is refused with a
   ValueError rather than crashing on an illegal instruction): what a test, or a person
@@ -34,22 +34,21 @@ def best_level(library: ctypes.CDLL) -> int:
     return int(library.paged_decode_best_level())
 
 
-def requested_level(levels: tuple[str, ...], best: int) -> int:
-    """The level PAGEDKV_ATTENTION_KERNELS asks of a kernel whose levels are `levels` and
-    whose best on this CPU is `best`."""
-    requested = os.environ.get(ENV, "").strip().lower() or "auto"
-    return _requested_level(requested, levels, best)
+def requested_level(env: str, levels: tuple[str, ...], best: int) -> int:
+    """The level that the switch `env` asks of a kernel whose levels are `levels` and whose
+    best on this CPU is `best` (the attention kernels' and kv_write.py's switches)."""
+    return _requested_level(env, os.environ.get(env, "").strip().lower() or "auto", levels, best)
 
 
 @functools.cache  # asked every layer: the environment string is the key
-def _requested_level(requested: str, levels: tuple[str, ...], best: int) -> int:
+def _requested_level(env: str, requested: str, levels: tuple[str, ...], best: int) -> int:
     if requested == "auto":
         return best
     if requested not in levels:
-        raise ValueError(f"{ENV}={requested!r}: expected one of auto, {', '.join(levels)}")
+        raise ValueError(f"{env}={requested!r}: expected one of auto, {', '.join(levels)}")
     level = levels.index(requested)
     if level > best:
-        raise ValueError(f"{ENV}={requested}: this CPU runs {levels[best]} at best")
+        raise ValueError(f"{env}={requested}: this CPU runs {levels[best]} at best")
     return level
 
 
@@ -57,7 +56,7 @@ def chosen_level() -> int | None:
     """The level decode attention runs at, or None where the library did not build (the
     torch path serves)."""
     library = load()
-    return None if library is None else requested_level(LEVELS, best_level(library))
+    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
 
 
 def supports(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -97,7 +96,7 @@ def paged_decode_attention(
     out = torch.empty((num_seqs, q_heads, head_dim), dtype=compute_dtype)
     k_scale, v_scale = kv_scales
     if level is None:
-        level = requested_level(LEVELS, best_level(library))
+        level = requested_level(ENV, LEVELS, best_level(library))
     status = library.paged_decode_attention(
         q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
