@@ -17,6 +17,7 @@ from model_service.cpu_kernels import kv_write, paged_decode
 from kernel_levels import level_fixture
 
 level = level_fixture(paged_decode)
+write_level = level_fixture(kv_write)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = (0.05, 0.02)  # (k_scale, v_scale): not 1, so a scale applied twice or never shows
@@ -163,16 +164,20 @@ def every_kind_of_value(dtype, scale: float, generator) -> torch.Tensor:
 @pytest.mark.parametrize("pool_dtype", [*FP8, None], ids=[*map(str, FP8), "the model's dtype"])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), SCALES], ids=["unit scales", "scales"])
-def test_c_write_stores_the_bytes_the_torch_write_does(pool_dtype, model_dtype, scales):
-    """csrc/kv_write.c against write_kv_torch: the same bytes in the same slots (rounding to
-    nearest even, saturation) and nothing elsewhere; rows of k and v further apart than a
-    row, as views of the fused q/k/v output are; a negative slot (padding) skipped."""
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(2, 64), (1, 20)])  # 20: rows that end past the last 8
+def test_c_write_stores_the_bytes_the_torch_write_does(write_level, pool_dtype, model_dtype, scales, kv_heads,
+                                                       head_dim):
+    """csrc/kv_write.c, at each level, against write_kv_torch: the same bytes in the same
+    slots (rounding to nearest even, saturation) and nothing elsewhere; rows of k and v
+    further apart than a row, as views of the fused q/k/v output are; a negative slot
+    (padding) skipped."""
     pool_dtype = pool_dtype or model_dtype
     generator = torch.Generator().manual_seed(7)
-    kv_heads, head_dim, tokens = 2, 64, 32
+    tokens = 32
     reference_dtype = pool_dtype if pool_dtype in FP8 else torch.float8_e4m3fn
-    k = every_kind_of_value(reference_dtype, scales[0], generator).view(tokens, kv_heads, head_dim)
-    v = every_kind_of_value(torch.float8_e5m2, scales[1], generator).flip(0).view(tokens, kv_heads, head_dim)
+    size = tokens * kv_heads * head_dim
+    k = every_kind_of_value(reference_dtype, scales[0], generator)[:size].view(tokens, kv_heads, head_dim)
+    v = every_kind_of_value(torch.float8_e5m2, scales[1], generator).flip(0)[:size].view(tokens, kv_heads, head_dim)
     fused = torch.cat([torch.zeros(tokens, 3, head_dim), k, v], dim=1).to(model_dtype)  # [T, 3 + 2 Hkv, D]
     k, v = fused[:, 3:3 + kv_heads], fused[:, 3 + kv_heads:]
     slots = torch.randperm(48, generator=generator)[:tokens]

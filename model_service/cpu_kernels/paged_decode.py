@@ -97,7 +97,7 @@ def paged_decode_attention(
     k_scale, v_scale = kv_scales
     if level is None:
         level = requested_level(ENV, LEVELS, best_level(library))
-    status = library.paged_decode_attention(
+    status = library.paged_decode_attention_at(
         q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         num_seqs, q_heads, kv_heads, head_dim, block_size,

@@ -160,11 +160,11 @@ int paged_decode_avx512(void) {
  * kv_dtype: the pool's type, dtype (q's and out's) or an 8-bit one with dtype float32;
  * the pool then holds K / k_scale and V / v_scale. Both scales fold into scalars the
  * kernel already applies (the score scale, the softmax's 1 / sum): no multiply a value. */
-int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
-                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
-                           float scale, int sliding_window, int dtype, void *out, int num_threads,
-                           int kv_dtype, float k_scale, float v_scale, int level) {
+int paged_decode_attention_at(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                              const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
+                              int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
+                              float scale, int sliding_window, int dtype, void *out, int num_threads,
+                              int kv_dtype, float k_scale, float v_scale, int level) {
     if (level < DECODE_PORTABLE || level > paged_decode_best_level()) return 3;
     const int group = q_heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK_SIZE || q_heads % kv_heads)
@@ -187,4 +187,15 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
                            dtype, kv_dtype, out_scale, out, out_offset, q_offset, level);
     }
     return 0;
+}
+
+/* paged_decode_attention_at at the best level this CPU runs (decode_stack.c's call). */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
+                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
+                           float scale, int sliding_window, int dtype, void *out, int num_threads,
+                           int kv_dtype, float k_scale, float v_scale) {
+    return paged_decode_attention_at(q, q_row_stride, k_cache, v_cache, block_tables, table_row_stride, context_lens,
+                                     num_seqs, q_heads, kv_heads, head_dim, block_size, scale, sliding_window, dtype,
+                                     out, num_threads, kv_dtype, k_scale, v_scale, paged_decode_best_level());
 }
