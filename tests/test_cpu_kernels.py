@@ -16,6 +16,10 @@ from model_service import cpu_kernels
 from model_service.cpu_kernels import paged_decode
 from model_service.attention.torch_paged import decode_attention_torch
 
+from kernel_levels import level_fixture
+
+level = level_fixture(paged_decode)
+
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
@@ -35,7 +39,7 @@ def random_decode_step(num_seqs, q_heads, kv_heads, head_dim, block_size, max_co
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256, 48])  # 48: the generic path
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (4, 4), (14, 2)])
-def test_kernel_matches_the_torch_path(dtype, head_dim, q_heads, kv_heads):
+def test_kernel_matches_the_torch_path(level, dtype, head_dim, q_heads, kv_heads):
     q, kv_layer, tables, lens = random_decode_step(5, q_heads, kv_heads, head_dim, 16, 70, dtype)
     scale = head_dim**-0.5
     library = cpu_kernels.load()
@@ -50,7 +54,7 @@ def test_kernel_matches_the_torch_path(dtype, head_dim, q_heads, kv_heads):
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 @pytest.mark.parametrize("window", [None, 1, 13, 64])
-def test_kernel_block_sizes_and_windows(block_size, window):
+def test_kernel_block_sizes_and_windows(level, block_size, window):
     q, kv_layer, tables, lens = random_decode_step(7, 8, 2, 64, block_size, 150, torch.float32, seed=block_size)
     library = cpu_kernels.load()
 
@@ -64,9 +68,9 @@ def test_kernel_block_sizes_and_windows(block_size, window):
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("group", [1, 4, 5, 8, 16])  # the AVX-512 case goes in passes of up to 4 heads
 @pytest.mark.parametrize(("block_size", "window"), [(16, None), (8, 300), (32, 77)])
-def test_kernel_over_several_spans_of_keys(dtype, head_dim, group, block_size, window):
-    """Contexts past the AVX-512 case's 256-key span (its softmax folds spans together),
-    short ones, and windows that start mid-block."""
+def test_kernel_over_several_spans_of_keys(level, dtype, head_dim, group, block_size, window):
+    """Contexts past the AVX-512 case's 256-key span and the AVX2 case's 128 (their softmax
+    folds spans together), short ones, and windows that start mid-block."""
     q, kv_layer, tables, lens = random_decode_step(4, 2 * group, 2, head_dim, block_size, 700, dtype, seed=group)
     lens[1], lens[2] = 256, 17
     library = cpu_kernels.load()
@@ -77,7 +81,7 @@ def test_kernel_over_several_spans_of_keys(dtype, head_dim, group, block_size, w
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_empty_context_gives_zeros_not_nan():
+def test_empty_context_gives_zeros_not_nan(level):
     q, kv_layer, tables, lens = random_decode_step(3, 4, 2, 64, 16, 20, torch.float32)
     lens[1] = 0  # a padded batch entry
     out = paged_decode.paged_decode_attention(cpu_kernels.load(), q, kv_layer, tables, lens, 0.125)
@@ -99,10 +103,38 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, **env})
 
 
+def cpu_flags() -> set[str]:
+    return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+
+
 def test_the_avx512_case_is_built_where_the_cpu_has_avx512():
     """So that on such a CPU the tests above check it (and elsewhere the portable kernel)."""
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    assert cpu_kernels.load().paged_decode_avx512() == int("avx512f" in flags)
+    assert cpu_kernels.load().paged_decode_avx512() == int("avx512f" in cpu_flags())
+
+
+def test_the_best_level_is_the_cpus_and_auto_takes_it(monkeypatch):
+    """An x86-64 CPU with AVX2, FMA and F16C (and no AVX-512) runs the AVX2 case, whatever
+    -march the library was built for."""
+    flags = cpu_flags()
+    expected = 2 if "avx512f" in flags else 1 if {"avx2", "fma", "f16c"} <= flags else 0
+    assert paged_decode.best_level(cpu_kernels.load()) == expected
+    monkeypatch.setenv(paged_decode.ENV, "auto")
+    assert paged_decode.chosen_level() == expected
+
+
+def test_a_level_the_cpu_lacks_or_an_unknown_one_is_refused(monkeypatch):
+    best = paged_decode.best_level(cpu_kernels.load())
+    q, kv_layer, tables, lens = random_decode_step(2, 4, 2, 64, 16, 20, torch.float32)
+    for name in paged_decode.LEVELS[best + 1:]:
+        monkeypatch.setenv(paged_decode.ENV, name)
+        with pytest.raises(ValueError, match=f"{paged_decode.ENV}={name}: this CPU runs"):
+            paged_decode.paged_decode_attention(cpu_kernels.load(), q, kv_layer, tables, lens, 0.125)
+    monkeypatch.setenv(paged_decode.ENV, "sse9")
+    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512"):
+        paged_decode.chosen_level()
+    # the C side refuses a level above the CPU's too, rather than running an illegal instruction
+    with pytest.raises(ValueError, match="refused"):
+        paged_decode.paged_decode_attention(cpu_kernels.load(), q, kv_layer, tables, lens, 0.125, level=best + 1)
 
 
 def test_built_once_then_found_in_the_cache(tmp_path):

@@ -14,6 +14,11 @@ from model_service.attention.kv_quant import KvScales, dequantize, namespace_tag
 from model_service.attention.torch_paged import decode_attention_torch, write_kv_torch
 from model_service.cpu_kernels import kv_write, paged_decode
 
+from kernel_levels import level_fixture
+
+level = level_fixture(paged_decode)
+write_level = level_fixture(kv_write)
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = (0.05, 0.02)  # (k_scale, v_scale): not 1, so a scale applied twice or never shows
 # Against the float32 reference on the same 8-bit values: only the arithmetic's rounding
@@ -68,7 +73,7 @@ def library():
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256, 48])  # 48: the generic path
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (4, 4), (14, 2)])
-def test_c_kernel_reads_fp8_as_the_float32_reference(dtype, head_dim, q_heads, kv_heads):
+def test_c_kernel_reads_fp8_as_the_float32_reference(level, dtype, head_dim, q_heads, kv_heads):
     q, kv_layer, tables, lens = decode_step(5, q_heads, kv_heads, head_dim, 16, 70, dtype, torch.bfloat16)
     out = paged_decode.paged_decode_attention(library(), q, kv_layer, tables, lens, head_dim**-0.5,
                                               kv_scales=SCALES)
@@ -81,7 +86,7 @@ def test_c_kernel_reads_fp8_as_the_float32_reference(dtype, head_dim, q_heads, k
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("group", [1, 4, 5, 8, 16])  # the AVX-512 case goes in passes of up to 4 heads
 @pytest.mark.parametrize(("block_size", "window"), [(16, None), (32, 77)])
-def test_c_kernel_fp8_over_several_spans_float32_q(dtype, head_dim, group, block_size, window):
+def test_c_kernel_fp8_over_several_spans_float32_q(level, dtype, head_dim, group, block_size, window):
     q, kv_layer, tables, lens = decode_step(4, 2 * group, 2, head_dim, block_size, 700, dtype, torch.float32,
                                             seed=group)
     lens[1], lens[2] = 256, 17
@@ -93,7 +98,7 @@ def test_c_kernel_fp8_over_several_spans_float32_q(dtype, head_dim, group, block
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_c_kernel_and_torch_path_at_the_saturation_edge(dtype, head_dim):
+def test_c_kernel_and_torch_path_at_the_saturation_edge(level, dtype, head_dim):
     q, kv_layer, tables, lens = decode_step(4, 6, 2, head_dim, 16, 90, dtype, torch.float32, seed=3, edge=True)
     limit = torch.finfo(dtype).max
     assert (kv_layer.float().abs() == limit).any(), "the case must hold saturated values"
@@ -109,7 +114,7 @@ def test_c_kernel_and_torch_path_at_the_saturation_edge(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 40])  # 40: the last 8 of a row by the integer method (cpu_math.h)
-def test_every_fp8_byte_reads_as_torch_converts_it(dtype, head_dim):
+def test_every_fp8_byte_reads_as_torch_converts_it(level, dtype, head_dim):
     """All 256 bit patterns but NaN through the kernel's conversion: one key and one value
     position, so the output is exactly that V row times v_scale."""
     values = torch.arange(256, dtype=torch.uint8).view(dtype)
@@ -159,16 +164,20 @@ def every_kind_of_value(dtype, scale: float, generator) -> torch.Tensor:
 @pytest.mark.parametrize("pool_dtype", [*FP8, None], ids=[*map(str, FP8), "the model's dtype"])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), SCALES], ids=["unit scales", "scales"])
-def test_c_write_stores_the_bytes_the_torch_write_does(pool_dtype, model_dtype, scales):
-    """csrc/kv_write.c against write_kv_torch: the same bytes in the same slots (rounding to
-    nearest even, saturation) and nothing elsewhere; rows of k and v further apart than a
-    row, as views of the fused q/k/v output are; a negative slot (padding) skipped."""
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(2, 64), (1, 20)])  # 20: rows that end past the last 8
+def test_c_write_stores_the_bytes_the_torch_write_does(write_level, pool_dtype, model_dtype, scales, kv_heads,
+                                                       head_dim):
+    """csrc/kv_write.c, at each level, against write_kv_torch: the same bytes in the same
+    slots (rounding to nearest even, saturation) and nothing elsewhere; rows of k and v
+    further apart than a row, as views of the fused q/k/v output are; a negative slot
+    (padding) skipped."""
     pool_dtype = pool_dtype or model_dtype
     generator = torch.Generator().manual_seed(7)
-    kv_heads, head_dim, tokens = 2, 64, 32
+    tokens = 32
     reference_dtype = pool_dtype if pool_dtype in FP8 else torch.float8_e4m3fn
-    k = every_kind_of_value(reference_dtype, scales[0], generator).view(tokens, kv_heads, head_dim)
-    v = every_kind_of_value(torch.float8_e5m2, scales[1], generator).flip(0).view(tokens, kv_heads, head_dim)
+    size = tokens * kv_heads * head_dim
+    k = every_kind_of_value(reference_dtype, scales[0], generator)[:size].view(tokens, kv_heads, head_dim)
+    v = every_kind_of_value(torch.float8_e5m2, scales[1], generator).flip(0)[:size].view(tokens, kv_heads, head_dim)
     fused = torch.cat([torch.zeros(tokens, 3, head_dim), k, v], dim=1).to(model_dtype)  # [T, 3 + 2 Hkv, D]
     k, v = fused[:, 3:3 + kv_heads], fused[:, 3 + kv_heads:]
     slots = torch.randperm(48, generator=generator)[:tokens]

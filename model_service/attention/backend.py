@@ -6,8 +6,9 @@ a layer, an 8-bit pool's quantization included), torch's index_copy_ elsewhere.
 Decode attention by backend: "triton" (CUDA; the tests run it interpreted on CPU), "cpu"
 (the C kernel of model_service/cpu_kernels, reading blocks in place), "torch" (gather + SDPA, any
 device). "auto" takes Triton on CUDA and the C kernel on CPU, each where it loads, and
-the torch path otherwise. Prefill: SDPA a sequence at a time, but where the C kernel
-serves a pool of the model's own dtype, which takes each prompt token as a decode query.
+the torch path otherwise. Prefill: SDPA a sequence at a time, but where the C kernels
+serve a pool of the model's own dtype: the prefill kernel (cpu_kernels/prefill_attention.py)
+for float32 and bfloat16 pools, else each prompt token as a decode query.
 
 Triton is imported lazily, on the first call that needs it, for two reasons: a CPU-only
 server never pays triton's import (about a second), and triton decides between compiled and
@@ -127,17 +128,17 @@ class PagedAttention:
                     return decoded  # a decode-only step: no copy into a step-wide buffer
                 out[:num_decode] = decoded
         if num_tokens > num_decode and library is not None and prefill_attention.supports(library, q, kv_layer):
-            # A bfloat16 pool on a CPU with AVX-512 BF16: sixteen queries a vector, a lane
-            # each (BENCHMARKS.md, "A bfloat16 decode stack").
+            # A float32 or bfloat16 pool: a query head's queries a vector, a lane each (eight
+            # at the portable and AVX2 levels, sixteen at AVX-512 BF16; bench/prefill_attention.py).
             sequences = meta.shared("prefill_sequences", lambda: prefill_attention.prefill_sequences(
                 meta.block_tables[num_decode:], meta.query_lens[num_decode:], meta.context_lens_host[num_decode:]))
             prefill_attention.prefill_attention(library, q[num_decode:], kv_layer, sequences, scale, sliding_window,
                                                 out[num_decode:])
         elif num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
-            # On CPU each prompt token attends as a decode query over its own context (the
-            # keys up to its position, this step's already in the pool): the C kernel that
-            # decode steps use, 1.2-5.6x faster than SDPA a sequence at a time from 30 to
-            # 2,048 tokens (BENCHMARKS.md, "Token tiles"), with a cached prefix and a window alike.
+            # A float16 pool (or a head_dim the prefill kernel does not take): each prompt token
+            # attends as a decode query over its own context (the keys up to its position, this
+            # step's already in the pool), by the C kernel that decode steps use, faster than SDPA
+            # a sequence at a time (BENCHMARKS.md, "Token tiles"), with a cached prefix and a window alike.
             tables, lens = self._prefill_queries(meta)
             out[num_decode:] = paged_decode.paged_decode_attention(
                 library, q[num_decode:], kv_layer, tables, lens, scale, sliding_window, kv_scales)

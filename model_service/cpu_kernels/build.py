@@ -50,6 +50,9 @@ _i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_
 SIGNATURES = {
     "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _i32,
                                _f32, _i32, _i32, _ptr, _i32, _i32, _f32, _f32],
+    "paged_decode_attention_at": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _i32,
+                                  _f32, _i32, _i32, _ptr, _i32, _i32, _f32, _f32, _i32],
+    "paged_decode_best_level": [],
     "rms_norm": [_ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
     "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
     "silu_mul": [_ptr, _ptr, _i32, _i32, _i32, _i32],
@@ -66,16 +69,21 @@ SIGNATURES = {
     "bf16_best_level": [],
     "bf16_pack_panels": [_ptr, _i64, _i32, _i32, _ptr],
     "bf16_linear": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32],
-    "prefill_attention_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32,
-                               _i32, _ptr, _i64, _i32],
+    "prefill_best_level": [],
+    "prefill_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32,
+                          _i32, _ptr, _i64, _i32, _i32, _i32],
     "write_kv": [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _f32, _f32, _i32],
+    "write_kv_at": [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _f32, _f32, _i32, _i32],
+    "kv_write_best_level": [],
 }
 RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes.c_int,
+           "paged_decode_best_level": ctypes.c_int, "paged_decode_attention_at": ctypes.c_int,
+           "write_kv_at": ctypes.c_int,
            "quant_best_level": ctypes.c_int, "quant_linear": ctypes.c_int, "quant_dequantize_rows": ctypes.c_int,
            "quant_dequantize_linear": ctypes.c_int, "quant_repack_x8": ctypes.c_int,
            "quant_quantize_activations": ctypes.c_int, "decode_stack": ctypes.c_int, "write_kv": ctypes.c_int,
            "bf16_best_level": ctypes.c_int, "bf16_pack_panels": ctypes.c_int, "bf16_linear": ctypes.c_int,
-           "prefill_attention_bf16": ctypes.c_int}
+           "prefill_best_level": ctypes.c_int, "prefill_attention": ctypes.c_int, "kv_write_best_level": ctypes.c_int}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

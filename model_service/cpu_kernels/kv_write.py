@@ -1,14 +1,36 @@
 """This step's K/V into the pool by the C kernel (csrc/kv_write.c): the contract of
-attention/torch_paged.py's write_kv_torch, which stays the reference and the fallback."""
+attention/torch_paged.py's write_kv_torch, which stays the reference and the fallback.
+
+An 8-bit pool's conversion has two levels, the same bytes at both: "portable" (a value at
+a time) and "avx2" (eight at a time). PAGEDKV_KV_WRITE_KERNELS picks one: unset or "auto",
+the highest this CPU runs; a level above it is refused with a ValueError."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
+from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES, load
+from model_service.cpu_kernels.paged_decode import requested_level
 from pagedkv.kv_geometry import is_fp8
+
+LEVELS = ("portable", "avx2")
+ENV = "PAGEDKV_KV_WRITE_KERNELS"
+CHOICES = ("auto", *LEVELS)
+
+
+@functools.cache
+def best_level(library: ctypes.CDLL) -> int:
+    """The highest level this CPU runs (asked of the library once)."""
+    return int(library.kv_write_best_level())
+
+
+def chosen_level() -> int | None:
+    """The level K/V writes run at, or None where the library did not build."""
+    library = load()
+    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
 
 
 def supports(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -22,15 +44,19 @@ def supports(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 
 
 def write_kv(library: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+             slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0), level: int | None = None) -> None:
     """k, v: [tokens, kv_heads, head_dim] (rows any distance apart); kv_layer: [2, blocks,
-    block_size, kv_heads, head_dim]; slot_mapping: [tokens]. Checked by `supports` first."""
+    block_size, kv_heads, head_dim]; slot_mapping: [tokens]. Checked by `supports` first.
+    level None: chosen_level()."""
     tokens, kv_heads, head_dim = k.shape
     slots = slot_mapping.to(torch.int64)
     if not slots.is_contiguous():
         slots = slots.contiguous()
-    status = library.write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * head_dim,
+    if level is None:
+        level = requested_level(ENV, LEVELS, best_level(library))
+    status = library.write_kv_at(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * head_dim,
                               DTYPE_CODES[k.dtype], slots.data_ptr(), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
-                              KV_DTYPE_CODES[kv_layer.dtype], kv_scales[0], kv_scales[1], torch.get_num_threads())
+                              KV_DTYPE_CODES[kv_layer.dtype], kv_scales[0], kv_scales[1], torch.get_num_threads(),
+                              level)
     if status != 0:
-        raise ValueError(f"write_kv refused K/V of {k.dtype} into a pool of {kv_layer.dtype}")
+        raise ValueError(f"write_kv refused K/V of {k.dtype} into a pool of {kv_layer.dtype} at level {level}")

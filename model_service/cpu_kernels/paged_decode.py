@@ -1,17 +1,62 @@
 """Paged decode attention by the C kernel (csrc/paged_decode.c): the torch path's contract
-(attention/torch_paged.py decode_attention_torch), reading K/V in place from the pool."""
+(attention/torch_paged.py decode_attention_torch), reading K/V in place from the pool.
+
+PAGEDKV_ATTENTION_KERNELS picks its level (prefill_attention.py and kv_write.py have
+switches of their own):
+- unset or "auto": the highest this CPU runs;
+- "portable", "avx2" or "avx512": that level (one above the CPU's is refused with a
+  ValueError rather than crashing on an illegal instruction): what a test, or a person
+  comparing, runs. A shape a level's case does not take falls to the level below it.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 
 import torch
 
-from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
+from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES, load
+
+LEVELS = ("portable", "avx2", "avx512")
+ENV = "PAGEDKV_ATTENTION_KERNELS"
+CHOICES = ("auto", *LEVELS)
 
 # The C side's fixed buffer limits (paged_decode.c); wider shapes take the torch path.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE = 256, 64, 256
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache
+def best_level(library: ctypes.CDLL) -> int:
+    """The highest level this CPU runs (asked of the library once)."""
+    return int(library.paged_decode_best_level())
+
+
+def requested_level(env: str, levels: tuple[str, ...], best: int) -> int:
+    """The level that the switch `env` asks of a kernel whose levels are `levels` and whose
+    best on this CPU is `best` (the attention kernels' and kv_write.py's switches)."""
+    return _requested_level(env, os.environ.get(env, "").strip().lower() or "auto", levels, best)
+
+
+@functools.cache  # asked every layer: the environment string is the key
+def _requested_level(env: str, requested: str, levels: tuple[str, ...], best: int) -> int:
+    if requested == "auto":
+        return best
+    if requested not in levels:
+        raise ValueError(f"{env}={requested!r}: expected one of auto, {', '.join(levels)}")
+    level = levels.index(requested)
+    if level > best:
+        raise ValueError(f"{env}={requested}: this CPU runs {levels[best]} at best")
+    return level
+
+
+def chosen_level() -> int | None:
+    """The level decode attention runs at, or None where the library did not build (the
+    torch path serves)."""
+    library = load()
+    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
 
 
 def supports(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -32,6 +77,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an 8-bit pool holds K / k_scale, V / v_scale
+    level: int | None = None,  # None: chosen_level()
 ) -> torch.Tensor:  # [num_seqs, q_heads, head_dim]: kv_layer's dtype, q's for an 8-bit pool
     num_seqs, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_layer.shape
@@ -49,13 +95,16 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty((num_seqs, q_heads, head_dim), dtype=compute_dtype)
     k_scale, v_scale = kv_scales
-    status = library.paged_decode_attention(
+    if level is None:
+        level = requested_level(ENV, LEVELS, best_level(library))
+    status = library.paged_decode_attention_at(
         q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         num_seqs, q_heads, kv_heads, head_dim, block_size,
         scale, sliding_window or 0, DTYPE_CODES[compute_dtype], out.data_ptr(), torch.get_num_threads(),
-        KV_DTYPE_CODES[kv_layer.dtype], k_scale, v_scale,
+        KV_DTYPE_CODES[kv_layer.dtype], k_scale, v_scale, level,
     )
     if status != 0:
-        raise ValueError(f"paged_decode_attention refused shape q={tuple(q.shape)} kv={tuple(kv_layer.shape)}")
+        raise ValueError(f"paged_decode_attention refused shape q={tuple(q.shape)} kv={tuple(kv_layer.shape)} "
+                         f"at level {level}")
     return out.to(result_dtype)

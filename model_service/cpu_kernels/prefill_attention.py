@@ -1,26 +1,50 @@
-"""Causal attention of prompt chunks by csrc/prefill_attention.c: sixteen queries of one
-head a vector, for bfloat16 pools on CPUs with AVX-512 BF16. Other pools and CPUs attend
-each prompt token as a decode query (paged_decode.py)."""
+"""Causal attention of prompt chunks by csrc/prefill_attention.c, for bfloat16 and float32
+pools: a query head's queries a vector, a lane each (eight at the portable and AVX2 levels,
+sixteen at AVX-512 BF16, which takes bfloat16 pools; a float32 pool takes the AVX2 tile
+there). Other pools attend each prompt token as a decode query (paged_decode.py).
+
+PAGEDKV_PREFILL_KERNELS picks the level: unset or "auto", the highest this CPU runs;
+"portable", "avx2" or "avx512_bf16", that level (one above the CPU's is refused with a
+ValueError). At one level a query's result is the same bits whatever chunk computes it.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from model_service.cpu_kernels import bf16_matmul
+from model_service.cpu_kernels.build import DTYPE_CODES, load
+from model_service.cpu_kernels.paged_decode import requested_level
 
+LEVELS = ("portable", "avx2", "avx512_bf16")
+ENV = "PAGEDKV_PREFILL_KERNELS"
+CHOICES = ("auto", *LEVELS)
 MAX_HEAD_DIM = 256  # prefill_attention.c's PREFILL_MAX_HEAD_DIM
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def best_level(library: ctypes.CDLL) -> int:
+    """The highest level this CPU runs (asked of the library once)."""
+    return int(library.prefill_best_level())
+
+
+def chosen_level() -> int | None:
+    """The level prefill attention runs at, or None where the library did not build."""
+    library = load()
+    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
 
 
 def supports(library: ctypes.CDLL, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """Whether prefill_attention_bf16 takes this layer's call."""
+    """Whether prefill_attention takes this layer's call."""
     _, _, _, kv_heads, head_dim = kv_layer.shape
-    return (kv_layer.device.type == "cpu" and kv_layer.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+    return (kv_layer.device.type == "cpu" and kv_layer.dtype in DTYPES and q.dtype == kv_layer.dtype
             and kv_layer.is_contiguous() and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and q.shape[1] % kv_heads == 0 and bf16_matmul.best_level(library) >= 1)
+            and q.shape[1] % kv_heads == 0)
 
 
 class PrefillSequences(NamedTuple):
@@ -43,20 +67,23 @@ def prefill_sequences(block_tables: torch.Tensor, query_lens: Sequence[int],
 
 
 def prefill_attention(library: ctypes.CDLL, q: torch.Tensor, kv_layer: torch.Tensor, sequences: PrefillSequences,
-                      scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+                      scale: float, sliding_window: int | None, out: torch.Tensor, level: int | None = None) -> None:
     """q [tokens, q_heads, head_dim]: the prefill sequences' queries one after another, in
-    the order of `sequences`. Writes out (like q) in place."""
+    the order of `sequences`. Writes out (like q) in place. level None: chosen_level()."""
     _, _, block_size, kv_heads, head_dim = kv_layer.shape
     q_heads = q.shape[1]
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     if out.stride(2) != 1 or out.stride(1) != head_dim:
         raise ValueError("out must hold each token's heads contiguously")
+    if level is None:
+        level = requested_level(ENV, LEVELS, best_level(library))
     tables, lens, contexts = sequences
-    status = library.prefill_attention_bf16(
+    status = library.prefill_attention(
         q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), contexts.data_ptr(), lens.numel(), q_heads, kv_heads, head_dim, block_size, scale,
-        sliding_window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        sliding_window or 0, out.data_ptr(), out.stride(0), DTYPE_CODES.get(kv_layer.dtype, -1), level,
+        torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"prefill_attention_bf16 refused queries {lens.tolist()} over contexts "
-                         f"{contexts.tolist()}, q={tuple(q.shape)} kv={tuple(kv_layer.shape)}")
+        raise ValueError(f"prefill_attention refused queries {lens.tolist()} over contexts {contexts.tolist()}, "
+                         f"q={tuple(q.shape)} kv={tuple(kv_layer.shape)} {kv_layer.dtype} at level {LEVELS[level]}")

@@ -21,7 +21,24 @@
 #define MAX_GROUP 64
 #define MAX_BLOCK_SIZE 256
 
+#include "paged_decode_avx2.h"
 #include "paged_decode_avx512.h"
+
+/* The levels, as paged_decode.py's LEVELS: the portable C of attend_one (vectorized by the
+ * compiler for whatever -march gives), the AVX2 case (chosen at run time), the AVX-512
+ * case (built where -march has AVX-512F). */
+enum { DECODE_PORTABLE = 0, DECODE_AVX2 = 1, DECODE_AVX512 = 2 };
+
+/* The highest level this CPU runs with this build. */
+int paged_decode_best_level(void) {
+#ifdef HAVE_ATTEND_AVX512
+    return DECODE_AVX512; /* built only where -march=native has AVX-512F: this CPU's */
+#elif defined(HAVE_ATTEND_AVX2)
+    return avx2_supported() ? DECODE_AVX2 : DECODE_PORTABLE;
+#else
+    return DECODE_PORTABLE;
+#endif
+}
 
 /* One (sequence, kv head): its `group` query heads against its visible keys. Always
  * inlined into attend_specialized's cases, so head_dim and dtype are constants there and
@@ -104,10 +121,18 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
 static void attend_specialized(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
                                int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
-                               int64_t out_offset, int64_t q_offset) {
+                               int64_t out_offset, int64_t q_offset, int level) {
 #ifdef HAVE_ATTEND_AVX512
-    if (attend_avx512_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
-                           block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
+    if (level >= DECODE_AVX512
+        && attend_avx512_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
+                              block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
+        return;
+#endif
+#ifdef HAVE_ATTEND_AVX2
+    /* also what the AVX-512 level takes for the shapes its case leaves */
+    if (level >= DECODE_AVX2
+        && attend_avx2_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
+                            block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
         return;
 #endif
     switch (kv_dtype) {
@@ -130,15 +155,17 @@ int paged_decode_avx512(void) {
 }
 
 /* Returns 0, or a nonzero code for shapes past the fixed limits (checked by the caller
- * first; kept here so a wrong call cannot write past a stack buffer).
+ * first; kept here so a wrong call cannot write past a stack buffer) or a level above
+ * paged_decode_best_level (3).
  * kv_dtype: the pool's type, dtype (q's and out's) or an 8-bit one with dtype float32;
  * the pool then holds K / k_scale and V / v_scale. Both scales fold into scalars the
  * kernel already applies (the score scale, the softmax's 1 / sum): no multiply a value. */
-int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
-                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
-                           float scale, int sliding_window, int dtype, void *out, int num_threads,
-                           int kv_dtype, float k_scale, float v_scale) {
+int paged_decode_attention_at(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                              const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
+                              int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
+                              float scale, int sliding_window, int dtype, void *out, int num_threads,
+                              int kv_dtype, float k_scale, float v_scale, int level) {
+    if (level < DECODE_PORTABLE || level > paged_decode_best_level()) return 3;
     const int group = q_heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK_SIZE || q_heads % kv_heads)
         return 1;
@@ -157,7 +184,18 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ca
         const int64_t out_offset = ((int64_t)seq * q_heads + (int64_t)kv_head * group) * head_dim;
         attend_specialized(q, k_cache, v_cache, block_tables + (int64_t)seq * table_row_stride,
                            first_key, end_key, kv_head, kv_heads, group, head_dim, block_size, score_scale,
-                           dtype, kv_dtype, out_scale, out, out_offset, q_offset);
+                           dtype, kv_dtype, out_scale, out, out_offset, q_offset, level);
     }
     return 0;
+}
+
+/* paged_decode_attention_at at the best level this CPU runs (decode_stack.c's call). */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
+                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size,
+                           float scale, int sliding_window, int dtype, void *out, int num_threads,
+                           int kv_dtype, float k_scale, float v_scale) {
+    return paged_decode_attention_at(q, q_row_stride, k_cache, v_cache, block_tables, table_row_stride, context_lens,
+                                     num_seqs, q_heads, kv_heads, head_dim, block_size, scale, sliding_window, dtype,
+                                     out, num_threads, kv_dtype, k_scale, v_scale, paged_decode_best_level());
 }
