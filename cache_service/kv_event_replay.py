@@ -144,13 +144,13 @@ class ReplayServer:
         if not self._rate.allow(_peer(frames[-1])):
             metrics.KV_EVENTS_REPLAY_REQUESTS.labels("rate_limited").inc()
             return
-        metrics.KV_EVENTS_REPLAY_REQUESTS.labels("answered").inc()
         batches = self._buffer.since(int.from_bytes(request, "big", signed=True), self._max_batches)
         send = self._socket.send_multipart
         for seq, payload in batches:
             send((*envelope, self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         send((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
         metrics.KV_EVENTS_REPLAY_BATCHES.inc(len(batches))
+        metrics.KV_EVENTS_REPLAY_REQUESTS.labels("answered").inc()  # once its replies are queued
 
 
 def _peer(frame: zmq.Frame) -> str:
