@@ -63,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--kv-events-replay-endpoint", default=None, repeat=True, type=parse_event_endpoint,
              help="also bind a ZMQ ROUTER socket here (e.g. tcp://127.0.0.1:5558) from which a subscriber replays missed "
                   "event batches from a seq on; MODEL=tcp://127.0.0.1:5560 replays that model's endpoint (repeatable)")
-    add_flag(parser, "--kv-events-subscriber-buffer-bytes", default=kv_event_settings.DEFAULT_SUBSCRIBER_BUFFER_BYTES,
+    add_flag(parser, "--kv-events-subscriber-buffer-bytes", default="8MiB",
              type=parse_bytes, help="what one KV events subscriber that reads slowly (or not at all) may have "
              "queued in the service; past it that subscriber loses batches (it can replay them)")
-    add_flag(parser, "--kv-events-replay-buffer-bytes", default=kv_event_settings.DEFAULT_REPLAY_BUFFER_BYTES, type=parse_bytes,
+    add_flag(parser, "--kv-events-replay-buffer-bytes", default="32MiB", type=parse_bytes,
              help="the replay socket keeps the newest event batches whose payloads fit in this")
     add_flag(parser, "--kv-events-replay-max-batches", default=kv_event_settings.DEFAULT_REPLAY_MAX_BATCHES, type=int,
              help="event batches one replay request is answered with at most (the oldest first)")

@@ -26,7 +26,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
 from cache_service.kv_event_publisher import KvEventPublisher
-from cache_service.kv_event_settings import MAX_MESSAGE_BYTES, EventSettings
 from cache_service.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
@@ -145,6 +144,8 @@ def test_a_replay_flood_never_holds_up_a_lease(tmp_path):
 
 
 def test_an_idle_subscriber_gets_a_bounded_queue_and_the_rest_by_replay(tmp_path):
+    from cache_service.kv_event_settings import MAX_MESSAGE_BYTES, EventSettings
+
     budget = 4 * MAX_MESSAGE_BYTES
     publisher = KvEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
                                  settings=EventSettings(subscriber_buffer_bytes=budget))
@@ -186,6 +187,7 @@ def test_an_idle_subscriber_gets_a_bounded_queue_and_the_rest_by_replay(tmp_path
 
 
 def test_a_large_batch_goes_out_as_messages_under_the_cap_with_its_chain_intact():
+    from cache_service.kv_event_settings import MAX_MESSAGE_BYTES
     from cache_service.kv_events import encode_batches
 
     tokens = list(range(70_000, 70_000 + BS * 500))
@@ -287,14 +289,35 @@ def cached_tokens(stub, session: str, prompt: list[int], salt: str = "b") -> int
     return allocated.cached_tokens_disk
 
 
+def chain_files(folder, prompt: list[int], salt: str = "b") -> list:
+    """The block files of ``prompt``'s full blocks, in chain order."""
+    from cache_service.tiers.disk_tier import SUFFIX
+    from cache_service.tiers.tier_index import ROOT_PARENT, chain_digest
+
+    paths, parent = [], ROOT_PARENT
+    for index in range(len(prompt) // BS):
+        parent = chain_digest(parent, ("", salt), tuple(prompt[index * BS : (index + 1) * BS]))
+        paths.append(folder / TAG / (parent.hex() + SUFFIX))
+    return paths
+
+
 def test_block_files_not_signed_with_the_services_key_are_never_served(tmp_path):
-    folder, forger = tmp_path / "disk", tmp_path / "forger"
+    from cache_service.tiers.disk_folder import DiskFolder
+    from cache_service.tiers.disk_tier import DiskTier
+
+    folder = tmp_path / "disk"
     [prompt] = cache_to_disk(tmp_path, folder, 1)
-    # Another folder (its own key) holds the same chain: the attacker's copy, same owner,
-    # mode 0600, every header field right; only the key differs.
-    cache_to_disk(tmp_path, forger, 1)
-    for path in (folder / TAG).glob("*.kvblock"):
-        shutil.copy(forger / TAG / path.name, path)
+    # The attacker rewrites the files: same owner, mode 0600, every header field right, other
+    # K/V, signed with a key of its own (it cannot read the service's).
+    service_folder = DiskFolder(folder)
+    records = DiskTier(service_folder, 4 << 20, DiskGeometry(2, 2, 16, BS, torch.float32)).scan()
+    service_folder.close()
+    forger = DiskTier(DiskFolder(tmp_path / "forger"), 4 << 20, DiskGeometry(2, 2, 16, BS, torch.float32))
+    for record in records:
+        forged = forger.encode(record, torch.full(forger.geometry.block_shape, 7.0))
+        path = folder / TAG / forger.path(record.digest).name
+        path.write_bytes(forged)
+    assert len(records) == 3
     with disk_service(tmp_path, folder) as service:
         stub = cache_stub(service.address)
         session = attach(stub).session_id
@@ -302,23 +325,27 @@ def test_block_files_not_signed_with_the_services_key_are_never_served(tmp_path)
         assert "MAC mismatch" in service.logs()
 
 
-def test_a_block_file_others_may_write_is_never_served(tmp_path):
+def test_a_block_file_others_may_write_is_never_served_and_the_key_stays_private(tmp_path):
     folder = tmp_path / "disk"
     [prompt] = cache_to_disk(tmp_path, folder, 1)
-    with disk_service(tmp_path, folder) as service:  # the files are good: all three hit
-        stub = cache_stub(service.address)
-        assert cached_tokens(stub, attach(stub).session_id, prompt) == 3 * BS
-    for path in (folder / TAG).glob("*.kvblock"):
-        os.chmod(path, 0o666)
+    key = folder / ".hmac-key"
+    made = key.read_bytes()
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(made) == 32
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in (folder / TAG).glob("*.kvblock"))
+    os.chmod(chain_files(folder, prompt)[2], 0o666)  # the third block: the first two still hit
     with disk_service(tmp_path, folder) as service:
         stub = cache_stub(service.address)
         session = attach(stub).session_id
-        assert cached_tokens(stub, session, prompt) == 0, "a world-writable block file was served"
+        assert cached_tokens(stub, session, prompt) == 2 * BS, "a world-writable block file was served"
         assert "writable by group or others" in service.logs()
+    assert key.read_bytes() == made, "a restart made a new key: every file on disk would be lost"
 
 
-@pytest.mark.parametrize("problem", ["world-writable", "other owner", "key readable by others"])
-def test_a_disk_folder_or_key_others_could_change_is_refused_at_start(tmp_path, problem):
+@pytest.mark.parametrize("problem", ["world-writable", "other owner", "symlink", "key readable by others"])
+def test_a_disk_folder_or_key_others_could_change_is_refused(tmp_path, problem):
+    from cache_service.tiers.disk_folder import DiskFolder, DiskFolderRefused
+
     folder = tmp_path / "disk"
     folder.mkdir(mode=0o700)
     if problem == "world-writable":
@@ -329,12 +356,24 @@ def test_a_disk_folder_or_key_others_could_change_is_refused_at_start(tmp_path, 
             pytest.skip("giving a folder to another user needs root")
         os.chown(folder, 4321, 4321)
         message = "owned by uid 4321"
+    elif problem == "symlink":
+        folder = tmp_path / "link"
+        folder.symlink_to(tmp_path / "disk", target_is_directory=True)
+        message = "symlink"
     else:
         key = folder / ".hmac-key"
         key.write_bytes(os.urandom(32))
         os.chmod(key, 0o644)
         message = "may be read by group or others"
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(DiskFolderRefused, match=message):
+        DiskFolder(folder)
+
+
+def test_a_service_refuses_a_shared_disk_folder_at_start(tmp_path):
+    folder = tmp_path / "disk"
+    folder.mkdir(mode=0o777)
+    os.chmod(folder, 0o777)
+    with pytest.raises(RuntimeError, match="writable by group or others"):
         disk_service(tmp_path, folder)
 
 
@@ -345,8 +384,6 @@ def test_a_second_service_on_one_disk_folder_is_refused_naming_the_first(tmp_pat
             disk_service(tmp_path, folder)
         stub = cache_stub(first.address)
         attach(stub)  # the first is untouched
-    with disk_service(tmp_path, folder):  # and once it is gone, the folder is free
-        pass
 
 
 def test_a_symlinked_geometry_folder_is_refused_and_nothing_is_removed_through_it(tmp_path):
@@ -399,14 +436,3 @@ def test_a_promotion_reads_the_disk_in_a_worker_thread_not_on_the_lease_loop(tmp
 
     assert asyncio.run(lease_on_a_loop()) == 3 * BS
     assert len(readers) == 3 and threading.get_ident() not in readers, "the Lease loop read a block file"
-
-
-def test_disk_files_are_private_and_the_key_is_made_once(tmp_path):
-    folder = tmp_path / "disk"
-    cache_to_disk(tmp_path, folder, 1)
-    key = folder / ".hmac-key"
-    made = key.read_bytes()
-    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(made) == 32
-    assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
-    cache_to_disk(tmp_path, folder, 1)
-    assert key.read_bytes() == made
