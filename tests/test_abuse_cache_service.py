@@ -328,17 +328,17 @@ def test_block_files_not_signed_with_the_services_key_are_never_served(tmp_path)
 def test_a_block_file_others_may_write_is_never_served_and_the_key_stays_private(tmp_path):
     folder = tmp_path / "disk"
     [prompt] = cache_to_disk(tmp_path, folder, 1)
-    key = folder / ".hmac-key"
-    made = key.read_bytes()
-    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(made) == 32
     assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in (folder / TAG).glob("*.kvblock"))
+    key = folder / ".hmac-key"
+    made = key.read_bytes() if key.exists() else None
     os.chmod(chain_files(folder, prompt)[2], 0o666)  # the third block: the first two still hit
     with disk_service(tmp_path, folder) as service:
         stub = cache_stub(service.address)
         session = attach(stub).session_id
         assert cached_tokens(stub, session, prompt) == 2 * BS, "a world-writable block file was served"
         assert "writable by group or others" in service.logs()
+    assert made is not None and len(made) == 32 and stat.S_IMODE(key.stat().st_mode) == 0o600
     assert key.read_bytes() == made, "a restart made a new key: every file on disk would be lost"
 
 

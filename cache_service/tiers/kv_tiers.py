@@ -168,7 +168,9 @@ class KvTiers:
     async def read_ahead(self, prompts: Sequence[tuple[Sequence[int], Namespace]]
                          ) -> dict[bytes, torch.Tensor | BadBlockFile]:
         """Reads, in the reader thread, the disk blocks that allocating each (prompt,
-        namespace) of ``prompts`` now would promote; by digest (a BadBlockFile for a bad one)."""
+        namespace) of ``prompts`` now would promote; by digest (a BadBlockFile for a bad one).
+        At most PROMOTE_MAX_BLOCKS in all, as one allocate's promotion held before: the
+        allocates of a call past it promote less from disk and recompute the rest."""
         if self.disk is None:
             return {}
         block_size = self.pool.block_size
@@ -179,6 +181,8 @@ class KvTiers:
             entries = [hit for hit in self.lookup(prompt, (len(prompt) - 1) // block_size, namespace)
                        if type(hit) is TierEntry][:PROMOTE_MAX_BLOCKS]
             for entry in entries:
+                if len(records) == PROMOTE_MAX_BLOCKS:
+                    break
                 if entry.host_slot is None and entry.digest in self.disk.sizes:
                     records[entry.digest] = self._record(entry)
         if not records:
