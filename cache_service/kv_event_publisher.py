@@ -2,116 +2,103 @@
 
 Each message is three frames: ``[topic, seq, payload]``, the topic ``""`` (vllm-router
 reads no other), ``seq`` an 8-byte big-endian counter from 0, the payload one msgpack
-``EventBatch`` (``kv_events.py``). A subscriber that joins late or drops messages (PUB
-drops past its high-water mark rather than block the service) asks the optional
-ROUTER replay socket for every batch from a seq on: it sends the seq as 8 bytes and
-gets ``(topic, seq, payload)`` frames for each batch still buffered, then
-``(b"", -1, b"")``: the frames a live batch has, as vLLM 0.32's publisher replays them
-(vllm-router drops replies of any other shape).
+``EventBatch`` (``kv_events.py``) of at most MAX_MESSAGE_BYTES: a larger batch goes out
+as several, each with its own seq. PUB drops a subscriber's messages past its high-water
+mark rather than block the service, and that mark is set from a byte budget
+(``EventSettings.subscriber_buffer_bytes``), so an idle or slow subscriber costs the
+service a bounded amount of memory; it recovers what it lost from the optional replay
+socket (``kv_event_replay.py``, served by a thread of its own).
 
-Sending happens on the event loop that serves Lease: a PUB send never blocks and costs
-a few µs, so no thread is needed; the replay socket is served by a task on that loop.
-Both sockets bind (a server's sockets bind in pagedkv, whatever the address). A publisher
-sends one channel's batches (``model``: one served model name's blocks, None: every
-model's), with a seq and a replay buffer of its own.
+Sending happens on the event loop that serves Lease: a PUB send never blocks and costs a
+few µs. Both sockets bind (a server's sockets bind in pagedkv, whatever the address),
+with CURVE when configured (``kv_event_curve.py``). A publisher sends one channel's
+batches (``model``: one served model name's blocks, None: every model's), with a seq and
+a replay buffer of its own.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import time
 
-import structlog
 import zmq
-import zmq.asyncio
 
-from cache_service.kv_events import EventBatch, KvEvent, encode_batch
+from cache_service.kv_event_curve import CurveServer
+from cache_service.kv_event_replay import ReplayBuffer, ReplayServer
+from cache_service.kv_event_settings import MAX_MESSAGE_BYTES, EventSettings
+from cache_service.kv_events import KvEvent, encode_batches
 
-log = structlog.get_logger()
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-# Batches a replay can reach back: at one batch per Lease call, seconds to minutes of
-# history, and at most this many payloads held in memory.
-REPLAY_BUFFER_BATCHES = 10_000
-# vLLM's high-water mark: past it a slow subscriber loses messages (and can replay them).
-SEND_HWM = 100_000
+# The kernel's send buffer per subscriber connection, so what a stalled subscriber holds
+# outside the PUB queue is bounded too.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 class KvEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 data_parallel_rank: int = 0, buffer_batches: int = REPLAY_BUFFER_BATCHES,
+                 data_parallel_rank: int = 0, settings: EventSettings | None = None,
                  model: str | None = None) -> None:
+        settings = settings or EventSettings()
         self.model = model
+        self.settings = settings
         self._context = zmq.Context()
+        self._curve: CurveServer | None = None
+        self._replay: ReplayServer | None = None
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.set_hwm(SEND_HWM)
+        self._pub.set_hwm(settings.send_hwm)
+        self._pub.setsockopt(zmq.SNDBUF, SEND_BUFFER_BYTES)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay: zmq.asyncio.Socket | None = None
+        replay_socket = None
         try:
+            if settings.curve_secret_key:
+                self._curve = CurveServer(self._context, settings)
+                self._curve.serve(self._pub)
             self._pub.bind(endpoint)
             if replay_endpoint:
-                self._replay = zmq.asyncio.Context.shadow(self._context).socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(replay_endpoint)
+                replay_socket = self._context.socket(zmq.ROUTER)
+                replay_socket.setsockopt(zmq.LINGER, 0)
+                if self._curve is not None:
+                    self._curve.serve(replay_socket)
+                replay_socket.bind(replay_endpoint)
         except zmq.ZMQError as error:
+            if replay_socket is not None:
+                replay_socket.close(linger=0)
             self.close()
             for_model = f" of model {model!r}" if model is not None else ""
             raise ValueError(f"cannot bind the KV events socket{for_model} ({endpoint}, replay {replay_endpoint}): "
                              f"{error}; give tcp://HOST:PORT with a free port") from error
+        except ValueError:
+            self.close()
+            raise
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode() if self._replay else None
+        self.replay_endpoint = replay_socket.getsockopt(zmq.LAST_ENDPOINT).decode() if replay_socket else None
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._next_seq = 0
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_batches)
+        self.buffer = ReplayBuffer(settings.replay_buffer_bytes)
+        if replay_socket is not None:
+            self._replay = ReplayServer(replay_socket, self.buffer, self._topic, settings, model)
+            self._replay.start()
+
+    @property
+    def public_key(self) -> bytes | None:
+        """The CURVE public key subscribers must be given (None: plain TCP)."""
+        return self._curve.public_key if self._curve is not None else None
 
     def publish(self, events: list[KvEvent]) -> int:
-        """Sends one batch of ``events``; returns its seq."""
-        payload = encode_batch(EventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
-        seq = self._next_seq
-        self._next_seq += 1
-        try:
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # past the high-water mark: subscribers recover it by replay
-        self._buffer.append((seq, payload))
-        return seq
-
-    async def serve_replay(self) -> None:
-        """Answers replay requests until cancelled (returns at once without a replay socket)."""
-        if self._replay is None:
-            return
-        while True:
-            frames = await self._replay.recv_multipart()
-            # A REQ client's request arrives as [identity, b"", seq]; a DEALER's may omit the delimiter.
-            if len(frames) == 3 and frames[1] == b"":
-                envelope = frames[:2]
-            elif len(frames) == 2:
-                envelope = frames[:1]
-            else:
-                log.warning("kv_events_bad_replay_request", frames=len(frames))
-                continue
-            if len(frames[-1]) != 8:
-                log.warning("kv_events_bad_replay_request", seq_bytes=len(frames[-1]))
-                continue
-            start = int.from_bytes(frames[-1], "big", signed=True)
-            # A snapshot: publish() may append while this coroutine waits on a send.
-            for seq, payload in [entry for entry in self._buffer if entry[0] >= start]:
-                await self._replay.send_multipart((*envelope, self._topic, seq.to_bytes(8, "big"), payload))
-            await self._replay.send_multipart((*envelope, b"", END_SEQ, b""))
+        """Sends ``events`` (one batch, or several when large); returns the last seq."""
+        for payload in encode_batches(events, time.time(), self._rank, MAX_MESSAGE_BYTES):
+            seq = self._next_seq
+            self._next_seq += 1
+            try:
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # past the high-water mark: subscribers recover it by replay
+            self.buffer.append(seq, payload)
+        return self._next_seq - 1
 
     def close(self) -> None:
         if self._replay is not None:
-            self._replay.close(linger=0)
+            self._replay.close()
         self._pub.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
         self._context.term()
-
-
-async def replay_forever(publisher: KvEventPublisher) -> None:
-    try:
-        await publisher.serve_replay()
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # a replay failure must not end the service's event publishing
-        log.exception("kv_events_replay_failed", model=publisher.model)

@@ -70,3 +70,40 @@ def encode_batch(batch: EventBatch) -> bytes:
 def decode_batch(payload: bytes) -> EventBatch:
     """As a consumer decodes a payload frame (tests and tools)."""
     return _decoder.decode(payload)
+
+
+def encode_batches(events: list[KvEvent], ts: float, data_parallel_rank: int | None, max_bytes: int) -> list[bytes]:
+    """``events`` as one payload, or as several in order when one would pass ``max_bytes``:
+    the list is halved, and a BlockStored or BlockRemoved of many blocks is cut into runs
+    (each run names the block before it as its parent, so a consumer's chain is the same).
+    A single block's event is never cut; it is far under any ``max_bytes`` the service uses."""
+    payload = encode_batch(EventBatch(ts=ts, events=events, data_parallel_rank=data_parallel_rank))
+    if len(payload) <= max_bytes:
+        return [payload]
+    if len(events) > 1:
+        half = len(events) // 2
+        return (encode_batches(events[:half], ts, data_parallel_rank, max_bytes)
+                + encode_batches(events[half:], ts, data_parallel_rank, max_bytes))
+    halves = _halves(events[0])
+    if halves is None:
+        return [payload]
+    return [part for half in halves for part in encode_batches([half], ts, data_parallel_rank, max_bytes)]
+
+
+def _halves(event: KvEvent) -> tuple[KvEvent, KvEvent] | None:
+    count = len(getattr(event, "block_hashes", ()))
+    if count < 2:
+        return None
+    half = count // 2
+    if isinstance(event, BlockRemoved):
+        return (msgspec.structs.replace(event, block_hashes=event.block_hashes[:half]),
+                msgspec.structs.replace(event, block_hashes=event.block_hashes[half:]))
+    cut = half * event.block_size
+    extra = event.extra_keys
+    return (
+        msgspec.structs.replace(event, block_hashes=event.block_hashes[:half], token_ids=event.token_ids[:cut],
+                                extra_keys=extra[:half] if extra is not None else None),
+        msgspec.structs.replace(event, block_hashes=event.block_hashes[half:], token_ids=event.token_ids[cut:],
+                                parent_block_hash=event.block_hashes[half - 1],
+                                extra_keys=extra[half:] if extra is not None else None),
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from cache_service.kv_event_publisher import KvEventPublisher
 from cache_service.ledger import Ledger, SessionLimits
 from cache_service.sessions import Session, Sessions
 from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
+from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
 from cache_service.tiers.kv_tiers import KvTiers
 from cache_service.tiers.settings import TierSettings
@@ -120,8 +122,10 @@ RELEASE_CHUNK_BLOCKS = 8192
 
 class KvPool:
     def __init__(self, settings: PoolSettings, clock=time.monotonic,
-                 kv_events: Sequence[KvEventPublisher] = ()) -> None:
+                 kv_events: Sequence[KvEventPublisher] = (), disk_folder: DiskFolder | None = None) -> None:
+        """``disk_folder``: --disk-cache-dir, opened (checked and locked) at start-up."""
         self.settings = settings
+        self.disk_folder = disk_folder
         # One publisher per KV events endpoint, each for one served model name or (None) every model.
         self.kv_events = list(kv_events)
         self._clock = clock
@@ -287,7 +291,11 @@ class KvPool:
         if events is not None:
             events.cleared()  # subscribers forget whatever an earlier pool of this endpoint held
         if self.settings.tiers.enabled:
-            self._create_tiers(geometry, sizing)  # a disk tier's blocks are told of, after the clear
+            try:
+                self._create_tiers(geometry, sizing)  # a disk tier's blocks are told of, after the clear
+            except BaseException:
+                self._unmake()  # no pool rather than one without its configured tiers
+                raise
         if events is not None:
             self.publish_kv_events()
         log.info("pool_created", geometry=describe(geometry), num_blocks=sizing.num_blocks,
@@ -302,7 +310,7 @@ class KvPool:
                          file_bytes(disk_geometry, ("", "")) if tier_settings.disk_cache_dir else 0)
         tensor = self._memory.tensor if isinstance(self._memory, pool_memory.SharedPool) else self._memory
         self.tiers = KvTiers(self.ledger.pool, tensor, tier_settings, sizing.bytes_per_block, disk_geometry,
-                             events=self.ledger.events)
+                             events=self.ledger.events, disk_folder=self.disk_folder)
         self.ledger.tiers = self.tiers
         try:
             self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run(self._after_tier_step))
@@ -311,6 +319,19 @@ class KvPool:
         log.info("kv_tiers_created", host_blocks=sizing.host_blocks, host_cache_bytes=sizing.host_cache_bytes,
                  disk_blocks=sizing.disk_blocks, disk_cache_dir=tier_settings.disk_cache_dir,
                  disk_blocks_restored=self.tiers.index.count("disk"))
+
+    def _unmake(self) -> None:
+        if isinstance(self._memory, pool_memory.SharedPool):
+            self._memory.close()
+        self._memory = self._shared_handle = self.geometry = self.sizing = self.ledger = None
+
+    async def read_ahead(self, prompts) -> dict:
+        """The disk blocks that allocating ``prompts`` ((token ids, namespace) pairs) would
+        promote, read in a worker thread (``KvTiers.read_ahead``)."""
+        return await self.tiers.read_ahead(prompts) if self.tiers is not None else {}
+
+    def reading_ahead(self, blocks: dict):
+        return self.tiers.reading_ahead(blocks) if self.tiers is not None else contextlib.nullcontext()
 
     def _after_tier_step(self) -> None:
         self.publish_kv_events()
@@ -338,6 +359,8 @@ class KvPool:
         """Unlinks the shared-memory file; the pool must never outlive the service."""
         if self._tier_task is not None:
             self._tier_task.cancel()
+        if self.tiers is not None:
+            self.tiers.close()
         if isinstance(self._memory, pool_memory.SharedPool):
             self._memory.close()
         self._memory = None

@@ -9,10 +9,13 @@ import re
 import structlog
 
 from cache_service import metrics
-from cache_service.kv_event_publisher import KvEventPublisher, replay_forever
+from cache_service.kv_event_publisher import KvEventPublisher
+from cache_service import kv_event_settings
+from cache_service.kv_event_settings import EventSettings
 from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
 from cache_service.servicer import CacheServicer
+from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -55,12 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--shm-dir", default="/dev/shm", help="CPU: where the pool's shared-memory file lives")
     add_flag(parser, "--kv-events-endpoint", default=None, repeat=True, type=parse_event_endpoint,
              help="publish vLLM-format KV events (BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket "
-                  "bound here, e.g. tcp://*:5557, for prefix-aware routers such as vllm-router's kv_aware policy; "
-                  "MODEL=tcp://*:5559 publishes only the blocks of the model served under that name there "
+                  "bound here, e.g. tcp://127.0.0.1:5557, for prefix-aware routers such as vllm-router's kv_aware policy; "
+                  "MODEL=tcp://127.0.0.1:5559 publishes only the blocks of the model served under that name there "
                   "(repeat the flag: one endpoint per model, and one without MODEL= for every model's)")
     add_flag(parser, "--kv-events-replay-endpoint", default=None, repeat=True, type=parse_event_endpoint,
-             help="also bind a ZMQ ROUTER socket here (e.g. tcp://*:5558) from which a subscriber replays missed "
-                  "event batches from a seq on; MODEL=tcp://*:5560 replays that model's endpoint (repeatable)")
+             help="also bind a ZMQ ROUTER socket here (e.g. tcp://127.0.0.1:5558) from which a subscriber replays missed "
+                  "event batches from a seq on; MODEL=tcp://127.0.0.1:5560 replays that model's endpoint (repeatable)")
+    add_flag(parser, "--kv-events-subscriber-buffer-bytes", default="8MiB",
+             type=parse_bytes, help="what one KV events subscriber that reads slowly (or not at all) may have "
+             "queued in the service; past it that subscriber loses batches (it can replay them)")
+    add_flag(parser, "--kv-events-replay-buffer-bytes", default="32MiB", type=parse_bytes,
+             help="the replay socket keeps the newest event batches whose payloads fit in this")
+    add_flag(parser, "--kv-events-replay-max-batches", default=kv_event_settings.DEFAULT_REPLAY_MAX_BATCHES, type=int,
+             help="event batches one replay request is answered with at most (the oldest first)")
+    add_flag(parser, "--kv-events-replay-rate", default=kv_event_settings.DEFAULT_REPLAY_REQUESTS_PER_S, type=float,
+             help="replay requests one peer address may make per second (and in one burst); the rest are dropped")
+    add_flag(parser, "--kv-events-curve-secret-key", default=None,
+             help="CURVE for the KV event sockets: the service's secret key file (zmq.auth's format, "
+                  "NAME.key_secret); subscribers need its public key (default: plain TCP, no encryption)")
+    add_flag(parser, "--kv-events-curve-clients", default=None,
+             help="with --kv-events-curve-secret-key: a folder of the public key files (zmq.auth's format) of the "
+                  "subscribers allowed to connect (default: any client that knows the service's public key)")
     add_flag(parser, "--host-cache-bytes", default=0, type=parse_bytes,
              help="host-memory KV tier beyond the pool, e.g. 8GiB: evicted prefix blocks are kept there and copied "
                   "back on a hit (0: off; CUDA: pinned memory; CPU: memory apart from the pool's budget)")
@@ -69,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "one 0600 file a block, and found again after a restart of the cache service (same KV geometry)")
     add_flag(parser, "--disk-cache-bytes", default=0, type=parse_bytes,
              help="how much of --disk-cache-dir the disk tier may fill, e.g. 100GiB")
+    add_flag(parser, "--disk-cache-key-file", default=None,
+             help="the disk tier's HMAC key, which authenticates every block file: made (32 random bytes, 0600) at "
+                  "the first start, refused if another user owns it or anyone else may read it "
+                  "(default: .hmac-key in --disk-cache-dir)")
     add_flag(parser, "--check-invariants", action="store_true",
              help="check the ledger's, the pool's and the tiers' invariants after every call and background step, "
                   "logging invariant_broken when one fails (for tests and soak runs: each check walks the whole pool)")
@@ -99,18 +121,26 @@ def pool_settings(args: argparse.Namespace) -> PoolSettings:
         session_limits=SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks),
         reclaim_grace_ms=args.reclaim_grace_ms,
         tiers=TierSettings(host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
-                           disk_cache_bytes=args.disk_cache_bytes),
+                           disk_cache_bytes=args.disk_cache_bytes, disk_cache_key_file=args.disk_cache_key_file),
         check_invariants=args.check_invariants,
     )
 
 
 async def serve(args: argparse.Namespace) -> None:
     settings = pool_settings(args)
-    kv_events = kv_event_publishers(args)
+    # Checked and locked before anything binds: a second service on the folder stops here.
+    tiers = settings.tiers
+    disk_folder = DiskFolder(tiers.disk_cache_dir, tiers.disk_cache_key_file) if tiers.disk_cache_dir else None
+    try:
+        kv_events = kv_event_publishers(args)
+    except BaseException:
+        if disk_folder is not None:
+            disk_folder.close()
+        raise
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)
     if removed:
         log.warning("stale_pools_removed", files=removed)
-    pool = KvPool(settings, kv_events=kv_events)
+    pool = KvPool(settings, kv_events=kv_events, disk_folder=disk_folder)
     metrics.register_pool(pool)
     servicer = CacheServicer(pool)
     server = GrpcServer(
@@ -122,7 +152,6 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await server.start()
         tasks.append(asyncio.create_task(reap_forever(pool)))
-        tasks.extend(asyncio.create_task(replay_forever(publisher)) for publisher in kv_events)
         await server.set_serving(True)
         await serve_until_signal(server, grace_s=args.grace_s)
     finally:
@@ -131,6 +160,8 @@ async def serve(args: argparse.Namespace) -> None:
         pool.close()
         for publisher in kv_events:
             publisher.close()
+        if disk_folder is not None:
+            disk_folder.close()
 
 
 # [MODEL=]ENDPOINT: the model is what comes before the "=" that precedes the endpoint's scheme.
@@ -168,18 +199,31 @@ def kv_event_publishers(args: argparse.Namespace) -> list[KvEventPublisher]:
             prefix = "" if model is None else f"{model}="
             raise ValueError(f"--kv-events-replay-endpoint {prefix}{replays[model]} needs --kv-events-endpoint "
                              f"{prefix}...: it replays what that publishes")
+    settings = event_settings(args)
     publishers: list[KvEventPublisher] = []
     try:
         for model, endpoint in endpoints.items():
-            publishers.append(KvEventPublisher(endpoint, replays.get(model), model=model))
+            publishers.append(KvEventPublisher(endpoint, replays.get(model), settings=settings, model=model))
     except ValueError:
         for publisher in publishers:
             publisher.close()
         raise
     for publisher in publishers:
         log.info("kv_events_publishing", model=publisher.model, endpoint=publisher.endpoint,
-                 replay_endpoint=publisher.replay_endpoint)
+                 replay_endpoint=publisher.replay_endpoint, curve=publisher.public_key is not None,
+                 curve_clients=settings.curve_clients)
     return publishers
+
+
+def event_settings(args: argparse.Namespace) -> EventSettings:
+    return EventSettings(
+        subscriber_buffer_bytes=args.kv_events_subscriber_buffer_bytes,
+        replay_buffer_bytes=args.kv_events_replay_buffer_bytes,
+        replay_max_batches=args.kv_events_replay_max_batches,
+        replay_requests_per_s=args.kv_events_replay_rate,
+        curve_secret_key=args.kv_events_curve_secret_key,
+        curve_clients=args.kv_events_curve_clients,
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,7 @@ from cache_service.ledger import InvalidLease, Ledger, LeaseError
 from cache_service.pool import GeometryMismatch, KvPool, NoPool
 from cache_service.sessions import MAX_ATTACH_KEY_CHARS, MIN_ATTACH_KEY_CHARS, UnknownSession
 from cache_service.sizing import SizingError
+from cache_service.tiers.disk_folder import DiskFolderRefused
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry
 
@@ -31,6 +32,7 @@ ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownSession, grpc.StatusCode.NOT_FOUND),
     (GeometryMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (NoPool, grpc.StatusCode.FAILED_PRECONDITION),
+    (DiskFolderRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (SizingError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
@@ -115,7 +117,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 raise ValueError(f"{len(request.ops)} ops in one Lease call; at most {MAX_OPS_PER_CALL}")
         except (UnknownSession, NoPool, ValueError) as error:
             await abort_for(context, error)
-        results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
+        prompts = [(op.allocate.prompt_token_ids, (session.model_fingerprint, op.allocate.cache_salt))
+                   for op in request.ops if op.WhichOneof("op") == "allocate"]
+        blocks = await self.pool.read_ahead(prompts)
+        if blocks:
+            try:  # the session may have ended while the disk was read
+                self.pool.heartbeat(request.session_id)
+            except UnknownSession as error:
+                await abort_for(context, error)
+        with self.pool.reading_ahead(blocks):
+            results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
         count_ops(request.ops, results)
         self.pool.publish_kv_events()  # one batch per call at most
         self.pool.check_invariants("lease")

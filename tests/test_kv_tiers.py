@@ -164,10 +164,12 @@ def test_the_disk_tier_survives_a_restart(tmp_path):
     files = sorted((tmp_path / GEOMETRY.tag).iterdir())
     assert len(files) == 3
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in files)
+    stack.tiers.close()  # the folder is locked while a tier has it open
     restarted = Stack(settings)
     again = restarted.run(tokens)
     assert (again.cached_tokens, again.cached_tokens_disk) == (12, 12)
     assert restarted.run(tokens, ("model-2", "")).cached_tokens == 0, "another model of one geometry hit the files"
+    restarted.tiers.close()
     other_geometry = DiskGeometry(2, 1, 2, BS, torch.bfloat16)
     assert Stack(settings, other_geometry).tiers.index.count("disk") == 0
 
@@ -182,6 +184,7 @@ def written_disk_stack(tmp_path, seeds=(4,)) -> tuple[TierSettings, list[list[in
         stack.run(tokens)
     stack.demote_all()
     asyncio.run(stack.write_all())
+    stack.tiers.close()
     return settings, prompts
 
 
@@ -389,6 +392,7 @@ def test_kv_events_follow_every_block_between_the_pool_and_the_tiers(tmp_path):
             asyncio.run(stack.write_all())
             events = BlockEventLog(BS)
             events.cleared()
+            stack.tiers.close()
             stack = Stack(settings, events=events)
             known = {"GPU": {0}, "CPU": {0}, "STORAGE": {0}}  # the AllBlocksCleared empties them
             check(stack, events, known, step)

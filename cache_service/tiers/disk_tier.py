@@ -5,22 +5,26 @@ A file is, little-endian::
     magic "PKVBLK01" | u32 num_layers, num_kv_heads, head_dim, block_size | 16 bytes dtype name
     | parent digest (32; zeros: a chain's first block) | digest (32)
     | u16 fingerprint length, u16 salt length | fingerprint | salt | u32 token id x block_size
-    | u64 payload length | payload: the block's K/V as the pool lays it out
-    | sha256 of everything before it
+    | u64 payload length | HMAC-SHA256 of the header (everything before it)
+    | payload: the block's K/V as the pool lays it out | HMAC-SHA256 of everything before it
 
-Written to a temporary name (mode 0600, O_EXCL, O_NOFOLLOW) and renamed into place, so a
-crash mid-write leaves a temporary file (removed at the next start-up), never a file of
-the final name that is short. The checksum is checked on every read, so a torn, corrupted
-or edited file is skipped with a warning, never served. The header is checked against the
-folder's geometry and the file's exact size at start-up; a hostile length cannot make a
-read allocate more than one block. ``write`` runs in a worker thread and touches nothing
-but its own file.
+Both MACs are keyed with the folder's key (``disk_folder.py``), which only the service
+reads: the header's is checked at start-up, before a file is indexed, and the whole
+file's on every read, so a torn, corrupted or edited file, or one written by anyone
+without the key, is skipped with a warning, never served. Written to a temporary name
+(mode 0600, O_EXCL, O_NOFOLLOW) and renamed into place, so a crash mid-write leaves a
+temporary file (removed at the next start-up), never a file of the final name that is
+short. A file not owned by the service's user, writable by others, or not a regular file
+is skipped too. The header is checked against the folder's geometry and the file's exact
+size at start-up; a hostile length cannot make a read allocate more than one block.
+``write`` and ``read`` run in worker threads and touch nothing but their own file.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import os
 import stat
 import struct
@@ -31,13 +35,15 @@ import structlog
 import torch
 
 from cache_service.prefix_hash import Namespace
+from cache_service.tiers.disk_folder import DiskFolder, DiskFolderRefused, refuse_shared
 
 log = structlog.get_logger()
 
-MAGIC = b"PKVBLK01"
+MAGIC = b"PKVBLK02"  # 01: the unkeyed format, never read
 SUFFIX = ".kvblock"
 _FIXED = struct.Struct("<8sIIII16s32s32sHH")
 _PAYLOAD_LEN = struct.Struct("<Q")
+MAC_BYTES = 32
 MAX_NAME_BYTES = 1024  # fingerprint or salt: the servicer takes at most 256 characters
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -89,16 +95,17 @@ class BlockRecord:
 
 def file_bytes(geometry: DiskGeometry, namespace: Namespace) -> int:
     names = len(namespace[0].encode()) + len(namespace[1].encode())
-    return _FIXED.size + names + 4 * geometry.block_size + _PAYLOAD_LEN.size + geometry.payload_bytes + 32
+    return (_FIXED.size + names + 4 * geometry.block_size + _PAYLOAD_LEN.size + MAC_BYTES + geometry.payload_bytes
+            + MAC_BYTES)
 
 
 class DiskTier:
-    def __init__(self, root: str | Path, capacity_bytes: int, geometry: DiskGeometry) -> None:
-        self.root = Path(root)
+    def __init__(self, folder: DiskFolder, capacity_bytes: int, geometry: DiskGeometry) -> None:
+        self.root = folder.root
         self.geometry = geometry
         self.capacity_bytes = capacity_bytes
-        self.folder = self.root / geometry.tag
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder = folder.geometry_folder(geometry.tag)
+        self._key = folder.key
         self.used_bytes = 0
         self.sizes: dict[bytes, int] = {}  # digest -> file size, for the files the index holds
 
@@ -114,7 +121,7 @@ class DiskTier:
     def scan(self) -> list[BlockRecord]:
         """The well-formed files of this geometry; everything else is skipped with a warning."""
         for other in sorted(self.root.iterdir()):
-            if other.name != self.geometry.tag:
+            if other.name != self.geometry.tag and not other.name.startswith("."):
                 log.warning("disk_cache_other_geometry_ignored", path=str(other), geometry=self.geometry.tag)
         records = []
         for path in sorted(self.folder.iterdir()):
@@ -130,13 +137,12 @@ class DiskTier:
     def _read_header(self, path: Path) -> BlockRecord:
         if not path.name.endswith(SUFFIX):
             raise BadBlockFile("not a block file name")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_private(path)
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise BadBlockFile("not a regular file")
             with os.fdopen(fd, "rb", closefd=False) as handle:
-                head = handle.read(_FIXED.size + 2 * MAX_NAME_BYTES + 4 * self.geometry.block_size + _PAYLOAD_LEN.size)
+                head = handle.read(_FIXED.size + 2 * MAX_NAME_BYTES + 4 * self.geometry.block_size
+                                   + _PAYLOAD_LEN.size + MAC_BYTES)
         finally:
             os.close(fd)
         record, _ = self._parse_header(head)
@@ -174,7 +180,12 @@ class DiskTier:
         if payload_len != g.payload_bytes:
             raise BadBlockFile(f"payload of {payload_len} bytes, a block is {g.payload_bytes}")
         offset += _PAYLOAD_LEN.size
-        size = offset + payload_len + 32
+        if len(data) < offset + MAC_BYTES:
+            raise BadBlockFile("header cut short")
+        if not hmac.compare_digest(self._mac(data[:offset]), data[offset : offset + MAC_BYTES]):
+            raise BadBlockFile("header MAC mismatch: not written by this service with its key")
+        offset += MAC_BYTES
+        size = offset + payload_len + MAC_BYTES
         return BlockRecord(digest, parent, (fingerprint, salt), tokens, size), offset
 
     # -- blocks ------------------------------------------------------------------------
@@ -185,9 +196,13 @@ class DiskTier:
         head = _FIXED.pack(MAGIC, g.num_layers, g.num_kv_heads, g.head_dim, g.block_size, g.dtype_name.encode(),
                            record.parent_digest, record.digest, len(fingerprint), len(salt))
         body = payload.contiguous().view(torch.uint8).numpy().tobytes()
-        data = b"".join((head, fingerprint, salt, struct.pack(f"<{g.block_size}I", *record.token_ids),
-                         _PAYLOAD_LEN.pack(len(body)), body))
-        return data + hashlib.sha256(data).digest()
+        header = b"".join((head, fingerprint, salt, struct.pack(f"<{g.block_size}I", *record.token_ids),
+                           _PAYLOAD_LEN.pack(len(body))))
+        data = b"".join((header, self._mac(header), body))
+        return data + self._mac(data)
+
+    def _mac(self, data: bytes) -> bytes:
+        return hmac.new(self._key, data, hashlib.sha256).digest()
 
     def write(self, record: BlockRecord, payload: torch.Tensor) -> int:
         """Writes one block file (worker thread); returns its size. DiskFull when the disk is."""
@@ -213,10 +228,7 @@ class DiskTier:
     def read(self, record: BlockRecord) -> torch.Tensor:
         """The block's K/V, after checking the whole file against ``record``; BadBlockFile if it differs."""
         g = self.geometry
-        try:
-            fd = os.open(self.path(record.digest), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as error:
-            raise BadBlockFile(f"cannot open: {error.strerror}") from None
+        fd = _open_private(self.path(record.digest))
         try:
             with os.fdopen(fd, "rb", closefd=False) as handle:
                 data = handle.read(record.size + 1)
@@ -224,8 +236,8 @@ class DiskTier:
             os.close(fd)
         if len(data) != record.size:
             raise BadBlockFile(f"{len(data)} bytes, expected {record.size} (truncated or grown)")
-        if hashlib.sha256(data[:-32]).digest() != data[-32:]:
-            raise BadBlockFile("checksum mismatch (torn or corrupted)")
+        if not hmac.compare_digest(self._mac(data[:-MAC_BYTES]), data[-MAC_BYTES:]):
+            raise BadBlockFile("MAC mismatch (torn, corrupted, or not written by this service with its key)")
         found, offset = self._parse_header(data)
         if found != record:
             raise BadBlockFile("header differs from the one indexed at start-up")
@@ -239,3 +251,23 @@ class DiskTier:
     def remove(self, digest: bytes) -> None:
         self.used_bytes -= self.sizes.pop(digest, 0)
         self.path(digest).unlink(missing_ok=True)
+
+
+def _open_private(path: Path) -> int:
+    """An fd of ``path`` if it is a regular file (no symlink) of this user's that no one else may write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise BadBlockFile(f"cannot open: {error.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadBlockFile("not a regular file")
+        try:
+            refuse_shared(path, info, "block file")
+        except DiskFolderRefused as error:
+            raise BadBlockFile(str(error)) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

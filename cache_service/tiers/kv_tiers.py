@@ -13,24 +13,29 @@ anyone could write into the block. Eviction in the
 pool (``BlockPool.take``) then needs no copy and no hook: the pool drops its entry and
 the tier's stays. A Lease call never waits for a demotion.
 
-Promotion happens inside the Lease call, synchronously, bounded by PROMOTE_MAX_BLOCKS
-per allocate (the rest of the prompt is recomputed). Why not asynchronously: the reply's
+Promotion happens inside the Lease call, bounded by PROMOTE_MAX_BLOCKS per allocate
+(the rest of the prompt is recomputed). Why not asynchronously: the reply's
 ``cached_tokens`` may count a block only once its bytes are in the pool, and doing the copy
 before the reply keeps that true with no new state in the model service (a sequence
 waiting on a copy, a second round trip); a host block is one memcpy (tens of µs), far
-less than prefilling its tokens again. Disk reads are checked (checksum, header) before
-the ledger changes anything, so a bad file shortens the hit and never fails the call.
+less than prefilling its tokens again. Disk blocks are read before that, in a reader
+thread while the event loop serves other calls (``read_ahead``): the Lease call awaits
+the reads, then applies its ops with the blocks in hand (``reading_ahead``); a disk block
+a call did not read ahead ends its hit there (recomputed), so the loop never reads a
+file. Reads are checked (MACs, header) before the ledger changes anything, so a bad file
+shortens the hit and never fails the call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -41,6 +46,7 @@ from cache_service.block_pool import Block, BlockPool
 from cache_service.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 from cache_service.prefix_hash import Namespace, namespace_root
 from cache_service.tiers.counters import TierCounters
+from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import BadBlockFile, BlockRecord, DiskFull, DiskGeometry, DiskTier, file_bytes
 from cache_service.tiers.host_tier import HostTier
 from cache_service.tiers.restore import restore_disk_index
@@ -86,7 +92,9 @@ class _Demotion:
 class KvTiers:
     def __init__(self, pool: BlockPool, pool_tensor: torch.Tensor, settings: TierSettings,
                  bytes_per_block: int, geometry: DiskGeometry, clock=time.monotonic,
-                 events: BlockEventLog | None = None) -> None:
+                 events: BlockEventLog | None = None, disk_folder: DiskFolder | None = None) -> None:
+        """``disk_folder``: the opened --disk-cache-dir (the service opens it at start-up);
+        None with a disk tier: opened here, and closed by ``close``."""
         self.pool = pool
         self.pool_tensor = pool_tensor
         self.settings = settings
@@ -96,8 +104,17 @@ class KvTiers:
         self.index = TierIndex()
         host_slots = settings.host_cache_bytes // bytes_per_block
         self.host = HostTier(pool_tensor, host_slots) if host_slots else None
-        self.disk = (DiskTier(settings.disk_cache_dir, settings.disk_cache_bytes, geometry)
-                     if settings.disk_cache_dir else None)
+        self._own_folder = None
+        self.disk = None
+        if settings.disk_cache_dir:
+            if disk_folder is None:
+                disk_folder = self._own_folder = DiskFolder(settings.disk_cache_dir, settings.disk_cache_key_file)
+            try:
+                self.disk = DiskTier(disk_folder, settings.disk_cache_bytes, geometry)
+            except BaseException:
+                if self._own_folder is not None:
+                    self._own_folder.close()
+                raise
         self.counters = {HOST: TierCounters(), DISK: TierCounters()}
         self.missed_demotions = 0  # queued blocks evicted (or re-registered) before their copy
         self.queue: deque[tuple[int, int]] = deque(maxlen=max(pool.num_blocks, 1024))  # (block id, reg_id)
@@ -111,6 +128,11 @@ class KvTiers:
         # One thread for the copies and the disk writes, at a lower CPU priority than the
         # event loop's: on a busy machine the Lease calls get the cores first.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers", initializer=_lower_priority)
+        # Promotions' disk reads, at the service's priority: a Lease call waits on them.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers-read")
+        # The blocks the Lease call applying its ops read ahead (None: no call is; a
+        # direct user of the ledger, whose disk reads happen inline).
+        self._read_ahead: dict[bytes, torch.Tensor | BadBlockFile] | None = None
         if self.disk is not None:
             restore_disk_index(self.disk, self.index, pool)
             if events is not None:
@@ -143,6 +165,50 @@ class KvTiers:
             parent_reg = hit.reg_id
         return hits
 
+    async def read_ahead(self, prompts: Sequence[tuple[Sequence[int], Namespace]]
+                         ) -> dict[bytes, torch.Tensor | BadBlockFile]:
+        """Reads, in the reader thread, the disk blocks that allocating each (prompt,
+        namespace) of ``prompts`` now would promote; by digest (a BadBlockFile for a bad one).
+        At most PROMOTE_MAX_BLOCKS in all, as one allocate's promotion held before: the
+        allocates of a call past it promote less from disk and recompute the rest."""
+        if self.disk is None:
+            return {}
+        block_size = self.pool.block_size
+        records: dict[bytes, BlockRecord] = {}
+        for prompt, namespace in prompts:
+            if len(prompt) <= block_size:
+                continue
+            entries = [hit for hit in self.lookup(prompt, (len(prompt) - 1) // block_size, namespace)
+                       if type(hit) is TierEntry][:PROMOTE_MAX_BLOCKS]
+            for entry in entries:
+                if len(records) == PROMOTE_MAX_BLOCKS:
+                    break
+                if entry.host_slot is None and entry.digest in self.disk.sizes:
+                    records[entry.digest] = self._record(entry)
+        if not records:
+            return {}
+        return await asyncio.get_running_loop().run_in_executor(self._reader, self._read_all, list(records.values()))
+
+    def _read_all(self, records: list[BlockRecord]) -> dict[bytes, torch.Tensor | BadBlockFile]:
+        """(the reader thread) Each record's block, or why it cannot be served."""
+        out: dict[bytes, torch.Tensor | BadBlockFile] = {}
+        for record in records:
+            try:
+                out[record.digest] = self.disk.read(record)
+            except BadBlockFile as error:
+                out[record.digest] = error
+        return out
+
+    @contextlib.contextmanager
+    def reading_ahead(self, blocks: dict[bytes, torch.Tensor | BadBlockFile]) -> Iterator[None]:
+        """While the ops of one Lease call are applied (no await in between): promotions take
+        their disk blocks from ``blocks`` and read none."""
+        self._read_ahead = blocks
+        try:
+            yield
+        finally:
+            self._read_ahead = None
+
     def prepare(self, hits: list[Block | TierEntry]) -> tuple[list[Block | TierEntry], list[int | torch.Tensor]]:
         """Cuts ``hits`` to what can be promoted now and reads the disk blocks among them.
 
@@ -159,16 +225,27 @@ class KvTiers:
                     payloads.append(hit.host_slot)
                 else:
                     started = self.clock()
-                    try:
-                        payloads.append(self.disk.read(self._record(hit)))
-                    except BadBlockFile as error:
-                        log.warning("disk_cache_file_skipped", path=str(self.disk.path(hit.digest)), reason=str(error))
+                    payload = self._disk_block(hit)
+                    if payload is None:
+                        break
+                    if not isinstance(payload, torch.Tensor):
+                        log.warning("disk_cache_file_skipped", path=str(self.disk.path(hit.digest)), reason=str(payload))
                         self.counters[DISK].errors += 1
                         self._forget_disk(hit)
                         break
+                    payloads.append(payload)
                     self.counters[DISK].seconds_out += self.clock() - started
             kept.append(hit)
         return kept, payloads
+
+    def _disk_block(self, entry: TierEntry) -> torch.Tensor | BadBlockFile | None:
+        """``entry``'s block as read ahead (None: not read ahead), or read now without a Lease call."""
+        if self._read_ahead is not None:
+            return self._read_ahead.get(entry.digest)
+        try:
+            return self.disk.read(self._record(entry))
+        except BadBlockFile as error:
+            return error
 
     def promote(self, entries: list[TierEntry], payloads: list[int | torch.Tensor], blocks: list[Block]) -> tuple[int, int]:
         """Copies promoted entries into their new device blocks and registers them under
@@ -381,6 +458,13 @@ class KvTiers:
         self.index.put(known, DISK)
         disk.added(entry.digest, written)
         self._event(known, MEDIUM_STORAGE, stored=True)
+
+    def close(self) -> None:
+        """Stops the worker threads (after what they are doing) and unlocks a folder opened here."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
+        if self._own_folder is not None:
+            self._own_folder.close()
 
     # -- accounting ----------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The KV tiers' settings (--host-cache-bytes, --disk-cache-dir, --disk-cache-bytes) and their checks."""
+"""The KV tiers' settings (--host-cache-bytes, --disk-cache-dir, --disk-cache-bytes,
+--disk-cache-key-file) and their checks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ class TierSettings:
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
+    # The HMAC key file (None: .hmac-key in disk_cache_dir).
+    disk_cache_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes < 0:
@@ -21,6 +24,8 @@ class TierSettings:
             raise ValueError("--disk-cache-dir needs --disk-cache-bytes: how much of the disk the tier may use")
         if self.disk_cache_bytes and not self.disk_cache_dir:
             raise ValueError("--disk-cache-bytes needs --disk-cache-dir: where the tier's files go")
+        if self.disk_cache_key_file and not self.disk_cache_dir:
+            raise ValueError("--disk-cache-key-file needs --disk-cache-dir: it signs that folder's files")
 
     @property
     def enabled(self) -> bool:
