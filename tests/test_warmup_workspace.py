@@ -13,7 +13,7 @@ import torch
 
 from model_service.loading.loader import load_model
 from model_service.worker import runner as runner_module
-from model_service.worker.runner import ModelRunner, measure_workspace
+from model_service.worker.runner import ModelRunner, measure_workspace, warmup_sampling
 
 GiB = 2**30
 
@@ -65,9 +65,15 @@ def test_the_warmup_samples_the_logits_of_max_num_seqs_rows(monkeypatch, tiny, n
     # One step of the scheduler's whole token budget: decode rows first, one prefill chunk.
     assert len(steps) == 1 and sum(steps[0]) == num_tokens and len(steps[0]) == rows
     assert steps[0][:-1] == [1] * (rows - 1)
-    # Every row sampled as the costliest request would be (a temperature and a nucleus).
+    # Every row sampled at a temperature (the sampler's float32 copies, not one argmax).
     assert len(sampled) == 1 and sampled[0][0] == (rows, tiny.config.vocab_size)
-    assert all(not o.greedy and o.top_p < 1 for o in sampled[0][1])
+    assert all(o == warmup_sampling(torch.device("cpu")) and not o.greedy for o in sampled[0][1])
+
+
+def test_on_cuda_the_warmup_samples_with_a_nucleus():
+    # On CUDA a nucleus sorts every row in full: the sampler's largest copies.
+    options = warmup_sampling(torch.device("cuda", 1))
+    assert not options.greedy and options.top_p < 1
 
 
 def test_the_measured_workspace_includes_the_sampler(monkeypatch, tiny):

@@ -184,7 +184,7 @@ def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ..
     The largest step: num_tokens tokens in all (the scheduler's token budget), of which
     max_num_seqs - 1 are decode rows and the rest one prefill chunk, every row due, so the
     logits have max_num_seqs rows; then those rows are sampled as the costliest request
-    would have them (temperature, top-p: on CUDA a sort of the whole vocabulary per row).
+    would have them (warmup_sampling: on CUDA a sort of the whole vocabulary per row).
     A prefill alone missed the logits and the sampler's [rows, vocab] float32 copies, and
     the CUDA modules they load lazily, all of which came after the pool was sized.
 
@@ -209,7 +209,7 @@ def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ..
     batch.append((Sequence(request_id="warmup", token_ids=token_ids[:prefill_tokens], prompt_len=prefill_tokens,
                            options=None, arrival=-1, block_table=list(range(prefill_blocks))), prefill_tokens))
     runner = ModelRunner(model, scratch, block_size)
-    options = [WARMUP_SAMPLING] * len(batch)
+    options = [warmup_sampling(device)] * len(batch)
     generators = [make_generator(row, device) for row in range(len(batch))]
     memory = memory or PeakMemory(device)
     memory.start()
@@ -222,8 +222,14 @@ def measure_workspace(model: LlamaForCausalLM, kv_shape_per_block: tuple[int, ..
     return workspace
 
 
-# What the warmup samples with: a temperature and a nucleus, the sampler's costliest path.
-WARMUP_SAMPLING = SamplingOptions(max_new_tokens=1, temperature=1.0, top_p=0.95)
+def warmup_sampling(device: torch.device) -> SamplingOptions:
+    """What the warmup samples with. CUDA: a temperature and a nucleus, the sampler's
+    costliest path in memory (every row sorted in full). Elsewhere a temperature alone:
+    the workspace is only reported there, and the nucleus of the warmup's near-flat
+    distributions sorts every row in full on the CPU too, seconds of start-up for nothing."""
+    if device.type == "cuda":
+        return SamplingOptions(max_new_tokens=1, temperature=1.0, top_p=0.95)
+    return SamplingOptions(max_new_tokens=1, temperature=1.0)
 
 
 class PeakMemory:
