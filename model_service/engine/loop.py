@@ -186,6 +186,14 @@ class Engine:
             self._inbox.put(Abort(tuple(keys)))
         return len(keys)
 
+    def record_counts(self) -> dict[str, int]:
+        """Entries in each of the engine's per-request records. None outlives its request
+        for long: each is bounded by the live requests (README, "Memory"), and what
+        tests/test_request_memory.py checks does not grow with requests served. Read
+        from any thread between requests; a snapshot, not a consistent one, while they run."""
+        return {**self._requests.record_counts(), "admitted_ids": len(self._admission),
+                "admitted_pending": self._admission.pending}
+
     # -- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:

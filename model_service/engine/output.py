@@ -41,6 +41,7 @@ class Completion:
     request: RequestOutput
     history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
     grammar: object | None = None  # its xgrammar GrammarMatcher, once it samples under structured output
+    suppressed: tuple[int, ...] | None = None  # what min_tokens forbids it, once it samples under min_tokens
     last_token_at: float = 0.0
     finished: bool = False
     # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).
