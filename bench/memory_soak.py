@@ -224,9 +224,8 @@ def run(args) -> int:
     (checkpoint / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({key: {"tenant": tenant} for key, tenant in KEYS.items()}))
-    shm_dir = workdir / "shm"
-    shm_dir.mkdir(exist_ok=True)
-    with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes, "--shm-dir", shm_dir) as cache, \
+    # The pool in /dev/shm, the default: the model service's touched pool pages are its RssShmem.
+    with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes) as cache, \
             start_model_service(workdir, cache.address, "--model", checkpoint, "--api-keys", keys,
                                 "--max-model-len", 512, "--served-model-name", "soak") as model:
         metadata = bearer_metadata(next(iter(KEYS)))
