@@ -66,6 +66,11 @@ def status_kib(pid: int) -> dict[str, int]:
     return found
 
 
+def row(count: int, seconds: float, model_kib: dict, cache_kib: dict) -> str:
+    return (f"| {count:,} | {seconds:.0f} | {model_kib['RssAnon'] / 1024:.1f} | {model_kib['RssShmem'] / 1024:.1f} "
+            f"| {model_kib['VmRSS'] / 1024:.1f} | {cache_kib['RssAnon'] / 1024:.1f} | {cache_kib['VmRSS'] / 1024:.1f} |")
+
+
 class Soak:
     def __init__(self, args, model, cache, vocab: int) -> None:
         self.args = args
@@ -84,9 +89,7 @@ class Soak:
     def sample(self, count: int) -> None:
         self.samples.append((count, time.monotonic() - self.began, status_kib(self.model.pid),
                              status_kib(self.cache.pid)))
-        model = self.samples[-1][2]
-        print(f"{count} requests: model service RssAnon {model['RssAnon'] / 1024:.1f} MiB, "
-              f"VmRSS {model['VmRSS'] / 1024:.1f} MiB", file=sys.stderr, flush=True)
+        print(row(*self.samples[-1]), file=sys.stderr, flush=True)  # the curve so far, should the run be cut short
 
     def client(self, index: int) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
@@ -249,12 +252,10 @@ def run(args) -> int:
 
     print(f"{args.requests} requests, {args.concurrency} clients of two tenants, {elapsed:.0f} s; "
           f"pool --kv-cache-bytes {args.kv_cache_bytes}; blocks leased at the end: {leased}\n")
-    print("| requests | model RssAnon (MiB) | model RssShmem (MiB) | model VmRSS (MiB) | cache RssAnon (MiB) "
-          "| cache VmRSS (MiB) |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for count, _, model_kib, cache_kib in soak.samples:
-        print(f"| {count:,} | {model_kib['RssAnon'] / 1024:.1f} | {model_kib['RssShmem'] / 1024:.1f} "
-              f"| {model_kib['VmRSS'] / 1024:.1f} | {cache_kib['RssAnon'] / 1024:.1f} "
-              f"| {cache_kib['VmRSS'] / 1024:.1f} |")
+    print("| requests | seconds | model RssAnon (MiB) | model RssShmem (MiB) | model VmRSS (MiB) "
+          "| cache RssAnon (MiB) | cache VmRSS (MiB) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for sample in soak.samples:
+        print(row(*sample))
     base = next(sample for sample in soak.samples if sample[0] >= args.from_request)
     end = soak.samples[-1]
     growth = {f"{who} {field}": end[index][field] / base[index][field] - 1
