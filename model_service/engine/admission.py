@@ -2,7 +2,7 @@
 
 submit() and abort() run on the callers' threads while requests end on the engine
 thread; this is the state both touch, under one lock: each live request's id (unique
-among live requests, since Abort names requests by id) and how many are queued or
+among its tenant's live requests, since Abort names requests by id) and how many are queued or
 running, against --max-queued-requests. Each admitted request gets a key, in arrival
 order, that the engine knows it by.
 
