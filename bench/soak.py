@@ -3,6 +3,11 @@
     .venv/bin/python bench/soak.py                      # tiny model, 150 s, 2 MiB pool
     .venv/bin/python bench/soak.py --duration-s 60 --model /path/to/checkpoint
     .venv/bin/python bench/soak.py --abusive-concurrency 8   # two tenants, one abusive (issue 28)
+    .venv/bin/python bench/soak.py --requests 10000 --concurrency 8   # memory: RSS every 500 requests
+
+With --requests N it is the memory soak instead (bench/memory_soak.py): N requests of
+mixed shapes (streams, n > 1, logprobs, structured output, tools, aborts, deadlines,
+two tenants), both services' resident memory sampled every --sample-every requests.
 
 Each client loops until the duration is over: a random prompt (--prompt-tokens range),
 random max_new_tokens (--new-tokens range), sampled at temperature 0.8 with eos ignored
@@ -230,7 +235,21 @@ def main() -> int:
                         help="two tenants: the services on CPU 0 (the model service with --threads 1), the clients "
                              "on CPU 1, the abusive ones at nice 19: the server has a core of its own and the "
                              "abusers' own CPU stands for other machines', as in a deployment")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="> 0: the memory soak (bench/memory_soak.py), this many requests of mixed shapes")
+    parser.add_argument("--sample-every", type=int, default=500, help="memory soak: requests between RSS samples")
+    parser.add_argument("--from-request", type=int, default=1000,
+                        help="memory soak: RSS growth is measured from the first sample at or past this request")
+    parser.add_argument("--max-growth", type=float, default=0.02,
+                        help="memory soak: exit 1 if the model service's RssAnon grew by this fraction or more")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="memory soak: new tokens, 1 to this")
     args = parser.parse_args()
+    if args.requests:
+        import memory_soak
+
+        if args.kv_cache_bytes == parser.get_default("kv_cache_bytes"):
+            args.kv_cache_bytes = "64MiB"
+        return memory_soak.run(args)
     if args.abusive_concurrency:
         return two_tenants(args)
 

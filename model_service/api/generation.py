@@ -109,9 +109,11 @@ class GenerationService:
         finally:
             stream.close()
 
-    def abort(self, request_ids: list[str]) -> int:
-        """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
-        return self.engine.abort(request_ids)
+    def abort(self, request_ids: list[str], tenant: Tenant = SINGLE) -> int:
+        """Ends each named live request of `tenant` with FINISH_REASON_ABORT (ids are
+        unique per tenant: another's requests of those ids run on); returns how many
+        were live."""
+        return self.engine.abort(request_ids, tenant.name)
 
     def start(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
               validated=None, tenant: Tenant = SINGLE) -> ResponseStream:

@@ -50,4 +50,5 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await responses.aclose()  # its own finally cancels the request, if it still runs
 
     async def Abort(self, request, context):
-        return model_pb2.AbortResponse(aborted=self.generation.abort(list(request.request_ids)))
+        return model_pb2.AbortResponse(aborted=self.generation.abort(list(request.request_ids),
+                                                                     self._tenant(context)))

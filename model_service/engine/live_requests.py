@@ -114,6 +114,7 @@ class LiveRequests:
         metrics.REQUESTS.labels(finish.value).inc()
         if request.unfinished == 0:
             self._by_key.pop(request.key, None)
+            self._drop_ended_deadlines()
             self._on_request_end(request)
 
     def take_ended(self) -> list[tuple[Completion, Finish]]:
@@ -136,6 +137,23 @@ class LiveRequests:
                 self.end_request(request, Finish.ABORTED, error=(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     "the request's deadline passed before it finished; its blocks are freed"))
+
+    def _drop_ended_deadlines(self) -> None:
+        """A request that ends before its deadline leaves its heap entry behind, to be
+        popped when the deadline passes: with clients' timeouts of hours, hours of
+        entries. Rebuilt without them whenever they outnumber the live requests, so the
+        heap holds at most about twice the live requests at any time (amortized O(1) an
+        ending)."""
+        if len(self._deadlines) > 2 * len(self._by_key) + 16:
+            self._deadlines = [entry for entry in self._deadlines if entry[1] in self._by_key]
+            heapq.heapify(self._deadlines)
+
+    def record_counts(self) -> dict[str, int]:
+        """How many entries each of its per-request records holds: all bounded by the
+        live requests (tests/test_request_memory.py checks that none grows with the
+        requests served)."""
+        return {"live_requests": len(self._by_key), "unfinished_completions": len(self.completions),
+                "deadlines": len(self._deadlines), "ended_untold": len(self._ended), "outbox": len(self._outbox)}
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> None:
         """Ends every request with an error status and forgets them, without touching

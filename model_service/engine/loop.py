@@ -36,7 +36,7 @@ from model_service.engine.deltas import Delta, Sink
 from model_service.engine.failures import step_failure_status
 from model_service.engine.inbox import Abort, Cancel, Inbox, Message, SessionFailed, Submit, Wake
 from model_service.engine.live_requests import Deliver, LiveRequests
-from model_service.engine.output import new_request
+from model_service.engine.output import RequestOutput, new_request
 from model_service.engine.settings import EngineSettings
 from model_service.engine.step_sampler import StepSampler
 from model_service.engine.tenant_gauges import TenantBlockGauges
@@ -87,8 +87,7 @@ class Engine:
         self._on_fatal = on_fatal
         self._inbox = Inbox()
         self._admission = Admission(settings.max_queued_requests)
-        self._requests = LiveRequests(deliver, on_request_end=lambda request: self._admission.release(
-            request.request_id, request.key))
+        self._requests = LiveRequests(deliver, on_request_end=self._release)
         self._stopping = threading.Event()
         self._accepting = True  # False from the moment stop() begins
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -169,7 +168,7 @@ class Engine:
             raise EngineUnavailable("the model service is shutting down; retry elsewhere")
         if not self.connected.is_set():
             raise EngineUnavailable("the model service is not attached to the cache service; retry shortly")
-        key = self._admission.admit(request_id)
+        key = self._admission.admit(request_id, tenant)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
                               self.device, deadline, priority, arrival=key, cache_salt=cache_salt,
                               bytes_per_block=self.bytes_per_block, tenant=tenant)
@@ -180,12 +179,21 @@ class Engine:
         """The client went away: free the request's blocks with the next lease call."""
         self._inbox.put(Cancel(key))
 
-    def abort(self, request_ids: list[str]) -> int:
-        """Ends each named live request with FINISH_REASON_ABORT; returns how many were live."""
-        keys = self._admission.keys_of(request_ids)
+    def abort(self, request_ids: list[str], tenant: str = "") -> int:
+        """Ends each named live request of `tenant` with FINISH_REASON_ABORT; returns how
+        many were live. Another tenant's requests of the same ids are not touched."""
+        keys = self._admission.keys_of(request_ids, tenant)
         if keys:
             self._inbox.put(Abort(tuple(keys)))
         return len(keys)
+
+    def record_counts(self) -> dict[str, int]:
+        """Entries in each of the engine's per-request records. None outlives its request
+        for long: each is bounded by the live requests (README, "Memory"), and what
+        tests/test_request_memory.py checks does not grow with requests served. Read
+        from any thread between requests; a snapshot, not a consistent one, while they run."""
+        return {**self._requests.record_counts(), "admitted_ids": len(self._admission),
+                "admitted_pending": self._admission.pending}
 
     # -- the engine thread --------------------------------------------------------------
 
@@ -401,6 +409,10 @@ class Engine:
         self._requests.fail_all(code, message)
         self._sampler.reset()
 
+    def _release(self, request: RequestOutput) -> None:
+        """The request ended: its id is free again (any thread)."""
+        self._admission.release(request.request_id, request.key, request.tenant)
+
     def _fail_queued(self, code: grpc.StatusCode, message: str) -> None:
         """Fails requests still in the inbox. Without this a request submitted just before
         the cache service went away would wait, stream open, for a re-attach that may
@@ -408,7 +420,7 @@ class Engine:
         for message_ in self._inbox.drain(block=False):
             if isinstance(message_, Submit):
                 request = message_.request
-                self._admission.release(request.request_id, request.key)
+                self._release(request)
                 self._requests.send(request.sink, Delta(finish=Finish.ABORTED, error=(code, message)))
             # Cancels have nothing left to cancel; stale session failures nothing left to fail.
 

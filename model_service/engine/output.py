@@ -41,6 +41,7 @@ class Completion:
     request: RequestOutput
     history_slot: int | None = None  # its TokenHistory row, once it samples with a penalty
     grammar: object | None = None  # its xgrammar GrammarMatcher, once it samples under structured output
+    suppressed: tuple[int, ...] | None = None  # what min_tokens forbids it, once it samples under min_tokens
     last_token_at: float = 0.0
     finished: bool = False
     # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).
@@ -83,6 +84,7 @@ class RequestOutput:
     cached_tokens: int = 0
     cached_tokens_tiers: tuple[int, int] = (0, 0)
     bytes_per_block: int = 0  # of the pool it runs on: Usage.peak_kv_bytes
+    tenant: str = ""  # whose (--api-keys; "": no tenant): its id is unique among that tenant's live ones
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -133,7 +135,8 @@ def new_request(key: int, request_id: str, prompt_token_ids: list[int], options:
     prompt, the others wait to fork from it (Sequence.fork_children)."""
     request = RequestOutput(key=key, request_id=request_id, sink=sink, options=options,
                             prompt_len=len(prompt_token_ids), submitted_at=time.perf_counter(),
-                            deadline=deadline, unfinished=options.n, bytes_per_block=bytes_per_block)
+                            deadline=deadline, unfinished=options.n, bytes_per_block=bytes_per_block,
+                            tenant=tenant)
     for index in range(options.n):
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        options=options, arrival=arrival, index=index, priority=priority,

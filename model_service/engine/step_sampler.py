@@ -10,8 +10,6 @@ the penalties read; the engine owns the requests.
 
 from __future__ import annotations
 
-import functools
-
 from collections.abc import Callable, Collection, Mapping, Sequence as Seq
 
 import torch
@@ -116,8 +114,13 @@ class StepSampler:
             completion.history_slot = self.history.open(seq.token_ids)
         suppressed: tuple[int, ...] = ()
         if seq.num_output < options.min_tokens:
-            eos = frozenset() if options.ignore_eos else self.eos_token_ids
-            suppressed = suppressed_ids(options.stop_token_ids, eos)
+            if completion.suppressed is None:
+                # Built once per completion, not on every step, and dropped with it: a
+                # cache across requests would keep each distinct stop set (up to the
+                # whole vocabulary) alive after its request.
+                eos = frozenset() if options.ignore_eos else self.eos_token_ids
+                completion.suppressed = tuple(sorted(options.stop_token_ids | eos))
+            suppressed = completion.suppressed
         return RowAdjustment(
             history_slot=completion.history_slot, repetition_penalty=options.repetition_penalty,
             presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
@@ -169,10 +172,3 @@ class StepSampler:
 # Prompt positions turned into logits at once: 256 rows at vocab 49,152 are 50 MB of
 # float32, where a whole 2,048-token chunk was 400 MB (and +789 MiB peak measured).
 PROMPT_LOGPROB_ROWS = 256
-
-
-@functools.lru_cache(maxsize=1024)
-def suppressed_ids(stop_token_ids: frozenset[int], eos_token_ids: frozenset[int]) -> tuple[int, ...]:
-    """The ids a row under its min_tokens may not sample, built once per distinct set, not
-    on every step (frozensets keep their hash: a lookup is cheap at any size)."""
-    return tuple(sorted(stop_token_ids | eos_token_ids))
