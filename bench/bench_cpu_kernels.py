@@ -4,7 +4,10 @@ decode batch's logits), then whole engine steps (decode at
 batch 1 and 48, one prefill) with the kernels on and off.
 
     .venv/bin/python bench/bench_cpu_kernels.py [--model smollm2|w48|PATH] [--dtype bfloat16|float32]
-        [--threads 2] [--rounds 5]
+        [--threads 2] [--rounds 5] [--attention-only]
+
+Decode attention runs at each level of the C kernel this CPU runs (portable, avx2, avx512),
+over a pool of --dtype and an 8-bit one.
 
 Ops are timed over many calls a round; steps over a few runner.execute calls. Medians of
 rounds; the ratio is torch time / C time (above 1: C is faster).
@@ -105,20 +108,29 @@ def op_pairs(config, dtype: torch.dtype, rows: int, library) -> dict[str, tuple]
 
 
 def attention_pairs(config, dtype: torch.dtype, library) -> dict[str, tuple]:
+    """Decode attention over a pool of the model's dtype and an 8-bit (e4m3) one, at each
+    level of the C kernel this CPU runs (paged_decode.LEVELS)."""
     pairs = {}
     for num_seqs, context in ((1, 160), (48, 330)):
         batch, num_blocks = decode_batch(num_seqs, context, config.vocab_size)
-        kv_layer = torch.randn(2, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim).to(dtype)
+        pool = torch.randn(2, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
         width = max(len(seq.block_table) for seq, _ in batch)
         tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch], dtype=torch.int32)
         lens = torch.tensor([seq.num_computed + 1 for seq, _ in batch], dtype=torch.int32)
         q = torch.randn(num_seqs, config.num_heads, config.head_dim).to(dtype)
         scale = config.head_dim**-0.5
         longest = int(lens.max())
-        pairs[f"decode attention, one layer, batch {num_seqs}, contexts up to {longest}"] = (
-            lambda q=q, kv=kv_layer, t=tables, n=lens, m=longest: decode_attention_torch(q, kv, t, n, scale, max_context_len=m),
-            lambda q=q, kv=kv_layer, t=tables, n=lens: paged_decode.paged_decode_attention(library, q, kv, t, n, scale),
-        )
+        for kv_dtype in (dtype, torch.float8_e4m3fn):
+            kv_layer = pool.to(kv_dtype)
+            for level in range(paged_decode.best_level(library) + 1):
+                name = (f"decode attention, one layer, batch {num_seqs}, contexts up to {longest}, {kv_dtype} K/V, "
+                        f"C at {paged_decode.LEVELS[level]}")
+                pairs[name] = (
+                    lambda q=q, kv=kv_layer, t=tables, n=lens, m=longest: decode_attention_torch(
+                        q, kv, t, n, scale, max_context_len=m),
+                    lambda q=q, kv=kv_layer, t=tables, n=lens, level=level: paged_decode.paged_decode_attention(
+                        library, q, kv, t, n, scale, level=level),
+                )
     return pairs
 
 
@@ -177,6 +189,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--attention-only", action="store_true", help="decode attention's rows alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -188,11 +201,14 @@ def main() -> int:
             args.model, lambda: Path(args.model))()
         config = load_model(str(path), dtype, "cpu").config
         results = {}
-        for rows in (1, 48, 2000):
-            results.update(in_turns(op_pairs(config, dtype, rows, library), args.rounds, calls=200 if rows < 2000 else 20))
+        if not args.attention_only:
+            for rows in (1, 48, 2000):
+                results.update(in_turns(op_pairs(config, dtype, rows, library), args.rounds,
+                                        calls=200 if rows < 2000 else 20))
         results.update(in_turns(attention_pairs(config, dtype, library), args.rounds, calls=100))
-        results.update(in_turns(argmax_pairs(config, dtype, library), args.rounds, calls=100))
-        results.update(in_turns(step_pairs(str(path), dtype), args.rounds, calls=3))
+        if not args.attention_only:
+            results.update(in_turns(argmax_pairs(config, dtype, library), args.rounds, calls=100))
+            results.update(in_turns(step_pairs(str(path), dtype), args.rounds, calls=3))
     print(f"\n{args.model}, {args.dtype}, {args.threads} threads, median of {args.rounds} rounds in turns\n")
     print("| what | torch | C kernels | torch / C |")
     print("| --- | --- | --- | --- |")

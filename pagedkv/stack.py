@@ -314,7 +314,8 @@ class Stack:
             print(f"pagedkv.stack: removed {path} left by the cache service", file=sys.stderr, flush=True)
 
 
-EXAMPLE_QUESTION = "What is the capital of France?"
+# Answered well by the default --weights native (README.md's first example shows the answer).
+EXAMPLE_QUESTION = "What is the capital of Japan?"
 
 
 def example_arguments(address: str) -> str:

@@ -109,3 +109,33 @@ def test_the_worked_sizing_example_is_what_the_calculator_prints(tmp_path, capsy
     shown = block.group(1)
     assert shown.startswith("$ python -m cache_service sizing"), shown[:80]
     assert shown.split("\n", 1)[1] == printed
+
+
+def test_the_first_answer_is_what_make_runs_default_gives():
+    """README's first example, the question `make run`'s ready line suggests and the answer
+    it shows, is what SmolLM2 answers greedily with --weights native, make run's default."""
+    import sys
+
+    import torch
+
+    from model_service.loading.loader import load_model
+    from pagedkv.stack import EXAMPLE_QUESTION
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from paged_runner import PagedRunner
+
+    shown = re.search(r'\$ \.venv/bin/python -m model_service\.client --chat "([^"]+)" --max-new-tokens (\d+) '
+                      r'--address \S+\n(.*?)\n\[prompt_tokens=\d+ completion_tokens=(\d+) ', README, re.S)
+    assert shown, "README.md lacks the client command and its answer"
+    question, max_new_tokens, answer, completion_tokens = shown.groups()
+    assert question == EXAMPLE_QUESTION and f'--chat "{question}"' in README.split("$ .venv")[0]
+    loaded = load_model("smollm2", torch.float32, "cpu", weights="native")
+    prompt = loaded.chat_template.render([{"role": "user", "content": question}])
+    runner = PagedRunner(loaded.model, loaded.config)
+    (logits,) = runner.step([("a", loaded.tokenizer.encode(prompt, add_special_tokens=False))], num_decode_seqs=0)
+    tokens = [int(logits[-1].argmax())]
+    while tokens[-1] not in loaded.config.eos_token_ids and len(tokens) < int(max_new_tokens):
+        (logits,) = runner.step([("a", tokens[-1:])], num_decode_seqs=1)
+        tokens.append(int(logits[-1].argmax()))
+    assert loaded.tokenizer.decode(tokens, skip_special_tokens=True) == answer
+    assert len(tokens) == int(completion_tokens)

@@ -78,7 +78,7 @@ def test_model_info_says_it_has_a_chat_template(stack):
 
 def test_the_ready_line_asks_a_chat_model_a_real_question(stack):
     _, _, address = stack
-    assert example_arguments(address) == '--chat "What is the capital of France?" --max-new-tokens 64'
+    assert example_arguments(address) == '--chat "What is the capital of Japan?" --max-new-tokens 64'
 
 
 def test_the_capital_of_france(stack):

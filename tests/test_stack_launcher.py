@@ -154,6 +154,8 @@ def test_stack_serves_both_and_stops_cleanly_on_sigint(start_stack):
     assert f"-m model_service.client \"Hello\" --max-new-tokens 32 --address {found['model']}" in ready
     children = stack.children()
     assert set(children) == {"cache_service", "model_service"}, children
+    model_argv = Path(f"/proc/{children['model_service']}/cmdline").read_bytes().split(b"\0")
+    assert model_argv[model_argv.index(b"--weights") + 1] == b"native", model_argv  # make run's default
     wait_serving(found["cache"], timeout_s=5)
     wait_serving(found["model"], timeout_s=5)
     assert pool_files(children["cache_service"]), "the model service attached, so the pool file should exist"
@@ -240,12 +242,12 @@ def test_stack_flags_have_env_twins():
 
     help_text = build_parser().format_help()
     for twin in ["PAGEDKV_MODEL", "PAGEDKV_CACHE_PORT", "PAGEDKV_MODEL_PORT", "PAGEDKV_CACHE_METRICS_PORT",
-                 "PAGEDKV_MODEL_METRICS_PORT", "PAGEDKV_KV_CACHE_BYTES", "PAGEDKV_CACHE_ONLY"]:
+                 "PAGEDKV_MODEL_METRICS_PORT", "PAGEDKV_KV_CACHE_BYTES", "PAGEDKV_CACHE_ONLY", "PAGEDKV_WEIGHTS"]:
         assert twin in help_text
     defaults = build_parser().parse_args([])
     assert (defaults.model_port, defaults.cache_port, defaults.model_metrics_port, defaults.cache_metrics_port) == (
         50051, 50052, 9401, 9402)
-    assert defaults.kv_cache_bytes == "1GiB" and defaults.model == "smollm2"
+    assert defaults.kv_cache_bytes == "1GiB" and defaults.model == "smollm2" and defaults.weights == "native"
 
 
 # -- the health probe ---------------------------------------------------------------------
