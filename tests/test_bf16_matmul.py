@@ -18,7 +18,7 @@ from model_service.models.panel_linear import PanelLinear
 
 library = load()
 pytestmark = pytest.mark.skipif(library is None, reason="the CPU kernel library did not build")
-BEST = bf16_matmul.best_level() if library is not None else 0
+BEST = bf16_matmul.cpu_level() if library is not None else 0
 LEVELS = level_params(bf16_matmul.FAMILY)
 
 

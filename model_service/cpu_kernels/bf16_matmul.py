@@ -29,7 +29,7 @@ PANEL_ROWS = 16  # bf16_matmul.c's BF16_PANEL_ROWS
 
 def _cpu_best() -> int:
     library = load()
-    return 0 if library is None else int(library.bf16_best_level())
+    return 0 if library is None else int(library.bf16_cpu_level())
 
 
 FAMILY = levels.register(levels.Family(
@@ -39,9 +39,15 @@ FAMILY = levels.register(levels.Family(
 CHOICES = FAMILY.choices
 
 
-def best_level(library: ctypes.CDLL | None = None) -> int:
-    """The highest level this CPU runs (asked of the library once)."""
+def cpu_level() -> int:
+    """The index in LEVELS of the highest level this CPU runs (asked of the library once)."""
     return levels.best(FAMILY.name)
+
+
+def best_level(library: ctypes.CDLL) -> int:
+    """1 where this CPU has AVX-512 BF16, else 0: what this answered when that was the only
+    level above portable, and what prefill_attention.py still asks. cpu_level() is the level."""
+    return int(cpu_level() == LEVELS.index("avx512_bf16"))
 
 
 def chosen_level() -> int | None:
@@ -98,4 +104,4 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-__all__ = ["CHOICES", "ENV", "FAMILY", "LEVELS", "PANEL_ROWS", "best_level", "chosen_level", "linear", "pack_panels", "unpack_panels"]
+__all__ = ["CHOICES", "ENV", "FAMILY", "LEVELS", "PANEL_ROWS", "best_level", "chosen_level", "cpu_level", "linear", "pack_panels", "unpack_panels"]

@@ -262,8 +262,8 @@ static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const 
 #pragma GCC pop_options
 #endif
 
-/* The highest level this CPU runs. */
-int bf16_best_level(void) {
+/* The highest level this CPU runs (BLEVEL_*). */
+int bf16_cpu_level(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
@@ -273,6 +273,10 @@ int bf16_best_level(void) {
 #endif
     return BLEVEL_PORTABLE;
 }
+
+/* 1 where the CPU has AVX-512 BF16, else 0: what this function answered when that was the
+ * only level above portable, and what prefill_attention.py still asks it. */
+int bf16_best_level(void) { return bf16_cpu_level() == BLEVEL_AVX512_BF16; }
 
 typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
                         int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows);
@@ -285,7 +289,7 @@ typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, cons
  * take (odd cols, a level this CPU lacks). */
 int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
                 int64_t y_stride, int level, int num_threads) {
-    if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_best_level()) return -1;
+    if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
     if (tokens == 0) return 0;
     tile_fn tile = tile_portable;
     int group = tokens <= 2 ? 4 : 2, token_tile = BF16_TOKEN_TILE;
