@@ -35,6 +35,10 @@
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#if defined(__x86_64__)
+/* Outside the levels' target pragmas: each intrinsic keeps its own instruction set. */
+#include <immintrin.h>
+#endif
 
 #define BF16_PANEL_ROWS 16
 #define BF16_TOKEN_TILE 8
@@ -119,7 +123,6 @@ static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, co
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-#include <immintrin.h>
 
 /* Eight float32 sums as bfloat16, rounded to nearest even as f32_to_bf16 (NaN kept a NaN). */
 static inline __m128i avx2_to_bf16(__m256 v) {
@@ -204,7 +207,6 @@ static void tile_avx2(const uint16_t *panel, int64_t panel_elems, int np, const 
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-#include <immintrin.h>
 
 /* NP panels (panel_elems apart) times NT tokens; NP and NT are constants where it is
  * inlined, so the NP x NT sums stay in registers. */
