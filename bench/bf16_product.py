@@ -95,7 +95,8 @@ def main() -> int:
                      for path in names}
             best = {path: us / 1e3 for path, us in best_in_turns(steps, args.rounds, args.seconds).items()}
             print(f"| {count} | {best['C']:.2f} | {weight_bytes / best['C'] / 1e6:.1f} | {best['torch bf16']:.2f} "
-                  f"| {best['float32']:.2f} | {best['torch bf16'] / best['C']:.2f} | {best['float32'] / best['C']:.2f} |")
+                  f"| {best['float32']:.2f} | {best['torch bf16'] / best['C']:.2f} "
+                  f"| {best['float32'] / best['C']:.2f} |")
     return 0
 
 

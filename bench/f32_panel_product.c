@@ -54,7 +54,11 @@ static inline __attribute__((always_inline)) void tile(const float *panel, int64
 
 static void tile_any(const float *panel, int64_t panel_elems, int np, const float *x, int64_t x_stride, int nt,
                      int cols, float *y, int64_t y_stride, int row0, int rows) {
-#define C(NP, NT) if (np == NP && nt == NT) { tile(panel, panel_elems, NP, x, x_stride, NT, cols, y, y_stride, row0, rows); return; }
+#define C(NP, NT)                                                                        \
+    if (np == NP && nt == NT) {                                                          \
+        tile(panel, panel_elems, NP, x, x_stride, NT, cols, y, y_stride, row0, rows);    \
+        return;                                                                          \
+    }
     C(4, 1) C(2, 1) C(2, 2) C(2, 3) C(1, 1) C(1, 2) C(1, 3)
 #undef C
 }

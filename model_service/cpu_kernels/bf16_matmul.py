@@ -26,14 +26,8 @@ LEVELS = ("portable", "avx2", "avx512_bf16")  # bf16_matmul.c's BLEVEL_*
 ENV = "PAGEDKV_BF16_KERNELS"
 PANEL_ROWS = 16  # bf16_matmul.c's BF16_PANEL_ROWS
 
-
-def _cpu_best() -> int:
-    library = load()
-    return 0 if library is None else int(library.bf16_cpu_level())
-
-
 FAMILY = levels.register(levels.Family(
-    name="bf16 linears", env=ENV, levels=LEVELS, best=_cpu_best,
+    name="bf16 linears", env=ENV, levels=LEVELS, best="bf16_cpu_level",
     requires={"avx2": "AVX2 and FMA", "avx512_bf16": "AVX-512 BF16, BW and VL"},
     others=("onednn",), auto=lambda best: best if best != "portable" else "onednn"))
 CHOICES = FAMILY.choices

@@ -9,7 +9,8 @@ module that wraps its C source, a `Family`:
   level beside its best one: a CPU without the best instruction set never falls to the
   portable C where a SIMD level exists;
 - `env`: the environment switch that forces a level ("auto", or unset, is the CPU's best);
-- `best`: asks the library for the index of the best level this CPU runs (called once);
+- `best`: the name of the library's C function that answers the index of the best level
+  this CPU runs (asked once; a library that did not build answers portable);
 - `requires`: the instruction sets each level above portable needs, for the logs and the
   test summary;
 - `others`, `auto`: choices besides the levels (the bfloat16 linears' "onednn") and what
@@ -37,6 +38,8 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
+from model_service.cpu_kernels.build import load
+
 log = structlog.get_logger()
 
 # The modules that register a family (imported by families()).
@@ -48,7 +51,7 @@ class Family:
     name: str
     env: str
     levels: tuple[str, ...]
-    best: Callable[[], int]
+    best: str
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
     others: tuple[str, ...] = ()
     auto: Callable[[str], str] | None = None  # the best level's name -> what "auto" runs
@@ -79,7 +82,8 @@ def families() -> tuple[Family, ...]:
 @functools.cache
 def best(name: str) -> int:
     """The index of the best level of `name` this CPU runs (asked of the library once)."""
-    return int(_families[name].best())
+    library = load()
+    return 0 if library is None else int(getattr(library, _families[name].best)())
 
 
 def requested(name: str) -> str:

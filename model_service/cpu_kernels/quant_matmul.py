@@ -35,14 +35,8 @@ X8 = 0x100
 X8_TYPES = (2, 3, 8)
 REPACK_ENV = "PAGEDKV_QUANT_REPACK"  # 0: hold every type as the file has it (to compare)
 
-
-def _cpu_best() -> int:
-    library = load()
-    return 0 if library is None else int(library.quant_best_level())
-
-
 FAMILY = levels.register(levels.Family(
-    name="quantized products", env=LEVEL_ENV, levels=LEVELS, best=_cpu_best,
+    name="quantized products", env=LEVEL_ENV, levels=LEVELS, best="quant_best_level",
     requires={"avx2": "AVX2 and FMA", "avx512_vnni": "AVX-512 VNNI, BW and VL"}, clamp=True))
 
 

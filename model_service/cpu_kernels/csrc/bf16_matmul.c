@@ -96,8 +96,9 @@ static inline float word_high(uint32_t word) { /* the odd column's: the top half
     return f;
 }
 
-static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
                           int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+    const uint16_t *x = xv;
     for (int p = 0; p < np; p++) {
         const uint16_t *w = panel + p * panel_elems;
         for (int t = 0; t < nt; t++) {
@@ -139,9 +140,11 @@ static inline __m128i avx2_to_bf16(__m256 v) {
 
 /* NP panels times NT tokens, 2 * NP * NT sums of eight rows in registers (NP and NT are
  * constants where it is inlined). A line's eight-row half is widened once and serves
- * every token of the tile. */
+ * every token of the tile. x is float32 (bf16_linear widens it once a call): a token's
+ * column is then one broadcast load, where a bfloat16 one took a load, a shift, a move
+ * and a shuffle, which at many tokens a tile were the level's bottleneck. */
 static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *panel, int64_t panel_elems,
-                                                              const int NP, const uint16_t *x, int64_t x_stride,
+                                                              const int NP, const float *x, int64_t x_stride,
                                                               const int NT, int pairs, uint16_t *y,
                                                               int64_t y_stride, int row0, int rows) {
     __m256 acc[4][2][BF16_AVX2_TOKEN_TILE];
@@ -159,9 +162,9 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *pa
                 const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
                 const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
                 for (int t = 0; t < NT; t++) {
-                    const uint16_t *xt = x + t * x_stride + 2 * k;
-                    acc[p][h][t] = _mm256_fmadd_ps(w0, _mm256_set1_ps(bf16_to_f32(xt[0])), acc[p][h][t]);
-                    acc[p][h][t] = _mm256_fmadd_ps(w1, _mm256_set1_ps(bf16_to_f32(xt[1])), acc[p][h][t]);
+                    const float *xt = x + t * x_stride + 2 * k;
+                    acc[p][h][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xt), acc[p][h][t]);
+                    acc[p][h][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xt + 1), acc[p][h][t]);
                 }
             }
         }
@@ -188,8 +191,9 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *pa
         tile_avx2_n(panel, panel_elems, NP, x, x_stride, NT, pairs, y, y_stride, row0, rows);            \
         break;
 
-static void tile_avx2(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+static void tile_avx2(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
                       int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+    const float *x = xv;
     if (np == 4) {
         switch (nt) { BF16_AVX2_CASE(4, 1) }
     } else if (np == 2) {
@@ -249,8 +253,9 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *pa
         BF16_TILE_CASE(NP, 5) BF16_TILE_CASE(NP, 6) BF16_TILE_CASE(NP, 7) BF16_TILE_CASE(NP, 8)          \
     }
 
-static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
                       int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+    const uint16_t *x = xv;
     if (np == 4) {
         BF16_TILE_SWITCH(4)
     } else if (np == 2) {
@@ -280,15 +285,17 @@ int bf16_cpu_level(void) {
  * only level above portable, and what prefill_attention.py still asks it. */
 int bf16_best_level(void) { return bf16_cpu_level() == BLEVEL_AVX512_BF16; }
 
-typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+/* x: the level's activations, bfloat16 (portable, AVX-512 BF16) or float32 (AVX2). */
+typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, const void *x, int64_t x_stride,
                         int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows);
 
 /* x: [tokens, cols] bfloat16, rows x_stride apart; panels: bf16_pack_panels' of a
  * [rows, cols] weight; y: [tokens, rows] bfloat16, y_stride apart. Threads split the
  * panels; each takes its panels four at a time for the fewest tokens (four independent
  * sums keep a load of lines in flight), two at a time otherwise, for a tile of tokens as
- * many as the level's registers hold sums for. Returns 0, or -1 for a shape it does not
- * take (odd cols, a level this CPU lacks). */
+ * many as the level's registers hold sums for. Returns 0, -1 for a shape it does not
+ * take (odd cols, a level this CPU lacks), -2 without memory for the AVX2 level's float32
+ * copy of x. */
 int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
                 int64_t y_stride, int level, int num_threads) {
     if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
@@ -306,8 +313,22 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
     const int pairs = cols / 2, num_panels = (rows + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;
     const int64_t panel_elems = (int64_t)pairs * 2 * BF16_PANEL_ROWS;
     const int groups = (num_panels + group - 1) / group;
-    const uint16_t *xs = x, *ws = panels;
+    const uint16_t *ws = panels;
     uint16_t *ys = y;
+    const char *xs = x;
+    size_t x_bytes = sizeof(uint16_t);
+    float *widened = NULL;
+    if (level == BLEVEL_AVX2) { /* x widened once, exactly: the sums see the same values */
+        widened = malloc((size_t)tokens * cols * sizeof(float));
+        if (widened == NULL) return -2;
+        for (int t = 0; t < tokens; t++) {
+            const uint16_t *row = (const uint16_t *)x + t * x_stride;
+            for (int c = 0; c < cols; c++) widened[(int64_t)t * cols + c] = bf16_to_f32(row[c]);
+        }
+        xs = (const char *)widened;
+        x_stride = cols;
+        x_bytes = sizeof(float);
+    }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && groups > 1)
     {
         /* each thread a contiguous run of groups, so its panels stream in order */
@@ -322,13 +343,14 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
                     /* a tail of panels goes one at a time: the SIMD tiles have cases for 4, 2 and 1 */
                     for (int p = p0; p < p0 + np;) {
                         const int here = np - (p - p0) >= group ? group : 1;
-                        tile(ws + p * panel_elems, panel_elems, here, xs + t * x_stride, x_stride, nt, pairs,
-                             ys + t * y_stride, y_stride, p * BF16_PANEL_ROWS, rows);
+                        tile(ws + p * panel_elems, panel_elems, here, xs + (size_t)t * x_stride * x_bytes, x_stride,
+                             nt, pairs, ys + t * y_stride, y_stride, p * BF16_PANEL_ROWS, rows);
                         p += here;
                     }
                 }
             }
         }
     }
+    free(widened);
     return 0;
 }
