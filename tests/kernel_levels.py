@@ -1,6 +1,7 @@
-"""Every level of a CPU kernel this CPU runs, forced through the kernel's switch: a fixture
-for the kernel tests, so that each level is checked where it can run (and the portable one
-everywhere)."""
+"""Parameters over a kernel family's levels (cpu_kernels/levels.py) for tests: every level
+is collected, those this CPU lacks the instruction sets for are skipped and say so, and a
+test forces its level by the family's own switch, as a person would (which the suite's
+summary line reports)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,33 @@ import types
 
 import pytest
 
-from model_service import cpu_kernels
+from model_service.cpu_kernels import levels
 
 
-def runnable(module: types.ModuleType) -> list[str]:
-    """module's LEVELS up to the best this CPU runs (none without the kernel library)."""
-    library = cpu_kernels.load()
-    return [] if library is None else list(module.LEVELS[:module.best_level(library) + 1])
+def level_params(family: levels.Family) -> list:
+    """One pytest.param per level of `family`, id its name, skipped where this CPU lacks it."""
+    lacking = levels.missing(family)
+    return [pytest.param(name, id=name, marks=pytest.mark.skipif(
+        name in lacking, reason=f"this CPU lacks {family.requires.get(name, name)} ({family.name}: {name})"))
+        for name in family.levels]
+
+
+def force(monkeypatch, family: levels.Family, name: str) -> int:
+    """Sets the family's switch to level `name`; its index, once levels.choose agrees."""
+    monkeypatch.setenv(family.env, name)
+    assert levels.choose(family.name) == name
+    return family.levels.index(name)
 
 
 def level_fixture(module: types.ModuleType):
-    """A fixture, parametrized over the runnable levels, that sets module.ENV to each and
-    yields the level's index."""
+    """A fixture over the levels of the family that `module` (a kernel wrapper) registers,
+    forcing each by its switch and yielding the level's index."""
 
-    @pytest.fixture(params=runnable(module))
+    @pytest.fixture(params=level_params(module.FAMILY))
     def level(request, monkeypatch):
-        monkeypatch.setenv(module.ENV, request.param)
-        return module.LEVELS.index(request.param)
+        return force(monkeypatch, module.FAMILY, request.param)
 
     return level
+
+
+__all__ = ["force", "level_fixture", "level_params"]

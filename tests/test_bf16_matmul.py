@@ -1,5 +1,6 @@
 """The bfloat16 product of csrc/bf16_matmul.c (cpu_kernels/bf16_matmul.py) and the
-PanelLinear over it, at every level this CPU runs: close to a float64 product of the same
+PanelLinear over it, at every level this CPU runs (each forced by PAGEDKV_BF16_KERNELS;
+the levels it lacks skipped, saying so): close to a float64 product of the same
 bfloat16 operands, a token's bits the same whatever batch and tile it is in (what lets the
 decode stack and the per-layer path share the kernel), panels that give the weight back,
 and the shapes it refuses refused with a reason."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_levels import force, level_params
 from torch import nn
 
 from model_service.cpu_kernels import bf16_matmul, load
@@ -16,8 +18,14 @@ from model_service.models.panel_linear import PanelLinear
 
 library = load()
 pytestmark = pytest.mark.skipif(library is None, reason="the CPU kernel library did not build")
-BEST = int(library.bf16_best_level()) if library is not None else 0
-LEVELS = [pytest.param(level, id=name) for level, name in enumerate(bf16_matmul.LEVELS) if level <= BEST]
+BEST = bf16_matmul.cpu_level() if library is not None else 0
+LEVELS = level_params(bf16_matmul.FAMILY)
+
+
+@pytest.fixture
+def level(request, monkeypatch) -> int:
+    """The level of the test's parameter, forced by the switch users have."""
+    return force(monkeypatch, bf16_matmul.FAMILY, request.param)
 
 # rows: a multiple of the 4-panel group, a tail of one panel after groups of two or four,
 # a last panel part empty; cols: SmolLM2's, a pair short of a line's worth, the least
@@ -37,7 +45,7 @@ def assert_close_to_reference(out: torch.Tensor, x: torch.Tensor, weight: torch.
     assert bool((error <= exact.abs() * 2 ** -8 + scale * 2 ** -16 + 1e-30).all()), float(error.max())
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_products_are_close_and_a_tokens_bits_do_not_depend_on_its_batch(level, rows, cols):
     torch.manual_seed(rows * cols)
@@ -54,7 +62,7 @@ def test_products_are_close_and_a_tokens_bits_do_not_depend_on_its_batch(level, 
         assert torch.equal(bf16_matmul.linear(x[:size], panels, rows, level), batch[:size])
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_a_prefill_sized_batch_crosses_token_blocks_alike(level):
     """Past 128 tokens (BF16_TOKEN_BLOCK) rows go a block at a time: the same bits."""
     torch.manual_seed(1)
@@ -72,8 +80,27 @@ def test_the_levels_agree_closely():
     torch.manual_seed(2)
     weight, x = torch.randn(64, 576).to(torch.bfloat16), torch.randn(5, 576).to(torch.bfloat16)
     panels = bf16_matmul.pack_panels(weight)
-    portable, simd = (bf16_matmul.linear(x, panels, 64, level) for level in range(2))
-    torch.testing.assert_close(portable.float(), simd.float(), rtol=2 ** -7, atol=1e-2)
+    portable, *simd = (bf16_matmul.linear(x, panels, 64, level) for level in range(BEST + 1))
+    for other in simd:
+        torch.testing.assert_close(portable.float(), other.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_special_values_round_as_torch_does_at_every_level():
+    """Sums that overflow bfloat16 come out infinite, NaN weights give NaN rows, and a sum
+    halfway between two bfloat16 values rounds to the even one, at the SIMD levels'
+    conversions as at the portable one's."""
+    weight = torch.zeros(16, 4, dtype=torch.bfloat16)
+    weight[0, 0] = weight[0, 1] = 3e38  # 6e38: past bfloat16's largest, 3.4e38
+    weight[1, 0] = float("nan")
+    weight[2, 0], weight[2, 1] = 1, 2 ** -8  # halfway between 1 and 1 + 2^-7: to 1, the even one
+    weight[3, 0], weight[3, 1] = 1, 3 * 2 ** -8  # halfway between 1 + 2^-7 and 1 + 2^-6: up, to the even one
+    panels = bf16_matmul.pack_panels(weight)
+    x = torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    for level in range(BEST + 1):
+        out = bf16_matmul.linear(x, panels, 16, level)[0].float()
+        assert out[0] == float("inf") and out[1].isnan(), bf16_matmul.LEVELS[level]
+        exact = (x.float() @ weight.float().T)[0, 2:4]  # float32 sums, exact here
+        assert torch.equal(out[2:4], exact.to(torch.bfloat16).float()), bf16_matmul.LEVELS[level]
 
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
@@ -104,17 +131,30 @@ def test_the_level_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv(bf16_matmul.ENV, "onednn")
     assert bf16_matmul.chosen_level() is None
     monkeypatch.delenv(bf16_matmul.ENV)
-    assert bf16_matmul.chosen_level() == (1 if BEST == 1 else None)  # auto: the C kernel where the CPU has BF16
+    # auto: the C kernel at the CPU's best SIMD level; oneDNN only where it has none
+    assert bf16_matmul.chosen_level() == (BEST if BEST > 0 else None)
     monkeypatch.setenv(bf16_matmul.ENV, "fastest")
-    with pytest.raises(ValueError, match="expected one of auto, portable, avx512_bf16, onednn"):
+    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512_bf16, onednn"):
         bf16_matmul.chosen_level()
-    if BEST == 0:
-        monkeypatch.setenv(bf16_matmul.ENV, "avx512_bf16")
-        with pytest.raises(ValueError, match="this CPU runs portable at best"):
+    for above in bf16_matmul.LEVELS[BEST + 1:]:
+        monkeypatch.setenv(bf16_matmul.ENV, above)
+        with pytest.raises(ValueError, match=f"this CPU runs {bf16_matmul.LEVELS[BEST]} at best"):
             bf16_matmul.chosen_level()
 
 
-@pytest.mark.parametrize("level", LEVELS)
+def test_an_x86_cpu_with_avx2_runs_the_avx2_level_at_least():
+    """No AVX2 CPU falls to the portable C: its flags say AVX2 and FMA, the kernel's best
+    level is AVX2 or above."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no x86 flags in /proc/cpuinfo")
+    if not {"avx2", "fma"} <= set(flags):
+        pytest.skip("this CPU lacks AVX2 and FMA")
+    assert BEST >= bf16_matmul.LEVELS.index("avx2")
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_is_the_kernels_product_in_every_shape_of_input(level, bias):
     torch.manual_seed(3)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf_checkpoints import write_gguf
 from hf_checkpoints import write_checkpoint
+from kernel_levels import force, level_params
 from paged_runner import PagedRunner
 
 from model_service.attention.metadata import AttentionMetadata
@@ -90,24 +91,25 @@ def test_a_large_decode_batch_takes_the_stack_when_every_linear_is_interleaved(t
     assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
 
 
-BF16_LEVELS = [name for level, name in enumerate(bf16_matmul.LEVELS)
-               if load() is not None and level <= load().bf16_best_level()]
-
-
-@pytest.mark.parametrize("level", BF16_LEVELS)
+@pytest.mark.skipif(load() is None, reason="the CPU kernel library did not build")
+@pytest.mark.parametrize("level", level_params(bf16_matmul.FAMILY))
 def test_a_bfloat16_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monkeypatch, level):
     """A bfloat16 checkpoint's linears in bf16_matmul's panels: one kernel at every batch,
     so 17 sequences decoding take the stack too, and give the per-layer path's bits."""
-    monkeypatch.setenv(bf16_matmul.ENV, level)
+    force(monkeypatch, bf16_matmul.FAMILY, level)
     loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.bfloat16, "cpu")
     layer = loaded.model.layers[0]
-    assert all(isinstance(module, PanelLinear) for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    assert all(isinstance(module, PanelLinear) and bf16_matmul.LEVELS[module.level] == level
+               for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
     prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 2)] for i in range(17)]
     assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
 
 
 def test_smollm2_in_bfloat16_stack_matches_the_layer_path(monkeypatch):
-    monkeypatch.setenv(bf16_matmul.ENV, BF16_LEVELS[-1])
+    """At the CPU's best level, what auto serves."""
+    monkeypatch.delenv(bf16_matmul.ENV, raising=False)
+    if bf16_matmul.chosen_level() is None:
+        pytest.skip("this CPU has no SIMD level of the bfloat16 kernel")
     assert_stack_is_the_layer_path(load_model("smollm2", torch.bfloat16, "cpu"), monkeypatch)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_checkpoints import write_checkpoint
+from kernel_levels import level_params
 from safetensors.torch import save_file
 from torch import nn
 
@@ -28,8 +29,8 @@ from model_service.models.weights_held import weights_bytes
 
 PACKING = packing_supported("cpu", torch.bfloat16)
 needs_packing = pytest.mark.skipif(not PACKING, reason="this CPU's oneDNN has no bfloat16 support")
-# Who packs: oneDNN, or the C kernel's portable level (any CPU the library builds on).
-PACKINGS = [pytest.param("onednn", marks=needs_packing), "portable"]
+# Who packs: oneDNN, or the C kernel at each of its levels (those this CPU lacks skipped).
+PACKINGS = [pytest.param("onednn", marks=needs_packing), *level_params(bf16_matmul.FAMILY)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from kernel_levels import force, level_params
 from random_quant_blocks import random_blocks
 
 from model_service import cpu_kernels
@@ -50,12 +51,16 @@ def levels_here(library) -> list[int]:
     return list(range(quant_matmul.best_level(library) + 1))
 
 
-@pytest.mark.parametrize("level", range(len(LEVELS)), ids=LEVELS)
+@pytest.fixture
+def level(request, monkeypatch) -> int:
+    """The level of the test's parameter, forced by PAGEDKV_QUANT_KERNELS as users force it."""
+    return force(monkeypatch, quant_matmul.FAMILY, request.param)
+
+
+@pytest.mark.parametrize("level", level_params(quant_matmul.FAMILY), indirect=True)
 @pytest.mark.parametrize("type_code", TYPES, ids=[KERNEL_TYPES[t] for t in TYPES])
 @pytest.mark.parametrize(("tokens", "rows", "blocks_per_row"), [(1, 37, 1), (3, 16, 3), (9, 53, 2)])
 def test_linear_matches_float_reference(library, level, type_code, tokens, rows, blocks_per_row):
-    if level > quant_matmul.best_level(library):
-        pytest.skip(f"this CPU lacks {LEVELS[level]}")
     cols = quant_matmul.BLOCK_SIZES[type_code][0] * blocks_per_row
     blocks = random_blocks(type_code, rows, cols, seed=type_code * 100 + rows)
     weights = reference_weights(blocks, type_code)
@@ -91,7 +96,7 @@ def interleaved(library, type_code: int, blocks: np.ndarray) -> tuple[int, torch
 X8_TYPES = list(quant_matmul.X8_TYPES)
 
 
-@pytest.mark.parametrize("level", range(len(LEVELS)), ids=LEVELS)
+@pytest.mark.parametrize("level", level_params(quant_matmul.FAMILY), indirect=True)
 @pytest.mark.parametrize("type_code", X8_TYPES, ids=[KERNEL_TYPES[t] for t in X8_TYPES])
 @pytest.mark.parametrize(("tokens", "rows", "blocks_per_row"),
                          [(1, 8, 1), (2, 24, 3), (5, 56, 2), (19, 40, 2), (17, 48, 3)])
@@ -102,8 +107,6 @@ def test_interleaved_linear_matches_float_reference(library, level, type_code, t
     tiles and a tail. From FLOAT_PRODUCT_TOKENS tokens the float product, which a linear
     mixing layouts still takes, is checked on the same rows too (dequantized eight rows
     at a time), within bfloat16's rounding."""
-    if level > quant_matmul.best_level(library):
-        pytest.skip(f"this CPU lacks {LEVELS[level]}")
     cols = 32 * blocks_per_row
     blocks = random_blocks(type_code, rows, cols, seed=type_code * 100 + rows)
     weights = reference_weights(blocks, type_code)
@@ -278,13 +281,12 @@ def test_a_wrong_row_width_is_refused():
 
 
 def test_the_environment_forces_a_lower_level_and_refuses_an_unknown_one(library, monkeypatch):
-    monkeypatch.setattr(quant_matmul, "_level", None)
     monkeypatch.setenv(quant_matmul.LEVEL_ENV, "portable")
     assert quant_matmul.chosen_level(library) == 0
-    monkeypatch.setattr(quant_matmul, "_level", None)
     monkeypatch.setenv(quant_matmul.LEVEL_ENV, "avx512_vnni")  # never above what the CPU has
     assert quant_matmul.chosen_level(library) == quant_matmul.best_level(library)
-    monkeypatch.setattr(quant_matmul, "_level", None)
+    monkeypatch.delenv(quant_matmul.LEVEL_ENV)
+    assert quant_matmul.chosen_level(library) == quant_matmul.best_level(library)
     monkeypatch.setenv(quant_matmul.LEVEL_ENV, "sse9")
-    with pytest.raises(ValueError, match="expected one of portable, avx2, avx512_vnni"):
+    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512_vnni"):
         quant_matmul.chosen_level(library)

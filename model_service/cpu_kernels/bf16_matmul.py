@@ -1,11 +1,14 @@
 """bfloat16 products on CPU by csrc/bf16_matmul.c: which level runs, weights rearranged
 into its panels and back, and the linear.
 
-PAGEDKV_BF16_KERNELS picks who multiplies a bfloat16 model's linears on CPU:
-- unset or "auto": the C kernel where the CPU has AVX-512 BF16, oneDNN's packed product
-  (models/packed_linear.py) elsewhere, where the C kernel's portable level is the slower;
-- "avx512_bf16" or "portable": that level of the C kernel (a level above the CPU's is
-  refused rather than crashing on an illegal instruction): what a test, or a person
+PAGEDKV_BF16_KERNELS picks who multiplies a bfloat16 model's linears on CPU (levels.py
+chooses once per process and logs why):
+- unset or "auto": the C kernel at the CPU's best level, AVX-512 BF16 or AVX2 (bfloat16
+  weights widened to float32 in registers); oneDNN's packed product
+  (models/packed_linear.py) only where the CPU has neither (the portable C level is the
+  slower there);
+- "portable", "avx2" or "avx512_bf16": that level of the C kernel (a level above the CPU's
+  is refused rather than crashing on an illegal instruction): what a test, or a person
   comparing, runs;
 - "onednn": oneDNN's packed product.
 """
@@ -13,41 +16,37 @@ PAGEDKV_BF16_KERNELS picks who multiplies a bfloat16 model's linears on CPU:
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 
 import torch
 
+from model_service.cpu_kernels import levels
 from model_service.cpu_kernels.build import load
 
-LEVELS = ("portable", "avx512_bf16")
+LEVELS = ("portable", "avx2", "avx512_bf16")  # bf16_matmul.c's BLEVEL_*
 ENV = "PAGEDKV_BF16_KERNELS"
-CHOICES = ("auto", *LEVELS, "onednn")
 PANEL_ROWS = 16  # bf16_matmul.c's BF16_PANEL_ROWS
 
+FAMILY = levels.register(levels.Family(
+    name="bf16 linears", env=ENV, levels=LEVELS, best="bf16_cpu_level",
+    requires={"avx2": "AVX2 and FMA", "avx512_bf16": "AVX-512 BF16, BW and VL"},
+    others=("onednn",), auto=lambda best: best if best != "portable" else "onednn"))
+CHOICES = FAMILY.choices
 
-@functools.cache
-def best_level(library: ctypes.CDLL) -> int:
-    """The highest level this CPU runs (asked of the library once)."""
-    return int(library.bf16_best_level())
+
+def cpu_level() -> int:
+    """The index in LEVELS of the highest level this CPU runs (asked of the library once)."""
+    return levels.best(FAMILY.name)
 
 
 def chosen_level() -> int | None:
     """The C kernel's level for a bfloat16 model's linears, or None where oneDNN's packed
     product serves them (PAGEDKV_BF16_KERNELS, the CPU, a library that did not build)."""
-    requested = os.environ.get(ENV, "").strip().lower() or "auto"
-    if requested not in CHOICES:
-        raise ValueError(f"{ENV}={requested!r}: expected one of {', '.join(CHOICES)}")
-    library = load()
-    if requested == "onednn" or library is None:
+    if load() is None:
+        if levels.requested(FAMILY.name) not in CHOICES:  # a bad switch is still refused
+            raise ValueError(f"{ENV}={levels.requested(FAMILY.name)!r}: expected one of {', '.join(CHOICES)}")
         return None
-    best = best_level(library)
-    if requested == "auto":
-        return best if LEVELS[best] == "avx512_bf16" else None
-    level = LEVELS.index(requested)
-    if level > best:
-        raise ValueError(f"{ENV}={requested}: this CPU runs {LEVELS[best]} at best")
-    return level
+    choice = levels.choose(FAMILY.name)
+    return None if choice == "onednn" else LEVELS.index(choice)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -93,4 +92,4 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-__all__ = ["CHOICES", "ENV", "LEVELS", "PANEL_ROWS", "best_level", "chosen_level", "linear", "pack_panels", "unpack_panels"]
+__all__ = ["CHOICES", "ENV", "FAMILY", "LEVELS", "PANEL_ROWS", "chosen_level", "cpu_level", "linear", "pack_panels", "unpack_panels"]

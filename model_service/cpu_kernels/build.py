@@ -66,7 +66,7 @@ SIGNATURES = {
     "quant_repack_x8": [_ptr, _i32, _i32, _i32],
     "quant_quantize_activations": [_ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr],
     "decode_stack": [_ptr, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32],
-    "bf16_best_level": [],
+    "bf16_cpu_level": [],
     "bf16_pack_panels": [_ptr, _i64, _i32, _i32, _ptr],
     "bf16_linear": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32],
     "prefill_best_level": [],
@@ -82,7 +82,8 @@ RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes
            "quant_best_level": ctypes.c_int, "quant_linear": ctypes.c_int, "quant_dequantize_rows": ctypes.c_int,
            "quant_dequantize_linear": ctypes.c_int, "quant_repack_x8": ctypes.c_int,
            "quant_quantize_activations": ctypes.c_int, "decode_stack": ctypes.c_int, "write_kv": ctypes.c_int,
-           "bf16_best_level": ctypes.c_int, "bf16_pack_panels": ctypes.c_int, "bf16_linear": ctypes.c_int,
+           "bf16_cpu_level": ctypes.c_int,
+           "bf16_pack_panels": ctypes.c_int, "bf16_linear": ctypes.c_int,
            "prefill_best_level": ctypes.c_int, "prefill_attention": ctypes.c_int, "kv_write_best_level": ctypes.c_int}
 
 _lock = threading.Lock()

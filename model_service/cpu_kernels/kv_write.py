@@ -8,12 +8,11 @@ the highest this CPU runs; a level above it is refused with a ValueError."""
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
+from model_service.cpu_kernels import levels
 from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES, load
-from model_service.cpu_kernels.paged_decode import requested_level
 from pagedkv.kv_geometry import is_fp8
 
 LEVELS = ("portable", "avx2")
@@ -21,16 +20,17 @@ ENV = "PAGEDKV_KV_WRITE_KERNELS"
 CHOICES = ("auto", *LEVELS)
 
 
-@functools.cache
-def best_level(library: ctypes.CDLL) -> int:
+FAMILY = levels.register(levels.Family(name="K/V writes", env=ENV, levels=LEVELS, best="kv_write_best_level", requires={"avx2": "AVX2, FMA and F16C"}))
+
+
+def best_level(library: ctypes.CDLL | None = None) -> int:
     """The highest level this CPU runs (asked of the library once)."""
-    return int(library.kv_write_best_level())
+    return levels.best(FAMILY.name)
 
 
 def chosen_level() -> int | None:
-    """The level K/V writes run at, or None where the library did not build."""
-    library = load()
-    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
+    """The level this kernel runs at, or None where the library did not build."""
+    return None if load() is None else LEVELS.index(levels.choose(FAMILY.name))
 
 
 def supports(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -53,7 +53,7 @@ def write_kv(library: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, kv_layer: t
     if not slots.is_contiguous():
         slots = slots.contiguous()
     if level is None:
-        level = requested_level(ENV, LEVELS, best_level(library))
+        level = LEVELS.index(levels.choose(FAMILY.name))
     status = library.write_kv_at(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads * head_dim,
                               DTYPE_CODES[k.dtype], slots.data_ptr(), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
                               KV_DTYPE_CODES[kv_layer.dtype], kv_scales[0], kv_scales[1], torch.get_num_threads(),

@@ -12,11 +12,10 @@ switches of their own):
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 
 import torch
 
+from model_service.cpu_kernels import levels
 from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES, load
 
 LEVELS = ("portable", "avx2", "avx512")
@@ -28,35 +27,20 @@ MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK_SIZE = 256, 64, 256
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@functools.cache
-def best_level(library: ctypes.CDLL) -> int:
+FAMILY = levels.register(levels.Family(
+    name="decode attention", env=ENV, levels=LEVELS, best="paged_decode_best_level",
+    requires={"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512F (and a library built with -march=native there)"}))
+
+
+def best_level(library: ctypes.CDLL | None = None) -> int:
     """The highest level this CPU runs (asked of the library once)."""
-    return int(library.paged_decode_best_level())
-
-
-def requested_level(env: str, levels: tuple[str, ...], best: int) -> int:
-    """The level that the switch `env` asks of a kernel whose levels are `levels` and whose
-    best on this CPU is `best` (the attention kernels' and kv_write.py's switches)."""
-    return _requested_level(env, os.environ.get(env, "").strip().lower() or "auto", levels, best)
-
-
-@functools.cache  # asked every layer: the environment string is the key
-def _requested_level(env: str, requested: str, levels: tuple[str, ...], best: int) -> int:
-    if requested == "auto":
-        return best
-    if requested not in levels:
-        raise ValueError(f"{env}={requested!r}: expected one of auto, {', '.join(levels)}")
-    level = levels.index(requested)
-    if level > best:
-        raise ValueError(f"{env}={requested}: this CPU runs {levels[best]} at best")
-    return level
+    return levels.best(FAMILY.name)
 
 
 def chosen_level() -> int | None:
     """The level decode attention runs at, or None where the library did not build (the
     torch path serves)."""
-    library = load()
-    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
+    return None if load() is None else LEVELS.index(levels.choose(FAMILY.name))
 
 
 def supports(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -96,7 +80,7 @@ def paged_decode_attention(
     out = torch.empty((num_seqs, q_heads, head_dim), dtype=compute_dtype)
     k_scale, v_scale = kv_scales
     if level is None:
-        level = requested_level(ENV, LEVELS, best_level(library))
+        level = LEVELS.index(levels.choose(FAMILY.name))
     status = library.paged_decode_attention_at(
         q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),

@@ -11,14 +11,13 @@ ValueError). At one level a query's result is the same bits whatever chunk compu
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from model_service.cpu_kernels import levels
 from model_service.cpu_kernels.build import DTYPE_CODES, load
-from model_service.cpu_kernels.paged_decode import requested_level
 
 LEVELS = ("portable", "avx2", "avx512_bf16")
 ENV = "PAGEDKV_PREFILL_KERNELS"
@@ -27,16 +26,17 @@ MAX_HEAD_DIM = 256  # prefill_attention.c's PREFILL_MAX_HEAD_DIM
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
-def best_level(library: ctypes.CDLL) -> int:
+FAMILY = levels.register(levels.Family(name="prefill attention", env=ENV, levels=LEVELS, best="prefill_best_level", requires={"avx2": "AVX2, FMA and F16C", "avx512_bf16": "AVX-512 BF16, BW and VL"}))
+
+
+def best_level(library: ctypes.CDLL | None = None) -> int:
     """The highest level this CPU runs (asked of the library once)."""
-    return int(library.prefill_best_level())
+    return levels.best(FAMILY.name)
 
 
 def chosen_level() -> int | None:
-    """The level prefill attention runs at, or None where the library did not build."""
-    library = load()
-    return None if library is None else requested_level(ENV, LEVELS, best_level(library))
+    """The level this kernel runs at, or None where the library did not build."""
+    return None if load() is None else LEVELS.index(levels.choose(FAMILY.name))
 
 
 def supports(library: ctypes.CDLL, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -77,7 +77,7 @@ def prefill_attention(library: ctypes.CDLL, q: torch.Tensor, kv_layer: torch.Ten
     if out.stride(2) != 1 or out.stride(1) != head_dim:
         raise ValueError("out must hold each token's heads contiguously")
     if level is None:
-        level = requested_level(ENV, LEVELS, best_level(library))
+        level = LEVELS.index(levels.choose(FAMILY.name))
     tables, lens, contexts = sequences
     status = library.prefill_attention(
         q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(), tables.data_ptr(), tables.stride(0),

@@ -5,8 +5,9 @@ and rows dequantized (an embedding lookup).
 
 The level is the best this CPU has (`quant_best_level`), or a lower one named by
 PAGEDKV_QUANT_KERNELS (portable, avx2, avx512_vnni): so a test, or a person comparing,
-can run each. A level above what the CPU has is refused rather than crashing on an
-illegal instruction.
+can run each. A level above what the CPU has runs the CPU's best instead (one setting
+serves a fleet of mixed CPUs) rather than crashing on an illegal instruction. levels.py
+chooses, once per process, and logs why.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import ctypes
 import os
 from collections.abc import Sequence
 
-import structlog
 import torch
 import torch.nn.functional as F
 
+from model_service.cpu_kernels import levels
 from model_service.cpu_kernels.build import DTYPE_CODES, load
 
 LEVELS = ("portable", "avx2", "avx512_vnni")
@@ -34,7 +35,9 @@ X8 = 0x100
 X8_TYPES = (2, 3, 8)
 REPACK_ENV = "PAGEDKV_QUANT_REPACK"  # 0: hold every type as the file has it (to compare)
 
-_level: int | None = None
+FAMILY = levels.register(levels.Family(
+    name="quantized products", env=LEVEL_ENV, levels=LEVELS, best="quant_best_level",
+    requires={"avx2": "AVX2 and FMA", "avx512_vnni": "AVX-512 VNNI, BW and VL"}, clamp=True))
 
 
 def base_type(type_code: int) -> int:
@@ -65,23 +68,13 @@ def repack(library: ctypes.CDLL, type_code: int, blocks: torch.Tensor) -> int:
     return code
 
 
-def best_level(library: ctypes.CDLL) -> int:
-    return int(library.quant_best_level())
+def best_level(library: ctypes.CDLL | None = None) -> int:
+    return levels.best(FAMILY.name)
 
 
-def chosen_level(library: ctypes.CDLL) -> int:
-    """The level the model's linears use: the CPU's best, or PAGEDKV_QUANT_KERNELS's if lower.
-    Logged once."""
-    global _level
-    if _level is None:
-        best = best_level(library)
-        requested = os.environ.get(LEVEL_ENV, "").strip().lower()
-        if requested and requested not in LEVELS:
-            raise ValueError(f"{LEVEL_ENV}={requested!r}: expected one of {', '.join(LEVELS)}")
-        level = min(best, LEVELS.index(requested)) if requested else best
-        structlog.get_logger().info("quantized weight kernels loaded", level=LEVELS[level], cpu_best=LEVELS[best])
-        _level = level
-    return _level
+def chosen_level(library: ctypes.CDLL | None = None) -> int:
+    """The level the model's linears use: the CPU's best, or PAGEDKV_QUANT_KERNELS's if lower."""
+    return LEVELS.index(levels.choose(FAMILY.name))
 
 
 class Segments:
@@ -206,6 +199,6 @@ def dequantize_rows(library: ctypes.CDLL, blocks: torch.Tensor, type_code: int, 
     return out
 
 
-__all__ = ["FLOAT_PRODUCT_TOKENS", "KERNEL_TYPES", "LEVELS", "X8", "Segments", "base_type", "chosen_level",
+__all__ = ["FAMILY", "FLOAT_PRODUCT_TOKENS", "KERNEL_TYPES", "LEVELS", "X8", "Segments", "base_type", "chosen_level",
            "dequantize_rows", "float_product", "linear", "load", "quantize_activations", "repack", "row_bytes",
            "type_name"]

@@ -18,17 +18,33 @@
  * a token's result is the same bits at any batch size and in any tile (tests hold the
  * kernel to it), which is what lets decode_stack.c and the per-layer path share it.
  *
- * Two levels: portable C (float32 products, what a CPU without AVX-512 BF16 runs) and
- * AVX-512 BF16, built with `#pragma GCC target` whatever -march says, as quant_matmul.c's
- * levels are. The levels' results differ in the last bits (dpbf16ps rounds its own way).
+ * Three levels, each built with `#pragma GCC target` whatever -march says, as
+ * quant_matmul.c's levels are, so one library serves every level the CPU has:
+ * - portable C, written on the same 32-bit words as the AVX2 level (a weight is its word
+ *   shifted left 16, or masked to its top half: integer operations every vector unit
+ *   has), which the compiler vectorizes where it can: what a CPU with neither level runs;
+ * - AVX2 with FMA (x86-64 since 2013-2015, no bfloat16 arithmetic): a line is two 256-bit
+ *   loads of eight rows' words, widened to float32 by that shift and that mask in
+ *   registers, and two FMAs a token into float32 sums. The weights are read as bfloat16,
+ *   half float32's bytes, which is what a decode step's time is;
+ * - AVX-512 BF16 (`dpbf16ps`).
+ * The levels' results differ in the last bits (dpbf16ps rounds its own way; the others add
+ * a pair's two products one FMA at a time).
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#if defined(__x86_64__)
+/* Outside the levels' target pragmas: each intrinsic keeps its own instruction set. */
+#include <immintrin.h>
+#endif
 
 #define BF16_PANEL_ROWS 16
 #define BF16_TOKEN_TILE 8
+/* The AVX2 level's tiles: sixteen 256-bit registers hold 2 x 2 x 3 sums, the widened
+ * half-line and a token's two columns broadcast (four panels for one token: 8 sums). */
+#define BF16_AVX2_TOKEN_TILE 3
 /* Column pairs ahead that a tile asks the next lines of its panels for (2 KB): with the
  * hardware's prefetch alone, a step's 120 SmolLM2 linears at 8 tokens took 1.3x as long
  * (9.1 against 6.8 ms; 16 pairs ahead 7.3, 64 7.0). */
@@ -37,7 +53,7 @@
  * rows of up to a few thousand columns) stays in L2, the panels stream through once a block. */
 #define BF16_TOKEN_BLOCK 128
 
-enum { BLEVEL_PORTABLE = 0, BLEVEL_AVX512_BF16 = 1 };
+enum { BLEVEL_PORTABLE = 0, BLEVEL_AVX2 = 1, BLEVEL_AVX512_BF16 = 2 };
 
 /* Rearranges w [rows, cols] (row stride w_stride, in elements) into panels
  * [ceil(rows / 16)][cols / 2][16][2]; the last panel's missing rows are zeros. cols must
@@ -66,8 +82,23 @@ int bf16_pack_panels(const uint16_t *w, int64_t w_stride, int rows, int cols, ui
 
 /* ---- portable ---- */
 
-static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+static inline float word_low(uint32_t word) { /* the even column's weight: its word's low half */
+    const uint32_t bits = word << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float word_high(uint32_t word) { /* the odd column's: the top half */
+    const uint32_t bits = word & 0xffff0000u;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
                           int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+    const uint16_t *x = xv;
     for (int p = 0; p < np; p++) {
         const uint16_t *w = panel + p * panel_elems;
         for (int t = 0; t < nt; t++) {
@@ -75,9 +106,11 @@ static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, co
             float acc[BF16_PANEL_ROWS] = {0};
             for (int k = 0; k < pairs; k++) {
                 const float x0 = bf16_to_f32(xt[2 * k]), x1 = bf16_to_f32(xt[2 * k + 1]);
-                const uint16_t *line = w + (int64_t)k * 2 * BF16_PANEL_ROWS;
-                for (int r = 0; r < BF16_PANEL_ROWS; r++)
-                    acc[r] += bf16_to_f32(line[2 * r]) * x0 + bf16_to_f32(line[2 * r + 1]) * x1;
+                uint32_t words[BF16_PANEL_ROWS];
+                memcpy(words, w + (int64_t)k * 2 * BF16_PANEL_ROWS, sizeof words);
+                /* two separate adds a pair, in the AVX2 level's order */
+                for (int r = 0; r < BF16_PANEL_ROWS; r++) acc[r] += word_low(words[r]) * x0;
+                for (int r = 0; r < BF16_PANEL_ROWS; r++) acc[r] += word_high(words[r]) * x1;
             }
             const int first = row0 + p * BF16_PANEL_ROWS;
             for (int r = 0; r < BF16_PANEL_ROWS && first + r < rows; r++)
@@ -86,12 +119,98 @@ static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, co
     }
 }
 
+/* ---- AVX2 ---- */
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+/* Eight float32 sums as bfloat16, rounded to nearest even as f32_to_bf16 (NaN kept a NaN). */
+static inline __m128i avx2_to_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+    /* 32-bit lanes to 16: packus within each 128-bit half, then the halves' low quads together */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xd8);
+    return _mm256_castsi256_si128(packed);
+}
+
+/* NP panels times NT tokens, 2 * NP * NT sums of eight rows in registers (NP and NT are
+ * constants where it is inlined). A line's eight-row half is widened once and serves
+ * every token of the tile. x is float32 (bf16_linear widens it once a call): a token's
+ * column is then one broadcast load, where a bfloat16 one took a load, a shift, a move
+ * and a shuffle, which at many tokens a tile were the level's bottleneck. */
+static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *panel, int64_t panel_elems,
+                                                              const int NP, const float *x, int64_t x_stride,
+                                                              const int NT, int pairs, uint16_t *y,
+                                                              int64_t y_stride, int row0, int rows) {
+    __m256 acc[4][2][BF16_AVX2_TOKEN_TILE];
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int p = 0; p < NP; p++)
+        for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
+    for (int k = 0; k < pairs; k++) {
+        for (int p = 0; p < NP; p++)
+            _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + BF16_PREFETCH) * 2 * BF16_PANEL_ROWS),
+                         _MM_HINT_T0);
+        for (int p = 0; p < NP; p++) {
+            const uint16_t *line = panel + p * panel_elems + (int64_t)k * 2 * BF16_PANEL_ROWS;
+            for (int h = 0; h < 2; h++) {
+                const __m256i words = _mm256_loadu_si256((const __m256i *)(line + 16 * h));
+                const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+                const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+                for (int t = 0; t < NT; t++) {
+                    const float *xt = x + t * x_stride + 2 * k;
+                    acc[p][h][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xt), acc[p][h][t]);
+                    acc[p][h][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xt + 1), acc[p][h][t]);
+                }
+            }
+        }
+    }
+    for (int p = 0; p < NP; p++) {
+        const int first = row0 + p * BF16_PANEL_ROWS, valid = rows - first;
+        for (int t = 0; t < NT; t++) {
+            uint16_t *yt = y + t * y_stride + first;
+            if (valid >= BF16_PANEL_ROWS) {
+                _mm_storeu_si128((__m128i *)yt, avx2_to_bf16(acc[p][0][t]));
+                _mm_storeu_si128((__m128i *)(yt + 8), avx2_to_bf16(acc[p][1][t]));
+            } else {
+                uint16_t out[BF16_PANEL_ROWS];
+                _mm_storeu_si128((__m128i *)out, avx2_to_bf16(acc[p][0][t]));
+                _mm_storeu_si128((__m128i *)(out + 8), avx2_to_bf16(acc[p][1][t]));
+                memcpy(yt, out, (size_t)valid * sizeof out[0]);
+            }
+        }
+    }
+}
+
+#define BF16_AVX2_CASE(NP, NT)                                                                           \
+    case NT:                                                                                             \
+        tile_avx2_n(panel, panel_elems, NP, x, x_stride, NT, pairs, y, y_stride, row0, rows);            \
+        break;
+
+static void tile_avx2(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
+                      int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+    const float *x = xv;
+    if (np == 4) {
+        switch (nt) { BF16_AVX2_CASE(4, 1) }
+    } else if (np == 2) {
+        switch (nt) { BF16_AVX2_CASE(2, 1) BF16_AVX2_CASE(2, 2) BF16_AVX2_CASE(2, 3) }
+    } else {
+        switch (nt) { BF16_AVX2_CASE(1, 1) BF16_AVX2_CASE(1, 2) BF16_AVX2_CASE(1, 3) }
+    }
+}
+#undef BF16_AVX2_CASE
+#pragma GCC pop_options
+#endif
+
 /* ---- AVX-512 BF16 ---- */
 
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-#include <immintrin.h>
 
 /* NP panels (panel_elems apart) times NT tokens; NP and NT are constants where it is
  * inlined, so the NP x NT sums stay in registers. */
@@ -134,8 +253,9 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *pa
         BF16_TILE_CASE(NP, 5) BF16_TILE_CASE(NP, 6) BF16_TILE_CASE(NP, 7) BF16_TILE_CASE(NP, 8)          \
     }
 
-static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
                       int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+    const uint16_t *x = xv;
     if (np == 4) {
         BF16_TILE_SWITCH(4)
     } else if (np == 2) {
@@ -149,39 +269,62 @@ static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const 
 #pragma GCC pop_options
 #endif
 
-/* The highest level this CPU runs. */
-int bf16_best_level(void) {
+/* The highest level this CPU runs (BLEVEL_*). */
+int bf16_cpu_level(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl"))
         return BLEVEL_AVX512_BF16;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return BLEVEL_AVX2;
 #endif
     return BLEVEL_PORTABLE;
 }
 
-typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, const uint16_t *x, int64_t x_stride,
+/* x: the level's activations, bfloat16 (portable, AVX-512 BF16) or float32 (AVX2). */
+typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, const void *x, int64_t x_stride,
                         int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows);
 
 /* x: [tokens, cols] bfloat16, rows x_stride apart; panels: bf16_pack_panels' of a
  * [rows, cols] weight; y: [tokens, rows] bfloat16, y_stride apart. Threads split the
- * panels; each takes its panels four at a time for one or two tokens (four independent
- * sums keep a load of lines in flight), two at a time otherwise (sixteen sums). Returns 0,
- * or -1 for a shape it does not take (odd cols, a level this CPU lacks). */
+ * panels; each takes its panels four at a time for the fewest tokens (four independent
+ * sums keep a load of lines in flight), two at a time otherwise, for a tile of tokens as
+ * many as the level's registers hold sums for. Returns 0, -1 for a shape it does not
+ * take (odd cols, a level this CPU lacks), -2 without memory for the AVX2 level's float32
+ * copy of x. */
 int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
                 int64_t y_stride, int level, int num_threads) {
-    if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level > bf16_best_level()) return -1;
+    if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
     if (tokens == 0) return 0;
     tile_fn tile = tile_portable;
+    int group = tokens <= 2 ? 4 : 2, token_tile = BF16_TOKEN_TILE;
 #if defined(__x86_64__)
-    if (level >= BLEVEL_AVX512_BF16) tile = tile_bf16;
+    if (level == BLEVEL_AVX512_BF16) tile = tile_bf16;
+    if (level == BLEVEL_AVX2) {
+        tile = tile_avx2;
+        group = tokens == 1 ? 4 : 2;
+        token_tile = BF16_AVX2_TOKEN_TILE;
+    }
 #endif
     const int pairs = cols / 2, num_panels = (rows + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;
     const int64_t panel_elems = (int64_t)pairs * 2 * BF16_PANEL_ROWS;
-    const int group = tokens <= 2 ? 4 : 2;
     const int groups = (num_panels + group - 1) / group;
-    const uint16_t *xs = x, *ws = panels;
+    const uint16_t *ws = panels;
     uint16_t *ys = y;
+    const char *xs = x;
+    size_t x_bytes = sizeof(uint16_t);
+    float *widened = NULL;
+    if (level == BLEVEL_AVX2) { /* x widened once, exactly: the sums see the same values */
+        widened = malloc((size_t)tokens * cols * sizeof(float));
+        if (widened == NULL) return -2;
+        for (int t = 0; t < tokens; t++) {
+            const uint16_t *row = (const uint16_t *)x + t * x_stride;
+            for (int c = 0; c < cols; c++) widened[(int64_t)t * cols + c] = bf16_to_f32(row[c]);
+        }
+        xs = (const char *)widened;
+        x_stride = cols;
+        x_bytes = sizeof(float);
+    }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && groups > 1)
     {
         /* each thread a contiguous run of groups, so its panels stream in order */
@@ -191,18 +334,19 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
             const int t_end = t0 + BF16_TOKEN_BLOCK < tokens ? t0 + BF16_TOKEN_BLOCK : tokens;
             for (int g = g0; g < g1; g++) {
                 const int p0 = g * group, np = p0 + group <= num_panels ? group : num_panels - p0;
-                for (int t = t0; t < t_end; t += BF16_TOKEN_TILE) {
-                    const int nt = t + BF16_TOKEN_TILE <= t_end ? BF16_TOKEN_TILE : t_end - t;
-                    /* a tail of panels goes one at a time: tile_bf16 has cases for 4, 2 and 1 */
+                for (int t = t0; t < t_end; t += token_tile) {
+                    const int nt = t + token_tile <= t_end ? token_tile : t_end - t;
+                    /* a tail of panels goes one at a time: the SIMD tiles have cases for 4, 2 and 1 */
                     for (int p = p0; p < p0 + np;) {
                         const int here = np - (p - p0) >= group ? group : 1;
-                        tile(ws + p * panel_elems, panel_elems, here, xs + t * x_stride, x_stride, nt, pairs,
-                             ys + t * y_stride, y_stride, p * BF16_PANEL_ROWS, rows);
+                        tile(ws + p * panel_elems, panel_elems, here, xs + (size_t)t * x_stride * x_bytes, x_stride,
+                             nt, pairs, ys + t * y_stride, y_stride, p * BF16_PANEL_ROWS, rows);
                         p += here;
                     }
                 }
             }
         }
     }
+    free(widened);
     return 0;
 }

@@ -1,0 +1,136 @@
+"""Which instruction-set level each family of CPU kernels runs at: one registry, the level
+chosen once per process (and logged once, with why), the same switch for a person and a test.
+
+A family is a set of kernels that share their levels: the bfloat16 linears
+(bf16_matmul.py), the quantized products (quant_matmul.py), ... Each declares, in the
+module that wraps its C source, a `Family`:
+- `levels`: its level names, lowest first; a level's index is the code its C functions take
+  (so the order is the C enum's). Every family has "portable" first and, on x86, an "avx2"
+  level beside its best one: a CPU without the best instruction set never falls to the
+  portable C where a SIMD level exists;
+- `env`: the environment switch that forces a level ("auto", or unset, is the CPU's best);
+- `best`: the name of the library's C function that answers the index of the best level
+  this CPU runs (asked once; a library that did not build answers portable);
+- `requires`: the instruction sets each level above portable needs, for the logs and the
+  test summary;
+- `others`, `auto`: choices besides the levels (the bfloat16 linears' "onednn") and what
+  "auto" means when it is not simply the best level;
+- `clamp`: whether a forced level above the CPU's best runs the best instead (the
+  quantized products, as they always have) or is refused with the reason (the default:
+  a test that forces a level must get that level or hear why not).
+and calls `register(family)` at import. To add a family, declare and register it in its
+wrapper module and add that module's name to FAMILY_MODULES below, so `families()` (the
+logs, the test summary) sees it without anyone importing it first.
+
+`choose(name)` gives the level's (or other choice's) name: the switch read each call (a
+test sets it with monkeypatch), each distinct answer computed and logged once per process.
+The test suite's summary line (tests/conftest.py) reports, per family, the levels a test
+forced by its switch in this process and the levels this CPU cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from model_service.cpu_kernels.build import load
+
+log = structlog.get_logger()
+
+# The modules that register a family (imported by families()).
+FAMILY_MODULES = ("model_service.cpu_kernels.bf16_matmul", "model_service.cpu_kernels.quant_matmul",
+                  "model_service.cpu_kernels.paged_decode", "model_service.cpu_kernels.prefill_attention",
+                  "model_service.cpu_kernels.kv_write")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    env: str
+    levels: tuple[str, ...]
+    best: str
+    requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    others: tuple[str, ...] = ()
+    auto: Callable[[str], str] | None = None  # the best level's name -> what "auto" runs
+    clamp: bool = False
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return ("auto", *self.levels, *self.others)
+
+
+_families: dict[str, Family] = {}
+_forced: dict[str, set[str]] = {}  # family -> levels a switch forced in this process
+
+
+def register(family: Family) -> Family:
+    if family.levels[:1] != ("portable",):
+        raise ValueError(f"{family.name}: the lowest level must be portable, got {family.levels}")
+    _families[family.name] = family
+    return family
+
+
+def families() -> tuple[Family, ...]:
+    for module in FAMILY_MODULES:
+        importlib.import_module(module)
+    return tuple(_families.values())
+
+
+@functools.cache
+def best(name: str) -> int:
+    """The index of the best level of `name` this CPU runs (asked of the library once)."""
+    library = load()
+    return 0 if library is None else int(getattr(library, _families[name].best)())
+
+
+def requested(name: str) -> str:
+    family = _families[name]
+    return os.environ.get(family.env, "").strip().lower() or "auto"
+
+
+def choose(name: str) -> str:
+    """The level (or other choice) family `name` runs: its switch's, else the CPU's best.
+    ValueError for an unknown choice, or a level above the CPU's where the family refuses."""
+    return _choose(name, requested(name))
+
+
+def forced() -> dict[str, set[str]]:
+    """Per family, the levels its switch forced in this process."""
+    return {name: set(levels) for name, levels in _forced.items()}
+
+
+def missing(family: Family) -> tuple[str, ...]:
+    """The family's levels this CPU lacks the instruction sets for."""
+    return family.levels[best(family.name) + 1:]
+
+
+@functools.cache
+def _choose(name: str, asked: str) -> str:
+    family = _families[name]
+    if asked not in family.choices:
+        raise ValueError(f"{family.env}={asked!r}: expected one of {', '.join(family.choices)}")
+    top = family.levels[best(name)]
+    lacking = family.levels[best(name) + 1:]
+    cpu = f"the CPU's best ({top}" + (f"; it lacks {family.requires.get(lacking[0], lacking[0])})" if lacking else ")")
+    if asked == "auto":
+        choice = family.auto(top) if family.auto is not None else top
+        why = cpu if choice == top else f"auto on a CPU whose best level is {top}"
+    elif asked in family.levels and family.levels.index(asked) > best(name):
+        if not family.clamp:
+            raise ValueError(f"{family.env}={asked}: this CPU runs {top} at best "
+                             f"({asked} needs {family.requires.get(asked, asked)})")
+        choice, why = top, f"{family.env}={asked}, above {cpu}"
+    else:
+        choice, why = asked, f"{family.env}={asked}"
+    if asked != "auto" and choice in family.levels:
+        _forced.setdefault(name, set()).add(choice)
+    log.info("cpu kernel level", family=name, chosen=choice, why=why)
+    return choice
+
+
+__all__ = ["FAMILY_MODULES", "Family", "best", "choose", "families", "forced", "missing", "register", "requested"]
