@@ -186,7 +186,8 @@ def load() -> ctypes.CDLL | None:
         try:
             if compiler is None:
                 raise RuntimeError("no C compiler (cc or gcc) on PATH and CC unset")
-            library = ctypes.CDLL(str(_build(compiler)))
+            path = _build(compiler)
+            library = ctypes.CDLL(str(path))
         except Exception as error:  # a failed build must leave the service on the torch path
             _load_error = str(error)
             log.warning("cpu kernels unavailable; decode attention and the layer ops take the slower torch path",
@@ -197,7 +198,8 @@ def load() -> ctypes.CDLL | None:
             function.argtypes = argtypes
             function.restype = RETURNS.get(name)
         _library = library
-        log.info("cpu kernels loaded", decode_attention="avx512" if library.paged_decode_avx512() else "portable")
+        # Each family's level is logged where it is chosen (levels.py), once per process.
+        log.info("cpu kernels loaded", path=str(path))
         return library
 
 
