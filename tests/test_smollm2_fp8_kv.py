@@ -126,6 +126,7 @@ def against_float64(reference, run) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(errors), torch.cat(gaps)
 
 
+@pytest.mark.timeout(1800)  # loads the float64 reference: minutes on a loaded machine
 def test_both_pools_stay_within_the_bfloat16_pools_distance_from_float64(bfloat16_run, fp8_run, float64_reference):
     for _, run in (bfloat16_run, fp8_run):
         assert [len(tokens) for tokens, _, _ in run] == [MAX_NEW_TOKENS] * len(PROMPTS)
