@@ -1,13 +1,16 @@
-"""SmolLM2 (bfloat16 compute) through both real services with an fp8 KV pool, against the
-same model with a bfloat16 pool: greedy tokens and logprobs stay close, and a pool of the
-other dtype is never shared.
+"""SmolLM2 (bfloat16 compute) through both real services with an fp8 KV pool and with a
+bfloat16 one, each measured against one reference from outside: transformers in float64
+on the same weights, over the same prompt and each run's own tokens (teacher forcing).
+A pool of the other dtype is never shared.
 
-The floor (bench/kv_fp8_accuracy.py measures it at 32 prompts x 128 tokens, BENCHMARKS.md):
-every prompt's greedy tokens equal the bfloat16 run's up to the first position where
-bfloat16's own top two logprobs lie within NEAR_TIE of each other (there any rounding may
-pick the other one), and over the tokens before the first difference the chosen tokens'
-logprobs differ by MEAN_ABS_DLOGPROB at most on average. (A scale applied twice or never
-is caught at the kernels, whose tests use scales far from 1: tests/test_kv_fp8_kernels.py.)
+The bfloat16 pool's own distance from float64 (its weights and compute rounded to
+bfloat16) is the scale: the fp8 pool's chosen-token logprobs may stray from float64's by
+FACTOR times as much on average, and where a run's greedy pick is not float64's best,
+float64 must score it within FACTOR times the largest logprob error the bfloat16 pool
+makes anywhere (a near tie at that run's noise level, not a wrong answer). Thresholds
+come from that measured distribution in every run, not from one run's parting margin.
+(A scale applied twice or never is caught at the kernels, whose tests use scales far
+from 1: tests/test_kv_fp8_kernels.py.)
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import concurrent.futures
 
 import grpc
 import pytest
+import torch
 from processes import start_cache_service, start_model_service
 
+from model_service.loading.embedded import embedded_model_path
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 PROMPTS = [
@@ -29,16 +34,11 @@ PROMPTS = [
     "Name three primary colors.",
 ]
 MAX_NEW_TOKENS = 32
-# Measured with e4m3 and unit scales (BENCHMARKS.md, "fp8 KV cache"): this test's 6 prompts
-# x 32 tokens, mean |Δ logprob| 0.042 over the 122 tokens before the first differences;
-# 4 prompts x 16 tokens, 0.027, first differences where bfloat16's top two were at most
-# 0.125 apart. The bounds leave about 2.5x and 4x that. Since prefill attention on a pool
-# of the model's dtype is the C kernel's (attention/backend.py) while an 8-bit pool's stays
-# SDPA over the step's unquantized K/V, the two runs also round the prompt's attention
-# differently: "Name three primary colors." then parts at a margin of 0.5 (a few bfloat16
-# steps of a logit near 20), so the near tie is 0.75.
-NEAR_TIE = 0.75
-MEAN_ABS_DLOGPROB = 0.1
+# e4m3 keeps 3 mantissa bits to bfloat16's 7 (a rounding step 16x as large), but attention
+# averages the K/V rounding over the context and the bfloat16 weights and compute err
+# alike in both runs: a factor of 4 over the bfloat16 pool's own error bounds what the
+# 8-bit pool may add (BENCHMARKS.md, "fp8 KV cache", measures the two pools' distance).
+FACTOR = 4
 
 
 def run_stack(tmp_path_factory, kv_dtype: str):
@@ -71,7 +71,7 @@ def greedy(stub, text: str):
         messages=[model_pb2.ChatMessage(role="user", content=text)],
         sampling=model_pb2.SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2))
     tokens, chosen, margins = [], [], []
-    for response in stub.Generate(request, timeout=300):
+    for response in stub.Generate(request, timeout=1200):  # a bound on a hang, not a pace
         tokens.extend(response.token_ids)
         for entry in response.logprobs:
             chosen.append(entry.logprob)
@@ -82,14 +82,14 @@ def greedy(stub, text: str):
 
 # Each stack starts in a test of its own, so that each gets the timeout (minutes on a shared,
 # loaded machine; seconds on a quiet one).
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_bfloat16_pool_reports_bfloat16(bfloat16_run):
     info, _ = bfloat16_run
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
     assert "/kv=" not in info.model_fingerprint
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_fp8_pool_reports_fp8_twice_the_tokens_and_a_namespace_of_its_own(bfloat16_run, fp8_run):
     bf16_info, fp8_info = bfloat16_run[0], fp8_run[0]
     assert (fp8_info.dtype, fp8_info.kv_cache_dtype) == ("bfloat16", "fp8_e4m3")
@@ -99,19 +99,45 @@ def test_fp8_pool_reports_fp8_twice_the_tokens_and_a_namespace_of_its_own(bfloat
     assert fp8_info.max_total_tokens == 2 * bf16_info.max_total_tokens
 
 
-def test_greedy_tokens_and_logprobs_stay_with_bfloat16_kv(bfloat16_run, fp8_run):
-    reference, candidate = bfloat16_run[1], fp8_run[1]
-    deltas = []
-    for text, (ref_tokens, ref_logprobs, ref_margins), (tokens, logprobs, _) in zip(
-            PROMPTS, reference, candidate, strict=True):
-        assert len(tokens) == len(ref_tokens) == MAX_NEW_TOKENS
-        same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), MAX_NEW_TOKENS)
-        if same < MAX_NEW_TOKENS:
-            assert ref_margins[same] < NEAR_TIE, (
-                f"{text!r}: fp8 KV chose token {tokens[same]} at position {same}, where bfloat16 KV's top two "
-                f"logprobs were {ref_margins[same]:.3f} apart (not a near tie)")
-        deltas.extend(abs(a - b) for a, b in zip(ref_logprobs[:same], logprobs[:same]))
-    assert len(deltas) >= MAX_NEW_TOKENS  # enough agreeing tokens for the mean to mean something
-    mean = sum(deltas) / len(deltas)
-    print(f"mean |Δ logprob| {mean:.4f} over {len(deltas)} tokens")
-    assert mean < MEAN_ABS_DLOGPROB, f"mean |Δ logprob| {mean:.4f} over {len(deltas)} tokens"
+@pytest.fixture(scope="module")
+def float64_reference():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return tokenizer, model.double().eval()
+
+
+def against_float64(reference, run) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per generated token of every prompt: |the run's logprob - float64's| of the token the
+    run chose, and how far below float64's best token float64 scores it (0: its best)."""
+    tokenizer, model = reference
+    errors, gaps = [], []
+    for text, (tokens, chosen, _) in zip(PROMPTS, run, strict=True):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        theirs = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        errors.append((torch.tensor(chosen, dtype=torch.float64) - theirs).abs())
+        gaps.append(logprobs.max(dim=-1).values - theirs)
+    return torch.cat(errors), torch.cat(gaps)
+
+
+@pytest.mark.timeout(1800)  # loads the float64 reference: minutes on a loaded machine
+def test_both_pools_stay_within_the_bfloat16_pools_distance_from_float64(bfloat16_run, fp8_run, float64_reference):
+    for _, run in (bfloat16_run, fp8_run):
+        assert [len(tokens) for tokens, _, _ in run] == [MAX_NEW_TOKENS] * len(PROMPTS)
+    bf16_errors, bf16_gaps = against_float64(float64_reference, bfloat16_run[1])
+    fp8_errors, fp8_gaps = against_float64(float64_reference, fp8_run[1])
+    noise = float(bf16_errors.max())
+    print(f"|logprob - float64's|: bfloat16 pool mean {float(bf16_errors.mean()):.4f} max {noise:.4f}; "
+          f"fp8 pool mean {float(fp8_errors.mean()):.4f} max {float(fp8_errors.max()):.4f}; "
+          f"float64's gaps to a pick: bfloat16 {float(bf16_gaps.max()):.4f}, fp8 {float(fp8_gaps.max()):.4f}")
+    assert float(fp8_errors.mean()) <= FACTOR * float(bf16_errors.mean())
+    # A pick float64 does not rank first is one float64 scores within the noise: for the
+    # bfloat16 pool its own largest error, twice (both logprobs of the pair may move).
+    assert float(bf16_gaps.max()) <= 2 * noise
+    assert float(fp8_gaps.max()) <= 2 * FACTOR * noise
