@@ -54,7 +54,7 @@ ENGINE_STEP_SECONDS = Counter(
 CACHE_CONNECTED = Gauge("pagedkv_model_cache_connected", "1 while attached to the cache service")
 GRAMMAR_COMPILES = Counter(
     "pagedkv_model_grammar_compiles",
-    "Structured-output specs compiled by xgrammar (cache misses), by kind and result (ok, invalid)",
+    "Structured-output specs compiled by xgrammar (cache misses), by kind and result (ok, invalid, timeout)",
     ["kind", "result"],
 )
 GRAMMAR_CACHE_HITS = Counter(

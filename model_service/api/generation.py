@@ -30,7 +30,7 @@ from model_service.sample.logprobs import TokenLogprob
 from model_service.sample.params import InvalidRequest, SamplingOptions
 from model_service.sched.sequence import Finish
 from model_service.api.tenants import SINGLE, Tenant
-from model_service.sample.grammar import GrammarCompiler
+from model_service.sample.grammar import CompilerBusy, GrammarCompiler
 from model_service.api.validation import GenerateLimits, PoolTooSmall, tokenize_prompt, validate_generate_request
 from pagedkv.model.v1 import model_pb2
 
@@ -201,6 +201,8 @@ class GenerationService:
             raise rejected(grpc.StatusCode.INVALID_ARGUMENT, error) from None
         except PoolTooSmall as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error) from None
+        except CompilerBusy as error:
+            raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
 
     def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
                 deadline: float | None, validated=None, tenant: Tenant = SINGLE) -> tuple[int, int, asyncio.Queue[Delta]]:

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 
 from model_service.api.chat_messages import message_bytes, message_chars, template_messages, template_tools
 from model_service.text.chat_template import ChatTemplate, ChatTemplateError
-from model_service.sample.grammar import CompilerBusy, GrammarCompiler
+from model_service.sample.grammar import GrammarCompiler
 from model_service.sample.params import InvalidRequest, MAX_COMPLETIONS, SamplingOptions
 from model_service.api.sampling_proto import options_from_proto
 from model_service.text.tokenizer import Tokenizer
@@ -95,12 +95,9 @@ def validate_generate_request(
     if options.structured is not None:
         if grammars is None:
             raise InvalidRequest("structured output is not available in this service")
-        try:
-            # Compiled already, as a rule: both doors await the compile (and count its cache
-            # hit) before validating (admit.py).
-            options = replace(options, grammar=grammars.compile(options.structured, count_hit=False))
-        except CompilerBusy as error:
-            raise PoolTooSmall(str(error)) from None
+        # Compiled already, as a rule: both doors await the compile (and count its cache
+        # hit) before validating (admit.py). A CompilerBusy passes to the caller: retry later.
+        options = replace(options, grammar=grammars.compile(options.structured, count_hit=False))
     total = len(prompt_token_ids) + options.max_new_tokens
     pool_tokens = limits.max_total_tokens
     if pool_tokens and total > pool_tokens:
