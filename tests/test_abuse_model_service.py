@@ -40,7 +40,7 @@ KEY_A, KEY_B, KEY_OPS, KEY_LATER = "sk-abuse-tenant-a", "sk-abuse-tenant-b", "sk
 TOKEN = "sk-abuse-auth-token"  # --auth-token: no tenant, an admin
 KEYS = {KEY_A: {"tenant": "a", "max_concurrent_requests": 2}, KEY_B: {"tenant": "b"},
         KEY_OPS: {"tenant": "ops", "admin": True}}
-MAX_PROMPTS, COMPILE_THREADS, MAX_DEPTH, TIMEOUT_S = 4, 2, 150, 2.0
+MAX_PROMPTS, COMPILE_THREADS, MAX_DEPTH, TIMEOUT_S = 4, 2, 250, 2.0
 TEMPLATE = ("{{ bos_token }}{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
             "{% for message in messages %}<|extra|>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<|extra|>assistant\n{% endif %}")
@@ -138,10 +138,11 @@ def nested_arrays(depth: int, leaf: str = "string") -> dict:
 
 
 def slow_schema(seed: int) -> dict:
-    """Many seconds to compile (xgrammar's time grows with the cube of the nesting), under the depth limit."""
+    """Many times TIMEOUT_S to compile on any machine the suite runs on, idle or loaded
+    (xgrammar's time grows with the cube of the nesting), under the depth limit."""
     leaves = ["string", "integer", "boolean", "number", "null"]
     return {"type": "object", "properties": {f"p{seed}_{index}": nested_arrays(MAX_DEPTH - 10, leaves[index % 5])
-                                             for index in range(12)}}
+                                             for index in range(9)}}
 
 
 def structured(model, key: str, schema: dict) -> Answer:

@@ -262,7 +262,7 @@ def test_dockerfile_installs_what_make_run_installs():
     assert re.search(r"^ARG TORCH_INDEX_URL", text, re.MULTILINE), "the torch build is chosen by a build arg"
     assert re.search(r'^ARG EXTRAS=""$', text, re.MULTILINE), "the default (CPU) image installs no extra"
     makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"pip install (--quiet )?-e \.$", makefile, re.MULTILINE), \
+    assert re.search(r"(pip install (--quiet )?|\$\(PIP_INSTALL\) )-e \.$", makefile, re.MULTILINE), \
         "make run installs the repository from pyproject, without extras, as the CPU image does"
 
 
