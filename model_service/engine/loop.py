@@ -266,10 +266,9 @@ class Engine:
         step = self._schedule()
         if step.lease_ops.allocations and step.batch:
             # Admitted while others run: their blocks would come with this step's call, so
-            # their prompts would start a whole step later (a step of every stream, ~90 ms
-            # at 32 SmolLM2 streams on CPU). A loopback lease call is about a millisecond:
-            # wait for it, and run their first chunks in this step (bench/sched_sim.py
-            # --admit-now; BENCHMARKS.md, "Issue 29").
+            # their prompts would start a whole step later (a step of every stream). A
+            # loopback lease call costs far less than a step: wait for it, and run their
+            # first chunks in this step (bench/sched_sim.py --admit-now compares).
             self._send(step.lease_ops)
             self._apply_answer()
             self._retire_ended()

@@ -441,7 +441,7 @@ class Scheduler:
         later prompt overtakes one only if it is that much shorter, and none waits forever.
         Under the priority policy, by priority first. First come, first chunked gave later
         median first tokens under steady load, and shortest first unaged later last ones
-        in a burst (bench/sched_sim.py; BENCHMARKS.md, "Issue 29").
+        in a burst (bench/sched_sim.py compares the orders).
         """
         aging = self.limits.prefill_aging_tokens
         prefills = [seq for seq in self.running if seq.num_uncomputed > 1]
