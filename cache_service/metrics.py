@@ -93,10 +93,3 @@ def tier_metrics(pool):
 
 def register_pool(pool) -> None:
     REGISTRY.register(PoolCollector(pool))
-
-KV_EVENTS_REPLAY_REQUESTS = Counter(
-    "pagedkv_cache_kv_events_replay_requests",
-    "Replay requests on the KV events replay sockets, by outcome (answered, rate_limited, malformed)",
-    ["outcome"],
-)
-KV_EVENTS_REPLAY_BATCHES = Counter("pagedkv_cache_kv_events_replay_batches", "Event batches sent in replay answers")

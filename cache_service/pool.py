@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cache_service.block_event_log import BlockEventLog
-from cache_service.kv_event_publisher import KvEventPublisher
+from cache_service.events.block_event_log import BlockEventLog
+from cache_service.events.publisher import KvEventPublisher
 from cache_service.ledger import Ledger, SessionLimits
 from cache_service.sessions import Session, Sessions
 from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool

@@ -9,9 +9,8 @@ import re
 import structlog
 
 from cache_service import metrics
-from cache_service.kv_event_publisher import KvEventPublisher
-from cache_service import kv_event_settings
-from cache_service.kv_event_settings import EventSettings
+from cache_service.events.publisher import KvEventPublisher
+from cache_service.events.settings import DEFAULT_REPLAY_MAX_BATCHES, DEFAULT_REPLAY_REQUESTS_PER_S, EventSettings
 from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
 from cache_service.servicer import CacheServicer
@@ -69,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
              "queued in the service; past it that subscriber loses batches (it can replay them)")
     add_flag(parser, "--kv-events-replay-buffer-bytes", default="32MiB", type=parse_bytes,
              help="the replay socket keeps the newest event batches whose payloads fit in this")
-    add_flag(parser, "--kv-events-replay-max-batches", default=kv_event_settings.DEFAULT_REPLAY_MAX_BATCHES, type=int,
+    add_flag(parser, "--kv-events-replay-max-batches", default=DEFAULT_REPLAY_MAX_BATCHES, type=int,
              help="event batches one replay request is answered with at most (the oldest first)")
-    add_flag(parser, "--kv-events-replay-rate", default=kv_event_settings.DEFAULT_REPLAY_REQUESTS_PER_S, type=float,
+    add_flag(parser, "--kv-events-replay-rate", default=DEFAULT_REPLAY_REQUESTS_PER_S, type=float,
              help="replay requests one peer address may make per second (and in one burst); the rest are dropped")
     add_flag(parser, "--kv-events-curve-secret-key", default=None,
              help="CURVE for the KV event sockets: the service's secret key file (zmq.auth's format, "

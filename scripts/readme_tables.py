@@ -2,7 +2,8 @@
 
 The flag tables come from the argparse parsers of `python -m cache_service`,
 `python -m model_service` and `python -m pagedkv.stack`; the metric tables from the
-Prometheus objects of cache_service/metrics.py and model_service/metrics.py. Each table
+Prometheus objects of cache_service/metrics.py, cache_service/events/replay.py and
+model_service/metrics.py. Each table
 sits in README.md between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers and is
 replaced whole; so is the output of the sizing calculator for the README's Llama-3-8B
 config.json (between `<!-- sizing-example:... -->`). tests/test_readme.py fails when README.md differs from what this
@@ -142,6 +143,7 @@ def metric_table(families) -> str:
 def tables() -> dict[str, str]:
     """Marker name -> table text."""
     from cache_service import metrics as cache_metrics
+    from cache_service.events import replay as event_replay
     from model_service import metrics as model_metrics
 
     parsers = _parsers()
@@ -149,7 +151,8 @@ def tables() -> dict[str, str]:
         "flags-cache": flag_table(parsers["cache"]),
         "flags-model": flag_table(parsers["model"]),
         "flags-stack": flag_table(parsers["stack"]),
-        "metrics-cache": metric_table(_pool_collector_families() + _module_families(cache_metrics)),
+        "metrics-cache": metric_table(_pool_collector_families() + _module_families(cache_metrics)
+                                      + _module_families(event_replay)),
         "metrics-model": metric_table(_module_families(model_metrics)),
     }
 

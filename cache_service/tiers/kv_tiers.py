@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cache_service.block_event_log import BlockEventLog
+from cache_service.events.block_event_log import BlockEventLog
 from cache_service.block_pool import Block, BlockPool
-from cache_service.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 from cache_service.prefix_hash import Namespace, namespace_root
 from cache_service.tiers.counters import TierCounters
 from cache_service.tiers.disk_folder import DiskFolder
