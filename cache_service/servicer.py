@@ -8,10 +8,10 @@ from collections import Counter
 import grpc
 
 from cache_service import metrics
-from cache_service.ledger import InvalidLease, Ledger, LeaseError
-from cache_service.pool import GeometryMismatch, KvPool, NoPool
-from cache_service.sessions import MAX_ATTACH_KEY_CHARS, MIN_ATTACH_KEY_CHARS, UnknownSession
-from cache_service.sizing import SizingError
+from cache_service.core.ledger import InvalidLease, Ledger, LeaseError
+from cache_service.core.pool import GeometryMismatch, KvPool, NoPool
+from cache_service.core.sessions import MAX_ATTACH_KEY_CHARS, MIN_ATTACH_KEY_CHARS, UnknownSession
+from cache_service.core.sizing import SizingError
 from cache_service.tiers.disk_folder import DiskFolderRefused
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry

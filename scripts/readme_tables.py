@@ -114,7 +114,7 @@ def _tiers():
     """A one-block host tier, so the collector yields the tier series too."""
     import torch
 
-    from cache_service.block_pool import BlockPool
+    from cache_service.blocks.block_pool import BlockPool
     from cache_service.tiers.disk_tier import DiskGeometry
     from cache_service.tiers.kv_tiers import KvTiers
     from cache_service.tiers.settings import TierSettings

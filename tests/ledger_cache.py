@@ -2,7 +2,7 @@
 mapping of lease ops, without the channel.
 
 A step's LeaseOps go through model_service.cache.client's `to_proto_ops`, each op through
-the servicer's `apply_op` on a `cache_service.ledger.Ledger`, each result back through
+the servicer's `apply_op` on a `cache_service.core.ledger.Ledger`, each result back through
 `outcome_from_proto`: what the engine's Lease call does, less gRPC. What the adapter keeps
 itself is only what tests count (calls, forks, top-ups, commits, the session's live
 leases) and "another session" that holds or takes blocks.
@@ -13,7 +13,7 @@ leases) and "another session" that holds or takes blocks.
 
 from __future__ import annotations
 
-from cache_service.ledger import Ledger, SessionLimits
+from cache_service.core.ledger import Ledger, SessionLimits
 from cache_service.servicer import apply_op
 from model_service.cache.client import outcome_from_proto, to_proto_ops
 from model_service.sched.lease_ops import LeaseOps, LeaseOutcome

@@ -470,7 +470,7 @@ def test_listening_address_is_loopback_in_the_logs(stack):
 @pytest.mark.parametrize("raw", ["48", "0", "2048", "-16"])
 def test_a_block_size_the_triton_kernel_cannot_take_is_refused_at_parsing(raw, capsys, monkeypatch):
     # Powers of two up to 1024 compile for sm_80/sm_90 without spills (tests/test_kernels_compile.py).
-    from cache_service.pool import PoolSettings
+    from cache_service.core.pool import PoolSettings
     from cache_service.server import build_parser as cache_parser
 
     monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)

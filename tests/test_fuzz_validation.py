@@ -26,7 +26,7 @@ from cache_helpers import stats, wait_for
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from cache_service.ledger import Ledger
+from cache_service.core.ledger import Ledger
 from cache_service.servicer import apply_op
 from model_service.loading.tiny import tiny_config
 from model_service.text.tokenizer import ByteTokenizer

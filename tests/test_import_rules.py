@@ -50,7 +50,7 @@ RULES = [
     # (who, may not import, why)
     (("cache_service",), ("model_service",), "the two services meet only in proto/ and pagedkv/"),
     (("model_service",), ("cache_service",), "the two services meet only in proto/ and pagedkv/"),
-    (("cache_service/block_pool.py",), ("torch", "model_service", "pagedkv.pool_memory"),
+    (("cache_service/blocks/block_pool.py",), ("torch", "model_service", "pagedkv.pool_memory"),
      "the block pool knows no model and no memory"),
     (("model_service/sched",), ("torch", "grpc", "model_service.worker", "model_service.models",
                                 "model_service.attention", "model_service.cpu_kernels", "model_service.engine",

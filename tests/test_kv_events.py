@@ -18,7 +18,7 @@ import zmq
 from cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from cache_service.ledger import Ledger
+from cache_service.core.ledger import Ledger
 from cache_service.server import build_parser, kv_event_publishers
 from cache_service.events.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
 from pagedkv.cache.v1 import cache_pb2

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from cache_service.ledger import Ledger
+from cache_service.core.ledger import Ledger
 from cache_service.tiers import disk_tier
 from cache_service.tiers.disk_tier import DiskGeometry
 from cache_service.tiers.kv_tiers import KvTiers
@@ -325,7 +325,7 @@ def test_the_background_copy_runs_in_a_thread_and_promotes_the_same_bytes():
 def vllm_hashes_by_pool_hash(pool, prompts) -> dict[int, int]:
     """Each full block of ``prompts`` ((tokens, namespace) pairs): its pool hash -> the hash
     its KV events carry, both computed from the tokens (not from the event log)."""
-    from cache_service.prefix_hash import namespace_root
+    from cache_service.blocks.prefix_hash import namespace_root
     from cache_service.events.vllm_block_hash import chain, external
 
     out = {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cache_service import sizing_cli
-from cache_service.sizing import (
+from cache_service.core.sizing import (
     SizingError,
     SizingReport,
     _read_meminfo,
@@ -469,7 +469,7 @@ def test_kv_cache_bytes_reaches_the_cuda_pool_through_the_cache_service(monkeypa
     # The flag as the cache service parses it (docker-compose.gpu.yml's 256MiB), through
     # serve's settings and KvPool's Attach path to size_pool, with the CUDA memory query
     # faked: an 80 GiB device with 64 GiB free would otherwise give the pool ~50 GiB.
-    from cache_service import pool as pool_module
+    from cache_service.core import pool as pool_module
     from cache_service import server
 
     args = server.build_parser().parse_args(["--kv-cache-bytes", "256MiB"])

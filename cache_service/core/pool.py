@@ -21,9 +21,9 @@ import torch
 
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.events.publisher import KvEventPublisher
-from cache_service.ledger import Ledger, SessionLimits
-from cache_service.sessions import Session, Sessions
-from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
+from cache_service.core.ledger import Ledger, SessionLimits
+from cache_service.core.sessions import Session, Sessions
+from cache_service.core.sizing import SizingError, SizingReport, measure_device_memory, size_pool
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
 from cache_service.tiers.kv_tiers import KvTiers
