@@ -2,7 +2,7 @@
 
 The flag tables come from the argparse parsers of `python -m cache_service`,
 `python -m model_service` and `python -m pagedkv.stack`; the metric tables from the
-Prometheus objects of cache_service/metrics.py, cache_service/events/replay.py and
+Prometheus objects of cache_service/api/metrics.py, cache_service/events/replay.py and
 model_service/metrics.py. Each table
 sits in README.md between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers and is
 replaced whole; so is the output of the sizing calculator for the README's Llama-3-8B
@@ -32,7 +32,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     # leak into the documented defaults.
     for name in [name for name in os.environ if name.startswith("PAGEDKV_")]:
         del os.environ[name]
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
     from model_service.server import build_parser as model_parser
     from pagedkv.stack import build_parser as stack_parser
 
@@ -125,7 +125,7 @@ def _tiers():
 
 
 def _pool_collector_families() -> list:
-    from cache_service.metrics import PoolCollector
+    from cache_service.api.metrics import PoolCollector
 
     pool = SimpleNamespace(sessions={}, ledger=_FakeLedger(), sizing=SimpleNamespace(pool_bytes=0), tiers=_tiers())
     families = []
@@ -142,7 +142,7 @@ def metric_table(families) -> str:
 
 def tables() -> dict[str, str]:
     """Marker name -> table text."""
-    from cache_service import metrics as cache_metrics
+    from cache_service.api import metrics as cache_metrics
     from cache_service.events import replay as event_replay
     from model_service import metrics as model_metrics
 
@@ -166,7 +166,7 @@ def sizing_example(readme: str) -> str:
     import io
     import tempfile
 
-    from cache_service.sizing_cli import main as sizing_main
+    from cache_service.api.sizing_cli import main as sizing_main
 
     match = re.search(r"<!-- llama3-config:begin -->\n```json\n(.*?)\n```\n<!-- llama3-config:end -->", readme, re.S)
     if not match:

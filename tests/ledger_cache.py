@@ -14,7 +14,7 @@ leases) and "another session" that holds or takes blocks.
 from __future__ import annotations
 
 from cache_service.core.ledger import Ledger, SessionLimits
-from cache_service.servicer import apply_op
+from cache_service.api.servicer import apply_op
 from model_service.cache.client import outcome_from_proto, to_proto_ops
 from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
 from pagedkv.cache.v1 import cache_pb2

@@ -404,7 +404,7 @@ def test_a_symlinked_geometry_folder_is_refused_and_nothing_is_removed_through_i
 
 def test_a_promotion_reads_the_disk_in_a_worker_thread_not_on_the_lease_loop(tmp_path, monkeypatch):
     from cache_service.core.pool import KvPool, PoolSettings
-    from cache_service.servicer import CacheServicer
+    from cache_service.api.servicer import CacheServicer
     from cache_service.tiers import disk_tier
     from cache_service.tiers.settings import TierSettings
 

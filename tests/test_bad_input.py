@@ -454,7 +454,7 @@ def test_cache_service_without_the_token_is_unauthenticated(stack, sessions, met
 
 
 def test_default_bind_address_is_loopback():
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
     from model_service.server import build_parser as model_parser
 
     for build_parser in (cache_parser, model_parser):
@@ -471,7 +471,7 @@ def test_listening_address_is_loopback_in_the_logs(stack):
 def test_a_block_size_the_triton_kernel_cannot_take_is_refused_at_parsing(raw, capsys, monkeypatch):
     # Powers of two up to 1024 compile for sm_80/sm_90 without spills (tests/test_kernels_compile.py).
     from cache_service.core.pool import PoolSettings
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
 
     monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)
     with pytest.raises(SystemExit) as exited:
@@ -488,7 +488,7 @@ def test_a_block_size_the_triton_kernel_cannot_take_is_refused_at_parsing(raw, c
 
 
 def test_every_power_of_two_block_size_up_to_1024_is_accepted(monkeypatch):
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
 
     monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)
     assert [cache_parser().parse_args(["--block-size", str(1 << n)]).block_size for n in range(11)] == \

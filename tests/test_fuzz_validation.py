@@ -9,7 +9,7 @@
 - The same requests over gRPC to a real model service: valid ones are served to a finish
   reason, invalid ones get INVALID_ARGUMENT (RESOURCE_EXHAUSTED for the pool), and none
   leaves a block leased.
-- `cache_service.servicer.apply_op` with random lease op sequences from several sessions
+- `cache_service.api.servicer.apply_op` with random lease op sequences from several sessions
   on a real Ledger: it never raises, every result has a real status, and the ledger's
   invariants hold after every op.
 """
@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.ledger import Ledger
-from cache_service.servicer import apply_op
+from cache_service.api.servicer import apply_op
 from model_service.loading.tiny import tiny_config
 from model_service.text.tokenizer import ByteTokenizer
 from model_service.sample.params import InvalidRequest, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS

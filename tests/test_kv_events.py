@@ -19,7 +19,7 @@ from cache_helpers import allocate, attach, cache_stub, lease, release, stats, w
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.core.ledger import Ledger
-from cache_service.server import build_parser, kv_event_publishers
+from cache_service.api.server import build_parser, kv_event_publishers
 from cache_service.events.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
 from pagedkv.cache.v1 import cache_pb2
 from processes import free_port, start_cache_service

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service import sizing_cli
+from cache_service.api import sizing_cli
 from cache_service.core.sizing import (
     SizingError,
     SizingReport,
@@ -470,7 +470,7 @@ def test_kv_cache_bytes_reaches_the_cuda_pool_through_the_cache_service(monkeypa
     # serve's settings and KvPool's Attach path to size_pool, with the CUDA memory query
     # faked: an 80 GiB device with 64 GiB free would otherwise give the pool ~50 GiB.
     from cache_service.core import pool as pool_module
-    from cache_service import server
+    from cache_service.api import server
 
     args = server.build_parser().parse_args(["--kv-cache-bytes", "256MiB"])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 * GiB, 80 * GiB))

@@ -8,12 +8,12 @@ import re
 
 import structlog
 
-from cache_service import metrics
+from cache_service.api import metrics
 from cache_service.events.publisher import KvEventPublisher
 from cache_service.events.settings import DEFAULT_REPLAY_MAX_BATCHES, DEFAULT_REPLAY_REQUESTS_PER_S, EventSettings
 from cache_service.core.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.core.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
-from cache_service.servicer import CacheServicer
+from cache_service.api.servicer import CacheServicer
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory

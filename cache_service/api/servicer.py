@@ -7,7 +7,7 @@ from collections import Counter
 
 import grpc
 
-from cache_service import metrics
+from cache_service.api import metrics
 from cache_service.core.ledger import InvalidLease, Ledger, LeaseError
 from cache_service.core.pool import GeometryMismatch, KvPool, NoPool
 from cache_service.core.sessions import MAX_ATTACH_KEY_CHARS, MIN_ATTACH_KEY_CHARS, UnknownSession

@@ -59,7 +59,7 @@ class PoolCollector:
 
 def tier_metrics(pool):
     """The KV tiers' blocks and traffic, labelled by tier (host, disk), as GetStats's TierStats."""
-    from cache_service.servicer import tier_stats  # the servicer imports this module
+    from cache_service.api.servicer import tier_stats  # the servicer imports this module
 
     rows = tier_stats(pool)
     if not rows:
