@@ -2,7 +2,8 @@
 mapping of lease ops, without the channel.
 
 A step's LeaseOps go through model_service.cache.client's `to_proto_ops`, each op through
-the servicer's `apply_op` on a `cache_service.core.ledger.Ledger`, each result back through
+what the servicer's Lease does with it (`apply_proto_op`: cache_service/api/wire.py's
+mappings around core/lease_ops.py's `apply_op` on a `Ledger`), each result back through
 `outcome_from_proto`: what the engine's Lease call does, less gRPC. What the adapter keeps
 itself is only what tests count (calls, forks, top-ups, commits, the session's live
 leases) and "another session" that holds or takes blocks.
@@ -13,8 +14,9 @@ leases) and "another session" that holds or takes blocks.
 
 from __future__ import annotations
 
+from cache_service.api import wire
+from cache_service.core.lease_ops import apply_op
 from cache_service.core.ledger import Ledger, SessionLimits
-from cache_service.api.servicer import apply_op
 from model_service.cache.client import outcome_from_proto, to_proto_ops
 from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
 from pagedkv.cache.v1 import cache_pb2
@@ -23,6 +25,11 @@ BLOCK = 4
 OWNER = "engine#1"  # the scheduler's session
 OTHER = "other#2"  # another session on the same pool
 FINGERPRINT = "test-model"
+
+
+def apply_proto_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp, fingerprint: str = "") -> cache_pb2.LeaseResult:
+    """One LeaseOp as the servicer's Lease applies it: decoded, applied, its outcome encoded."""
+    return wire.lease_result(apply_op(ledger, owner, wire.lease_op(op), fingerprint))
 
 
 class LedgerCache:
@@ -58,7 +65,7 @@ class LedgerCache:
         return [outcome_from_proto(result) for result in results], self.ledger.blocks_available()
 
     def _apply(self, op: cache_pb2.LeaseOp) -> cache_pb2.LeaseResult:
-        result = apply_op(self.ledger, OWNER, op, FINGERPRINT)
+        result = apply_proto_op(self.ledger, OWNER, op, FINGERPRINT)
         kind = op.WhichOneof("op")
         if result.status == cache_pb2.LEASE_STATUS_OK:
             if kind in ("allocate", "fork"):

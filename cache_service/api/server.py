@@ -19,6 +19,7 @@ from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.flags import add_flag, add_server_flags
+from pagedkv.records import record_from
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, serve_until_signal
 from pagedkv.units import parse_bytes
 
@@ -109,20 +110,8 @@ async def reap_forever(pool: KvPool) -> None:
 
 def pool_settings(args: argparse.Namespace) -> PoolSettings:
     """The pool's settings from the command line (one place, so tests read what serve uses)."""
-    return PoolSettings(
-        block_size=args.block_size,
-        memory_fraction=args.memory_fraction,
-        headroom=args.headroom,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_blocks=args.max_blocks,
-        lease_ttl_ms=args.lease_ttl_ms,
-        shm_dir=args.shm_dir,
-        session_limits=SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks),
-        reclaim_grace_ms=args.reclaim_grace_ms,
-        tiers=TierSettings(host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
-                           disk_cache_bytes=args.disk_cache_bytes, disk_cache_key_file=args.disk_cache_key_file),
-        check_invariants=args.check_invariants,
-    )
+    limits = SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks)
+    return record_from(PoolSettings, args, session_limits=limits, tiers=record_from(TierSettings, args))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -215,14 +204,8 @@ def kv_event_publishers(args: argparse.Namespace) -> list[KvEventPublisher]:
 
 
 def event_settings(args: argparse.Namespace) -> EventSettings:
-    return EventSettings(
-        subscriber_buffer_bytes=args.kv_events_subscriber_buffer_bytes,
-        replay_buffer_bytes=args.kv_events_replay_buffer_bytes,
-        replay_max_batches=args.kv_events_replay_max_batches,
-        replay_requests_per_s=args.kv_events_replay_rate,
-        curve_secret_key=args.kv_events_curve_secret_key,
-        curve_clients=args.kv_events_curve_clients,
-    )
+    # Each field is its --kv-events-* flag, but for the replay rate's shorter name.
+    return record_from(EventSettings, args, prefix="kv_events_", replay_requests_per_s=args.kv_events_replay_rate)
 
 
 def main(argv: list[str]) -> int:

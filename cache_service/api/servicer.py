@@ -1,4 +1,4 @@
-"""CacheService over gRPC: validates, maps errors to status codes, calls KvPool/Ledger."""
+"""CacheService over gRPC: validates, maps errors to status codes, calls KvPool, answers through wire.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from collections import Counter
 
 import grpc
 
-from cache_service.api import metrics
-from cache_service.core.ledger import InvalidLease, Ledger, LeaseError
+from cache_service.api import metrics, wire
 from cache_service.core.pool import GeometryMismatch, KvPool, NoPool
 from cache_service.core.sessions import MAX_ATTACH_KEY_CHARS, MIN_ATTACH_KEY_CHARS, UnknownSession
 from cache_service.core.sizing import SizingError
@@ -18,10 +17,9 @@ from pagedkv.kv_geometry import KvGeometry
 
 # One call carries at most one engine step's worth of ops; far more is a client bug.
 MAX_OPS_PER_CALL = 65536
-# A fingerprint is a hash and a salt a tenant key: both short. Each live sequence keeps its salt.
+# A fingerprint is a hash: short (a salt's bound is the lease's, core/lease_ops.py).
 MAX_FINGERPRINT_CHARS = 256
 MAX_SERVED_MODEL_NAME_CHARS = 256
-MAX_SALT_CHARS = 256
 # The weights' bytes by type come from a model's few dtypes and GGUF block types; the
 # report keeps them for the pool's life, so an oversized map is refused.
 MAX_WEIGHT_TYPES = 32
@@ -36,14 +34,6 @@ ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SizingError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
-
-LEASE_STATUS = {
-    "NO_FREE_BLOCKS": cache_pb2.LEASE_STATUS_NO_FREE_BLOCKS,
-    "NOT_FOUND": cache_pb2.LEASE_STATUS_NOT_FOUND,
-    "PERMISSION_DENIED": cache_pb2.LEASE_STATUS_PERMISSION_DENIED,
-    "INVALID_ARGUMENT": cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
-    "LIMIT_EXCEEDED": cache_pb2.LEASE_STATUS_LIMIT_EXCEEDED,
-}
 
 
 async def abort_for(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -89,8 +79,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.AttachResponse(
             session_id=attachment.session.session_id,
             lease_ttl_ms=self.pool.settings.lease_ttl_ms,
-            sizing=attachment.sizing.to_proto(),
-            pool=attachment.handle,
+            sizing=wire.sizing_to_proto(attachment.sizing),
+            pool=wire.pool_handle(attachment.handle),
         )
 
     async def Heartbeat(self, request, context):
@@ -112,26 +102,19 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         try:
             # A lease call is proof of life too.
             session = self.pool.heartbeat(request.session_id)
-            ledger, _ = self.pool.require_pool()
+            self.pool.require_pool()
             if len(request.ops) > MAX_OPS_PER_CALL:
                 raise ValueError(f"{len(request.ops)} ops in one Lease call; at most {MAX_OPS_PER_CALL}")
         except (UnknownSession, NoPool, ValueError) as error:
             await abort_for(context, error)
-        prompts = [(op.allocate.prompt_token_ids, (session.model_fingerprint, op.allocate.cache_salt))
-                   for op in request.ops if op.WhichOneof("op") == "allocate"]
-        blocks = await self.pool.read_ahead(prompts)
-        if blocks:
-            try:  # the session may have ended while the disk was read
-                self.pool.heartbeat(request.session_id)
-            except UnknownSession as error:
-                await abort_for(context, error)
-        with self.pool.reading_ahead(blocks):
-            results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
+        try:  # the session may end while the disk blocks its allocations promote are read
+            outcomes, blocks_available = await self.pool.lease(session, [wire.lease_op(op) for op in request.ops])
+        except UnknownSession as error:
+            await abort_for(context, error)
+        results = [wire.lease_result(outcome) for outcome in outcomes]
         count_ops(request.ops, results)
-        self.pool.publish_kv_events()  # one batch per call at most
-        self.pool.check_invariants("lease")
         metrics.LEASE_CALL_SECONDS.observe(time.perf_counter() - started)
-        return cache_pb2.LeaseResponse(results=results, blocks_available=ledger.blocks_available())
+        return cache_pb2.LeaseResponse(results=results, blocks_available=blocks_available)
 
     async def ResetPrefixCache(self, request, context):
         try:
@@ -146,63 +129,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             _, sizing = self.pool.require_pool()
         except NoPool as error:
             await abort_for(context, error)
-        return sizing.to_proto()
+        return wire.sizing_to_proto(sizing)
 
     async def GetStats(self, request, context):
         self.pool.check_invariants("get_stats")  # a test's last look at the pool checks it too
-        return stats_proto(self.pool)
-
-
-def apply_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp, model_fingerprint: str = "") -> cache_pb2.LeaseResult:
-    """Applies one op of ``owner``'s (a session serving ``model_fingerprint``); a failure
-    becomes this op's result and touches nothing else."""
-    kind = op.WhichOneof("op")
-    try:
-        if kind == "allocate":
-            salt = op.allocate.cache_salt
-            if len(salt) > MAX_SALT_CHARS:
-                raise InvalidLease(f"cache_salt is {len(salt)} characters; at most {MAX_SALT_CHARS}")
-            allocation = ledger.allocate(owner, op.allocate.num_tokens, op.allocate.prompt_token_ids,
-                                         (model_fingerprint, salt))
-            result = cache_pb2.LeaseResult(
-                status=cache_pb2.LEASE_STATUS_OK, sequence_id=allocation.sequence_id,
-                block_ids=allocation.block_ids, cached_tokens=allocation.cached_tokens,
-                cached_tokens_host=allocation.cached_tokens_host, cached_tokens_disk=allocation.cached_tokens_disk,
-            )
-        elif kind == "extend":
-            appended = ledger.extend(owner, op.extend.sequence_id, op.extend.num_tokens)
-            result = cache_pb2.LeaseResult(
-                status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.extend.sequence_id, block_ids=appended
-            )
-        elif kind == "fork":
-            fork = ledger.fork(owner, op.fork.sequence_id, op.fork.num_tokens)
-            result = cache_pb2.LeaseResult(
-                status=cache_pb2.LEASE_STATUS_OK, sequence_id=fork.sequence_id, block_ids=fork.block_ids
-            )
-            if fork.copy is not None:
-                result.copy.src_block, result.copy.dst_block = fork.copy
-        elif kind == "release":
-            released = ledger.release(
-                owner, op.release.sequence_id, op.release.cache_prefix, op.release.token_ids
-            )
-            result = cache_pb2.LeaseResult(
-                status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.release.sequence_id, blocks_released=released
-            )
-        elif kind == "commit":
-            committed = ledger.commit(owner, op.commit.sequence_id, op.commit.token_ids)
-            result = cache_pb2.LeaseResult(
-                status=cache_pb2.LEASE_STATUS_OK, sequence_id=op.commit.sequence_id, blocks_committed=committed
-            )
-        else:
-            result = cache_pb2.LeaseResult(
-                status=cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
-                message="empty lease op: set one of allocate, extend, fork, release, commit",
-            )
-    except LeaseError as error:
-        result = cache_pb2.LeaseResult(status=LEASE_STATUS[error.code], message=str(error))
-        if kind in ("extend", "fork", "release", "commit"):
-            result.sequence_id = getattr(op, kind).sequence_id
-    return result
+        return wire.stats_proto(self.pool.stats())
 
 
 def count_ops(ops, results) -> None:
@@ -211,65 +142,3 @@ def count_ops(ops, results) -> None:
     tally = Counter((op.WhichOneof("op") or "empty", result.status) for op, result in zip(ops, results))
     for (kind, status), count in tally.items():
         metrics.LEASE_OPS.labels(kind, cache_pb2.LeaseStatus.Name(status)).inc(count)
-
-
-def stats_proto(pool: KvPool) -> cache_pb2.CacheStats:
-    if pool.ledger is None:
-        return cache_pb2.CacheStats(sessions=len(pool.sessions))
-    stats = pool.ledger.stats()
-    return cache_pb2.CacheStats(
-        blocks_total=stats.blocks_total,
-        blocks_free=stats.blocks_free,
-        blocks_leased=stats.blocks_leased,
-        blocks_cached=stats.blocks_cached,
-        sessions=len(pool.sessions),
-        sequences=stats.sequences,
-        prefix_queries=stats.prefix_queries,
-        prefix_hits=stats.prefix_hits,
-        bytes_reserved=pool.sizing.pool_bytes,
-        tiers=[cache_pb2.TierStats(**values) for values in tier_stats(pool)],
-        models=model_stats(pool),
-    )
-
-
-def model_stats(pool: KvPool) -> list[cache_pb2.ModelStats]:
-    """One ModelStats per model fingerprint that has attached: its live sessions (and their
-    served names) from the sessions, what its sequences hold and asked from the ledger."""
-    sessions: dict[str, list[str]] = {}
-    for session in pool.sessions:
-        sessions.setdefault(session.model_fingerprint, []).append(session.served_model_name)
-    usage = pool.ledger.model_usage()
-    out = []
-    for fingerprint in sorted(set(sessions) | set(usage)):
-        names = sessions.get(fingerprint, [])
-        model = usage.get(fingerprint)
-        out.append(cache_pb2.ModelStats(
-            model_fingerprint=fingerprint, served_model_names=sorted({name for name in names if name}),
-            sessions=len(names), sequences=model.sequences if model else 0,
-            blocks_leased=model.blocks_leased if model else 0, prefix_queries=model.prefix_queries if model else 0,
-            prefix_hits=model.prefix_hits if model else 0,
-        ))
-    return out
-
-
-def tier_stats(pool: KvPool) -> list[dict]:
-    """Each configured tier's TierStats fields (GetStats and /metrics read the same)."""
-    tiers = pool.tiers
-    if tiers is None:
-        return []
-    out = []
-    for tier, configured in (("host", tiers.host is not None), ("disk", tiers.disk is not None)):
-        if not configured:
-            continue
-        counters = tiers.counters[tier]
-        total = tiers.blocks_total(tier)
-        cached = tiers.index.count(tier)
-        out.append(dict(
-            tier=tier, blocks_total=total, blocks_cached=cached, blocks_free=max(total - cached, 0),
-            hit_tokens=counters.hit_tokens, demotions=counters.demotions, promotions=counters.promotions,
-            bytes_in=counters.bytes_in, bytes_out=counters.bytes_out, seconds_in=counters.seconds_in,
-            seconds_out=counters.seconds_out, evictions=counters.evictions, errors=counters.errors,
-            bytes_used=tiers.disk.used_bytes if tier == "disk" else cached * tiers.bytes_per_block,
-            blocks_queued=tiers.blocks_queued(tier),
-        ))
-    return out
