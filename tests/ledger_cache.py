@@ -4,12 +4,12 @@ mapping of lease ops, without the channel.
 A step's LeaseOps go through model_service.cache.client's `to_proto_ops`, each op through
 what the servicer's Lease does with it (`apply_proto_op`: cache_service/api/wire.py's
 mappings around core/lease_ops.py's `apply_op` on a `Ledger`), each result back through
-`outcome_from_proto`: what the engine's Lease call does, less gRPC. What the adapter keeps
+`answer_from_proto`: what the engine's Lease call does, less gRPC. What the adapter keeps
 itself is only what tests count (calls, forks, top-ups, commits, the session's live
 leases) and "another session" that holds or takes blocks.
 
     cache = LedgerCache(num_blocks=10)
-    outcomes, blocks_available = cache.answer(step.lease_ops)
+    answer = cache.answer(step.lease_ops)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from cache_service.api import wire
 from cache_service.core.lease_ops import apply_op
 from cache_service.core.ledger import Ledger, SessionLimits
-from model_service.cache.client import outcome_from_proto, to_proto_ops
-from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
+from model_service.cache.client import answer_from_proto, to_proto_ops
+from model_service.sched.lease_ops import LeaseAnswer, LeaseOps
 from pagedkv.cache.v1 import cache_pb2
 
 BLOCK = 4
@@ -48,7 +48,7 @@ class LedgerCache:
         if held_by_another:
             self._others.append(self.ledger.allocate(OTHER, held_by_another * BLOCK, (), (FINGERPRINT, "")).sequence_id)
 
-    def answer(self, ops: LeaseOps) -> tuple[list[LeaseOutcome], int]:
+    def answer(self, ops: LeaseOps) -> LeaseAnswer:
         self.calls += 1
         self.commits += [(seq.request_id, tokens) for seq, tokens in ops.commits]
         proto_ops = to_proto_ops(ops)
@@ -62,7 +62,7 @@ class LedgerCache:
             if self.refuse_top_ups:
                 self.release_others()
         self.ledger.check_invariants()
-        return [outcome_from_proto(result) for result in results], self.ledger.blocks_available()
+        return answer_from_proto(ops, proto_ops, results, self.ledger.blocks_available())
 
     def _apply(self, op: cache_pb2.LeaseOp) -> cache_pb2.LeaseResult:
         result = apply_proto_op(self.ledger, OWNER, op, FINGERPRINT)
