@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_service.ledger import Ledger  # noqa: E402
+from cache_service.core.ledger import Ledger  # noqa: E402
 
 BLOCK_SIZE = 16
 BLOCKS_PER_SEQUENCE = 16

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 def load_pool_class(path: str | None):
     if path is None:
-        from cache_service.block_pool import BlockPool
+        from cache_service.blocks.block_pool import BlockPool
         return BlockPool
     spec = importlib.util.spec_from_file_location("other_block_pool", path)
     module = importlib.util.module_from_spec(spec)

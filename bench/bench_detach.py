@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from cache_service.pool import KvPool, PoolSettings
+from cache_service.core.pool import KvPool, PoolSettings
 from pagedkv.kv_geometry import KvGeometry
 
 GEOMETRY = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")

@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from model_service.sample.params import SamplingOptions  # noqa: E402
-from model_service.sched.lease_ops import LeaseOutcome, blocks_for  # noqa: E402
+from model_service.sched.lease_ops import (  # noqa: E402
+    Allocated, Committed, Extended, Forked, LeaseAnswer, Released, blocks_for,
+)
 from model_service.sched.scheduler import Scheduler, SchedulerLimits  # noqa: E402
 from model_service.sched.sequence import Sequence  # noqa: E402
 from model_service.sched.step import StepOutput  # noqa: E402
@@ -53,17 +55,16 @@ class RoomyCache:
     def answer(self, ops):
         outcomes = []
         for fork in ops.forks:
-            outcomes.append(LeaseOutcome(ok=True, lease_id=next(self.lease_ids),
-                                         block_ids=tuple(itertools.islice(self.block_ids, 64))))
+            outcomes.append(Forked(next(self.lease_ids), tuple(itertools.islice(self.block_ids, 64))))
         for release in ops.releases:
             self._register(release.cached_token_ids, len(release.cached_token_ids))
-            outcomes.append(LeaseOutcome(ok=True))
+            outcomes.append(Released())
         for seq, tokens in ops.extends:
             more = blocks_for(tokens, BLOCK) - len(seq.block_table)
-            outcomes.append(LeaseOutcome(ok=True, block_ids=tuple(itertools.islice(self.block_ids, max(more, 0)))))
+            outcomes.append(Extended(tuple(itertools.islice(self.block_ids, max(more, 0)))))
         for seq, tokens in ops.commits:
             self._register(seq.token_ids, tokens)
-            outcomes.append(LeaseOutcome(ok=True))
+            outcomes.append(Committed())
         for seq in ops.allocations:
             cached = 0
             # The last prompt token is always computed: its logits give the first token.
@@ -72,12 +73,11 @@ class RoomyCache:
                     break
                 cached = end
             need = blocks_for(len(seq.token_ids), BLOCK)
-            outcomes.append(LeaseOutcome(ok=True, lease_id=next(self.lease_ids), cached_tokens=cached,
-                                         block_ids=tuple(itertools.islice(self.block_ids, need))))
+            outcomes.append(Allocated(next(self.lease_ids), tuple(itertools.islice(self.block_ids, need)), cached))
         for seq, tokens in ops.top_ups:
             more = blocks_for(tokens, BLOCK) - len(seq.block_table)
-            outcomes.append(LeaseOutcome(ok=True, block_ids=tuple(itertools.islice(self.block_ids, max(more, 0)))))
-        return outcomes, NUM_BLOCKS
+            outcomes.append(Extended(tuple(itertools.islice(self.block_ids, max(more, 0)))))
+        return LeaseAnswer.of(ops, outcomes, NUM_BLOCKS)
 
 
 def random_prompts(count: int, seed: int) -> list[tuple[list[int], int]]:
@@ -142,13 +142,13 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
     send(concurrency)
     while scheduler.has_work() or pending is not None:
         if pending is not None:
-            scheduler.apply(pending[0], *pending[1])
+            scheduler.apply(*pending)
             scheduler.take_copies()
         step = scheduler.schedule()
         if admit_now and step.lease_ops.allocations and step.batch:
             # What the engine would do if it waited for a step's allocations (a loopback
             # call) before running it: the new prompts join this step, not the next.
-            scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
+            scheduler.apply(step.lease_ops, cache.answer(step.lease_ops))
             step = scheduler.schedule()
         pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
         if not step.batch:

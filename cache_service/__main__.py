@@ -1,10 +1,10 @@
 import sys
 
 if len(sys.argv) > 1 and sys.argv[1] == "sizing":
-    from cache_service.sizing_cli import main as sizing_main
+    from cache_service.api.sizing_cli import main as sizing_main
 
     sys.exit(sizing_main(sys.argv[2:]))
 
-from cache_service.server import main
+from cache_service.api.server import main
 
 sys.exit(main(sys.argv[1:]))

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's own default, without its warning
 
-from cache_service.pool import MAX_BLOCK_SIZE  # noqa: E402
+from cache_service.core.pool import MAX_BLOCK_SIZE  # noqa: E402
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "u8": "uint8"}
 # --kv: the pool's K/V dtype as the kernels see it, and FP8_KIND (triton_kernels.FP8_KINDS).

@@ -2,7 +2,8 @@
 
 The flag tables come from the argparse parsers of `python -m cache_service`,
 `python -m model_service` and `python -m pagedkv.stack`; the metric tables from the
-Prometheus objects of cache_service/metrics.py and model_service/metrics.py. Each table
+Prometheus objects of cache_service/api/metrics.py, cache_service/events/replay.py and
+model_service/metrics.py. Each table
 sits in README.md between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers and is
 replaced whole; so is the output of the sizing calculator for the README's Llama-3-8B
 config.json (between `<!-- sizing-example:... -->`). tests/test_readme.py fails when README.md differs from what this
@@ -31,7 +32,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     # leak into the documented defaults.
     for name in [name for name in os.environ if name.startswith("PAGEDKV_")]:
         del os.environ[name]
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
     from model_service.server import build_parser as model_parser
     from pagedkv.stack import build_parser as stack_parser
 
@@ -113,7 +114,7 @@ def _tiers():
     """A one-block host tier, so the collector yields the tier series too."""
     import torch
 
-    from cache_service.block_pool import BlockPool
+    from cache_service.blocks.block_pool import BlockPool
     from cache_service.tiers.disk_tier import DiskGeometry
     from cache_service.tiers.kv_tiers import KvTiers
     from cache_service.tiers.settings import TierSettings
@@ -124,7 +125,7 @@ def _tiers():
 
 
 def _pool_collector_families() -> list:
-    from cache_service.metrics import PoolCollector
+    from cache_service.api.metrics import PoolCollector
 
     pool = SimpleNamespace(sessions={}, ledger=_FakeLedger(), sizing=SimpleNamespace(pool_bytes=0), tiers=_tiers())
     families = []
@@ -141,7 +142,8 @@ def metric_table(families) -> str:
 
 def tables() -> dict[str, str]:
     """Marker name -> table text."""
-    from cache_service import metrics as cache_metrics
+    from cache_service.api import metrics as cache_metrics
+    from cache_service.events import replay as event_replay
     from model_service import metrics as model_metrics
 
     parsers = _parsers()
@@ -149,7 +151,8 @@ def tables() -> dict[str, str]:
         "flags-cache": flag_table(parsers["cache"]),
         "flags-model": flag_table(parsers["model"]),
         "flags-stack": flag_table(parsers["stack"]),
-        "metrics-cache": metric_table(_pool_collector_families() + _module_families(cache_metrics)),
+        "metrics-cache": metric_table(_pool_collector_families() + _module_families(cache_metrics)
+                                      + _module_families(event_replay)),
         "metrics-model": metric_table(_module_families(model_metrics)),
     }
 
@@ -163,7 +166,7 @@ def sizing_example(readme: str) -> str:
     import io
     import tempfile
 
-    from cache_service.sizing_cli import main as sizing_main
+    from cache_service.api.sizing_cli import main as sizing_main
 
     match = re.search(r"<!-- llama3-config:begin -->\n```json\n(.*?)\n```\n<!-- llama3-config:end -->", readme, re.S)
     if not match:

@@ -2,27 +2,34 @@
 mapping of lease ops, without the channel.
 
 A step's LeaseOps go through model_service.cache.client's `to_proto_ops`, each op through
-the servicer's `apply_op` on a `cache_service.ledger.Ledger`, each result back through
-`outcome_from_proto`: what the engine's Lease call does, less gRPC. What the adapter keeps
+what the servicer's Lease does with it (`apply_proto_op`: cache_service/api/wire.py's
+mappings around core/lease_ops.py's `apply_op` on a `Ledger`), each result back through
+`answer_from_proto`: what the engine's Lease call does, less gRPC. What the adapter keeps
 itself is only what tests count (calls, forks, top-ups, commits, the session's live
 leases) and "another session" that holds or takes blocks.
 
     cache = LedgerCache(num_blocks=10)
-    outcomes, blocks_available = cache.answer(step.lease_ops)
+    answer = cache.answer(step.lease_ops)
 """
 
 from __future__ import annotations
 
-from cache_service.ledger import Ledger, SessionLimits
-from cache_service.servicer import apply_op
-from model_service.cache.client import outcome_from_proto, to_proto_ops
-from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
+from cache_service.api import wire
+from cache_service.core.lease_ops import apply_op
+from cache_service.core.ledger import Ledger, SessionLimits
+from model_service.cache.client import answer_from_proto, to_proto_ops
+from model_service.sched.lease_ops import LeaseAnswer, LeaseOps
 from pagedkv.cache.v1 import cache_pb2
 
 BLOCK = 4
 OWNER = "engine#1"  # the scheduler's session
 OTHER = "other#2"  # another session on the same pool
 FINGERPRINT = "test-model"
+
+
+def apply_proto_op(ledger: Ledger, owner: str, op: cache_pb2.LeaseOp, fingerprint: str = "") -> cache_pb2.LeaseResult:
+    """One LeaseOp as the servicer's Lease applies it: decoded, applied, its outcome encoded."""
+    return wire.lease_result(apply_op(ledger, owner, wire.lease_op(op), fingerprint))
 
 
 class LedgerCache:
@@ -41,7 +48,7 @@ class LedgerCache:
         if held_by_another:
             self._others.append(self.ledger.allocate(OTHER, held_by_another * BLOCK, (), (FINGERPRINT, "")).sequence_id)
 
-    def answer(self, ops: LeaseOps) -> tuple[list[LeaseOutcome], int]:
+    def answer(self, ops: LeaseOps) -> LeaseAnswer:
         self.calls += 1
         self.commits += [(seq.request_id, tokens) for seq, tokens in ops.commits]
         proto_ops = to_proto_ops(ops)
@@ -55,10 +62,10 @@ class LedgerCache:
             if self.refuse_top_ups:
                 self.release_others()
         self.ledger.check_invariants()
-        return [outcome_from_proto(result) for result in results], self.ledger.blocks_available()
+        return answer_from_proto(ops, proto_ops, results, self.ledger.blocks_available())
 
     def _apply(self, op: cache_pb2.LeaseOp) -> cache_pb2.LeaseResult:
-        result = apply_op(self.ledger, OWNER, op, FINGERPRINT)
+        result = apply_proto_op(self.ledger, OWNER, op, FINGERPRINT)
         kind = op.WhichOneof("op")
         if result.status == cache_pb2.LEASE_STATUS_OK:
             if kind in ("allocate", "fork"):

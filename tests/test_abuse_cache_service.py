@@ -25,8 +25,8 @@ import zmq.auth
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
-from cache_service.kv_event_publisher import KvEventPublisher
-from cache_service.kv_events import BlockStored, decode_batch
+from cache_service.events.publisher import KvEventPublisher
+from cache_service.events.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
 from processes import free_port, start_cache_service
@@ -144,7 +144,7 @@ def test_a_replay_flood_never_holds_up_a_lease(tmp_path):
 
 
 def test_an_idle_subscriber_gets_a_bounded_queue_and_the_rest_by_replay(tmp_path):
-    from cache_service.kv_event_settings import MAX_MESSAGE_BYTES, EventSettings
+    from cache_service.events.settings import MAX_MESSAGE_BYTES, EventSettings
 
     budget = 4 * MAX_MESSAGE_BYTES
     publisher = KvEventPublisher(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
@@ -187,8 +187,8 @@ def test_an_idle_subscriber_gets_a_bounded_queue_and_the_rest_by_replay(tmp_path
 
 
 def test_a_large_batch_goes_out_as_messages_under_the_cap_with_its_chain_intact():
-    from cache_service.kv_event_settings import MAX_MESSAGE_BYTES
-    from cache_service.kv_events import encode_batches
+    from cache_service.events.settings import MAX_MESSAGE_BYTES
+    from cache_service.events.kv_events import encode_batches
 
     tokens = list(range(70_000, 70_000 + BS * 500))
     event = BlockStored(block_hashes=list(range(100, 600)), parent_block_hash=7, token_ids=tokens, block_size=BS,
@@ -403,8 +403,8 @@ def test_a_symlinked_geometry_folder_is_refused_and_nothing_is_removed_through_i
 
 
 def test_a_promotion_reads_the_disk_in_a_worker_thread_not_on_the_lease_loop(tmp_path, monkeypatch):
-    from cache_service.pool import KvPool, PoolSettings
-    from cache_service.servicer import CacheServicer
+    from cache_service.core.pool import KvPool, PoolSettings
+    from cache_service.api.servicer import CacheServicer
     from cache_service.tiers import disk_tier
     from cache_service.tiers.settings import TierSettings
 

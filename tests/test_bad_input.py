@@ -15,6 +15,7 @@ UNAUTHENTICATED ones also goes through the auth interceptor) and small limits:
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -454,7 +455,7 @@ def test_cache_service_without_the_token_is_unauthenticated(stack, sessions, met
 
 
 def test_default_bind_address_is_loopback():
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
     from model_service.server import build_parser as model_parser
 
     for build_parser in (cache_parser, model_parser):
@@ -470,8 +471,8 @@ def test_listening_address_is_loopback_in_the_logs(stack):
 @pytest.mark.parametrize("raw", ["48", "0", "2048", "-16"])
 def test_a_block_size_the_triton_kernel_cannot_take_is_refused_at_parsing(raw, capsys, monkeypatch):
     # Powers of two up to 1024 compile for sm_80/sm_90 without spills (tests/test_kernels_compile.py).
-    from cache_service.pool import PoolSettings
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.core.pool import PoolSettings
+    from cache_service.api.server import build_parser as cache_parser
 
     monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)
     with pytest.raises(SystemExit) as exited:
@@ -488,8 +489,39 @@ def test_a_block_size_the_triton_kernel_cannot_take_is_refused_at_parsing(raw, c
 
 
 def test_every_power_of_two_block_size_up_to_1024_is_accepted(monkeypatch):
-    from cache_service.server import build_parser as cache_parser
+    from cache_service.api.server import build_parser as cache_parser
 
     monkeypatch.delenv("PAGEDKV_BLOCK_SIZE", raising=False)
     assert [cache_parser().parse_args(["--block-size", str(1 << n)]).block_size for n in range(11)] == \
         [1 << n for n in range(11)]
+
+
+def test_every_settings_flag_reaches_the_settings(monkeypatch):
+    # The settings are filled from the flags by field name: each flag given a value other
+    # than its default must arrive in its field (a renamed flag or field fails here).
+    from cache_service.api.server import build_parser as cache_parser, event_settings, pool_settings
+
+    for name in list(os.environ):
+        if name.startswith("PAGEDKV_"):
+            monkeypatch.delenv(name)
+    args = cache_parser().parse_args([
+        "--block-size", "32", "--memory-fraction", "0.5", "--headroom", "0.1", "--kv-cache-bytes", "1MiB",
+        "--max-blocks", "9", "--lease-ttl-ms", "700", "--shm-dir", "/tmp", "--max-session-sequences", "3",
+        "--max-session-blocks", "4", "--reclaim-grace-ms", "6", "--host-cache-bytes", "2MiB",
+        "--disk-cache-dir", "/tmp/d", "--disk-cache-bytes", "3MiB", "--disk-cache-key-file", "/tmp/k",
+        "--check-invariants", "--kv-events-subscriber-buffer-bytes", "1MiB", "--kv-events-replay-buffer-bytes", "5MiB",
+        "--kv-events-replay-max-batches", "7", "--kv-events-replay-rate", "2.5",
+        "--kv-events-curve-secret-key", "/tmp/s", "--kv-events-curve-clients", "/tmp/c",
+    ])
+    settings = pool_settings(args)
+    assert (settings.block_size, settings.memory_fraction, settings.headroom, settings.kv_cache_bytes,
+            settings.max_blocks, settings.lease_ttl_ms, settings.shm_dir, settings.reclaim_grace_ms,
+            settings.check_invariants) == (32, 0.5, 0.1, 1 << 20, 9, 700, "/tmp", 6, True)
+    assert (settings.session_limits.max_sequences, settings.session_limits.max_blocks) == (3, 4)
+    tiers = settings.tiers
+    assert (tiers.host_cache_bytes, tiers.disk_cache_dir, tiers.disk_cache_bytes, tiers.disk_cache_key_file) == \
+        (2 << 20, "/tmp/d", 3 << 20, "/tmp/k")
+    events = event_settings(args)
+    assert (events.subscriber_buffer_bytes, events.replay_buffer_bytes, events.replay_max_batches,
+            events.replay_requests_per_s, events.curve_secret_key, events.curve_clients) == \
+        (1 << 20, 5 << 20, 7, 2.5, "/tmp/s", "/tmp/c")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.block_pool import BlockPool
-from cache_service.ledger import (
+from cache_service.blocks.block_pool import BlockPool
+from cache_service.core.ledger import (
     Allocation,
     Fork,
     InvalidLease,
@@ -15,7 +15,7 @@ from cache_service.ledger import (
     NotOwner,
     UnknownSequence,
 )
-from cache_service.prefix_hash import ROOT_HASH, block_hashes, chain_hash
+from cache_service.blocks.prefix_hash import ROOT_HASH, block_hashes, chain_hash
 
 BS = 4  # small blocks keep the token lists readable
 

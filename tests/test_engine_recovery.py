@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ from model_service.engine.loop import Engine, EngineUnavailable
 from model_service.engine.settings import EngineSettings
 from model_service.loading.loader import load_model
 from model_service.sample.params import SamplingOptions
-from model_service.sched.lease_ops import LeaseLost, LeaseOutcome
+from model_service.sched.lease_ops import Allocated, Committed, Extended, LeaseAnswer, LeaseLost, Refused, Released
 from model_service.sched.sequence import Finish
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2
@@ -187,13 +188,13 @@ class HealthyCache(FakeCache):
             raise DeadlineExceeded()
 
     def lease(self, session_id, ops):
-        outcomes = [LeaseOutcome(ok=False, code="NO_FREE_BLOCKS") for _ in ops.forks]  # no n > 1 here
-        outcomes += [LeaseOutcome(ok=True) for _ in ops.releases]
-        outcomes += [LeaseOutcome(ok=True) for _ in ops.extends]
-        outcomes += [LeaseOutcome(ok=True) for _ in ops.commits]
-        outcomes += [LeaseOutcome(ok=True, lease_id=1, block_ids=(0,)) for _ in ops.allocations]
+        answer = LeaseAnswer(forks=tuple(Refused("NO_FREE_BLOCKS") for _ in ops.forks),  # no n > 1 here
+                             releases=tuple(Released() for _ in ops.releases),
+                             extends=tuple(Extended() for _ in ops.extends),
+                             commits=tuple(Committed() for _ in ops.commits),
+                             allocations=tuple(Allocated(1, (0,)) for _ in ops.allocations))
         result: Future = Future()
-        result.set_result((outcomes, 0))
+        result.set_result(answer)
         return result
 
 
@@ -359,9 +360,9 @@ class FailsTheSecondAllocation(HealthyCache):
             result: Future = Future()
             result.set_exception(LeaseLost("allocate failed: INVALID_ARGUMENT"))
             return result
-        outcomes, _ = super().lease(session_id, ops).result()
+        answer = super().lease(session_id, ops).result()
         result = Future()
-        result.set_result((outcomes, 10))
+        result.set_result(dataclasses.replace(answer, blocks_available=10))
         return result
 
     def detach(self, session_id):

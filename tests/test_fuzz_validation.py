@@ -9,7 +9,7 @@
 - The same requests over gRPC to a real model service: valid ones are served to a finish
   reason, invalid ones get INVALID_ARGUMENT (RESOURCE_EXHAUSTED for the pool), and none
   leaves a block leased.
-- `cache_service.servicer.apply_op` with random lease op sequences from several sessions
+- the servicer's lease op path (`apply_proto_op`: decode, apply, encode) with random lease op sequences from several sessions
   on a real Ledger: it never raises, every result has a real status, and the ledger's
   invariants hold after every op.
 """
@@ -23,11 +23,11 @@ import grpc
 import pytest
 import torch
 from cache_helpers import stats, wait_for
+from ledger_cache import apply_proto_op
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from cache_service.ledger import Ledger
-from cache_service.servicer import apply_op
+from cache_service.core.ledger import Ledger
 from model_service.loading.tiny import tiny_config
 from model_service.text.tokenizer import ByteTokenizer
 from model_service.sample.params import InvalidRequest, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS
@@ -387,7 +387,7 @@ def test_random_lease_ops_never_raise_and_keep_the_ledger_consistent(steps):
     released: list[int] = []
     for owner, kind, fields in steps:
         owner, sequence_id = pick_sequence(owner, fields, live, released)
-        result = apply_op(ledger, owner, build_op(kind, fields, sequence_id))
+        result = apply_proto_op(ledger, owner, build_op(kind, fields, sequence_id))
         assert result.status in VALID_STATUSES, result
         if result.status == cache_pb2.LEASE_STATUS_OK:
             if kind in ("allocate", "fork"):

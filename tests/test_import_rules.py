@@ -50,8 +50,21 @@ RULES = [
     # (who, may not import, why)
     (("cache_service",), ("model_service",), "the two services meet only in proto/ and pagedkv/"),
     (("model_service",), ("cache_service",), "the two services meet only in proto/ and pagedkv/"),
-    (("cache_service/block_pool.py",), ("torch", "model_service", "pagedkv.pool_memory"),
-     "the block pool knows no model and no memory"),
+    # cache_service's layers, bottom up: blocks/ and events/, tiers/, core/, api/.
+    (("cache_service/blocks",), ("torch", "model_service", "pagedkv.pool_memory", "cache_service.events",
+                                 "cache_service.tiers", "cache_service.core", "cache_service.api"),
+     "the block pool knows no model, no memory, no events, no tier and no lease"),
+    (("cache_service/events",), ("torch", "cache_service.blocks", "cache_service.tiers", "cache_service.core",
+                                 "cache_service.api"),
+     "the KV events know vLLM's hashes and ZMQ, nothing of the pool they report on"),
+    (("cache_service/tiers",), ("cache_service.core", "cache_service.api"),
+     "the tiers hold blocks for the pool and know nothing of leases, sessions or the wire"),
+    (("cache_service/core",), ("cache_service.api",), "the KV pool knows nothing of its front doors"),
+    (("cache_service/blocks", "cache_service/events", "cache_service/tiers", "cache_service/core"),
+     ("grpc", "pagedkv.cache", "pagedkv.model"), "only cache_service/api/ speaks the wire (its protos, grpc)"),
+    (("cache_service/api/servicer.py",), ("cache_service.core.ledger", "cache_service.core.lease_ops",
+                                          "cache_service.blocks", "cache_service.events"),
+     "the servicer validates and calls KvPool; the ops and their outcomes are mapped in wire.py"),
     (("model_service/sched",), ("torch", "grpc", "model_service.worker", "model_service.models",
                                 "model_service.attention", "model_service.cpu_kernels", "model_service.engine",
                                 "model_service.cache", "model_service.api", "pagedkv.model", "pagedkv.cache"),
@@ -74,6 +87,52 @@ RULES = [
 @pytest.mark.parametrize("who, forbidden, why", RULES, ids=[f"{r[0][0]}-not-{r[1][0]}" for r in RULES])
 def test_import_rule(who, forbidden, why):
     assert offenders(who, forbidden) == {}, why
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` and the modules of ``package`` it imports (type-only imports too)."""
+    paths = {module_name(path): path for path in files(package)}
+    return {module: {target for name in imports_of(path) for target in (name, name.rpartition(".")[0])
+                     if target in paths and target != module}
+            for module, path in paths.items()}
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (its modules in order, the first again at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def walk(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := walk(target)):
+                return found
+        state[module] = 2
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := walk(module)):
+            return found
+    return None
+
+
+def test_cache_service_has_no_import_circle():
+    assert cycle(import_graph("cache_service")) is None
+
+
+def test_a_circle_is_seen():
+    """The circle finder itself: a imports b imports c imports a is found, a tree is not."""
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_each_rule_reads_files():

@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's @triton.jit c
 
 import torch
 
-from cache_service.pool import MAX_BLOCK_SIZE
+from cache_service.core.pool import MAX_BLOCK_SIZE
 from model_service.attention import aot
 
 # (dtype, group, head_dim, block_size, split): each group pad (1, 2, 4, 8) and each head dim

@@ -1,6 +1,6 @@
 """KV events in vLLM's format: block hashes, what the ledger reports, and the cache service's sockets.
 
-Events are read as a router reads them: msgpack decoded with msgspec (cache_service.kv_events.decode_batch
+Events are read as a router reads them: msgpack decoded with msgspec (cache_service.events.kv_events.decode_batch
 is a plain msgspec decoder) and, for the wire, the raw ZMQ frames of a SUB socket and a replay request.
 """
 
@@ -16,11 +16,11 @@ import pytest
 import zmq
 
 from cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
-from cache_service.block_event_log import BlockEventLog
-from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from cache_service.ledger import Ledger
-from cache_service.server import build_parser, kv_event_publishers
-from cache_service.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
+from cache_service.events.block_event_log import BlockEventLog
+from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from cache_service.core.ledger import Ledger
+from cache_service.api.server import build_parser, kv_event_publishers
+from cache_service.events.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
 from pagedkv.cache.v1 import cache_pb2
 from processes import free_port, start_cache_service
 

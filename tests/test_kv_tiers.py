@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from cache_service.ledger import Ledger
+from cache_service.core.ledger import Ledger
 from cache_service.tiers import disk_tier
 from cache_service.tiers.disk_tier import DiskGeometry
 from cache_service.tiers.kv_tiers import KvTiers
@@ -271,8 +271,8 @@ def test_a_host_tier_pushes_its_coldest_blocks_to_disk(tmp_path):
 def test_kv_events_say_a_demotion_stores_on_cpu_and_storage(tmp_path):
     import asyncio
 
-    from cache_service.block_event_log import BlockEventLog
-    from cache_service.kv_events import BlockRemoved, BlockStored
+    from cache_service.events.block_event_log import BlockEventLog
+    from cache_service.events.kv_events import BlockRemoved, BlockStored
 
     events = BlockEventLog(BS)
     settings = TierSettings(host_cache_bytes=3 * BYTES_PER_BLOCK, disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
@@ -325,8 +325,8 @@ def test_the_background_copy_runs_in_a_thread_and_promotes_the_same_bytes():
 def vllm_hashes_by_pool_hash(pool, prompts) -> dict[int, int]:
     """Each full block of ``prompts`` ((tokens, namespace) pairs): its pool hash -> the hash
     its KV events carry, both computed from the tokens (not from the event log)."""
-    from cache_service.prefix_hash import namespace_root
-    from cache_service.vllm_block_hash import chain, external
+    from cache_service.blocks.prefix_hash import namespace_root
+    from cache_service.events.vllm_block_hash import chain, external
 
     out = {}
     for tokens, namespace in prompts:
@@ -345,7 +345,7 @@ def test_kv_events_follow_every_block_between_the_pool_and_the_tiers(tmp_path):
     import asyncio
     import random
 
-    from cache_service.block_event_log import BlockEventLog
+    from cache_service.events.block_event_log import BlockEventLog
     from cache_service.tiers.disk_tier import file_bytes
     from test_kv_events import fold
 

@@ -106,7 +106,7 @@ def test_the_disk_tier_serves_the_same_output_after_a_restart_and_a_kill(tmp_pat
 
 
 def test_check_invariants_logs_a_broken_invariant_and_serves_on(tmp_path, capsys):
-    from cache_service.pool import KvPool, PoolSettings
+    from cache_service.core.pool import KvPool, PoolSettings
     from pagedkv.kv_geometry import KvGeometry
 
     pool = KvPool(PoolSettings(kv_cache_bytes=1 << 20, max_blocks=8, shm_dir=str(tmp_path), check_invariants=True))

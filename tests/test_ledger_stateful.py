@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from cache_service.ledger import (
+from cache_service.core.ledger import (
     InvalidLease,
     Ledger,
     LimitExceeded,

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from cache_service.ledger import InvalidLease, Ledger, LimitExceeded, SessionLimits
-from cache_service.pool import RELEASE_CHUNK_BLOCKS, KvPool, PoolSettings
+from cache_service.core.ledger import InvalidLease, Ledger, LimitExceeded, SessionLimits
+from cache_service.core.pool import RELEASE_CHUNK_BLOCKS, KvPool, PoolSettings
 from pagedkv.kv_geometry import KvGeometry
 
 BS = 4

@@ -24,6 +24,7 @@ from pagedkv.pool_memory import (
     cleanup_stale_pools,
     create_shared_pool,
     export_cuda_pool,
+    cuda_info_from_proto,
     handle_to_proto,
     import_cuda_pool,
     map_pool,
@@ -91,6 +92,16 @@ def test_map_pool_in_process_shares_memory(shm_dir):
         assert mapped.shape == SHAPE and mapped.dtype == torch.float16
         mapped[1, 0, 2] = 5.0
         assert torch.all(pool.tensor[1, 0, 2] == 5.0)
+
+
+def test_a_cuda_ipc_handle_survives_the_proto():
+    # Field by field, without a GPU: what the cache service sends is what the model service imports.
+    info = CudaIpcInfo(device_index=1, storage_handle=b"storage", storage_size_bytes=4096, storage_offset_bytes=64,
+                       ref_counter_handle=b"refs", ref_counter_offset=3, event_handle=b"event",
+                       event_sync_required=True, shape=SHAPE, stride=(384, 192, 64, 16, 8, 1), storage_offset=5,
+                       dtype=torch.float16)
+    sent = cache_pb2.PoolHandle.FromString(handle_to_proto(info).SerializeToString())
+    assert cuda_info_from_proto(sent) == info
 
 
 def test_map_pool_missing_file_says_to_share_dev_shm(shm_dir):

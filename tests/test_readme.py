@@ -94,7 +94,7 @@ def test_the_worked_sizing_example_is_what_the_calculator_prints(tmp_path, capsy
     """The Llama-3-8B numbers in the README are the program's, not hand arithmetic."""
     import json
 
-    from cache_service.sizing_cli import main
+    from cache_service.api.sizing_cli import main
 
     block = re.search(r"<!-- sizing-example:begin -->\n```\n(.*?)\n```\n<!-- sizing-example:end -->", README, re.S)
     assert block, "README.md lacks the sizing-example markers around the calculator's output"

@@ -10,7 +10,7 @@ import pytest
 from ledger_cache import BLOCK, LedgerCache
 
 from model_service.sample.params import SamplingOptions
-from model_service.sched.lease_ops import LeaseLost, LeaseOutcome, blocks_for
+from model_service.sched.lease_ops import LeaseAnswer, LeaseLost, Refused, blocks_for
 from model_service.sched.scheduler import Scheduler, SchedulerLimits
 from model_service.sched.step import Finished, StepOutput
 from model_service.sched.sequence import Finish, Sequence, Status
@@ -38,7 +38,7 @@ def run_step(scheduler: Scheduler, cache: LedgerCache, pending, observe=None):
     `observe(step)` sees each step as scheduled, before the fake cache answers its call."""
     if pending is not None:
         ops, answer = pending
-        for seq, _reason in scheduler.apply(ops, *answer):  # never served: the engine ends them
+        for seq, _reason in scheduler.apply(ops, answer):  # never served: the engine ends them
             scheduler.finish(seq, Finish.ABORTED)
     step = scheduler.schedule()
     if observe is not None:
@@ -303,7 +303,7 @@ def test_cancel_while_allocating_releases_the_late_allocation():
     assert step.lease_ops.allocations == [seq] and seq.status is Status.ALLOCATING
     answer = cache.answer(step.lease_ops)
     scheduler.finish(seq, Finish.ABORTED)  # the client left while the call was on the wire
-    scheduler.apply(step.lease_ops, *answer)
+    scheduler.apply(step.lease_ops, answer)
     follow_up = scheduler.schedule()
     assert [r.lease_id for r in follow_up.lease_ops.releases] == sorted(cache.leases)
     cache.answer(follow_up.lease_ops)
@@ -319,7 +319,7 @@ def test_cancel_of_a_running_sequence_releases_with_its_computed_prefix():
     for _ in range(4):
         _, pending = run_step(scheduler, cache, pending)
     if pending:
-        scheduler.apply(pending[0], *pending[1])
+        scheduler.apply(*pending)
     computed = seq.num_computed
     scheduler.finish(seq, Finish.ABORTED)
     releases = scheduler.schedule().lease_ops.releases
@@ -349,7 +349,7 @@ def test_an_unexpected_lease_failure_means_the_session_is_lost():
         assert drive_steps < 20
     ops = pending[0]
     with pytest.raises(LeaseLost, match="NOT_FOUND"):
-        scheduler.apply(ops, [LeaseOutcome(ok=False, code="NOT_FOUND", message="gone")] * len(ops), 0)
+        scheduler.apply(ops, LeaseAnswer.of(ops, [Refused("NOT_FOUND", "gone")] * len(ops), 0))
 
 
 # --- leasing ahead of need, and releases that wait for a call that goes out anyway -----
@@ -721,7 +721,7 @@ def one_step(scheduler: Scheduler, cache: LedgerCache, seqs: list[Sequence]):
     for seq in seqs:
         scheduler.add(seq)
     step = scheduler.schedule()
-    scheduler.apply(step.lease_ops, *cache.answer(step.lease_ops))
+    scheduler.apply(step.lease_ops, cache.answer(step.lease_ops))
     return scheduler.schedule()
 
 
@@ -883,8 +883,8 @@ def test_a_sequence_past_the_session_quota_fails_alone_and_the_others_finish():
     failures = []
     original_apply = scheduler.apply
 
-    def apply(ops, outcomes, available):
-        failed = original_apply(ops, outcomes, available)
+    def apply(ops, answer):
+        failed = original_apply(ops, answer)
         failures.extend(seq for seq, _ in failed)
         return failed
 

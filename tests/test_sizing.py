@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_service import sizing_cli
-from cache_service.sizing import (
+from cache_service.api import sizing_cli, wire
+from cache_service.core.sizing import (
     SizingError,
     SizingReport,
     _read_meminfo,
@@ -276,10 +276,10 @@ def test_report_matches_the_proto_and_round_trips():
     report = size_pool(LLAMA3_8B, memory_total=80 * GiB, memory_free=64 * GiB, max_model_len=8192)
     proto_fields = [field.name for field in cache_pb2.SizingReport.DESCRIPTOR.fields]
     assert list(SizingReport.__dataclass_fields__) == proto_fields
-    proto = report.to_proto()
+    proto = wire.sizing_to_proto(report)
     assert proto.dtype == cache_pb2.DTYPE_BFLOAT16
     assert proto.num_blocks == report.num_blocks and list(proto.explanation) == report.explanation
-    assert SizingReport.from_proto(cache_pb2.SizingReport.FromString(proto.SerializeToString())) == report
+    assert wire.sizing_from_proto(cache_pb2.SizingReport.FromString(proto.SerializeToString())) == report
     assert json.loads(json.dumps(report.to_dict()))["limited_by"] == "memory_fraction"
 
 
@@ -297,8 +297,8 @@ def test_weights_bytes_are_reported_by_type_and_never_subtracted():
         assert report.explanation[1] == ("weights_bytes = 98.00 MiB as the model service holds them (Q4_1 70.00 MiB, "
                                          "Q8_0 27.00 MiB, float32 1.00 MiB): loaded before free memory was measured, "
                                          "so not subtracted again")
-        assert SizingReport.from_proto(cache_pb2.SizingReport.FromString(report.to_proto().SerializeToString())) \
-            == report
+        sent = wire.sizing_to_proto(report).SerializeToString()
+        assert wire.sizing_from_proto(cache_pb2.SizingReport.FromString(sent)) == report
         assert any(line.split()[:2] == ["weights_bytes", f"{98 * MiB:,}"] for line in report.format_table().splitlines())
     assert "in use after warmup (weights 98.00 MiB, 0 B workspace" in report.explanation[2]
     with pytest.raises(ValueError, match="weights_bytes cannot be negative"):
@@ -433,7 +433,7 @@ def test_fp8_block_is_half_a_bfloat16_block_and_the_pool_holds_twice_the_tokens(
     assert narrow.dtype == name and narrow.dtype_bytes == 1
     assert f"1 bytes ({name})" in narrow.explanation[0]
     assert any(line.startswith(f"KV cache dtype {name}:") for line in narrow.explanation)
-    assert SizingReport.from_proto(narrow.to_proto()) == narrow
+    assert wire.sizing_from_proto(wire.sizing_to_proto(narrow)) == narrow
 
 
 def test_fp8_dtype_names_and_protos():
@@ -469,8 +469,8 @@ def test_kv_cache_bytes_reaches_the_cuda_pool_through_the_cache_service(monkeypa
     # The flag as the cache service parses it (docker-compose.gpu.yml's 256MiB), through
     # serve's settings and KvPool's Attach path to size_pool, with the CUDA memory query
     # faked: an 80 GiB device with 64 GiB free would otherwise give the pool ~50 GiB.
-    from cache_service import pool as pool_module
-    from cache_service import server
+    from cache_service.core import pool as pool_module
+    from cache_service.api import server
 
     args = server.build_parser().parse_args(["--kv-cache-bytes", "256MiB"])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 * GiB, 80 * GiB))

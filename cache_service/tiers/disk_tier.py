@@ -34,7 +34,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from cache_service.prefix_hash import Namespace
+from cache_service.blocks.prefix_hash import Namespace
 from cache_service.tiers.disk_folder import DiskFolder, DiskFolderRefused, refuse_shared
 
 log = structlog.get_logger()

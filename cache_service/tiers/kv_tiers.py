@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cache_service.block_event_log import BlockEventLog
-from cache_service.block_pool import Block, BlockPool
-from cache_service.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
-from cache_service.prefix_hash import Namespace, namespace_root
+from cache_service.events.block_event_log import BlockEventLog
+from cache_service.blocks.block_pool import Block, BlockPool
+from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+from cache_service.blocks.prefix_hash import Namespace, namespace_root
 from cache_service.tiers.counters import TierCounters
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import BadBlockFile, BlockRecord, DiskFull, DiskGeometry, DiskTier, file_bytes

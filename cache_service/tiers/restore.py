@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import structlog
 
-from cache_service.block_pool import BlockPool
-from cache_service.prefix_hash import namespace_root
+from cache_service.blocks.block_pool import BlockPool
+from cache_service.blocks.prefix_hash import namespace_root
 from cache_service.tiers.disk_tier import BlockRecord, DiskTier
 from cache_service.tiers.tier_index import DISK, ROOT_PARENT, TierEntry, TierIndex, chain_digest
 

@@ -20,7 +20,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from cache_service.prefix_hash import Namespace
+from cache_service.blocks.prefix_hash import Namespace
 
 HOST = "host"
 DISK = "disk"

@@ -1,7 +1,7 @@
 """The model service's side of the cache service: attach, heartbeat, batched leases.
 
 The gRPC boundary of the engine: LeaseOps from the scheduler go out as one Lease call,
-answers come back as plain LeaseOutcome values. lease() returns a future, so the engine
+the answer comes back as a plain LeaseAnswer. lease() returns a future, so the engine
 can run a forward pass while the call is on the wire.
 """
 
@@ -16,7 +16,9 @@ from pathlib import Path
 import grpc
 import structlog
 
-from model_service.sched.lease_ops import LeaseLost, LeaseOps, LeaseOutcome
+from model_service.sched.lease_ops import (
+    Allocated, Committed, Extended, Forked, LeaseAnswer, LeaseLost, LeaseOps, Refused, Released,
+)
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry
 from pagedkv.serving import bearer_metadata, message_options
@@ -95,35 +97,35 @@ class CacheClient:
                                           timeout=self.timeout_s, metadata=self.metadata)
 
     def lease(self, session_id: str, ops: LeaseOps) -> Future:
-        """Sends ops as one Lease call; the future yields (outcomes, blocks_available).
+        """Sends ops as one Lease call; the future yields its LeaseAnswer.
 
         The call runs blocking on one long-lived sender thread: grpc's own .future() starts
         a polling thread whenever none is running, which between engine steps is nearly
         every call, and a thread start costs more than the call on loopback.
         """
         request = cache_pb2.LeaseRequest(session_id=session_id, ops=to_proto_ops(ops))
-        return self._sender.submit(self._lease_blocking, request)
+        return self._sender.submit(self._lease_blocking, request, ops)
 
-    def _lease_blocking(self, request: cache_pb2.LeaseRequest) -> tuple[list[LeaseOutcome], int]:
+    def _lease_blocking(self, request: cache_pb2.LeaseRequest, ops: LeaseOps) -> LeaseAnswer:
         reply = self.stub.Lease(request, timeout=self.timeout_s, metadata=self.metadata)
-        outcomes = [outcome_from_proto(r) for r in reply.results]
-        check_block_ids(outcomes, self.num_blocks)
-        return outcomes, reply.blocks_available
+        answer = answer_from_proto(ops, request.ops, reply.results, reply.blocks_available)
+        check_block_ids(answer, self.num_blocks)
+        return answer
 
     def close(self) -> None:
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.channel.close()
 
 
-def check_block_ids(outcomes: list[LeaseOutcome], num_blocks: int) -> None:
+def check_block_ids(answer: LeaseAnswer, num_blocks: int) -> None:
     """LeaseLost (the engine re-attaches) when a block id is outside the pool: the C and
     Triton kernels would read and write past the pool's memory with it."""
-    for outcome in outcomes:
-        ids = [*outcome.block_ids, *(outcome.copy or ())]
+    for outcome in answer.outcomes():
+        ids = [*getattr(outcome, "block_ids", ()), *(getattr(outcome, "copy", None) or ())]
         bad = [block for block in ids if not 0 <= block < num_blocks]
         if bad:
             raise LeaseLost(f"the cache service leased block id {bad[0]}, outside its pool of {num_blocks} blocks "
-                            f"(lease {outcome.lease_id}); the answer is not trusted: re-attaching")
+                            f"(lease {getattr(outcome, 'lease_id', 0)}); the answer is not trusted: re-attaching")
 
 
 def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
@@ -157,18 +159,53 @@ def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
     return proto_ops
 
 
-def outcome_from_proto(result: cache_pb2.LeaseResult) -> LeaseOutcome:
-    code = cache_pb2.LeaseStatus.Name(result.status).removeprefix(STATUS_PREFIX)
-    return LeaseOutcome(
-        ok=result.status == cache_pb2.LEASE_STATUS_OK,
-        code=code,
-        message=result.message,
-        lease_id=result.sequence_id,
-        block_ids=tuple(result.block_ids),
-        cached_tokens=result.cached_tokens,
-        cached_tokens_tiers=(result.cached_tokens_host, result.cached_tokens_disk),
-        copy=(result.copy.src_block, result.copy.dst_block) if result.HasField("copy") else None,
-    )
+def answer_from_proto(ops: LeaseOps, sent, results, blocks_available: int) -> LeaseAnswer:
+    """The LeaseResults answering `sent` (to_proto_ops(ops)) as a typed LeaseAnswer.
+
+    LeaseLost when the results cannot be this call's: another count, or an extend,
+    release or commit result naming another sequence than its op (the service names an
+    op's sequence in its result, refused or not)."""
+    if len(results) != len(sent):
+        raise LeaseLost(f"the cache service answered {len(results)} ops of {len(sent)}")
+    outcomes = []
+    for op, result in zip(sent, results):
+        kind = op.WhichOneof("op")
+        if kind in ("extend", "release", "commit") and result.sequence_id != getattr(op, kind).sequence_id:
+            raise LeaseLost(f"the cache service answered the {kind} of lease {getattr(op, kind).sequence_id} "
+                            f"about lease {result.sequence_id}: the answer is not this call's; re-attaching")
+        outcomes.append(_DECODE[kind](result))
+    return LeaseAnswer.of(ops, outcomes, blocks_available)
+
+
+def _refused(result: cache_pb2.LeaseResult) -> Refused | None:
+    if result.status == cache_pb2.LEASE_STATUS_OK:
+        return None
+    return Refused(cache_pb2.LeaseStatus.Name(result.status).removeprefix(STATUS_PREFIX), result.message)
+
+
+def _forked(result: cache_pb2.LeaseResult) -> Forked | Refused:
+    copy = (result.copy.src_block, result.copy.dst_block) if result.HasField("copy") else None
+    return _refused(result) or Forked(result.sequence_id, tuple(result.block_ids), copy)
+
+
+def _released(result: cache_pb2.LeaseResult) -> Released | Refused:
+    return _refused(result) or Released()
+
+
+def _extended(result: cache_pb2.LeaseResult) -> Extended | Refused:
+    return _refused(result) or Extended(tuple(result.block_ids))
+
+
+def _committed(result: cache_pb2.LeaseResult) -> Committed | Refused:
+    return _refused(result) or Committed()
+
+
+def _allocated(result: cache_pb2.LeaseResult) -> Allocated | Refused:
+    return _refused(result) or Allocated(result.sequence_id, tuple(result.block_ids), result.cached_tokens,
+                                         (result.cached_tokens_host, result.cached_tokens_disk))
+
+
+_DECODE = {"fork": _forked, "release": _released, "extend": _extended, "commit": _committed, "allocate": _allocated}
 
 
 class LeaseDeadline:

@@ -23,7 +23,7 @@ import torch
 from model_service import metrics
 from model_service.cache.attachment import AttachSettings, Attachment, attach, detach_after_failure
 from model_service.cache.client import CacheClient
-from model_service.sched.lease_ops import LeaseOps, LeaseOutcome
+from model_service.sched.lease_ops import LeaseAnswer, LeaseOps
 
 log = structlog.get_logger()
 
@@ -79,17 +79,17 @@ class CacheSession:
         metrics.LEASE_CALLS.inc()
         metrics.LEASE_TOP_UPS.inc(len(ops.top_ups))
 
-    def collect(self) -> tuple[LeaseOps, list[LeaseOutcome], int] | None:
-        """(ops, outcomes, blocks available) of the call in flight, waiting for its answer;
+    def collect(self) -> tuple[LeaseOps, LeaseAnswer] | None:
+        """(ops, answer) of the call in flight, waiting for its answer;
         None when no call is in flight. Raises what the call raised."""
         if self._inflight is None:
             return None
         started = time.perf_counter()
-        outcomes, available = self._inflight.result()
+        answer = self._inflight.result()
         self.attachment.lease_deadline.acked(self._inflight_sent_at)
         metrics.LEASE_WAIT_SECONDS.inc(time.perf_counter() - started)
         ops, self._inflight, self._inflight_ops = self._inflight_ops, None, None
-        return ops, outcomes, available
+        return ops, answer
 
     def check_lease_deadline(self) -> None:
         """Fenced writes: no forward pass (which writes K/V into leased blocks) once the

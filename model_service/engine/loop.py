@@ -291,10 +291,10 @@ class Engine:
     def _apply_answer(self) -> None:
         """Applies the answer to the lease call in flight, if any (waiting for it); ends
         the requests it can never serve."""
-        answer = self._session.collect()
-        if answer is None:
+        collected = self._session.collect()
+        if collected is None:
             return
-        for seq, reason in self.scheduler.apply(*answer):
+        for seq, reason in self.scheduler.apply(*collected):
             completion = self._requests.completions.get(seq)
             if completion is not None:
                 self._requests.end_request(completion.request, Finish.ABORTED,
@@ -450,9 +450,9 @@ class Engine:
             self._fail_all(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down")
             return
         try:
-            answer = self._session.collect()
-            if answer is not None:
-                self.scheduler.apply(*answer)
+            collected = self._session.collect()
+            if collected is not None:
+                self.scheduler.apply(*collected)
             for request in self._requests:
                 self._requests.end_request(request, Finish.ABORTED, error=(
                     grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))

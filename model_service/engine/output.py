@@ -137,18 +137,20 @@ def new_request(key: int, request_id: str, prompt_token_ids: list[int], options:
                             prompt_len=len(prompt_token_ids), submitted_at=time.perf_counter(),
                             deadline=deadline, unfinished=options.n, bytes_per_block=bytes_per_block,
                             tenant=tenant)
-    for index in range(options.n):
-        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
-                       options=options, arrival=arrival, index=index, priority=priority,
-                       cache_salt=cache_salt, tenant=tenant)  # forks inherit it at the cache service too
+
+    def sequence(index: int, **more) -> Sequence:
+        return Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
+                        options=options, arrival=arrival, index=index, priority=priority,
+                        cache_salt=cache_salt, tenant=tenant, **more)  # forks inherit the salt at the cache service too
+
+    children = [sequence(index) for index in range(1, options.n)]
+    # Prompt logprobs need every prompt position computed, not found in the prefix cache.
+    seqs = [sequence(0, fork_children=children, reuse_prefix=not request.wants_prompt_logprobs), *children]
+    for index, seq in enumerate(seqs):
         generator = None if options.greedy else make_generator(completion_seed(options.seed, index), device)
         detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, options.stop,
                                              include_stop_str=options.include_stop_str_in_output,
                                              skip_special_tokens=options.skip_special_tokens,
                                              ) if options.detokenize else None
         request.completions.append(Completion(index, seq, detokenizer, generator, request))
-    parent = request.completions[0].seq
-    parent.fork_children = [completion.seq for completion in request.completions[1:]]
-    # Prompt logprobs need every prompt position computed, not found in the prefix cache.
-    parent.reuse_prefix = not request.wants_prompt_logprobs
     return request

@@ -17,24 +17,34 @@ with different tokens before them, never match.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 from model_service.sched.sequence import Sequence
 
 
-def block_chain(seq: Sequence, block_size: int, num_tokens: int) -> list[int]:
-    """Hashes of the chains of seq's full blocks within its first `num_tokens` tokens,
-    extending what the sequence keeps (Sequence.block_chain) as far as needed."""
-    if seq.block_chain_size != block_size:  # a pool of another geometry since
-        seq.block_chain, seq.block_chain_size = [], block_size
-    chain = seq.block_chain
-    wanted = num_tokens // block_size
-    tokens = seq.token_ids
-    while len(chain) < wanted:
-        start = len(chain) * block_size
-        parent = chain[-1] if chain else hash((seq.tenant, seq.cache_salt))
-        chain.append(hash((parent, *tokens[start:start + block_size])))
-    return chain[:wanted]
+class BlockChains:
+    """Each sequence's chain hashes of its full blocks, as far as asked for: tokens only ever
+    grow, so each block is hashed once. The scheduler keeps one for its life (one block
+    size); a sequence's hashes go with the sequence."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: weakref.WeakKeyDictionary[Sequence, list[int]] = weakref.WeakKeyDictionary()
+
+    def of(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Hashes of the chains of seq's full blocks within its first `num_tokens` tokens."""
+        chain = self._chains.get(seq)
+        if chain is None:
+            chain = self._chains[seq] = []
+        block_size = self.block_size
+        wanted = num_tokens // block_size
+        tokens = seq.token_ids
+        while len(chain) < wanted:
+            start = len(chain) * block_size
+            parent = chain[-1] if chain else hash((seq.tenant, seq.cache_salt))
+            chain.append(hash((parent, *tokens[start:start + block_size])))
+        return chain[:wanted]
 
 
 class InflightPrefixes:
@@ -42,8 +52,9 @@ class InflightPrefixes:
     which waiting prompts to hold for them (at least `min_tokens` of their prompt). Made
     for one admission pass."""
 
-    def __init__(self, block_size: int, min_tokens: int) -> None:
-        self.block_size = block_size
+    def __init__(self, chains: BlockChains, min_tokens: int) -> None:
+        self.chains = chains
+        self.block_size = chains.block_size
         self.min_tokens = min_tokens
         self._pending: set[int] = set()
 
@@ -60,7 +71,7 @@ class InflightPrefixes:
         for seq in seqs:
             committed = seq.num_computed // self.block_size
             if committed < seq.prompt_len // self.block_size:
-                self._pending.update(block_chain(seq, self.block_size, seq.prompt_len)[committed:])
+                self._pending.update(self.chains.of(seq, seq.prompt_len)[committed:])
 
     def holds(self, seq: Sequence) -> bool:
         """Whether seq should wait: it would look its prompt up in the prefix cache, and at
@@ -68,6 +79,6 @@ class InflightPrefixes:
         computed, so only blocks before it count)."""
         if not self.active or not seq.reuse_prefix:
             return False
-        chain = block_chain(seq, self.block_size, len(seq.token_ids) - 1)
+        chain = self.chains.of(seq, len(seq.token_ids) - 1)
         shared = sum(self.block_size for key in chain if key in self._pending)
         return shared >= self.min_tokens

@@ -1,8 +1,10 @@
 """What one Lease call carries and what comes back, as the scheduler sees it.
 
-Plain data, no protobuf: cache/client.py maps `LeaseOps` to a `LeaseRequest` and each
-result back to a `LeaseOutcome`. The order of the lists is the order the cache service
-applies them in, which is what makes one call per step safe: forks before releases (a
+Plain data, no protobuf: cache/client.py maps `LeaseOps` to a `LeaseRequest` and the
+reply back to a `LeaseAnswer`, a typed outcome per op (`Refused`, or the kind's own
+record: `Forked`, `Released`, `Extended`, `Committed`, `Allocated`). The order of the
+lists (KINDS) is the order the cache service applies them in, which is what makes one
+call per step safe: forks before releases (a
 parent released in the same call still has its blocks when its children fork), extends
 the next step needs before new sequences' allocations, commits of running sequences'
 full blocks before allocations too (a new sequence then shares a prefix computed a step
@@ -13,6 +15,7 @@ needed op in the same call could have had.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from model_service.sched.sequence import Sequence
@@ -55,22 +58,100 @@ class LeaseOps:
         return bool(self.forks or self.releases or self.extends or self.commits or self.allocations or self.top_ups)
 
     def __len__(self) -> int:
-        return (len(self.forks) + len(self.releases) + len(self.extends) + len(self.commits)
-                + len(self.allocations) + len(self.top_ups))
+        return sum(len(getattr(self, kind)) for kind in KINDS)
+
+
+# The kinds of op in the order the cache service applies them: LeaseOps's lists, the
+# LeaseRequest's ops (cache/client.py) and LeaseAnswer's outcomes all follow it.
+KINDS = ("forks", "releases", "extends", "commits", "allocations", "top_ups")
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseOutcome:
-    """The cache service's answer to one op, stripped of protobuf."""
+class Refused:
+    """An op the cache service refused; the others of its call went on."""
 
-    ok: bool
-    code: str = "OK"  # OK, NO_FREE_BLOCKS, NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT
+    code: str  # NO_FREE_BLOCKS, NOT_FOUND, PERMISSION_DENIED, INVALID_ARGUMENT, LIMIT_EXCEEDED
     message: str = ""
-    lease_id: int = 0
-    block_ids: tuple[int, ...] = ()
-    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Forked:
+    lease_id: int  # the child's
+    block_ids: tuple[int, ...]
+    copy: tuple[int, int] | None = None  # (src_block, dst_block): the parent's partial last block to copy
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Extended:
+    block_ids: tuple[int, ...] = ()  # only the blocks appended (an extend or a top-up)
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Allocated:
+    lease_id: int
+    block_ids: tuple[int, ...]
+    cached_tokens: int = 0  # leading prompt tokens the prefix cache already holds
     cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: promoted from the host, the disk tier
-    copy: tuple[int, int] | None = None  # fork: (src_block, dst_block) to copy
+
+
+# What each kind of op is answered with when it succeeds (Refused when it does not).
+OUTCOME_TYPES = {"forks": Forked, "releases": Released, "extends": Extended, "commits": Committed,
+                 "allocations": Allocated, "top_ups": Extended}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAnswer:
+    """The cache service's answer to one LeaseOps: each kind's outcomes in its ops' order,
+    stripped of protobuf. `check` pairs it with the ops it answers."""
+
+    forks: tuple[Forked | Refused, ...] = ()
+    releases: tuple[Released | Refused, ...] = ()
+    extends: tuple[Extended | Refused, ...] = ()
+    commits: tuple[Committed | Refused, ...] = ()
+    allocations: tuple[Allocated | Refused, ...] = ()
+    top_ups: tuple[Extended | Refused, ...] = ()
+    blocks_available: int = 0
+
+    @classmethod
+    def of(cls, ops: LeaseOps, outcomes: Iterable[object], blocks_available: int) -> LeaseAnswer:
+        """The answer whose outcomes, in KINDS order, are `outcomes`; LeaseLost unless they fit `ops`."""
+        outcomes = list(outcomes)
+        if len(outcomes) != len(ops):
+            raise LeaseLost(f"the cache service answered {len(outcomes)} ops of {len(ops)}")
+        by_kind, start = {}, 0
+        for kind in KINDS:
+            end = start + len(getattr(ops, kind))
+            by_kind[kind] = tuple(outcomes[start:end])
+            start = end
+        answer = cls(**by_kind, blocks_available=blocks_available)
+        answer.check(ops)
+        return answer
+
+    def check(self, ops: LeaseOps) -> None:
+        """LeaseLost unless each kind has one outcome per op, each of the kind's type or Refused."""
+        for kind in KINDS:
+            outcomes, expected = getattr(self, kind), OUTCOME_TYPES[kind]
+            if len(outcomes) != len(getattr(ops, kind)):
+                raise LeaseLost(f"the cache service answered {len(outcomes)} {kind} ops of {len(getattr(ops, kind))}")
+            for outcome in outcomes:
+                if type(outcome) is not expected and type(outcome) is not Refused:
+                    raise LeaseLost(f"one of the {kind} ops was answered with {type(outcome).__name__}, "
+                                    f"not {expected.__name__} or Refused")
+
+    def outcomes(self) -> Iterator[object]:
+        """Every outcome, in KINDS order."""
+        for kind in KINDS:
+            yield from getattr(self, kind)
 
 
 class LeaseLost(RuntimeError):

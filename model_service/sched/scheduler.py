@@ -2,7 +2,7 @@
 
 Pure Python, no tensors and no gRPC. The engine calls, once per step:
 
-    scheduler.apply(ops, outcomes, blocks_available)  # results of the lease call made last step
+    scheduler.apply(ops, answer)                       # the answer to last step's lease call
     step = scheduler.schedule()                        # this step's batch + next step's lease ops
     ...                                                # the runner executes it, the sampler samples
     finished = scheduler.update_from_output(step, output)
@@ -51,9 +51,11 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from model_service.sched.inflight_prefixes import InflightPrefixes
+from model_service.sched.inflight_prefixes import BlockChains, InflightPrefixes
 from model_service.sched.lease_ahead import PendingReleases, top_ups
-from model_service.sched.lease_ops import ForkRequest, LeaseLost, LeaseOps, LeaseOutcome, Release, blocks_for
+from model_service.sched.lease_ops import (
+    Allocated, Extended, Forked, ForkRequest, LeaseAnswer, LeaseLost, LeaseOps, Refused, Release, blocks_for,
+)
 from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
 from model_service.sched.tenant_blocks import TenantBlocks
@@ -132,6 +134,7 @@ class Scheduler:
         self.preemptions = 0
         self.steps = 0  # schedule() calls so far: how long a prompt has waited (_prefill_order)
         self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
+        self._block_chains = BlockChains(limits.block_size)  # what InflightPrefixes hashed, kept
 
     # -- requests come and go -------------------------------------------------------
 
@@ -241,108 +244,110 @@ class Scheduler:
 
     # -- lease results ---------------------------------------------------------------
 
-    def apply(self, ops: LeaseOps, outcomes: list[LeaseOutcome], blocks_available: int) -> list[tuple[Sequence, str]]:
-        """Applies a lease call's results; returns sequences that can never be served."""
-        if len(outcomes) != len(ops):
-            raise LeaseLost(f"the cache service answered {len(outcomes)} ops of {len(ops)}")
-        self.blocks_available = blocks_available
+    def apply(self, ops: LeaseOps, answer: LeaseAnswer) -> list[tuple[Sequence, str]]:
+        """Applies a lease call's answer; returns sequences that can never be served.
+        Releases and commits need nothing: a release of a lease the service already
+        reclaimed is harmless, and a refused commit's blocks are registered at release."""
+        answer.check(ops)
+        self.blocks_available = answer.blocks_available
         failed: list[tuple[Sequence, str]] = []
-        results = iter(outcomes)
-        for fork in ops.forks:
-            outcome = next(results)
-            self.allocating -= 1
-            child = fork.child
-            if outcome.ok:
-                if outcome.copy is not None:
-                    self._copies.append(outcome.copy)
-                if child.status is Status.FINISHED:  # ended while its fork was in flight
-                    self._releases.add(Release(outcome.lease_id, ()), urgent=True)
-                    continue
-                child.lease_id = outcome.lease_id
-                child.block_table = list(outcome.block_ids)
-                child.num_computed = fork.parent_tokens
-                child.ever_computed = max(child.ever_computed, fork.parent_tokens)
-                self._grew(child, outcome.block_ids)
-                child.admitted_once = True
-                child.ready_step = self.steps
-                child.status = Status.RUNNING
-                self.running.append(child)
-            elif child.status is not Status.FINISHED:
-                # No block for the copy, or the parent's lease is gone: recompute instead.
-                self._queue_unforked(child)
-        for _release in ops.releases:
-            next(results)  # a release of a lease the service already reclaimed is harmless
-        for seq, _ in ops.extends:
-            outcome = next(results)
-            if outcome.ok and seq.status is not Status.RUNNING:
-                continue  # ended since the call went out: its lease's release gives these back too
-            if outcome.ok:
-                seq.block_table.extend(outcome.block_ids)
-                seq.starved = False
-                self._grew(seq, outcome.block_ids)
-            elif outcome.code == "NO_FREE_BLOCKS":
-                seq.starved = True
-            elif outcome.code == "LIMIT_EXCEEDED":
-                # The session's block quota, not the pool: room is made by preempting
-                # another of this session's sequences, and when none holds blocks this one
-                # alone is past the quota and can never finish.
-                if any(other is not seq for other in self.running):
-                    seq.starved = True
-                else:
-                    failed.append((seq, f"{outcome.code}: {outcome.message}"))
-            else:
-                raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
-        for _commit in ops.commits:
-            next(results)  # refused (the sequence is gone): its blocks are registered at release instead
+        for fork, outcome in zip(ops.forks, answer.forks):
+            self._forked(fork, outcome)
+        for (seq, _), outcome in zip(ops.extends, answer.extends):
+            self._extended(seq, outcome, failed)
         requeue: list[Sequence] = []
-        for seq in ops.allocations:
-            outcome = next(results)
-            self.allocating -= 1
-            self._allocations.remove(seq)
-            self._allocating_children -= len(seq.fork_children)
-            if outcome.ok:
-                seq.lease_id = outcome.lease_id
-                if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
-                    self._releases.add(Release(outcome.lease_id, ()), urgent=True)
-                    seq.lease_id = None
-                    continue
-                seq.block_table = list(outcome.block_ids)
-                seq.num_computed = outcome.cached_tokens
-                seq.ever_computed = max(seq.ever_computed, outcome.cached_tokens)
-                self._grew(seq, outcome.block_ids)
-                seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
-                if not seq.admitted_once:
-                    seq.cached_tokens = outcome.cached_tokens
-                    seq.cached_tokens_tiers = outcome.cached_tokens_tiers
-                    seq.admitted_once = True
-                seq.ready_step = self.steps
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                self._retry_refused_wait = 0.0
-            elif seq.status is Status.FINISHED:
-                continue
-            elif outcome.code == "NO_FREE_BLOCKS" or (outcome.code == "LIMIT_EXCEEDED" and self._others_hold_blocks()):
-                # Past the session's quota only while others hold blocks: wait for them.
-                seq.status = Status.WAITING
-                requeue.append(seq)
-                self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
-                                               RETRY_REFUSED_MAX_S)
-                self._retry_refused_at = self._clock() + self._retry_refused_wait
-                if outcome.code == "LIMIT_EXCEEDED":
-                    # The pool's count says nothing of the quota: wait as after a refusal.
-                    self._quota_retry_at = self._retry_refused_at
-            else:
-                failed.append((seq, f"{outcome.code}: {outcome.message}"))
-        for seq, _ in ops.top_ups:
-            outcome = next(results)
+        for seq, outcome in zip(ops.allocations, answer.allocations):
+            self._allocated(seq, outcome, failed, requeue)
+        for (seq, _), outcome in zip(ops.top_ups, answer.top_ups):
             # Refused: the sequence asks again when it needs the block; ended meanwhile:
             # its lease's release gives it back.
-            if outcome.ok and seq.status is Status.RUNNING:
+            if type(outcome) is Extended and seq.status is Status.RUNNING:
                 seq.block_table.extend(outcome.block_ids)
                 self._grew(seq, outcome.block_ids)
         # Back to the front, in their original order: first come, first served.
         self.waiting.extendleft(reversed(requeue))
         return failed
+
+    def _forked(self, fork: ForkRequest, outcome: Forked | Refused) -> None:
+        self.allocating -= 1
+        child = fork.child
+        if type(outcome) is Forked:
+            if outcome.copy is not None:
+                self._copies.append(outcome.copy)
+            if child.status is Status.FINISHED:  # ended while its fork was in flight
+                self._releases.add(Release(outcome.lease_id, ()), urgent=True)
+                return
+            child.lease_id = outcome.lease_id
+            child.block_table = list(outcome.block_ids)
+            child.num_computed = fork.parent_tokens
+            child.ever_computed = max(child.ever_computed, fork.parent_tokens)
+            self._grew(child, outcome.block_ids)
+            child.admitted_once = True
+            child.ready_step = self.steps
+            child.status = Status.RUNNING
+            self.running.append(child)
+        elif child.status is not Status.FINISHED:
+            # No block for the copy, or the parent's lease is gone: recompute instead.
+            self._queue_unforked(child)
+
+    def _extended(self, seq: Sequence, outcome: Extended | Refused, failed: list[tuple[Sequence, str]]) -> None:
+        if type(outcome) is Extended:
+            if seq.status is not Status.RUNNING:
+                return  # ended since the call went out: its lease's release gives these back too
+            seq.block_table.extend(outcome.block_ids)
+            seq.starved = False
+            self._grew(seq, outcome.block_ids)
+        elif outcome.code == "NO_FREE_BLOCKS":
+            seq.starved = True
+        elif outcome.code == "LIMIT_EXCEEDED":
+            # The session's block quota, not the pool: room is made by preempting
+            # another of this session's sequences, and when none holds blocks this one
+            # alone is past the quota and can never finish.
+            if any(other is not seq for other in self.running):
+                seq.starved = True
+            else:
+                failed.append((seq, f"{outcome.code}: {outcome.message}"))
+        else:
+            raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
+
+    def _allocated(self, seq: Sequence, outcome: Allocated | Refused, failed: list[tuple[Sequence, str]],
+                   requeue: list[Sequence]) -> None:
+        self.allocating -= 1
+        self._allocations.remove(seq)
+        self._allocating_children -= len(seq.fork_children)
+        if type(outcome) is Allocated:
+            seq.lease_id = outcome.lease_id
+            if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
+                self._releases.add(Release(outcome.lease_id, ()), urgent=True)
+                seq.lease_id = None
+                return
+            seq.block_table = list(outcome.block_ids)
+            seq.num_computed = outcome.cached_tokens
+            seq.ever_computed = max(seq.ever_computed, outcome.cached_tokens)
+            self._grew(seq, outcome.block_ids)
+            seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
+            if not seq.admitted_once:
+                seq.cached_tokens = outcome.cached_tokens
+                seq.cached_tokens_tiers = outcome.cached_tokens_tiers
+                seq.admitted_once = True
+            seq.ready_step = self.steps
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._retry_refused_wait = 0.0
+        elif seq.status is Status.FINISHED:
+            return
+        elif outcome.code == "NO_FREE_BLOCKS" or (outcome.code == "LIMIT_EXCEEDED" and self._others_hold_blocks()):
+            # Past the session's quota only while others hold blocks: wait for them.
+            seq.status = Status.WAITING
+            requeue.append(seq)
+            self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
+                                           RETRY_REFUSED_MAX_S)
+            self._retry_refused_at = self._clock() + self._retry_refused_wait
+            if outcome.code == "LIMIT_EXCEEDED":
+                # The pool's count says nothing of the quota: wait as after a refusal.
+                self._quota_retry_at = self._retry_refused_at
+        else:
+            failed.append((seq, f"{outcome.code}: {outcome.message}"))
 
     def _grew(self, seq: Sequence, block_ids: tuple[int, ...]) -> None:
         """A lease call's answer gave `seq` these blocks (now in its table)."""
@@ -485,7 +490,7 @@ class Scheduler:
         prompt_tokens = 0
         seats = self.seats_taken()
         admitted: dict[str, int] = {}  # blocks given to each tenant's sequences in this call
-        prefixes = InflightPrefixes(block_size, self.limits.prefix_hold_min_tokens)
+        prefixes = InflightPrefixes(self._block_chains, self.limits.prefix_hold_min_tokens)
         if self.waiting:
             prefixes.track(self.running)
             prefixes.track(self._allocations)

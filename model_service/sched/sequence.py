@@ -26,7 +26,9 @@ class Finish(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass(eq=False, slots=True)
+# weakref_slot: the scheduler's per-sequence memos (sched/inflight_prefixes.py's BlockChains)
+# are weak, so they end with the sequence.
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Sequence:
     request_id: str
     # Prompt followed by generated tokens; token_ids[:prompt_len] is the prompt.
@@ -75,11 +77,6 @@ class Sequence:
     cache_salt: str = ""
     # Whose request it is (--api-keys), by name; "": no tenant.
     tenant: str = ""
-    # Hashes naming its full blocks of block_chain_size tokens by chain
-    # (sched/inflight_prefixes.py), as far as asked for: tokens only ever grow, so each
-    # block is hashed once.
-    block_chain: list[int] = field(default_factory=list)
-    block_chain_size: int = 0
 
     @property
     def num_output(self) -> int:

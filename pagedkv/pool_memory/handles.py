@@ -15,6 +15,7 @@ from pagedkv.kv_geometry import dtype_from_proto, dtype_to_proto
 from pagedkv.pool_memory.cuda_ipc import CudaIpcInfo, export_cuda_pool, import_cuda_pool
 from pagedkv.pool_memory.errors import PoolMappingError
 from pagedkv.pool_memory.shm_file import SharedPoolHandle, pool_size_bytes
+from pagedkv.records import record_from
 
 
 def handle_to_proto(handle: SharedPoolHandle | CudaIpcInfo) -> cache_pb2.PoolHandle:
@@ -49,20 +50,8 @@ def handle_to_proto(handle: SharedPoolHandle | CudaIpcInfo) -> cache_pb2.PoolHan
 
 def cuda_info_from_proto(handle: cache_pb2.PoolHandle) -> CudaIpcInfo:
     ipc = handle.cuda_ipc
-    return CudaIpcInfo(
-        device_index=ipc.device_index,
-        storage_handle=ipc.storage_handle,
-        storage_size_bytes=ipc.storage_size_bytes,
-        storage_offset_bytes=ipc.storage_offset_bytes,
-        ref_counter_handle=ipc.ref_counter_handle,
-        ref_counter_offset=ipc.ref_counter_offset,
-        event_handle=ipc.event_handle,
-        event_sync_required=ipc.event_sync_required,
-        shape=tuple(handle.shape),
-        stride=tuple(ipc.stride),
-        storage_offset=ipc.storage_offset,
-        dtype=dtype_from_proto(handle.dtype),
-    )
+    return record_from(CudaIpcInfo, ipc, shape=tuple(handle.shape), stride=tuple(ipc.stride),
+                       dtype=dtype_from_proto(handle.dtype))
 
 
 def map_pool(handle: cache_pb2.PoolHandle) -> torch.Tensor:

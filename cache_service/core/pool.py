@@ -1,6 +1,7 @@
 """The live KV pool: physical memory, its sizing, the block ledger and the sessions.
 
-Plain code, no gRPC: the servicer validates requests and calls this. The pool is
+Plain code, no gRPC and no protos: the servicer validates requests, calls this and maps
+what it returns onto the wire (api/wire.py). The pool is
 created by the first Attach, because only the model knows the KV geometry; every later
 Attach must bring the same geometry (a model service that restarts gets the same pool,
 and the prefix cache with it).
@@ -19,17 +20,18 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cache_service.block_event_log import BlockEventLog
-from cache_service.kv_event_publisher import KvEventPublisher
-from cache_service.ledger import Ledger, SessionLimits
-from cache_service.sessions import Session, Sessions
-from cache_service.sizing import SizingError, SizingReport, measure_device_memory, size_pool
+from cache_service.events.block_event_log import BlockEventLog
+from cache_service.events.publisher import KvEventPublisher
+from cache_service.core.lease_ops import AllocateOp, LeaseOp, LeaseOutcome, apply_op
+from cache_service.core.ledger import Ledger, SessionLimits
+from cache_service.core.sessions import Session, Sessions
+from cache_service.core.sizing import SizingError, SizingReport, measure_device_memory, size_pool
+from cache_service.core.stats import PoolStats, pool_stats
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
 from cache_service.tiers.kv_tiers import KvTiers
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
-from pagedkv.cache.v1 import cache_pb2
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
@@ -112,7 +114,8 @@ class PoolSettings:
 class Attachment:
     session: Session
     sizing: SizingReport
-    handle: cache_pb2.PoolHandle
+    # What the model service maps the pool from (api/wire.py makes it AttachResponse.pool).
+    handle: pool_memory.SharedPoolHandle | pool_memory.CudaIpcInfo
 
 
 # Block references released between two yields to the event loop when a session goes:
@@ -135,7 +138,6 @@ class KvPool:
         self.geometry: KvGeometry | None = None
         self.sizing: SizingReport | None = None
         self.ledger: Ledger | None = None
-        self._shared_handle: cache_pb2.PoolHandle | None = None
         self._memory: pool_memory.SharedPool | torch.Tensor | None = None
         self.tiers: KvTiers | None = None
         self._tier_task: asyncio.Task | None = None
@@ -170,11 +172,11 @@ class KvPool:
                  served_model_name=served_model_name)
         return Attachment(session, self.sizing, self._handle_for_attach())
 
-    def _handle_for_attach(self) -> cache_pb2.PoolHandle:
+    def _handle_for_attach(self) -> pool_memory.SharedPoolHandle | pool_memory.CudaIpcInfo:
         if isinstance(self._memory, pool_memory.SharedPool):
-            return self._shared_handle
+            return self._memory.handle
         # Each CUDA IPC export takes its own reference-count slot: one per importer.
-        return pool_memory.cuda_handle_to_proto(self._memory)
+        return pool_memory.export_cuda_pool(self._memory)
 
     def heartbeat(self, session_id: str) -> Session:
         return self.sessions.touch(session_id)
@@ -221,6 +223,26 @@ class KvPool:
             if done:
                 return total
             await asyncio.sleep(0)
+
+    async def lease(self, session: Session, ops: Sequence[LeaseOp]) -> tuple[list[LeaseOutcome], int]:
+        """Applies one Lease call's ops of ``session``'s in order; returns an outcome per op
+        and the blocks available after them. The disk blocks the allocations would promote
+        are read first, off the event loop; raises UnknownSession if the session ended
+        meanwhile, and NoPool before anything has attached."""
+        ledger, _ = self.require_pool()
+        fingerprint = session.model_fingerprint
+        prompts = [(op.prompt_token_ids, (fingerprint, op.cache_salt)) for op in ops if type(op) is AllocateOp]
+        blocks = await self.read_ahead(prompts)
+        if blocks:
+            self.heartbeat(session.session_id)
+        with self.reading_ahead(blocks):
+            outcomes = [apply_op(ledger, session.owner, op, fingerprint) for op in ops]
+        self.publish_kv_events()  # one batch per call at most
+        self.check_invariants("lease")
+        return outcomes, ledger.blocks_available()
+
+    def stats(self) -> PoolStats:
+        return pool_stats(self.sessions, self.ledger, self.sizing.pool_bytes if self.sizing else 0, self.tiers)
 
     def reset_prefix_cache(self, session: Session, all_models: bool = False) -> tuple[int, int]:
         """Drops the cached blocks of ``session``'s model (or of every model) nobody holds;
@@ -278,9 +300,7 @@ class KvPool:
         )
         shape = geometry.pool_shape(sizing.num_blocks, sizing.block_size)
         if geometry.device == "cpu":
-            shared = pool_memory.create_shared_pool(shape, geometry.dtype, directory=self.settings.shm_dir)
-            self._memory = shared
-            self._shared_handle = pool_memory.shared_handle_to_proto(shared.handle)
+            self._memory = pool_memory.create_shared_pool(shape, geometry.dtype, directory=self.settings.shm_dir)
         else:
             self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
@@ -323,7 +343,7 @@ class KvPool:
     def _unmake(self) -> None:
         if isinstance(self._memory, pool_memory.SharedPool):
             self._memory.close()
-        self._memory = self._shared_handle = self.geometry = self.sizing = self.ledger = None
+        self._memory = self.geometry = self.sizing = self.ledger = None
 
     async def read_ahead(self, prompts) -> dict:
         """The disk blocks that allocating ``prompts`` ((token ids, namespace) pairs) would

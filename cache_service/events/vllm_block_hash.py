@@ -1,6 +1,6 @@
 """Block hashes as vLLM computes them, for the KV events that routers read.
 
-pagedkv's own prefix index (``prefix_hash.py``) keys blocks by a fast in-process hash
+pagedkv's own prefix index (``blocks/prefix_hash.py``) keys blocks by a fast in-process hash
 and verifies every hit exactly; it stays as it is. Routers that consume vLLM's KV events
 (vllm-router's ``kv_aware``, llm-d, Dynamo) recompute vLLM's hashes from the token ids
 of a request and look them up in what each worker reported, so the events must carry

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache_service.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from cache_service.vllm_block_hash import external, salt_extra_keys
+from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from cache_service.events.vllm_block_hash import external, salt_extra_keys
 
 
 class EventChannel:

@@ -8,18 +8,18 @@ import re
 
 import structlog
 
-from cache_service import metrics
-from cache_service.kv_event_publisher import KvEventPublisher
-from cache_service import kv_event_settings
-from cache_service.kv_event_settings import EventSettings
-from cache_service.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
-from cache_service.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
-from cache_service.servicer import CacheServicer
+from cache_service.api import metrics
+from cache_service.events.publisher import KvEventPublisher
+from cache_service.events.settings import DEFAULT_REPLAY_MAX_BATCHES, DEFAULT_REPLAY_REQUESTS_PER_S, EventSettings
+from cache_service.core.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
+from cache_service.core.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
+from cache_service.api.servicer import CacheServicer
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.flags import add_flag, add_server_flags
+from pagedkv.records import record_from
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, serve_until_signal
 from pagedkv.units import parse_bytes
 
@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
              "queued in the service; past it that subscriber loses batches (it can replay them)")
     add_flag(parser, "--kv-events-replay-buffer-bytes", default="32MiB", type=parse_bytes,
              help="the replay socket keeps the newest event batches whose payloads fit in this")
-    add_flag(parser, "--kv-events-replay-max-batches", default=kv_event_settings.DEFAULT_REPLAY_MAX_BATCHES, type=int,
+    add_flag(parser, "--kv-events-replay-max-batches", default=DEFAULT_REPLAY_MAX_BATCHES, type=int,
              help="event batches one replay request is answered with at most (the oldest first)")
-    add_flag(parser, "--kv-events-replay-rate", default=kv_event_settings.DEFAULT_REPLAY_REQUESTS_PER_S, type=float,
+    add_flag(parser, "--kv-events-replay-rate", default=DEFAULT_REPLAY_REQUESTS_PER_S, type=float,
              help="replay requests one peer address may make per second (and in one burst); the rest are dropped")
     add_flag(parser, "--kv-events-curve-secret-key", default=None,
              help="CURVE for the KV event sockets: the service's secret key file (zmq.auth's format, "
@@ -110,20 +110,8 @@ async def reap_forever(pool: KvPool) -> None:
 
 def pool_settings(args: argparse.Namespace) -> PoolSettings:
     """The pool's settings from the command line (one place, so tests read what serve uses)."""
-    return PoolSettings(
-        block_size=args.block_size,
-        memory_fraction=args.memory_fraction,
-        headroom=args.headroom,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_blocks=args.max_blocks,
-        lease_ttl_ms=args.lease_ttl_ms,
-        shm_dir=args.shm_dir,
-        session_limits=SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks),
-        reclaim_grace_ms=args.reclaim_grace_ms,
-        tiers=TierSettings(host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
-                           disk_cache_bytes=args.disk_cache_bytes, disk_cache_key_file=args.disk_cache_key_file),
-        check_invariants=args.check_invariants,
-    )
+    limits = SessionLimits(max_sequences=args.max_session_sequences, max_blocks=args.max_session_blocks)
+    return record_from(PoolSettings, args, session_limits=limits, tiers=record_from(TierSettings, args))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -216,14 +204,8 @@ def kv_event_publishers(args: argparse.Namespace) -> list[KvEventPublisher]:
 
 
 def event_settings(args: argparse.Namespace) -> EventSettings:
-    return EventSettings(
-        subscriber_buffer_bytes=args.kv_events_subscriber_buffer_bytes,
-        replay_buffer_bytes=args.kv_events_replay_buffer_bytes,
-        replay_max_batches=args.kv_events_replay_max_batches,
-        replay_requests_per_s=args.kv_events_replay_rate,
-        curve_secret_key=args.kv_events_curve_secret_key,
-        curve_clients=args.kv_events_curve_clients,
-    )
+    # Each field is its --kv-events-* flag, but for the replay rate's shorter name.
+    return record_from(EventSettings, args, prefix="kv_events_", replay_requests_per_s=args.kv_events_replay_rate)
 
 
 def main(argv: list[str]) -> int:

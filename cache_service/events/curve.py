@@ -15,7 +15,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from cache_service.kv_event_settings import EventSettings
+from cache_service.events.settings import EventSettings
 
 
 class CurveServer:

@@ -2,7 +2,7 @@
 
     python -m cache_service sizing --config path/to/config.json --memory 80GiB --dtype bfloat16
 
-It applies the same formula as the live service (cache_service.sizing.size_pool) to a
+It applies the same formula as the live service (cache_service.core.sizing.size_pool) to a
 Hugging Face config.json, with free memory taken as total − weights − workspace. The
 live service measures free memory after the model's warmup instead, so its answer is
 the one that counts; this one is for planning.
@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cache_service.sizing import (
+from cache_service.core.sizing import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HEADROOM,
     DEFAULT_MEMORY_FRACTION,

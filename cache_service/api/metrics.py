@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cache_service.core.stats import tier_stats
+
 LEASE_OPS = Counter(
     "pagedkv_cache_lease_ops", "Lease operations applied, by kind and result", ["op", "status"]
 )
@@ -59,9 +61,7 @@ class PoolCollector:
 
 def tier_metrics(pool):
     """The KV tiers' blocks and traffic, labelled by tier (host, disk), as GetStats's TierStats."""
-    from cache_service.servicer import tier_stats  # the servicer imports this module
-
-    rows = tier_stats(pool)
+    rows = tier_stats(pool.tiers)
     if not rows:
         return
     blocks = GaugeMetricFamily("pagedkv_cache_tier_blocks", "KV tier blocks by state", labels=["tier", "state"])
@@ -93,10 +93,3 @@ def tier_metrics(pool):
 
 def register_pool(pool) -> None:
     REGISTRY.register(PoolCollector(pool))
-
-KV_EVENTS_REPLAY_REQUESTS = Counter(
-    "pagedkv_cache_kv_events_replay_requests",
-    "Replay requests on the KV events replay sockets, by outcome (answered, rate_limited, malformed)",
-    ["outcome"],
-)
-KV_EVENTS_REPLAY_BATCHES = Counter("pagedkv_cache_kv_events_replay_batches", "Event batches sent in replay answers")

@@ -19,7 +19,7 @@ the block pool's internals:
   "GPU" again at once, and known here, so the release that follows does not count them
   among its new blocks. The tier keeps its copy, so no tier removal goes with it.
 
-Each endpoint is a channel (``kv_event_channel.py``): every model's blocks, or one served
+Each endpoint is a channel (``channel.py``): every model's blocks, or one served
 model name's. A router takes one event source per worker and a worker serves one name,
 so a block belongs to a name's channel when its model fingerprint is served under that
 name by some session, now or earlier (``serves``, at Attach). The fingerprint, not the
@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cache_service.kv_event_channel import EventChannel
-from cache_service.kv_events import KvEvent
-from cache_service.vllm_block_hash import block_hash, none_hash, salt_extra_keys
+from cache_service.events.channel import EventChannel
+from cache_service.events.kv_events import KvEvent
+from cache_service.events.vllm_block_hash import block_hash, none_hash, salt_extra_keys
 
 Key = tuple[str, bytes]  # (model fingerprint, vLLM digest of the block's chain)
 

@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
-from pagedkv.cache.v1 import cache_pb2
-from pagedkv.kv_geometry import KvGeometry, dtype_from_name, dtype_from_proto, dtype_name, dtype_to_proto, is_fp8
+from pagedkv.kv_geometry import KvGeometry, is_fp8
 from pagedkv.units import format_bytes
 
 # 16 tokens a block: small enough that the last, partly filled block of a sequence wastes
@@ -93,19 +92,6 @@ class SizingReport:
             self.explanation.append(
                 f"disk tier = floor(disk_cache_bytes {format_bytes(disk_cache_bytes)} / {disk_file_bytes:,} bytes a "
                 f"block file (the block and its header)) = {self.disk_blocks:,} blocks (--disk-cache-bytes)")
-
-    def to_proto(self) -> cache_pb2.SizingReport:
-        values = asdict(self)
-        values["dtype"] = dtype_to_proto(dtype_from_name(self.dtype))
-        return cache_pb2.SizingReport(**values)
-
-    @classmethod
-    def from_proto(cls, report: cache_pb2.SizingReport) -> SizingReport:
-        values = {name: getattr(report, name) for name in cls.__dataclass_fields__}
-        values["dtype"] = dtype_name(dtype_from_proto(report.dtype))
-        values["explanation"] = list(report.explanation)
-        values["weights_bytes_by_type"] = dict(report.weights_bytes_by_type)
-        return cls(**values)
 
     def to_dict(self) -> dict:
         return asdict(self)

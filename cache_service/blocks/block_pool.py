@@ -1,7 +1,7 @@
 """The physical KV block pool: blocks, ref counts, the free list and the prefix cache.
 
 Pure bookkeeping: nothing here touches a tensor. Sequences and owners live one layer up,
-in ``ledger.py``; this module only knows blocks.
+in ``core/ledger.py``; this module only knows blocks.
 
 A block is in exactly one of three states:
 - leased: ``ref_count > 0`` (it may also be registered in the prefix cache, if it holds a
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace, namespace_root
+from cache_service.blocks.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace, namespace_root
 
 
 class Block:

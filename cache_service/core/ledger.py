@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cache_service.block_event_log import BlockEventLog
-from cache_service.block_pool import Block, BlockPool
-from cache_service.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace
+from cache_service.events.block_event_log import BlockEventLog
+from cache_service.blocks.block_pool import Block, BlockPool
+from cache_service.blocks.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace
 
 if TYPE_CHECKING:
     from cache_service.tiers.kv_tiers import KvTiers

@@ -7,11 +7,11 @@ as several, each with its own seq. PUB drops a subscriber's messages past its hi
 mark rather than block the service, and that mark is set from a byte budget
 (``EventSettings.subscriber_buffer_bytes``), so an idle or slow subscriber costs the
 service a bounded amount of memory; it recovers what it lost from the optional replay
-socket (``kv_event_replay.py``, served by a thread of its own).
+socket (``replay.py``, served by a thread of its own).
 
 Sending happens on the event loop that serves Lease: a PUB send never blocks and costs a
 few µs. Both sockets bind (a server's sockets bind in pagedkv, whatever the address),
-with CURVE when configured (``kv_event_curve.py``). A publisher sends one channel's
+with CURVE when configured (``curve.py``). A publisher sends one channel's
 batches (``model``: one served model name's blocks, None: every model's), with a seq and
 a replay buffer of its own.
 """
@@ -22,10 +22,10 @@ import time
 
 import zmq
 
-from cache_service.kv_event_curve import CurveServer
-from cache_service.kv_event_replay import ReplayBuffer, ReplayServer
-from cache_service.kv_event_settings import MAX_MESSAGE_BYTES, EventSettings
-from cache_service.kv_events import KvEvent, encode_batches
+from cache_service.events.curve import CurveServer
+from cache_service.events.replay import ReplayBuffer, ReplayServer
+from cache_service.events.settings import MAX_MESSAGE_BYTES, EventSettings
+from cache_service.events.kv_events import KvEvent, encode_batches
 
 # The kernel's send buffer per subscriber connection, so what a stalled subscriber holds
 # outside the PUB queue is bounded too.

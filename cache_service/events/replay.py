@@ -27,11 +27,18 @@ import time
 
 import structlog
 import zmq
+from prometheus_client import Counter
 
-from cache_service import metrics
-from cache_service.kv_event_settings import EventSettings
+from cache_service.events.settings import EventSettings
 
 log = structlog.get_logger()
+
+REPLAY_REQUESTS = Counter(
+    "pagedkv_cache_kv_events_replay_requests",
+    "Replay requests on the KV events replay sockets, by outcome (answered, rate_limited, malformed)",
+    ["outcome"],
+)
+REPLAY_BATCHES = Counter("pagedkv_cache_kv_events_replay_batches", "Event batches sent in replay answers")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # Peers whose request budget is remembered; past it the least recently seen is forgotten.
@@ -135,22 +142,22 @@ class ReplayServer:
         elif len(frames) == 2:
             envelope = [frames[0].bytes]
         else:
-            metrics.KV_EVENTS_REPLAY_REQUESTS.labels("malformed").inc()
+            REPLAY_REQUESTS.labels("malformed").inc()
             return
         request = frames[-1].bytes
         if len(request) != 8:
-            metrics.KV_EVENTS_REPLAY_REQUESTS.labels("malformed").inc()
+            REPLAY_REQUESTS.labels("malformed").inc()
             return
         if not self._rate.allow(_peer(frames[-1])):
-            metrics.KV_EVENTS_REPLAY_REQUESTS.labels("rate_limited").inc()
+            REPLAY_REQUESTS.labels("rate_limited").inc()
             return
         batches = self._buffer.since(int.from_bytes(request, "big", signed=True), self._max_batches)
         send = self._socket.send_multipart
         for seq, payload in batches:
             send((*envelope, self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         send((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-        metrics.KV_EVENTS_REPLAY_BATCHES.inc(len(batches))
-        metrics.KV_EVENTS_REPLAY_REQUESTS.labels("answered").inc()  # once its replies are queued
+        REPLAY_BATCHES.inc(len(batches))
+        REPLAY_REQUESTS.labels("answered").inc()  # once its replies are queued
 
 
 def _peer(frame: zmq.Frame) -> str:
