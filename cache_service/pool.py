@@ -333,6 +333,11 @@ class KvPool:
     def reading_ahead(self, blocks: dict):
         return self.tiers.reading_ahead(blocks) if self.tiers is not None else contextlib.nullcontext()
 
+    async def promoted(self) -> None:
+        """Returns once the promotions' copies made so far are in the pool (``KvTiers.settled``)."""
+        if self.tiers is not None:
+            await self.tiers.settled()
+
     def _after_tier_step(self) -> None:
         self.publish_kv_events()
         self.check_invariants("tiers")
