@@ -47,8 +47,6 @@ class BlockMover:
         self.pool = pool
         self.bytes_per_block = bytes_per_block
         self.stream = torch.cuda.Stream(device=pool.device)
-        # The pool was zeroed on the default stream; this stream's first copies come after.
-        self.stream.wait_stream(torch.cuda.current_stream(pool.device))
         self.event = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             self.device_stage = pool.new_empty((STAGE_BLOCKS * bytes_per_block,), dtype=torch.uint8)
@@ -67,6 +65,12 @@ class BlockMover:
         return (self.device_stage[:size].view(self.pool.dtype).view(shape),
                 self.host_stage[:size].view(self.pool.dtype).view(shape))
 
+    def _after_this_process(self) -> None:
+        """Orders the next batch after what this process queued on the pool's device (the
+        pool's zeroing at start-up; a test's writes): writers in other processes are
+        ordered by the Lease calls instead."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+
     def _wait(self) -> None:
         self.event.record(self.stream)
         self.event.synchronize()
@@ -74,6 +78,7 @@ class BlockMover:
     def to_host(self, block_ids: Sequence[int], sink: Callable[[int, torch.Tensor], None]) -> None:
         """Copies the pool's ``block_ids`` out; ``sink(i, block)`` gets the i-th block in pinned
         staging (valid only during the call: copy it) once its bytes are all there."""
+        self._after_this_process()
         for start in range(0, len(block_ids), STAGE_BLOCKS):
             chunk = block_ids[start:start + STAGE_BLOCKS]
             device_view, host_view = self._views(len(chunk))
@@ -88,6 +93,7 @@ class BlockMover:
     def from_host(self, block_ids: Sequence[int], fill: Callable[[int, torch.Tensor], None]) -> None:
         """Copies into the pool's ``block_ids``: ``fill(i, block)`` writes the i-th block's bytes
         into pinned staging; done (the bytes in the pool) when this returns."""
+        self._after_this_process()
         for start in range(0, len(block_ids), STAGE_BLOCKS):
             chunk = block_ids[start:start + STAGE_BLOCKS]
             device_view, host_view = self._views(len(chunk))
