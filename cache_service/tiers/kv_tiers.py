@@ -110,22 +110,30 @@ class KvTiers:
         self.clock = clock
         self.events = events  # told of tier copies stored and removed, for KV events (None: off)
         self.index = TierIndex()
-        host_slots = settings.host_cache_bytes // bytes_per_block
-        # A CUDA pool's copies: batched through pinned staging, in a thread of their own (device_copies.py).
-        self.mover = BlockMover(pool_tensor, pool_tensor[:, :, 0].nbytes) if pool_tensor.is_cuda else None
-        self.copies = CopyQueue() if self.mover is not None else None
-        self.host = HostTier(pool_tensor, host_slots, self.mover) if host_slots else None
         self._own_folder = None
         self.disk = None
-        if settings.disk_cache_dir:
-            if disk_folder is None:
-                disk_folder = self._own_folder = DiskFolder(settings.disk_cache_dir, settings.disk_cache_key_file)
-            try:
+        self.mover = self.copies = self.host = None
+        try:
+            if settings.disk_cache_dir:
+                if disk_folder is None:
+                    disk_folder = self._own_folder = DiskFolder(settings.disk_cache_dir, settings.disk_cache_key_file)
                 self.disk = DiskTier(disk_folder, settings.disk_cache_bytes, geometry)
-            except BaseException:
-                if self._own_folder is not None:
-                    self._own_folder.close()
-                raise
+            # A CUDA pool's copies: batched through pinned staging, in a thread of their own (device_copies.py).
+            if pool_tensor.is_cuda:
+                self.mover = BlockMover(pool_tensor, pool_tensor[:, :, 0].nbytes)
+                self.copies = CopyQueue()
+            host_slots = settings.host_cache_bytes // bytes_per_block
+            self.host = HostTier(pool_tensor, host_slots, self.mover) if host_slots else None
+        except BaseException:
+            if self.mover is not None:
+                self.mover.close()
+            if self._own_folder is not None:
+                self._own_folder.close()
+            raise
+        if self.mover is not None:
+            device_bytes, pinned_bytes = self.mover.staging_bytes
+            log.info("kv_tiers_cuda_staging", device_bytes=device_bytes, pinned_host_bytes=pinned_bytes,
+                     pinned_host_tier_bytes=self.host.tensor.nbytes if self.host is not None else 0)
         self.counters = {HOST: TierCounters(), DISK: TierCounters()}
         self.failed_steps = 0  # steps of the background task that raised (logged, counted in errors too)
         self.missed_demotions = 0  # queued blocks evicted (or re-registered) before their copy
