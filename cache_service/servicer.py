@@ -127,7 +127,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 await abort_for(context, error)
         with self.pool.reading_ahead(blocks):
             results = [apply_op(ledger, session.owner, op, session.model_fingerprint) for op in request.ops]
-        await self.pool.promoted()  # the hits' bytes are in the pool before the reply counts them
+        if prompts:
+            await self.pool.promoted()  # the hits' bytes are in the pool before the reply counts them
         count_ops(request.ops, results)
         self.pool.publish_kv_events()  # one batch per call at most
         self.pool.check_invariants("lease")

@@ -48,6 +48,7 @@ class FakeCuda:
         self.registered: dict[int, int] = {}  # data_ptr -> bytes page-locked (cudaHostRegister)
         self.unregistered: list[int] = []
         self.log: list[str] = []
+        self.devices_set: list[tuple[str, object]] = []  # (thread name, device) per torch.cuda.set_device
         self.hold = threading.Event()  # set: the next event waited on blocks until ``release``
         self.holding = threading.Event()  # set while a wait is held
         self._release = threading.Event()
@@ -91,6 +92,8 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
         monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: fake.devices_set.append(
+            (threading.current_thread().name, device)))
         FakeCudaTensor.ops = []
 
     def release(self) -> None:

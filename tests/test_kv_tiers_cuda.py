@@ -230,6 +230,8 @@ def test_a_batch_of_blocks_crosses_to_and_from_the_device_in_one_copy(fake_cuda,
     stack.tiers.settle()
     assert FakeCudaTensor.ops == ["copy_", "index_copy_"] * 3  # one DMA and one scatter a batch
     assert allocation.cached_tokens_host == 7 * BS
+    assert [name.startswith("kv-tiers-copy") for name, _ in fake_cuda.devices_set] == [True], \
+        "the copy thread did not make the pool's device its own"
     for index, block_id in enumerate(allocation.block_ids[:7]):
         assert torch.equal(stack.pool_tensor[:, :, block_id], stack.expected(tokens, index))
 

@@ -17,10 +17,14 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 
 class CopyQueue:
-    def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers-copy")
+    def __init__(self, device: torch.device) -> None:
+        # The current CUDA device is per thread: the copy thread's is the pool's (cuda:N too).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers-copy",
+                                          initializer=torch.cuda.set_device, initargs=(device,))
         self._promotion: Future | None = None  # the last promotion submitted
 
     def submit(self, copy: Callable, *args) -> Future:

@@ -30,7 +30,8 @@ STAGE_BLOCKS = 32
 
 def pin_exact(tensor: torch.Tensor) -> None:
     """Page-locks ``tensor``'s own memory (exactly its bytes) for DMA; ``unpin`` undoes it."""
-    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+    # cudaHostRegisterPortable: pinned for every device's context, not only the current one's.
+    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1))
     if error != 0:
         raise RuntimeError(f"could not pin {tensor.nbytes} bytes of host memory for the KV tier (cudaError {error}): "
                            "lower --host-cache-bytes or raise the locked-memory limit (ulimit -l)")

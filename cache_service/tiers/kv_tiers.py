@@ -121,7 +121,7 @@ class KvTiers:
             # A CUDA pool's copies: batched through pinned staging, in a thread of their own (device_copies.py).
             if pool_tensor.is_cuda:
                 self.mover = BlockMover(pool_tensor, pool_tensor[:, :, 0].nbytes)
-                self.copies = CopyQueue()
+                self.copies = CopyQueue(pool_tensor.device)
             host_slots = settings.host_cache_bytes // bytes_per_block
             self.host = HostTier(pool_tensor, host_slots, self.mover) if host_slots else None
         except BaseException:
@@ -519,7 +519,8 @@ class KvTiers:
             return
         except Exception as error:  # OSError, or anything else: this block is not written, the next ones are
             counters.errors += 1
-            log.warning("disk_cache_write_failed", folder=str(disk.folder), error=repr(error))
+            log.warning("disk_cache_write_failed", folder=str(disk.folder), error=str(error),
+                        error_type=type(error).__name__)
             return
         finally:
             self.writing -= 1
