@@ -45,6 +45,13 @@ sampling: sample() on CUDA at temperature > 0 (temperature alone; top-k with top
 cuda_n: the model on the last GPU (cuda:N, N = device_count - 1) as --device cuda:N runs
    it: the warmup in a passing thread, a prefill and graph-replayed decode steps in a new
    thread (the engine's), against the CPU path's logits.
+tiers: the KV tiers over a CUDA pool of random bfloat16 K/V (cache_service/tiers): 256 blocks
+   demoted to an exactly pinned host tier (the bytes pinned are the tier's, no power-of-two
+   rounding: torch's caching host allocator grows by nothing) and promoted back by one
+   allocate, then 32 blocks through a disk tier without a host tier; every promoted block
+   equal byte for byte to a CPU copy of the pool taken before (no code shared with the
+   tiers). The promotion's rate against one pinned-to-device copy of the same bytes is
+   measured for the record.
 5. model: the whole model on CUDA (Triton kernels) against transformers on CUDA, bfloat16
    and float16, Llama and Mistral (sliding window): logits within tests/low_precision.py's
    tolerance over prefill and decode.
@@ -73,7 +80,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))  # hf_checkpoints, low_precision, processes, cache_helpers
 
-CHECKS = ("kernels", "fp8_kv", "bandwidth", "graph_memory", "graphs", "sampling", "cuda_n", "model", "services")
+CHECKS = ("kernels", "fp8_kv", "bandwidth", "graph_memory", "graphs", "sampling", "cuda_n", "tiers", "model",
+          "services")
 FAILURES: list[str] = []
 # (check, result, measured, bound): the table printed at the end, for BENCHMARKS.md.
 ROWS: list[tuple[str, str, str, str]] = []
@@ -760,6 +768,91 @@ def throughput(args, stub, reference, generator, generate, streams: int = 8, new
           measured=f"{service_tps:.0f} tok/s ({ratio:.2f}x)", bound=f">= {args.min_throughput_ratio:g}x")
 
 
+def tier_round_trip(device: str, blocks: int, host_blocks: int, disk_dir: str | None, promote: int,
+                    layers: int = 4, kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> dict:
+    """Random K/V in a pool on ``device``; ``promote`` blocks of one prompt go to the tiers
+    (host_blocks slots; a disk tier in disk_dir) and come back by one allocate. Returns
+    whether every promoted block equals its bytes before, and what it measured."""
+    import asyncio
+
+    import torch
+
+    from cache_service.core.ledger import Ledger
+    from cache_service.tiers.disk_tier import DiskGeometry
+    from cache_service.tiers.kv_tiers import KvTiers
+    from cache_service.tiers.settings import TierSettings
+
+    dtype = torch.bfloat16
+    pool = torch.randn(layers, 2, blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    reference = pool.cpu()
+    bytes_per_block = pool[:, :, 0].nbytes
+    settings = TierSettings(host_cache_bytes=host_blocks * bytes_per_block, disk_cache_dir=disk_dir,
+                            disk_cache_bytes=(promote + 1) * (bytes_per_block + 4096) if disk_dir else 0)
+    host_stats = torch.cuda.host_memory_stats if device != "cpu" else dict
+    before = host_stats().get("allocated_bytes.current", 0)
+    ledger = Ledger(blocks, block_size)
+    tiers = KvTiers(ledger.pool, pool, settings, bytes_per_block,
+                    DiskGeometry(layers, kv_heads, head_dim, block_size, dtype))
+    ledger.tiers = tiers
+    try:
+        caching_allocator_growth = host_stats().get("allocated_bytes.current", 0) - before
+        tokens = [(index * 7) % 1000 + 1 for index in range(promote * block_size + 1)]
+        namespace = ("gpu-check", "")
+        first = ledger.allocate("check", len(tokens), tokens, namespace)
+        originals = list(first.block_ids[:promote])
+        ledger.release("check", first.sequence_id, cache_prefix=True, token_ids=tokens)
+        while tiers.queue:
+            tiers.demote_some(16)
+
+        async def write_all() -> None:
+            while tiers.disk_queue:
+                await tiers.write_some()
+
+        asyncio.run(write_all())
+        whole = ledger.allocate("check", blocks * block_size)  # evicts every cached block
+        ledger.release("check", whole.sequence_id)
+        started = time.perf_counter()
+        again = ledger.allocate("check", len(tokens), tokens, namespace)
+        tiers.settle()
+        promote_s = time.perf_counter() - started
+        got = pool[:, :, list(again.block_ids[:promote])].cpu()
+        equal = again.cached_tokens == promote * block_size and torch.equal(
+            got.view(torch.int16), reference[:, :, originals].view(torch.int16))
+        return dict(equal=equal, cached_tokens=again.cached_tokens, promote_s=promote_s,
+                    promoted_bytes=promote * bytes_per_block, caching_allocator_growth=caching_allocator_growth,
+                    pinned_bytes=tiers.host.tensor.nbytes if tiers.host is not None else 0,
+                    errors=tiers.counters["host"].errors + tiers.counters["disk"].errors)
+    finally:
+        tiers.close()
+
+
+def kv_tiers_on_cuda(args) -> None:
+    import torch
+
+    host = tier_round_trip("cuda", blocks=512, host_blocks=300, disk_dir=None, promote=256)
+    host_bytes = 300 * host["promoted_bytes"] // 256
+    check("tiers: host tier on CUDA, 256 blocks promoted by one allocate", host["equal"] and not host["errors"],
+          f"cached_tokens {host['cached_tokens']}, bytes equal to the pool's before: {host['equal']}",
+          measured="equal" if host["equal"] else "DIFFERENT", bound="byte for byte")
+    check("tiers: host tier pinned exactly", host["pinned_bytes"] == host_bytes
+          and host["caching_allocator_growth"] < host_bytes,
+          f"{host['pinned_bytes']:,} bytes for 300 slots of {host_bytes // 300:,}; torch's caching host allocator "
+          f"grew by {host['caching_allocator_growth']:,}", measured=f"{host['pinned_bytes']:,} B",
+          bound=f"= {host_bytes:,} B")
+    staged = torch.empty(host["promoted_bytes"], dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(staged, device="cuda")
+    dma_s = timed(lambda: target.copy_(staged, non_blocking=True), repeats=5)
+    rate, dma_rate = host["promoted_bytes"] / host["promote_s"], host["promoted_bytes"] / dma_s
+    check("tiers: promotion rate (for the record)", True,
+          f"{rate / 1e9:.2f} GB/s promoting 256 blocks (staging and all); one pinned DMA of the same bytes "
+          f"{dma_rate / 1e9:.2f} GB/s", measured=f"{rate / dma_rate:.2f} of a DMA", bound="for the record")
+    with tempfile.TemporaryDirectory() as folder:
+        disk = tier_round_trip("cuda", blocks=64, host_blocks=0, disk_dir=folder, promote=32)
+    check("tiers: disk tier without a host tier on CUDA, 32 blocks", disk["equal"] and not disk["errors"],
+          f"cached_tokens {disk['cached_tokens']}, errors {disk['errors']}, bytes equal: {disk['equal']}",
+          measured="equal" if disk["equal"] else "DIFFERENT", bound="byte for byte, no error")
+
+
 STEPS = {
     "kernels": kernels_match,
     "fp8_kv": fp8_kv_match,
@@ -768,6 +861,7 @@ STEPS = {
     "graphs": decode_graphs_do_not_recapture,
     "sampling": sampling_distribution,
     "cuda_n": cuda_n,
+    "tiers": kv_tiers_on_cuda,
     "model": model_vs_transformers,
     "services": services_on_one_gpu,
 }

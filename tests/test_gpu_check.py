@@ -28,7 +28,7 @@ def test_without_cuda_it_exits_2_and_says_so():
 def test_help_lists_every_check_and_bad_thresholds_are_refused():
     result = run("--help")
     assert result.returncode == 0, result.stderr
-    for name in ("kernels", "fp8_kv", "bandwidth", "graph_memory", "graphs", "sampling", "cuda_n", "model",
+    for name in ("kernels", "fp8_kv", "bandwidth", "graph_memory", "graphs", "sampling", "cuda_n", "tiers", "model",
                  "services", "--max-sampling-tv", "--min-throughput-ratio", "--only"):
         assert name in result.stdout
     refused = run("--min-bandwidth-fraction", "0")
@@ -156,3 +156,18 @@ def test_its_fp8_pool_and_reference_agree_with_the_torch_path_on_cpu():
                                       kv_scales=scales).to(torch.bfloat16)
         v_max = float(dequantized[1].abs().max())
         assert gpu_check.dtype_margin(ours, expected, v_max, "bfloat16") <= 1.0, kv_dtype
+
+
+def test_its_tier_round_trip_holds_on_cpu(tmp_path):
+    # The GPU run's tiers check, on a small CPU pool: what it compares and counts is right.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    small = dict(layers=2, kv_heads=1, head_dim=8, block_size=4)
+    host = gpu_check.tier_round_trip("cpu", blocks=16, host_blocks=9, disk_dir=None, promote=8, **small)
+    assert host["equal"] and host["cached_tokens"] == 32 and host["errors"] == 0
+    assert host["pinned_bytes"] == 9 * host["promoted_bytes"] // 8
+    disk = gpu_check.tier_round_trip("cpu", blocks=16, host_blocks=0, disk_dir=str(tmp_path), promote=8, **small)
+    assert disk["equal"] and disk["cached_tokens"] == 32 and disk["errors"] == 0

@@ -32,9 +32,11 @@ MODEL = ("model-1", "")
 class Stack:
     """A ledger with tiers over a pool tensor, and what each sequence wrote."""
 
-    def __init__(self, settings: TierSettings, geometry: DiskGeometry = GEOMETRY, hash_fn=hash, events=None) -> None:
-        self.pool_tensor = torch.zeros(geometry.num_layers, 2, NUM_BLOCKS, geometry.block_size,
-                                       geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype)
+    def __init__(self, settings: TierSettings, geometry: DiskGeometry = GEOMETRY, hash_fn=hash, events=None,
+                 device=lambda tensor: tensor) -> None:
+        """``device``: puts the pool tensor on its device (tests/cuda_tier_fakes.py's stand-in for CUDA)."""
+        self.pool_tensor = device(torch.zeros(geometry.num_layers, 2, NUM_BLOCKS, geometry.block_size,
+                                              geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype))
         self.ledger = Ledger(NUM_BLOCKS, BS, hash_fn=hash_fn, events=events)
         self.tiers = KvTiers(self.ledger.pool, self.pool_tensor, settings, geometry.payload_bytes, geometry,
                              events=events)
@@ -49,6 +51,7 @@ class Stack:
         """Allocate, check the cached blocks, write the rest, release into the prefix cache."""
         ledger = self.ledger
         allocation = ledger.allocate("owner", len(tokens), tokens, namespace)
+        self.tiers.settle()  # a CUDA pool's promotions: the wait a Lease call makes before its reply
         cached_blocks = allocation.cached_tokens // BS
         for index, block_id in enumerate(allocation.block_ids):
             if index < cached_blocks:

@@ -237,6 +237,8 @@ class KvPool:
             self.heartbeat(session.session_id)
         with self.reading_ahead(blocks):
             outcomes = [apply_op(ledger, session.owner, op, fingerprint) for op in ops]
+        if prompts:
+            await self.promoted()  # the hits' bytes are in the pool before the reply counts them
         self.publish_kv_events()  # one batch per call at most
         self.check_invariants("lease")
         return outcomes, ledger.blocks_available()
@@ -352,6 +354,11 @@ class KvPool:
 
     def reading_ahead(self, blocks: dict):
         return self.tiers.reading_ahead(blocks) if self.tiers is not None else contextlib.nullcontext()
+
+    async def promoted(self) -> None:
+        """Returns once the promotions' copies made so far are in the pool (``KvTiers.settled``)."""
+        if self.tiers is not None:
+            await self.tiers.settled()
 
     def _after_tier_step(self) -> None:
         self.publish_kv_events()

@@ -18,7 +18,10 @@ Promotion happens inside the Lease call, bounded by PROMOTE_MAX_BLOCKS per alloc
 ``cached_tokens`` may count a block only once its bytes are in the pool, and doing the copy
 before the reply keeps that true with no new state in the model service (a sequence
 waiting on a copy, a second round trip); a host block is one memcpy (tens of µs), far
-less than prefilling its tokens again. Disk blocks are read before that, in a reader
+less than prefilling its tokens again. On CPU the copy is made inline; on CUDA it is
+queued to the tiers' copy thread (``copy_queue.py``: batched, through pinned staging)
+and the Lease call awaits it after applying its ops (``settled``), so the event loop
+never waits on the device. Disk blocks are read before that, in a reader
 thread while the event loop serves other calls (``read_ahead``): the Lease call awaits
 the reads, then applies its ops with the blocks in hand (``reading_ahead``); a disk block
 a call did not read ahead ends its hit there (recomputed), so the loop never reads a
@@ -45,7 +48,9 @@ from cache_service.events.block_event_log import BlockEventLog
 from cache_service.blocks.block_pool import Block, BlockPool
 from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 from cache_service.blocks.prefix_hash import Namespace, namespace_root
+from cache_service.tiers.copy_queue import CopyQueue
 from cache_service.tiers.counters import TierCounters
+from cache_service.tiers.device_copies import BlockMover
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import BadBlockFile, BlockRecord, DiskFull, DiskGeometry, DiskTier, file_bytes
 from cache_service.tiers.host_tier import HostTier
@@ -59,6 +64,9 @@ log = structlog.get_logger()
 PROMOTE_MAX_BLOCKS = 256
 # Blocks copied to the host tier per event-loop turn: a Lease call waits behind at most one chunk.
 DEMOTE_CHUNK_BLOCKS = 16
+# Blocks staged in host memory for the disk writer at most (plus one demotion's worth):
+# past it, demotions wait for the writes, so a slow disk cannot fill the host with copies.
+MAX_STAGED_BLOCKS = 64
 # A full disk is retried after this long; demotions to disk stop meanwhile.
 DISK_FULL_BACKOFF_S = 30.0
 # Digests of recently demoted blocks, so a child finds its parent's while the parent is still on its way to disk.
@@ -102,20 +110,32 @@ class KvTiers:
         self.clock = clock
         self.events = events  # told of tier copies stored and removed, for KV events (None: off)
         self.index = TierIndex()
-        host_slots = settings.host_cache_bytes // bytes_per_block
-        self.host = HostTier(pool_tensor, host_slots) if host_slots else None
         self._own_folder = None
         self.disk = None
-        if settings.disk_cache_dir:
-            if disk_folder is None:
-                disk_folder = self._own_folder = DiskFolder(settings.disk_cache_dir, settings.disk_cache_key_file)
-            try:
+        self.mover = self.copies = self.host = None
+        try:
+            if settings.disk_cache_dir:
+                if disk_folder is None:
+                    disk_folder = self._own_folder = DiskFolder(settings.disk_cache_dir, settings.disk_cache_key_file)
                 self.disk = DiskTier(disk_folder, settings.disk_cache_bytes, geometry)
-            except BaseException:
-                if self._own_folder is not None:
-                    self._own_folder.close()
-                raise
+            # A CUDA pool's copies: batched through pinned staging, in a thread of their own (device_copies.py).
+            if pool_tensor.is_cuda:
+                self.mover = BlockMover(pool_tensor, pool_tensor[:, :, 0].nbytes)
+                self.copies = CopyQueue(pool_tensor.device)
+            host_slots = settings.host_cache_bytes // bytes_per_block
+            self.host = HostTier(pool_tensor, host_slots, self.mover) if host_slots else None
+        except BaseException:
+            if self.mover is not None:
+                self.mover.close()
+            if self._own_folder is not None:
+                self._own_folder.close()
+            raise
+        if self.mover is not None:
+            device_bytes, pinned_bytes = self.mover.staging_bytes
+            log.info("kv_tiers_cuda_staging", device_bytes=device_bytes, pinned_host_bytes=pinned_bytes,
+                     pinned_host_tier_bytes=self.host.tensor.nbytes if self.host is not None else 0)
         self.counters = {HOST: TierCounters(), DISK: TierCounters()}
+        self.failed_steps = 0  # steps of the background task that raised (logged, counted in errors too)
         self.missed_demotions = 0  # queued blocks evicted (or re-registered) before their copy
         self.queue: deque[tuple[int, int]] = deque(maxlen=max(pool.num_blocks, 1024))  # (block id, reg_id)
         self.disk_queue: deque[tuple[TierEntry, torch.Tensor]] = deque()
@@ -251,33 +271,67 @@ class KvTiers:
         """Copies promoted entries into their new device blocks and registers them under
         the entries' identity; returns (host tokens, disk tokens) the allocate got."""
         pool = self.pool
-        host_slots, host_ids = [], []
-        disk_count = 0
-        started = self.clock()
-        for entry, payload, block in zip(entries, payloads, blocks):
-            if type(payload) is int:
-                host_slots.append(payload)
-                host_ids.append(block.block_id)
-            else:
-                self.pool_tensor[:, :, block.block_id].copy_(payload)
-                disk_count += 1
-        if host_slots:
-            self.host.load(host_slots, self.pool_tensor, host_ids)
-        elapsed = self.clock() - started
+        host_count = sum(1 for payload in payloads if type(payload) is int)
+        disk_count = len(blocks) - host_count
+        block_ids = [block.block_id for block in blocks]
+        if block_ids and self.copies is not None:
+            # Queued, not done: the Lease call awaits ``settled`` before it replies.
+            self.copies.promote(self._load, list(payloads), block_ids, host_count)
+        elif block_ids:
+            self._load(payloads, block_ids, host_count)
         for entry, block in zip(entries, blocks):
             if entry.block_hash not in pool.cached:
                 pool.adopt(block, entry.block_hash, entry.token_ids, entry.parent_reg, entry.reg_id, entry.namespace)
             self.index.touch(entry)
         block_size = pool.block_size
-        for tier, count in ((HOST, len(host_slots)), (DISK, disk_count)):
+        for tier, count in ((HOST, host_count), (DISK, disk_count)):
             if count:
                 counters = self.counters[tier]
                 counters.promotions += count
                 counters.hit_tokens += count * block_size
                 counters.bytes_out += count * self.bytes_per_block
-                if tier == HOST:
-                    counters.seconds_out += elapsed * count / len(blocks)
-        return len(host_slots) * block_size, disk_count * block_size
+        return host_count * block_size, disk_count * block_size
+
+    def _load(self, payloads: list[int | torch.Tensor], block_ids: list[int], host_count: int) -> None:
+        """Copies promoted blocks (a host slot or a block read from disk each) into the pool
+        (inline on CPU; in the copy thread on CUDA)."""
+        started = self.clock()
+        if self.mover is not None:
+            host = self.host
+
+            def fill(position: int, staged: torch.Tensor) -> None:
+                payload = payloads[position]
+                staged.copy_(host.tensor[:, :, payload] if type(payload) is int else payload)
+
+            try:
+                self.mover.from_host(block_ids, fill)
+            except Exception:
+                log.exception("kv_tier_promotion_copy_failed", blocks=len(block_ids))
+                self.counters[HOST if host_count else DISK].errors += 1
+                raise
+        else:
+            host_slots, host_ids = [], []
+            for payload, block_id in zip(payloads, block_ids):
+                if type(payload) is int:
+                    host_slots.append(payload)
+                    host_ids.append(block_id)
+                else:
+                    self.pool_tensor[:, :, block_id].copy_(payload)
+            if host_slots:
+                self.host.load(host_slots, self.pool_tensor, host_ids)
+        if host_count:
+            self.counters[HOST].seconds_out += (self.clock() - started) * host_count / len(block_ids)
+
+    async def settled(self) -> None:
+        """Returns once the promotions' copies made so far are in the pool (at once on CPU,
+        where they are made inline); a Lease call awaits it before it replies."""
+        if self.copies is not None:
+            await self.copies.settled()
+
+    def settle(self) -> None:
+        """``settled`` for a direct user of the ledger, without an event loop."""
+        if self.copies is not None:
+            self.copies.settle()
 
     def registered(self, blocks: list[Block]) -> None:
         """A release left ``blocks`` (a sequence's full blocks) in the prefix cache: queue the
@@ -301,10 +355,17 @@ class KvTiers:
             if not self.queue and not self.disk_queue:
                 self._wake.clear()
                 await self._wake.wait()
-            await self.demote_some_async(DEMOTE_CHUNK_BLOCKS)
-            await self.write_some()
-            if after_step is not None:
-                after_step()
+            try:
+                if len(self.disk_queue) < MAX_STAGED_BLOCKS:
+                    await self.demote_some_async(DEMOTE_CHUNK_BLOCKS)
+                await self.write_some()
+                if after_step is not None:
+                    after_step()
+            except Exception:
+                # Never the end of the task: the blocks of this step are lost (counted), the rest go on.
+                self.failed_steps += 1
+                self.counters[HOST if self.host is not None else DISK].errors += 1
+                log.exception("kv_tier_step_failed", failed_steps=self.failed_steps)
             await asyncio.sleep(0)
 
     def demote_some(self, limit: int) -> int:
@@ -312,7 +373,14 @@ class KvTiers:
         batch = self._begin_demotion(limit)
         if batch is None:
             return 0
-        self._copy(batch)
+        try:
+            if self.copies is not None:
+                self.copies.submit(self._copy, batch).result()
+            else:
+                self._copy(batch)
+        except BaseException:
+            self._abandon(batch)
+            raise
         return self._finish_demotion(batch)
 
     async def demote_some_async(self, limit: int) -> int:
@@ -322,10 +390,26 @@ class KvTiers:
             return 0
         self.copying = len(batch.blocks)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._worker, self._copy, batch)
+            if self.copies is not None:
+                await asyncio.wrap_future(self.copies.submit(self._copy, batch))
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._worker, self._copy, batch)
+        except BaseException:
+            self._abandon(batch)
+            raise
         finally:
             self.copying = 0
         return self._finish_demotion(batch)
+
+    def _abandon(self, batch: _Demotion) -> None:
+        """A demotion whose copy failed: its blocks stay where they are, its host slots are
+        free again, and the host entries it pushed out are lost."""
+        self.missed_demotions += len(batch.blocks)
+        if batch.slots:
+            self.host.free_slots.extend(batch.slots)
+            self.reserved_slots -= len(batch.slots)
+        if batch.victims and self.disk is not None:
+            self.counters[DISK].evictions += len(batch.victims)
 
     def _begin_demotion(self, limit: int) -> _Demotion | None:
         """Picks queued blocks still registered as when queued, and host slots for them."""
@@ -368,6 +452,11 @@ class KvTiers:
         block_ids = [block.block_id for block in batch.blocks]
         if host is not None:
             host.store(self.pool_tensor, block_ids, batch.slots)
+        elif self.mover is not None:
+            # Staged in host memory, whole when to_host returns: _finish_demotion's check of each
+            # block's registration comes after its copy, and the disk writer gets bytes it can encode.
+            batch.payloads = []
+            self.mover.to_host(block_ids, lambda _, block: batch.payloads.append(block.clone()))
         else:
             batch.payloads = [self.pool_tensor[:, :, block_id].clone() for block_id in block_ids]
         batch.seconds = self.clock() - started
@@ -428,9 +517,10 @@ class KvTiers:
                         staged_dropped=len(self.disk_queue))
             self.disk_queue.clear()
             return
-        except OSError as error:
+        except Exception as error:  # OSError, or anything else: this block is not written, the next ones are
             counters.errors += 1
-            log.warning("disk_cache_write_failed", folder=str(disk.folder), error=str(error))
+            log.warning("disk_cache_write_failed", folder=str(disk.folder), error=str(error),
+                        error_type=type(error).__name__)
             return
         finally:
             self.writing -= 1
@@ -463,6 +553,11 @@ class KvTiers:
         """Stops the worker threads (after what they are doing) and unlocks a folder opened here."""
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self.copies is not None:
+            self.copies.close()  # the copies in flight finish before their pinned memory is released
+            if self.host is not None:
+                self.host.close()
+            self.mover.close()
         if self._own_folder is not None:
             self._own_folder.close()
 
