@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
 import grpc
+
+import structlog
 
 from cache_service import metrics
 from cache_service.ledger import InvalidLease, Ledger, LeaseError
@@ -15,6 +18,8 @@ from cache_service.sizing import SizingError
 from cache_service.tiers.disk_folder import DiskFolderRefused
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.kv_geometry import KvGeometry
+
+log = structlog.get_logger()
 
 # One call carries at most one engine step's worth of ops; far more is a client bug.
 MAX_OPS_PER_CALL = 65536
@@ -56,6 +61,10 @@ async def abort_for(context: grpc.aio.ServicerContext, error: BaseException) -> 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, pool: KvPool) -> None:
         self.pool = pool
+        # Set when the server begins to stop: open holds end at once, so they never keep
+        # a graceful stop waiting out its grace.
+        self.stopping = asyncio.Event()
+        self._reclaims: set[asyncio.Task] = set()  # a task the loop holds only weakly could be collected
 
     async def Attach(self, request, context):
         try:
@@ -99,6 +108,46 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         except UnknownSession as error:
             await abort_for(context, error)
         return cache_pb2.HeartbeatResponse(lease_ttl_ms=self.pool.settings.lease_ttl_ms)
+
+    async def HoldSession(self, request, context):
+        try:
+            session = self.pool.heartbeat(request.session_id)
+        except UnknownSession as error:
+            await abort_for(context, error)
+        yield cache_pb2.HoldSessionResponse(lease_ttl_ms=self.pool.settings.lease_ttl_ms)
+        ended, stopping = (asyncio.ensure_future(event.wait()) for event in (session.ended, self.stopping))
+        try:
+            await asyncio.wait((ended, stopping), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # The holder's connection closed (or it cancelled the call): it sends no
+            # heartbeat again, so its session ends now rather than at its TTL.
+            self.holder_gone(session)
+            raise
+        finally:
+            ended.cancel()
+            stopping.cancel()
+        if session.ended_by == "expired":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "the session expired (it missed its heartbeats for the "
+                                                           "lease TTL, or its hold's connection closed); Attach again")
+        if not session.ended_by:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the cache service is stopping")
+
+    def holder_gone(self, session) -> None:
+        """Ends a session whose hold's connection closed, as a TTL expiry does (its leases
+        wait out the reclaim grace), without waiting for the TTL."""
+        if self.pool.sessions.lapse(session.session_id) is None:
+            return  # it ended already (detached or expired)
+        log.warning("session_holder_gone", session=session.owner, client=session.client_name,
+                    reclaim_in_ms=self.pool.settings.reclaim_grace_ms)
+        metrics.SESSIONS_EXPIRED.inc(self.pool.expire_sessions())
+        # The reaper looks only every quarter TTL: this reclaim runs when the grace ends.
+        task = asyncio.get_running_loop().create_task(self._reclaim_after(self.pool.settings.reclaim_grace_ms / 1000))
+        self._reclaims.add(task)
+        task.add_done_callback(self._reclaims.discard)
+
+    async def _reclaim_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self.pool.reclaim_expired()
 
     async def Detach(self, request, context):
         try:

@@ -28,7 +28,10 @@ from pagedkv.health_probe import check as health_check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 POOL_ARGS = ("--kv-cache-bytes", "16MiB")  # ~1900 blocks of the tiny model: nothing is preempted here
-LEASE_TTL_MS = 1000
+# A TTL far beyond every wait here: leases that come back came back because the dead
+# holder's connection closed (HoldSession) or it detached, never by expiry; and no live
+# service on a loaded machine misses it.
+LEASE_TTL_MS = 600_000
 RECLAIM_GRACE_MS = 500
 # How long a wait may take before the test calls it a hang; far beyond any healthy run.
 GENEROUS_S = 60
@@ -125,8 +128,8 @@ def test_kill9_model_service_reclaims_leases_and_a_restart_keeps_the_prefix_cach
         assert stats(cache_rpc).blocks_leased > 0
         model.kill()
 
-        # The cache service learns of the death only from the missing heartbeats: once the
-        # TTL passes, every lease of the dead session is back (no Detach ever came).
+        # No Detach ever came and the TTL is far off: the cache service learns of the death
+        # from the session's hold, whose connection closed with the process.
         wait_for(lambda: (lambda s: s.blocks_leased == 0 and s.sessions == 0)(stats(cache_rpc)),
                  timeout_s=GENEROUS_S, what="the dead model service's leases to be reclaimed")
         wait_ended(streams, GENEROUS_S)
@@ -260,8 +263,7 @@ def test_cancel_disconnect_and_deadline_release_blocks_at_once(tmp_path):
 def test_sigterm_ends_streams_releases_leases_and_exits_zero(tmp_path):
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
-    # A TTL far beyond the test: leases that come back came back by Detach, not by expiry.
-    cache_args = (*POOL_ARGS, "--lease-ttl-ms", 600_000, "--shm-dir", shm_dir)
+    cache_args = (*POOL_ARGS, "--lease-ttl-ms", LEASE_TTL_MS, "--shm-dir", shm_dir)
     cache, model = start_both(tmp_path, cache_args, ("--grace-s", "1"))
     with cache:
         cache_rpc = cache_stub(cache.address)
