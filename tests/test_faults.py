@@ -19,7 +19,7 @@ import grpc
 import pytest
 from cache_helpers import cache_stub, stats, wait_for
 from generate_stream import GenerateStream
-from grpc_generate import greedy
+from grpc_generate import deadline_after_first_token, greedy
 from processes import (DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service,
                        start_model_service)
 
@@ -57,8 +57,10 @@ def request(tokens: list[int], max_new_tokens: int) -> model_pb2.GenerateRequest
 Stream = functools.partial(GenerateStream, max_new_tokens=LONG, timeout_s=3 * GENEROUS_S)
 
 
-def start_streams(stub, count: int, **kwargs) -> list[Stream]:
-    streams = [Stream(stub, prompt(seed, 8 + seed % 24), **kwargs) for seed in range(count)]
+def start_streams(stub, count: int, request_ids: str = "", **kwargs) -> list[Stream]:
+    """request_ids: a format string for each stream's request id (given its index), or none."""
+    streams = [Stream(stub, prompt(seed, 8 + seed % 24), request_id=request_ids.format(seed), **kwargs)
+               for seed in range(count)]
     deadline = time.monotonic() + GENEROUS_S
     for stream in streams:
         assert stream.started.wait(max(0.0, deadline - time.monotonic())), f"a stream got no token in {GENEROUS_S} s"
@@ -192,42 +194,12 @@ def test_kill9_cache_service_fails_streams_then_the_model_service_reattaches(tmp
     assert model.returncode == 0
 
 
-def seconds_per_token(stream: Stream) -> float:
-    paced_from, paced_tokens = time.monotonic(), len(stream.tokens)
-    wait_for(lambda: len(stream.tokens) >= paced_tokens + 50, GENEROUS_S, "50 tokens to measure the pace")
-    return (time.monotonic() - paced_from) / (len(stream.tokens) - paced_tokens)
-
-
-def stream_past_its_deadline(stub, seconds_per_token: float) -> Stream:
-    """A stream whose deadline passed after its first token and before its last.
-
-    Its deadline starts at a third of the time LONG tokens take at the pace given. No pace
-    measured beforehand holds on a machine whose load changes, so a stream that finished
-    first is asked for again with a third of the deadline, and one that got no token at
-    all with twice it.
-    """
-    # Never past half the wait below: on a loaded machine (0.5 s a token was seen) a third
-    # of LONG tokens is minutes, and the wait would end before the deadline could.
-    deadline_s = min(max(1.0, LONG * seconds_per_token / 3), GENEROUS_S / 2)
-    tried = []
-    for _ in range(5):
-        stream = Stream(stub, prompt(12, 40), timeout_s=deadline_s)
-        assert stream.done.wait(GENEROUS_S), "a stream outlived its deadline"
-        tried.append((deadline_s, stream.code, len(stream.tokens)))
-        if stream.code == grpc.StatusCode.DEADLINE_EXCEEDED and stream.first_token.is_set():
-            return stream
-        assert stream.code in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED), tried
-        deadline_s = deadline_s / 3 if stream.code == grpc.StatusCode.OK else deadline_s * 2
-    raise AssertionError(f"no deadline fell inside a stream: (deadline_s, code, tokens) {tried}")
-
-
 def test_cancel_disconnect_and_deadline_release_blocks_at_once(tmp_path):
     cache, model = start_both(tmp_path, POOL_ARGS)
     with cache, model:
         cache_rpc = cache_stub(cache.address)
         stub = model_stub(model.address)
-        background = start_streams(stub, 3)
-        pace = seconds_per_token(background[0])
+        background = start_streams(stub, 3, request_ids="background-{}")
 
         def running_background() -> int:  # on a fast machine one may finish during the test
             return sum(not s.done.is_set() for s in background)
@@ -247,15 +219,20 @@ def test_cancel_disconnect_and_deadline_release_blocks_at_once(tmp_path):
         own_channel.close()
         wait_for(sequences_are(0), GENEROUS_S, "the cancelled and disconnected requests' blocks")
 
-        stream_past_its_deadline(stub, pace)
-        wait_for(sequences_are(0), GENEROUS_S, "the blocks of the request past its deadline")
+        deadline_after_first_token(stub, request(prompt(12, 40), LONG), lambda: wait_for(
+            sequences_are(0), GENEROUS_S, "the blocks of the request past its deadline"))
 
-        # The others kept streaming, undisturbed, to their full length.
+        # The others kept streaming, undisturbed, until they were aborted (or, on a fast
+        # machine, finished): waiting for LONG tokens each would only measure the machine.
         counts = [len(s.tokens) for s in background]
-        wait_for(lambda: all(s.done.is_set() or len(s.tokens) > n for s, n in zip(background, counts)), GENEROUS_S,
-                 "the background streams to keep streaming")
-        wait_ended(background, 3 * GENEROUS_S)
-        assert all(s.code == grpc.StatusCode.OK and len(s.tokens) == LONG for s in background)
+        wait_for(lambda: all(s.done.is_set() or len(s.tokens) > n + 16 for s, n in zip(background, counts)),
+                 GENEROUS_S, "the background streams to keep streaming")
+        stub.Abort(model_pb2.AbortRequest(request_ids=[f"background-{i}" for i in range(3)]), timeout=GENEROUS_S)
+        wait_ended(background, GENEROUS_S)
+        for stream in background:
+            assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+            assert (stream.last.finish_reason == model_pb2.FINISH_REASON_ABORT
+                    or stream.last.finish_reason == model_pb2.FINISH_REASON_LENGTH and len(stream.tokens) == LONG)
         wait_for(lambda: (lambda s: s.blocks_leased == 0 and s.sequences == 0)(stats(cache_rpc)), GENEROUS_S,
                  "every block to be released")
 
