@@ -17,7 +17,7 @@ from cache_helpers import (
 from processes import start_cache_service
 
 from pagedkv import pool_memory
-from pagedkv.cache.v1 import cache_pb2
+from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 
 OK = cache_pb2.LEASE_STATUS_OK
 NO_FREE = cache_pb2.LEASE_STATUS_NO_FREE_BLOCKS
@@ -28,7 +28,9 @@ POOL_ARGS = ("--kv-cache-bytes", str(64 * BLOCK_BYTES), "--headroom", "0")
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with start_cache_service(tmp_path_factory.mktemp("cache"), *POOL_ARGS, "--lease-ttl-ms", "60000") as service:
+    # No session expires here; one whose hold hangs up gives its blocks back at once.
+    with start_cache_service(tmp_path_factory.mktemp("cache"), *POOL_ARGS, "--lease-ttl-ms", "60000",
+                             "--reclaim-grace-ms", "0") as service:
         yield service
 
 
@@ -315,6 +317,55 @@ def test_detach_and_ttl_reclaim_leases(tmp_path):
         detach(stub, again)
         assert stub.Detach(cache_pb2.DetachRequest(session_id=alive), timeout=10).blocks_reclaimed == 1
         assert leased_blocks(stub) == 0 and stats(stub).sessions == 0
+
+
+def hold(address: str, session_id: str) -> tuple[grpc.Channel, object]:
+    """A HoldSession call on a channel of its own (closing the channel hangs up), past its first message."""
+    channel = grpc.insecure_channel(address)
+    call = cache_pb2_grpc.CacheServiceStub(channel).HoldSession(cache_pb2.HoldSessionRequest(session_id=session_id))
+    assert next(call).lease_ttl_ms == 60000
+    return channel, call
+
+
+def test_a_held_session_ends_when_its_holders_connection_closes(cache, stub):
+    """Long before the TTL: the session ends, its calls get NOT_FOUND, its blocks come back.
+    Many holds of one session, all hung up at once, end it once; another session is untouched."""
+    held, other = attach(stub, "held").session_id, attach(stub, "other").session_id
+    lease(stub, held, allocate(64), allocate(20))
+    lease(stub, other, allocate(16))
+    holds = [hold(cache.address, held) for _ in range(20)]
+    other_channel, other_call = hold(cache.address, other)
+    assert stats(stub).sessions == 2 and leased_blocks(stub) == 7
+    for channel, _ in holds:
+        channel.close()
+    wait_for(lambda: (stats(stub).sessions, leased_blocks(stub)) == (1, 1), 60,
+             "the hung-up session to end and its blocks to come back")
+    with pytest.raises(grpc.RpcError) as error:
+        lease(stub, held, allocate(16))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    # The other session's hold ends OK when it detaches, and the session with it.
+    assert stub.Detach(cache_pb2.DetachRequest(session_id=other), timeout=10).blocks_reclaimed == 1
+    assert list(other_call) == []
+    other_channel.close()
+
+
+def test_a_hold_on_an_unknown_session_is_not_found(stub):
+    for session_id in ("", "0" * 32, "x" * 10_000):
+        with pytest.raises(grpc.RpcError) as error:
+            next(stub.HoldSession(cache_pb2.HoldSessionRequest(session_id=session_id), timeout=10))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND and "Attach again" in error.value.details()
+
+
+def test_open_holds_end_unavailable_at_once_when_the_cache_service_stops(tmp_path):
+    # A grace far beyond the wait: a stop that waited for the holds to end would be SIGKILLed.
+    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "60000", "--grace-s", "600") as service:
+        session = attach(cache_stub(service.address)).session_id
+        channel, call = hold(service.address, session)
+        assert service.stop(signal.SIGTERM, timeout=60) == 0
+        with pytest.raises(grpc.RpcError) as error:
+            next(call)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in error.value.details()
+        channel.close()
 
 
 def test_budget_too_small_is_a_clear_error(tmp_path):
