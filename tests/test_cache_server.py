@@ -276,8 +276,9 @@ def test_a_model_service_whose_attach_timed_out_leaves_no_orphan_session(stub, c
         assert attachments[1].session_id != attachments[0].session_id and stats(stub).sessions == 2
     finally:
         for attachment in attachments:
-            attachment.heartbeat.stop()
+            # Detach first: stopping the heartbeat hangs up the session's hold, which ends it.
             client.detach(attachment.session_id)
+            attachment.heartbeat.stop()
         client.close()
 
 
