@@ -44,6 +44,10 @@ RECONNECT_OPTIONS = [
 # went on to open instead of opening a second one.
 ATTACH_TIMEOUT_S = 120.0
 
+# How long attaching waits for HoldSession's first message (an answer comes at once from
+# a healthy cache service); past it the session lives on heartbeats until the hold is in.
+HOLD_ANSWER_S = 10.0
+
 
 class CacheClient:
     def __init__(self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
@@ -236,7 +240,7 @@ class Heartbeat:
         threading.Thread(target=self._keep_hold, name="cache-hold", daemon=True).start()
         # The session counts as held once the cache service said so (or refused): a process
         # killed right after attaching then has its leases reclaimed at once, too.
-        self._held.wait(self._client.timeout_s)
+        self._held.wait(HOLD_ANSWER_S)
         self._thread.start()
         return self
 
