@@ -385,29 +385,40 @@ def test_pool_that_cannot_hold_max_model_len_is_a_clear_error(tmp_path):
         assert "4,096" in error.value.details() or "4096" in error.value.details()
 
 
+@pytest.fixture(scope="module")
+def auth_cache(tmp_path_factory):
+    """One service with a token for every case of test_auth_token (each starts no session it keeps)."""
+    with start_cache_service(tmp_path_factory.mktemp("auth"), *POOL_ARGS, "--auth-token", "s3cret") as service:
+        yield service
+
+
 @pytest.mark.parametrize("metadata, code", [
     ((), grpc.StatusCode.UNAUTHENTICATED),
     ((("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED),
     ((("authorization", "Bearer s3cret"),), None),
 ])
-def test_auth_token(tmp_path, metadata, code):
+def test_auth_token(auth_cache, metadata, code):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with start_cache_service(tmp_path, *POOL_ARGS, "--auth-token", "s3cret") as service:
-        channel = grpc.insecure_channel(service.address)
-        # Health needs no token: orchestrators probe it.
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        stub = cache_stub(service.address)
-        if code is None:
-            assert attach(stub, metadata=metadata).session_id
-            assert stats(stub, metadata=metadata).sessions == 1
-        else:
-            for call in (lambda: attach(stub, metadata=metadata), lambda: stats(stub, metadata=metadata)):
-                with pytest.raises(grpc.RpcError) as error:
-                    call()
-                assert error.value.code() == code
-                assert "--auth-token" in error.value.details()
+    channel = grpc.insecure_channel(auth_cache.address)
+    # Health needs no token: orchestrators probe it.
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    stub = cache_stub(auth_cache.address)
+    if code is None:
+        session = attach(stub, metadata=metadata).session_id
+        assert stats(stub, metadata=metadata).sessions == 1
+        stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10, metadata=metadata)
+    else:
+        for call in (lambda: attach(stub, metadata=metadata), lambda: stats(stub, metadata=metadata)):
+            with pytest.raises(grpc.RpcError) as error:
+                call()
+            assert error.value.code() == code
+            assert "--auth-token" in error.value.details()
+        # HoldSession is behind the token too.
+        with pytest.raises(grpc.RpcError) as error:
+            next(stub.HoldSession(cache_pb2.HoldSessionRequest(session_id="0" * 32), timeout=10, metadata=metadata))
+        assert error.value.code() == code
 
 
 def test_sigterm_unlinks_the_pool_and_start_up_removes_stale_ones(tmp_path):
