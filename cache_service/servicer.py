@@ -7,7 +7,6 @@ import time
 from collections import Counter
 
 import grpc
-
 import structlog
 
 from cache_service import metrics
