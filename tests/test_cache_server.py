@@ -52,12 +52,23 @@ def detach(stub, *sessions: str) -> None:
         stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
 
 
-def test_sizing_before_attach_is_failed_precondition(tmp_path):
+def test_sizing_before_attach_is_failed_precondition_and_a_pool_too_small_is_a_clear_error(tmp_path):
+    """One service with no pool yet: GetSizing is refused; so is an Attach whose max_model_len
+    the pool cannot hold, and it leaves no pool behind (GetSizing is refused again)."""
     with start_cache_service(tmp_path, *POOL_ARGS) as service:
-        with pytest.raises(grpc.RpcError) as error:
-            cache_stub(service.address).GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
-        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "first model service attaches" in error.value.details()
+        stub = cache_stub(service.address)
+        for check in ("sizing", "attach", "sizing"):
+            with pytest.raises(grpc.RpcError) as error:
+                if check == "sizing":
+                    stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
+                else:
+                    attach(stub, max_model_len=4096)
+            if check == "sizing":
+                assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "first model service attaches" in error.value.details()
+            else:
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "4,096" in error.value.details() or "4096" in error.value.details()
 
 
 def test_lease_until_full_then_release_everything(stub):
@@ -375,14 +386,6 @@ def test_budget_too_small_is_a_clear_error(tmp_path):
             attach(cache_stub(service.address))
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "8,192" in error.value.details() or "8.00 KiB" in error.value.details()
-
-
-def test_pool_that_cannot_hold_max_model_len_is_a_clear_error(tmp_path):
-    with start_cache_service(tmp_path, *POOL_ARGS) as service:
-        with pytest.raises(grpc.RpcError) as error:
-            attach(cache_stub(service.address), max_model_len=4096)
-        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "4,096" in error.value.details() or "4096" in error.value.details()
 
 
 @pytest.fixture(scope="module")
