@@ -212,6 +212,9 @@ class GrpcServer:
         self.port = 0
         self.metrics_port = -1
         self._metrics_server = None
+        # Set as stop() begins: calls that stay open for good (a held session) end then,
+        # rather than keeping the stop waiting out its grace.
+        self.stopping = asyncio.Event()
 
     async def start(self, extra_ports: dict[str, int] | None = None) -> int:
         """Binds, serves, and writes the port file: {"port", "metrics_port", **extra_ports}
@@ -247,6 +250,7 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
+        self.stopping.set()
         await self.set_serving(False)
         await self.server.stop(grace_s)
         if self._metrics_server is not None:

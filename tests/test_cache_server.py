@@ -17,7 +17,7 @@ from cache_helpers import (
 from processes import start_cache_service
 
 from pagedkv import pool_memory
-from pagedkv.cache.v1 import cache_pb2
+from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 
 OK = cache_pb2.LEASE_STATUS_OK
 NO_FREE = cache_pb2.LEASE_STATUS_NO_FREE_BLOCKS
@@ -28,7 +28,9 @@ POOL_ARGS = ("--kv-cache-bytes", str(64 * BLOCK_BYTES), "--headroom", "0")
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with start_cache_service(tmp_path_factory.mktemp("cache"), *POOL_ARGS, "--lease-ttl-ms", "60000") as service:
+    # No session expires here; one whose hold hangs up gives its blocks back at once.
+    with start_cache_service(tmp_path_factory.mktemp("cache"), *POOL_ARGS, "--lease-ttl-ms", "60000",
+                             "--reclaim-grace-ms", "0") as service:
         yield service
 
 
@@ -50,12 +52,23 @@ def detach(stub, *sessions: str) -> None:
         stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
 
 
-def test_sizing_before_attach_is_failed_precondition(tmp_path):
+def test_sizing_before_attach_is_failed_precondition_and_a_pool_too_small_is_a_clear_error(tmp_path):
+    """One service with no pool yet: GetSizing is refused; so is an Attach whose max_model_len
+    the pool cannot hold, and it leaves no pool behind (GetSizing is refused again)."""
     with start_cache_service(tmp_path, *POOL_ARGS) as service:
-        with pytest.raises(grpc.RpcError) as error:
-            cache_stub(service.address).GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
-        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "first model service attaches" in error.value.details()
+        stub = cache_stub(service.address)
+        for check in ("sizing", "attach", "sizing"):
+            with pytest.raises(grpc.RpcError) as error:
+                if check == "sizing":
+                    stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
+                else:
+                    attach(stub, max_model_len=4096)
+            if check == "sizing":
+                assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "first model service attaches" in error.value.details()
+            else:
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "4,096" in error.value.details() or "4096" in error.value.details()
 
 
 def test_lease_until_full_then_release_everything(stub):
@@ -274,8 +287,9 @@ def test_a_model_service_whose_attach_timed_out_leaves_no_orphan_session(stub, c
         assert attachments[1].session_id != attachments[0].session_id and stats(stub).sessions == 2
     finally:
         for attachment in attachments:
-            attachment.heartbeat.stop()
+            # Detach first: stopping the heartbeat hangs up the session's hold, which ends it.
             client.detach(attachment.session_id)
+            attachment.heartbeat.stop()
         client.close()
 
 
@@ -317,6 +331,55 @@ def test_detach_and_ttl_reclaim_leases(tmp_path):
         assert leased_blocks(stub) == 0 and stats(stub).sessions == 0
 
 
+def hold(address: str, session_id: str) -> tuple[grpc.Channel, object]:
+    """A HoldSession call on a channel of its own (closing the channel hangs up), past its first message."""
+    channel = grpc.insecure_channel(address)
+    call = cache_pb2_grpc.CacheServiceStub(channel).HoldSession(cache_pb2.HoldSessionRequest(session_id=session_id))
+    assert next(call).lease_ttl_ms == 60000
+    return channel, call
+
+
+def test_a_held_session_ends_when_its_holders_connection_closes(cache, stub):
+    """Long before the TTL: the session ends, its calls get NOT_FOUND, its blocks come back.
+    Many holds of one session, all hung up at once, end it once; another session is untouched."""
+    held, other = attach(stub, "held").session_id, attach(stub, "other").session_id
+    lease(stub, held, allocate(64), allocate(20))
+    lease(stub, other, allocate(16))
+    holds = [hold(cache.address, held) for _ in range(20)]
+    other_channel, other_call = hold(cache.address, other)
+    assert stats(stub).sessions == 2 and leased_blocks(stub) == 7
+    for channel, _ in holds:
+        channel.close()
+    wait_for(lambda: (stats(stub).sessions, leased_blocks(stub)) == (1, 1), 60,
+             "the hung-up session to end and its blocks to come back")
+    with pytest.raises(grpc.RpcError) as error:
+        lease(stub, held, allocate(16))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    # The other session's hold ends OK when it detaches, and the session with it.
+    assert stub.Detach(cache_pb2.DetachRequest(session_id=other), timeout=10).blocks_reclaimed == 1
+    assert list(other_call) == []
+    other_channel.close()
+
+
+def test_a_hold_on_an_unknown_session_is_not_found(stub):
+    for session_id in ("", "0" * 32, "x" * 10_000):
+        with pytest.raises(grpc.RpcError) as error:
+            next(stub.HoldSession(cache_pb2.HoldSessionRequest(session_id=session_id), timeout=10))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND and "Attach again" in error.value.details()
+
+
+def test_open_holds_end_unavailable_at_once_when_the_cache_service_stops(tmp_path):
+    # A grace far beyond the wait: a stop that waited for the holds to end would be SIGKILLed.
+    with start_cache_service(tmp_path, *POOL_ARGS, "--lease-ttl-ms", "60000", "--grace-s", "600") as service:
+        session = attach(cache_stub(service.address)).session_id
+        channel, call = hold(service.address, session)
+        assert service.stop(signal.SIGTERM, timeout=60) == 0
+        with pytest.raises(grpc.RpcError) as error:
+            next(call)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in error.value.details()
+        channel.close()
+
+
 def test_budget_too_small_is_a_clear_error(tmp_path):
     with start_cache_service(tmp_path, "--kv-cache-bytes", "4KiB") as service:
         with pytest.raises(grpc.RpcError) as error:
@@ -325,12 +388,11 @@ def test_budget_too_small_is_a_clear_error(tmp_path):
         assert "8,192" in error.value.details() or "8.00 KiB" in error.value.details()
 
 
-def test_pool_that_cannot_hold_max_model_len_is_a_clear_error(tmp_path):
-    with start_cache_service(tmp_path, *POOL_ARGS) as service:
-        with pytest.raises(grpc.RpcError) as error:
-            attach(cache_stub(service.address), max_model_len=4096)
-        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "4,096" in error.value.details() or "4096" in error.value.details()
+@pytest.fixture(scope="module")
+def auth_cache(tmp_path_factory):
+    """One service with a token for every case of test_auth_token (each starts no session it keeps)."""
+    with start_cache_service(tmp_path_factory.mktemp("auth"), *POOL_ARGS, "--auth-token", "s3cret") as service:
+        yield service
 
 
 @pytest.mark.parametrize("metadata, code", [
@@ -338,24 +400,28 @@ def test_pool_that_cannot_hold_max_model_len_is_a_clear_error(tmp_path):
     ((("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED),
     ((("authorization", "Bearer s3cret"),), None),
 ])
-def test_auth_token(tmp_path, metadata, code):
+def test_auth_token(auth_cache, metadata, code):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with start_cache_service(tmp_path, *POOL_ARGS, "--auth-token", "s3cret") as service:
-        channel = grpc.insecure_channel(service.address)
-        # Health needs no token: orchestrators probe it.
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        stub = cache_stub(service.address)
-        if code is None:
-            assert attach(stub, metadata=metadata).session_id
-            assert stats(stub, metadata=metadata).sessions == 1
-        else:
-            for call in (lambda: attach(stub, metadata=metadata), lambda: stats(stub, metadata=metadata)):
-                with pytest.raises(grpc.RpcError) as error:
-                    call()
-                assert error.value.code() == code
-                assert "--auth-token" in error.value.details()
+    channel = grpc.insecure_channel(auth_cache.address)
+    # Health needs no token: orchestrators probe it.
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    stub = cache_stub(auth_cache.address)
+    if code is None:
+        session = attach(stub, metadata=metadata).session_id
+        assert stats(stub, metadata=metadata).sessions == 1
+        stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10, metadata=metadata)
+    else:
+        for call in (lambda: attach(stub, metadata=metadata), lambda: stats(stub, metadata=metadata)):
+            with pytest.raises(grpc.RpcError) as error:
+                call()
+            assert error.value.code() == code
+            assert "--auth-token" in error.value.details()
+        # HoldSession is behind the token too.
+        with pytest.raises(grpc.RpcError) as error:
+            next(stub.HoldSession(cache_pb2.HoldSessionRequest(session_id="0" * 32), timeout=10, metadata=metadata))
+        assert error.value.code() == code
 
 
 def test_sigterm_unlinks_the_pool_and_start_up_removes_stale_ones(tmp_path):

@@ -32,6 +32,24 @@ class Unavailable(grpc.RpcError):
         return "connection refused"
 
 
+class NoHold:
+    """HoldSession on a cache service that predates it: the session lives by heartbeats alone."""
+
+    def __iter__(self):
+        raise Unimplemented()
+
+    def cancel(self) -> None:
+        pass
+
+
+class Unimplemented(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNIMPLEMENTED
+
+    def details(self):
+        return "Method not found!"
+
+
 class FakeCache:
     """Attaches fine; every Lease call fails with `failure`."""
 
@@ -55,6 +73,9 @@ class FakeCache:
 
     def heartbeat(self, session_id, timeout_s=None):
         pass
+
+    def hold(self, session_id):
+        return NoHold()
 
     def lease(self, session_id, ops):
         result: Future = Future()

@@ -19,7 +19,8 @@ LEASE_CALL_SECONDS = Histogram(
     "Time to apply one batched Lease call inside the service",
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1),
 )
-SESSIONS_EXPIRED = Counter("pagedkv_cache_sessions_expired", "Sessions reaped after missing their lease TTL")
+SESSIONS_EXPIRED = Counter("pagedkv_cache_sessions_expired",
+                           "Sessions reaped after missing their lease TTL or losing their HoldSession connection")
 
 
 class PoolCollector:

@@ -136,6 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
         [SERVICE_NAME],
         lambda grpc_server: cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, grpc_server),
     )
+    servicer.stopping = server.stopping
     tasks = []
     try:
         await server.start()

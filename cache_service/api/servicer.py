@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -46,6 +47,9 @@ async def abort_for(context: grpc.aio.ServicerContext, error: BaseException) -> 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, pool: KvPool) -> None:
         self.pool = pool
+        # Set when the server begins to stop: open holds end at once, so they never keep
+        # a graceful stop waiting out its grace.
+        self.stopping = asyncio.Event()
 
     async def Attach(self, request, context):
         try:
@@ -89,6 +93,29 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         except UnknownSession as error:
             await abort_for(context, error)
         return cache_pb2.HeartbeatResponse(lease_ttl_ms=self.pool.settings.lease_ttl_ms)
+
+    async def HoldSession(self, request, context):
+        try:
+            session = self.pool.heartbeat(request.session_id)
+        except UnknownSession as error:
+            await abort_for(context, error)
+        yield cache_pb2.HoldSessionResponse(lease_ttl_ms=self.pool.settings.lease_ttl_ms)
+        ended, stopping = (asyncio.ensure_future(event.wait()) for event in (session.ended, self.stopping))
+        try:
+            await asyncio.wait((ended, stopping), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # The holder's connection closed (or it cancelled the call): it sends no
+            # heartbeat again, so its session ends now rather than at its TTL.
+            metrics.SESSIONS_EXPIRED.inc(self.pool.holder_gone(session))
+            raise
+        finally:
+            ended.cancel()
+            stopping.cancel()
+        if session.ended_by == "expired":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "the session expired (it missed its heartbeats for the "
+                                                           "lease TTL, or its hold's connection closed); Attach again")
+        if not session.ended_by:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the cache service is stopping")
 
     async def Detach(self, request, context):
         try:

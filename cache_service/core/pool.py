@@ -133,6 +133,7 @@ class KvPool:
         self.kv_events = list(kv_events)
         self._clock = clock
         self.sessions = Sessions(settings.lease_ttl_ms / 1000, clock)
+        self._reclaims: set[asyncio.Task] = set()  # a task the loop holds only weakly could be collected
         # Expired sessions whose blocks wait out the reclaim grace: (release at, session).
         self.quarantined: list[tuple[float, Session]] = []
         self.geometry: KvGeometry | None = None
@@ -199,6 +200,25 @@ class KvPool:
                         ttl_ms=self.settings.lease_ttl_ms, reclaim_in_ms=self.settings.reclaim_grace_ms)
             self.quarantined.append((now + self.settings.reclaim_grace_ms / 1000, session))
         return len(expired)
+
+    def holder_gone(self, session: Session) -> int:
+        """Ends a session whose hold's connection closed, as a TTL expiry does (its leases
+        wait out the reclaim grace), without waiting for the TTL; returns the sessions
+        expired (0 when it had ended already: detached or expired)."""
+        if self.sessions.lapse(session.session_id) is None:
+            return 0
+        log.warning("session_holder_gone", session=session.owner, client=session.client_name,
+                    reclaim_in_ms=self.settings.reclaim_grace_ms)
+        expired = self.expire_sessions()
+        # The reaper looks only every quarter TTL: this reclaim runs when the grace ends.
+        task = asyncio.get_running_loop().create_task(self._reclaim_after(self.settings.reclaim_grace_ms / 1000))
+        self._reclaims.add(task)
+        task.add_done_callback(self._reclaims.discard)
+        return expired
+
+    async def _reclaim_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self.reclaim_expired()
 
     async def reclaim_expired(self) -> int:
         """Releases the leases of expired sessions whose grace has passed; returns blocks freed."""

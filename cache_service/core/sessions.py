@@ -2,16 +2,18 @@
 
 A session is one attached model service. It stays alive by calling Heartbeat (or any
 lease call) at least once per lease TTL; one that falls silent is reaped and its
-leases go back to the pool, so a model service killed with -9 leaks nothing.
+leases go back to the pool, so a model service killed with -9 leaks nothing. One whose
+held connection closes (HoldSession) lapses at once instead of at its TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class UnknownSession(LookupError):
@@ -42,6 +44,9 @@ class Session:
     served_model_name: str = ""
     # AttachRequest.attach_key: a retry of the Attach that opened it gets it back.
     attach_key: str = ""
+    # Set when the session ends, and why ("detached" or "expired"): its holds end with it.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_by: str = ""
 
 
 class Sessions:
@@ -99,7 +104,15 @@ class Sessions:
 
     def close(self, session_id: str) -> Session:
         session = self.touch(session_id)
-        self._forget(session)
+        self._forget(session, "detached")
+        return session
+
+    def lapse(self, session_id: str) -> Session | None:
+        """Counts the session as silent past its TTL, so the next expire() takes it (its
+        holder's connection closed: no heartbeat will come); None when it already ended."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.last_seen = float("-inf")
         return session
 
     def expire(self) -> list[Session]:
@@ -107,10 +120,12 @@ class Sessions:
         deadline = self._clock() - self.ttl_s
         expired = [s for s in self._sessions.values() if s.last_seen < deadline]
         for session in expired:
-            self._forget(session)
+            self._forget(session, "expired")
         return expired
 
-    def _forget(self, session: Session) -> None:
+    def _forget(self, session: Session, why: str) -> None:
         del self._sessions[session.session_id]
+        session.ended_by = why
+        session.ended.set()
         if session.attach_key:
             del self._by_attach_key[session.attach_key]

@@ -46,6 +46,10 @@ RECONNECT_OPTIONS = [
 # went on to open instead of opening a second one.
 ATTACH_TIMEOUT_S = 120.0
 
+# How long attaching waits for HoldSession's first message (an answer comes at once from
+# a healthy cache service); past it the session lives on heartbeats until the hold is in.
+HOLD_ANSWER_S = 10.0
+
 
 class CacheClient:
     def __init__(self, address: str, *, auth_token: str | None = None, tls_ca: str | None = None,
@@ -83,6 +87,10 @@ class CacheClient:
     def heartbeat(self, session_id: str, timeout_s: float | None = None) -> None:
         self.stub.Heartbeat(cache_pb2.HeartbeatRequest(session_id=session_id),
                             timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+
+    def hold(self, session_id: str):
+        """HoldSession's stream, open with no deadline for the session's life; cancel() ends it."""
+        return self.stub.HoldSession(cache_pb2.HoldSessionRequest(session_id=session_id), metadata=self.metadata)
 
     def detach(self, session_id: str) -> int:
         reply = self.stub.Detach(cache_pb2.DetachRequest(session_id=session_id),
@@ -245,6 +253,11 @@ class Heartbeat:
     nothing the lease deadline does not already track, so it is abandoned and the next
     one sent on schedule, and the engine fences itself once no call got through for
     TTL - margin. Any other failure (NOT_FOUND: expired; UNAVAILABLE: gone) ends the session.
+
+    A second thread holds the session (HoldSession) for as long as it lives: should this
+    process die, its connection closes and the cache service takes the session's leases
+    back without waiting for the TTL. The hold ending otherwise than by Detach ends the
+    session here too, at once: the cache service expired it, is stopping, or is gone.
     """
 
     def __init__(self, client: CacheClient, session_id: str, interval_s: float, on_failure,
@@ -256,13 +269,36 @@ class Heartbeat:
         self._deadline = deadline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cache-heartbeat", daemon=True)
+        self._hold = None
+        self._held = threading.Event()
 
     def start(self) -> Heartbeat:
+        self._hold = self._client.hold(self._session_id)
+        threading.Thread(target=self._keep_hold, name="cache-hold", daemon=True).start()
+        # The session counts as held once the cache service said so (or refused): a process
+        # killed right after attaching then has its leases reclaimed at once, too.
+        self._held.wait(HOLD_ANSWER_S)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._hold is not None:
+            self._hold.cancel()
+
+    def _keep_hold(self) -> None:
+        try:
+            for _ in self._hold:
+                self._held.set()
+        except grpc.RpcError as error:
+            self._held.set()
+            if self._stop.is_set():
+                return
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("session_hold_unsupported")  # an older cache service: the TTL alone finds a dead process
+                return
+            log.warning("session_hold_ended", code=error.code().name, details=error.details())
+            self._on_failure(self._session_id, error)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

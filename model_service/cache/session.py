@@ -110,10 +110,12 @@ class CacheSession:
         when the service can still be reached and the failure was not its going away)."""
         if self.attachment is None:
             return
-        self.attachment.heartbeat.stop()
         self._inflight = self._inflight_ops = None
         detach_after_failure(self.cache, self.attachment.session_id,
                              error.args[0] if isinstance(error, CacheFailed) and error.args else error)
+        # After the Detach: stopping cancels the session's hold, which (were the session
+        # still open) would leave its leases to wait out the reclaim grace.
+        self.attachment.heartbeat.stop()
         self.attachment = None
 
     def close(self, final_ops: LeaseOps | None) -> None:

@@ -69,6 +69,11 @@ class CacheServiceStub:
                 request_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.HoldSession = channel.unary_stream(
+                '/pagedkv.cache.v1.CacheService/HoldSession',
+                request_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.HoldSessionRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.HoldSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -131,6 +136,19 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HoldSession(self, request, context):
+        """Held open by a session's model service for the session's life: the first message
+        says the hold is in place. When the holder's connection closes (its process died,
+        or it cancelled the call) the session ends at once, as if it had missed its TTL:
+        its calls get NOT_FOUND and its leases come back after --reclaim-grace-ms, without
+        waiting for the TTL. The stream ends OK when the session is detached, NOT_FOUND
+        when it expired, UNAVAILABLE when the cache service stops. Heartbeats are still
+        needed: a holder that hangs with its connection open is found by its TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +186,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'HoldSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldSession,
+                    request_deserializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.HoldSessionRequest.FromString,
+                    response_serializer=pagedkv_dot_cache_dot_v1_dot_cache__pb2.HoldSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +382,33 @@ class CacheService:
             '/pagedkv.cache.v1.CacheService/ResetPrefixCache',
             pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheRequest.SerializeToString,
             pagedkv_dot_cache_dot_v1_dot_cache__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedkv.cache.v1.CacheService/HoldSession',
+            pagedkv_dot_cache_dot_v1_dot_cache__pb2.HoldSessionRequest.SerializeToString,
+            pagedkv_dot_cache_dot_v1_dot_cache__pb2.HoldSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
