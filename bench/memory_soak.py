@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -230,7 +231,8 @@ def run(args) -> int:
     # The pool in /dev/shm, the default: the model service's touched pool pages are its RssShmem.
     with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes) as cache, \
             start_model_service(workdir, cache.address, "--model", checkpoint, "--api-keys", keys,
-                                "--max-model-len", 512, "--served-model-name", "soak") as model:
+                                "--max-model-len", 512, "--served-model-name", "soak", *shlex.split(args.model_flags),
+                                env=dict(item.split("=", 1) for item in args.model_env)) as model:
         metadata = bearer_metadata(next(iter(KEYS)))
         info = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address)).GetModelInfo(
             model_pb2.GetModelInfoRequest(), timeout=10, metadata=metadata)
@@ -251,7 +253,8 @@ def run(args) -> int:
             leased = cache_stub.GetStats(cache_pb2.GetStatsRequest(), timeout=10).blocks_leased
 
     print(f"{args.requests} requests, {args.concurrency} clients of two tenants, {elapsed:.0f} s; "
-          f"pool --kv-cache-bytes {args.kv_cache_bytes}; blocks leased at the end: {leased}\n")
+          f"pool --kv-cache-bytes {args.kv_cache_bytes}; model service flags {args.model_flags!r}, "
+          f"environment {args.model_env}; blocks leased at the end: {leased}\n")
     print("| requests | seconds | model RssAnon (MiB) | model RssShmem (MiB) | model VmRSS (MiB) "
           "| cache RssAnon (MiB) | cache VmRSS (MiB) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for sample in soak.samples:

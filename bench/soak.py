@@ -243,6 +243,11 @@ def main() -> int:
     parser.add_argument("--max-growth", type=float, default=0.02,
                         help="memory soak: exit 1 if the model service's RssAnon grew by this fraction or more")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="memory soak: new tokens, 1 to this")
+    parser.add_argument("--model-flags", default="",
+                        help="memory soak: more flags for the model service, one string (e.g. '--malloc-arena-max 0')")
+    parser.add_argument("--model-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="memory soak: an environment variable for the model service (e.g. LD_PRELOAD=...); "
+                             "may be repeated")
     args = parser.parse_args()
     if args.requests:
         import memory_soak
