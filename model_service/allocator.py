@@ -26,6 +26,10 @@ import structlog
 log = structlog.get_logger()
 
 M_ARENA_MAX = -8  # malloc.h
+# The model service's defaults (server.py): two arenas are enough for threads that mostly
+# wait on the engine, and a trim every ten seconds is far from any request's path.
+DEFAULT_ARENA_MAX = 2
+DEFAULT_TRIM_INTERVAL_S = 10.0
 
 
 def _libc():

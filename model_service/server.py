@@ -114,10 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
-    add_flag(parser, "--malloc-arena-max", default=0, type=int,
+    # Both on by default: a server's many threads each take a glibc arena, and an arena keeps
+    # what is freed in its middle resident, so resident memory crept up with the requests
+    # served although nothing was kept (README, "Memory"; allocator.py).
+    add_flag(parser, "--malloc-arena-max", default=allocator.DEFAULT_ARENA_MAX, type=int,
              help="glibc malloc arenas the service's threads share (mallopt M_ARENA_MAX, set at start-up; "
                   "0: glibc's default, eight a core); fewer arenas keep less freed memory resident")
-    add_flag(parser, "--malloc-trim-interval-s", default=0.0, type=float,
+    add_flag(parser, "--malloc-trim-interval-s", default=allocator.DEFAULT_TRIM_INTERVAL_S, type=float,
              help="seconds between malloc_trim(0) calls on a thread of their own, giving the freed pages in every "
                   "malloc arena back to the system (0: never)")
     add_flag(parser, "--http-port", default=8000, type=int,
