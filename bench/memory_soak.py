@@ -12,6 +12,10 @@ with stop strings, stop ids and min_tokens, an HTTP completion stream, an HTTP c
 with a named tool, an Abort by id, a deadline that passes mid-request, a client that
 cancels after its first token, and a request refused by validation.
 
+--model-flags adds flags to the model service's (for glibc's own allocator behaviour:
+'--malloc-arena-max 0 --malloc-trim-interval-s 0'), --model-env NAME=VALUE sets its
+environment (LD_PRELOAD=... for another allocator); compare settings with the same --seed.
+
 Each sample reads /proc/PID/status of both services: VmRSS, and of it RssAnon (the
 process's own memory) and RssShmem (pages of the shared KV pool it has touched so far:
 they grow until the pool has been touched once, up to its size, and belong to the pool
