@@ -114,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
-    # Both on by default: a server's many threads each take a glibc arena, and an arena keeps
-    # what is freed in its middle resident, so resident memory crept up with the requests
-    # served although nothing was kept (README, "Memory"; allocator.py).
+    # Both on by default: a server's many threads would each take a glibc arena (up to eight
+    # a core), and an arena keeps what is freed in its middle resident (README, "Memory";
+    # allocator.py).
     add_flag(parser, "--malloc-arena-max", default=allocator.DEFAULT_ARENA_MAX, type=int,
              help="glibc malloc arenas the service's threads share (mallopt M_ARENA_MAX, set at start-up; "
                   "0: glibc's default, eight a core); fewer arenas keep less freed memory resident")
