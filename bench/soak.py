@@ -4,6 +4,11 @@
     .venv/bin/python bench/soak.py --duration-s 60 --model /path/to/checkpoint
     .venv/bin/python bench/soak.py --abusive-concurrency 8   # two tenants, one abusive (issue 28)
     .venv/bin/python bench/soak.py --requests 10000 --concurrency 8   # memory: RSS every 500 requests
+    .venv/bin/python bench/soak.py --abuse --abusive-concurrency 2 --concurrency 4 --duration-s 60 --rounds 2
+
+With --abuse it is the abuse soak instead (bench/abuse_soak.py): normal tenants alone and
+beside an abusive tenant, a KV-event replay flooder and a grammar bomber, in turns, with the
+cache service's Lease, Heartbeat and GetSizing timed by a probe throughout.
 
 With --requests N it is the memory soak instead (bench/memory_soak.py): N requests of
 mixed shapes (streams, n > 1, logprobs, structured output, tools, aborts, deadlines,
@@ -235,6 +240,15 @@ def main() -> int:
                         help="two tenants: the services on CPU 0 (the model service with --threads 1), the clients "
                              "on CPU 1, the abusive ones at nice 19: the server has a core of its own and the "
                              "abusers' own CPU stands for other machines', as in a deployment")
+    parser.add_argument("--abuse", action="store_true",
+                        help="the abuse soak (bench/abuse_soak.py): two normal tenants alone and beside an abusive "
+                             "tenant (--abusive-concurrency clients), a replay flooder and a grammar bomber, in turns")
+    parser.add_argument("--replay-flooders", type=int, default=8,
+                        help="abuse soak: DEALER sockets flooding the KV-event replay socket, a loopback address each")
+    parser.add_argument("--grammar-bombers", type=int, default=2,
+                        help="abuse soak: clients posting deep JSON schemas, each new")
+    parser.add_argument("--probe-interval-s", type=float, default=0.05,
+                        help="abuse soak: seconds between the cache-service probe's rounds of calls")
     parser.add_argument("--requests", type=int, default=0,
                         help="> 0: the memory soak (bench/memory_soak.py), this many requests of mixed shapes")
     parser.add_argument("--sample-every", type=int, default=500, help="memory soak: requests between RSS samples")
@@ -243,6 +257,11 @@ def main() -> int:
     parser.add_argument("--max-growth", type=float, default=0.02,
                         help="memory soak: exit 1 if the model service's RssAnon grew by this fraction or more")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="memory soak: new tokens, 1 to this")
+    parser.add_argument("--model-flags", default="",
+                        help="memory soak: more flags for the model service, one string (e.g. '--malloc-arena-max 0')")
+    parser.add_argument("--model-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="memory soak: an environment variable for the model service (e.g. LD_PRELOAD=...); "
+                             "may be repeated")
     args = parser.parse_args()
     if args.requests:
         import memory_soak
@@ -250,6 +269,10 @@ def main() -> int:
         if args.kv_cache_bytes == parser.get_default("kv_cache_bytes"):
             args.kv_cache_bytes = "64MiB"
         return memory_soak.run(args)
+    if args.abuse:
+        import abuse_soak
+
+        return abuse_soak.run(args)
     if args.abusive_concurrency:
         return two_tenants(args)
 
@@ -326,12 +349,12 @@ def settled_stats(cache_stub, metadata=None) -> cache_pb2.CacheStats:
     return stats
 
 
-def tenant_samples(url: str, name: str) -> dict[str, float]:
-    """One metric's samples by their tenant label."""
+def label_samples(url: str, name: str, label: str = "tenant") -> dict[str, float]:
+    """One metric's samples by one of their labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return {sample.labels.get("tenant", ""): sample.value for family in text_string_to_metric_families(text)
+    return {sample.labels.get(label, ""): sample.value for family in text_string_to_metric_families(text)
             for sample in family.samples if sample.name == name}
 
 
@@ -422,8 +445,8 @@ def two_tenants(args) -> int:
                 runs[name].append((normal, abuses, elapsed, settled_stats(cache_stub)))
                 print(f"round {round_index + 1} {name}: {normal.tokens / elapsed:.0f} tokens/s, "
                       f"ITL p99 {percentile(normal.itl, 0.99) * 1e3:.2f} ms", file=sys.stderr, flush=True)
-        preempted = tenant_samples(model.metrics_url, "pagedkv_model_tenant_preemptions_total")
-        peaks = tenant_samples(model.metrics_url, "pagedkv_model_tenant_kv_blocks_peak")
+        preempted = label_samples(model.metrics_url, "pagedkv_model_tenant_preemptions_total")
+        peaks = label_samples(model.metrics_url, "pagedkv_model_tenant_kv_blocks_peak")
         sizing = cache_stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
 
     def rate(run) -> float:

@@ -11,7 +11,7 @@ import time
 import structlog
 import torch
 
-from model_service import cpu_kernels
+from model_service import allocator, cpu_kernels
 from model_service.attention.backend import BACKENDS, load_triton_kernels
 from model_service.attention.kv_quant import DEFAULT_SCALES, SCALE_KINDS, KvScales, namespace_tag
 from model_service.cache.client import CacheClient
@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--cuda-graphs", default="auto", choices=["auto", "on", "off"],
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
+    # Both on by default: a server's many threads would each take a glibc arena (up to eight
+    # a core), and an arena keeps what is freed in its middle resident (README, "Memory";
+    # allocator.py).
+    add_flag(parser, "--malloc-arena-max", default=allocator.DEFAULT_ARENA_MAX, type=int,
+             help="glibc malloc arenas the service's threads share (mallopt M_ARENA_MAX, set at start-up; "
+                  "0: glibc's default, eight a core); fewer arenas keep less freed memory resident")
+    add_flag(parser, "--malloc-trim-interval-s", default=allocator.DEFAULT_TRIM_INTERVAL_S, type=float,
+             help="seconds between malloc_trim(0) calls on a thread of their own, giving the freed pages in every "
+                  "malloc arena back to the system (0: never)")
     add_flag(parser, "--http-port", default=8000, type=int,
              help="OpenAI-compatible HTTP API port on --host (0 picks a free one, -1 disables); TLS and "
                   "--auth-token apply as on gRPC")
@@ -187,6 +196,9 @@ async def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be 1 or more, got {value}")
     if not args.grammar_compile_timeout_s > 0:
         raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
+    # Before the model loads and the servers start their threads: a thread takes its arena
+    # at its first malloc (allocator.py).
+    allocator.configure(args.malloc_arena_max, args.malloc_trim_interval_s)
     # Read first: a broken keys file is a start-up error, before a model loads for minutes.
     api_keys = ApiKeys.configure(args.auth_token, args.api_keys)
     if api_keys is not None and api_keys.path is not None:

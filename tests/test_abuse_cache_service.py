@@ -10,6 +10,7 @@ structure, never time: a bounded wait fails only on a stall of many seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
@@ -88,15 +89,24 @@ def read_replies(sock: zmq.Socket, answers: int) -> list[list[int]]:
 # ---------------------------------------------------------------- the replay socket
 
 
-def test_replay_answers_at_most_its_cap_and_a_peer_past_its_rate_gets_nothing(tmp_path):
+@contextlib.contextmanager
+def replaying(tmp_path, prompts: int, *flags):
+    """A cache service that publishes KV events and answers replay requests (``flags`` set
+    its caps), with ``prompts`` prompts cached: AllBlocksCleared and a batch a prompt.
+    Yields (service, stub, session, the replay endpoint)."""
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    # A rate this low refills one request in 100 s: the burst of one is all this test sees.
     with start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", "--kv-events-endpoint", pub,
-                             "--kv-events-replay-endpoint", rep, "--kv-events-replay-max-batches", "5",
-                             "--kv-events-replay-rate", "0.01") as service:
+                             "--kv-events-replay-endpoint", rep, *flags) as service:
         stub = cache_stub(service.address)
         session = attach(stub).session_id
-        cache_prompts(stub, session, 10)  # AllBlocksCleared and ten BlockStored: 11 batches
+        cache_prompts(stub, session, prompts)
+        yield service, stub, session, rep
+
+
+def test_replay_answers_at_most_its_cap_and_a_peer_past_its_rate_gets_nothing(tmp_path):
+    # A rate this low refills one request in 100 s: the burst of one is all this test sees.
+    with replaying(tmp_path, 10, "--kv-events-replay-max-batches", "5", "--kv-events-replay-rate", "0.01") as \
+            (service, _, _, rep):
         sock = dealer(rep)
         for _ in range(20):
             sock.send_multipart((b"", (0).to_bytes(8, "big")))
@@ -116,15 +126,10 @@ def test_replay_answers_at_most_its_cap_and_a_peer_past_its_rate_gets_nothing(tm
 
 
 def test_a_replay_flood_never_holds_up_a_lease(tmp_path):
-    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     # No rate limit and a cap above the buffer: every request costs the replayer its whole
     # buffer, so a flood keeps it busy for far longer than a Lease call takes.
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", "--kv-events-endpoint", pub,
-                             "--kv-events-replay-endpoint", rep, "--kv-events-replay-rate", "1e9",
-                             "--kv-events-replay-max-batches", "10000") as service:
-        stub = cache_stub(service.address)
-        session = attach(stub).session_id
-        cache_prompts(stub, session, 60)
+    with replaying(tmp_path, 60, "--kv-events-replay-rate", "1e9", "--kv-events-replay-max-batches", "10000") as \
+            (service, stub, session, rep):
         flood = 10_000
         socks = [dealer(rep) for _ in range(8)]
         for index in range(flood):
@@ -262,6 +267,11 @@ def test_curve_lets_in_only_the_subscribers_whose_keys_it_was_given(tmp_path):
 
 
 # ---------------------------------------------------------------- the disk tier
+#
+# One service writes the module's blocks to disk and keeps running (it is the first holder
+# of its folder); tests that restart from disk work on copies of its folder.
+
+PROMPT = list(range(1000, 1000 + 3 * BS + 1))  # three full blocks and one token
 
 
 def disk_service(tmp_path, folder, *extra):
@@ -269,15 +279,27 @@ def disk_service(tmp_path, folder, *extra):
                                "--disk-cache-dir", folder, "--disk-cache-bytes", "4MiB", *extra)
 
 
-def cache_to_disk(tmp_path, folder, prompts: int, salt: str = "b") -> list[list[int]]:
-    """Runs a service that caches ``prompts`` prompts of three blocks, waits until all are on
-    disk (written behind, without a host tier), and stops it; returns the prompts."""
-    with disk_service(tmp_path, folder) as service:
+@pytest.fixture(scope="module")
+def disk_writer(tmp_path_factory):
+    """A running service whose folder holds PROMPT's three blocks under cache salt "b" and
+    under none (written behind, without a host tier): (service, folder)."""
+    tmp = tmp_path_factory.mktemp("disk-writer")
+    folder = tmp / "disk"
+    with disk_service(tmp, folder) as service:
         stub = cache_stub(service.address)
         session = attach(stub).session_id
-        cache_prompts(stub, session, prompts, length=3 * BS + 1, salt=salt)
-        wait_for(lambda: len(list((folder / TAG).glob("*.kvblock"))) == 3 * prompts, 30, "the blocks on disk")
-    return [[1000 + index * (3 * BS + 1) + offset for offset in range(3 * BS + 1)] for index in range(prompts)]
+        for salt in ("b", ""):
+            cache_prompts(stub, session, 1, length=len(PROMPT), salt=salt)
+        wait_for(lambda: len(list((folder / TAG).glob("*.kvblock"))) == 6, 30, "the blocks on disk")
+        yield service, folder
+
+
+def copy_folder(disk_writer, tmp_path):
+    """A copy of the writer's folder, modes and key included (not its lock: a copy is free)."""
+    _, folder = disk_writer
+    copy = tmp_path / "disk"
+    shutil.copytree(folder, copy, symlinks=True)
+    return copy
 
 
 def cached_tokens(stub, session: str, prompt: list[int], salt: str = "b") -> int:
@@ -301,43 +323,51 @@ def chain_files(folder, prompt: list[int], salt: str = "b") -> list:
     return paths
 
 
-def test_block_files_not_signed_with_the_services_key_are_never_served(tmp_path):
+@pytest.fixture(scope="module")
+def tampered(disk_writer, tmp_path_factory):
+    """A service restarted on a copy of the writer's folder in which an attacker, as the same
+    user with mode 0600 and every header field right, rewrote salt "b"'s three blocks with
+    other K/V signed under a key of its own (it cannot read the service's), and another
+    user made the third block of the unsalted chain writable by others (0666).
+    Yields (service, stub, session, folder, the key before the restart)."""
     from cache_service.tiers.disk_folder import DiskFolder
     from cache_service.tiers.disk_tier import DiskTier
 
-    folder = tmp_path / "disk"
-    [prompt] = cache_to_disk(tmp_path, folder, 1)
-    # The attacker rewrites the files: same owner, mode 0600, every header field right, other
-    # K/V, signed with a key of its own (it cannot read the service's).
+    tmp = tmp_path_factory.mktemp("tampered")
+    folder = copy_folder(disk_writer, tmp)
+    geometry = DiskGeometry(2, 2, 16, BS, torch.float32)
     service_folder = DiskFolder(folder)
-    records = DiskTier(service_folder, 4 << 20, DiskGeometry(2, 2, 16, BS, torch.float32)).scan()
+    records = DiskTier(service_folder, 4 << 20, geometry).scan()
     service_folder.close()
-    forger = DiskTier(DiskFolder(tmp_path / "forger"), 4 << 20, DiskGeometry(2, 2, 16, BS, torch.float32))
-    for record in records:
-        forged = forger.encode(record, torch.full(forger.geometry.block_shape, 7.0))
-        path = folder / TAG / forger.path(record.digest).name
-        path.write_bytes(forged)
-    assert len(records) == 3
-    with disk_service(tmp_path, folder) as service:
-        stub = cache_stub(service.address)
-        session = attach(stub).session_id
-        assert cached_tokens(stub, session, prompt) == 0, "a block signed with another key was served"
-        assert "MAC mismatch" in service.logs()
-
-
-def test_a_block_file_others_may_write_is_never_served_and_the_key_stays_private(tmp_path):
-    folder = tmp_path / "disk"
-    [prompt] = cache_to_disk(tmp_path, folder, 1)
-    assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
-    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in (folder / TAG).glob("*.kvblock"))
+    forger = DiskTier(DiskFolder(tmp / "forger"), 4 << 20, geometry)
+    salted = {path.name for path in chain_files(folder, PROMPT, "b")}
+    forged = [record for record in records if forger.path(record.digest).name in salted]
+    assert len(records) == 6 and len(forged) == 3
+    for record in forged:
+        (folder / TAG / forger.path(record.digest).name).write_bytes(
+            forger.encode(record, torch.full(forger.geometry.block_shape, 7.0)))
+    os.chmod(chain_files(folder, PROMPT, "")[2], 0o666)  # the first two blocks still hit
     key = folder / ".hmac-key"
     made = key.read_bytes() if key.exists() else None
-    os.chmod(chain_files(folder, prompt)[2], 0o666)  # the third block: the first two still hit
-    with disk_service(tmp_path, folder) as service:
+    with disk_service(tmp, folder) as service:
         stub = cache_stub(service.address)
-        session = attach(stub).session_id
-        assert cached_tokens(stub, session, prompt) == 2 * BS, "a world-writable block file was served"
-        assert "writable by group or others" in service.logs()
+        yield service, stub, attach(stub).session_id, folder, made
+
+
+def test_block_files_not_signed_with_the_services_key_are_never_served(tampered):
+    service, stub, session, _, _ = tampered
+    assert cached_tokens(stub, session, PROMPT, "b") == 0, "a block signed with another key was served"
+    assert "MAC mismatch" in service.logs()
+
+
+def test_a_block_file_others_may_write_is_never_served_and_the_key_stays_private(disk_writer, tampered):
+    _, written = disk_writer
+    assert stat.S_IMODE(written.stat().st_mode) & 0o077 == 0
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in (written / TAG).glob("*.kvblock"))
+    service, stub, session, folder, made = tampered
+    assert cached_tokens(stub, session, PROMPT, "") == 2 * BS, "a world-writable block file was served"
+    assert "writable by group or others" in service.logs()
+    key = folder / ".hmac-key"
     assert made is not None and len(made) == 32 and stat.S_IMODE(key.stat().st_mode) == 0o600
     assert key.read_bytes() == made, "a restart made a new key: every file on disk would be lost"
 
@@ -377,39 +407,20 @@ def test_a_service_refuses_a_shared_disk_folder_at_start(tmp_path):
         disk_service(tmp_path, folder)
 
 
-def test_a_second_service_on_one_disk_folder_is_refused_naming_the_first(tmp_path):
-    folder = tmp_path / "disk"
-    with disk_service(tmp_path, folder) as first:
-        with pytest.raises(RuntimeError, match=f"in use by cache service pid {first.pid}"):
-            disk_service(tmp_path, folder)
-        stub = cache_stub(first.address)
-        attach(stub)  # the first is untouched
+def test_a_second_service_on_one_disk_folder_is_refused_naming_the_first(tmp_path, disk_writer):
+    first, folder = disk_writer
+    with pytest.raises(RuntimeError, match=f"in use by cache service pid {first.pid}"):
+        disk_service(tmp_path, folder)
+    attach(cache_stub(first.address))  # the first is untouched
 
 
-def test_a_symlinked_geometry_folder_is_refused_and_nothing_is_removed_through_it(tmp_path):
-    folder, elsewhere = tmp_path / "disk", tmp_path / "elsewhere"
-    folder.mkdir(mode=0o700)
-    elsewhere.mkdir(mode=0o700)
-    victim = elsewhere / "precious.tmp"  # a scan removes *.tmp files: it must not reach this one
-    victim.write_bytes(b"keep me")
-    (folder / TAG).symlink_to(elsewhere, target_is_directory=True)
-    with disk_service(tmp_path, folder) as service:
-        stub = cache_stub(service.address)
-        with pytest.raises(grpc.RpcError) as refused:
-            attach(stub)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "symlink" in refused.value.details()
-    assert victim.read_bytes() == b"keep me"
-
-
-def test_a_promotion_reads_the_disk_in_a_worker_thread_not_on_the_lease_loop(tmp_path, monkeypatch):
+def test_a_promotion_reads_the_disk_in_a_worker_thread_not_on_the_lease_loop(tmp_path, disk_writer, monkeypatch):
     from cache_service.core.pool import KvPool, PoolSettings
     from cache_service.api.servicer import CacheServicer
     from cache_service.tiers import disk_tier
     from cache_service.tiers.settings import TierSettings
 
-    folder = tmp_path / "disk"
-    [prompt] = cache_to_disk(tmp_path, folder, 1, salt="")
+    folder = copy_folder(disk_writer, tmp_path)
     readers: list[int] = []
     read = disk_tier.DiskTier.read
 
@@ -429,10 +440,26 @@ def test_a_promotion_reads_the_disk_in_a_worker_thread_not_on_the_lease_loop(tmp
                                               max_model_len=64)
             session = (await servicer.Attach(request, None)).session_id
             reply = await servicer.Lease(cache_pb2.LeaseRequest(session_id=session, ops=[
-                allocate(len(prompt), prompt)]), None)
+                allocate(len(PROMPT), PROMPT)]), None)
             return reply.results[0].cached_tokens_disk
         finally:
             pool.close()
 
     assert asyncio.run(lease_on_a_loop()) == 3 * BS
     assert len(readers) == 3 and threading.get_ident() not in readers, "the Lease loop read a block file"
+
+
+def test_a_symlinked_geometry_folder_is_refused_and_nothing_is_removed_through_it(tmp_path):
+    folder, elsewhere = tmp_path / "disk", tmp_path / "elsewhere"
+    folder.mkdir(mode=0o700)
+    elsewhere.mkdir(mode=0o700)
+    victim = elsewhere / "precious.tmp"  # a scan removes *.tmp files: it must not reach this one
+    victim.write_bytes(b"keep me")
+    (folder / TAG).symlink_to(elsewhere, target_is_directory=True)
+    with disk_service(tmp_path, folder) as service:
+        stub = cache_stub(service.address)
+        with pytest.raises(grpc.RpcError) as refused:
+            attach(stub)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "symlink" in refused.value.details()
+    assert victim.read_bytes() == b"keep me"
