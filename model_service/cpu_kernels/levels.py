@@ -43,7 +43,8 @@ from model_service.cpu_kernels.build import load
 log = structlog.get_logger()
 
 # The modules that register a family (imported by families()).
-FAMILY_MODULES = ("model_service.cpu_kernels.bf16_matmul", "model_service.cpu_kernels.quant_matmul",
+FAMILY_MODULES = ("model_service.cpu_kernels.bf16_matmul", "model_service.cpu_kernels.f32_matmul",
+                  "model_service.cpu_kernels.quant_matmul",
                   "model_service.cpu_kernels.paged_decode", "model_service.cpu_kernels.prefill_attention",
                   "model_service.cpu_kernels.kv_write")
 
