@@ -77,7 +77,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, rows: int, level: int) -> torc
     status = _library().f32_linear(x.data_ptr(), x.stride(0), tokens, cols, rows, panels.data_ptr(),
                                    out.data_ptr(), out.stride(0), level, torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"f32_linear failed ({status}) for {cols} columns at level {LEVELS[level]}")
+        name = LEVELS[level] if 0 <= level < len(LEVELS) else level
+        raise RuntimeError(f"f32_linear failed ({status}) for {cols} columns at level {name}")
     return out
 
 

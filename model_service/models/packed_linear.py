@@ -85,8 +85,8 @@ def pack_linears(model: nn.Module) -> int:
     """Swaps every nn.Linear of a CPU bfloat16 or float32 model for one that multiplies by a
     packed copy of its weight; returns how many. bfloat16: the C kernel's panels
     (panel_linear.py) where bf16_matmul.chosen_level says so, oneDNN's PackedLinear
-    otherwise; float32: the C kernel's panels where f32_matmul.chosen_level says so, else
-    none. A no-op (0) on other devices and dtypes. Each plain weight is freed as its
+    otherwise; float32: the decoder layers' linears in the C kernel's panels where
+    f32_matmul.chosen_level says so, else none. A no-op (0) on other devices and dtypes. Each plain weight is freed as its
     linear is swapped (unless shared): packing needs one linear's copy more than the model,
     not two models' worth."""
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
@@ -108,7 +108,9 @@ def pack_linears(model: nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        if linear.weight.dtype != dtype:
+        # float32: the decoder layers' linears, what the decode stack runs; the lm_head stays
+        # torch's, which multiplies a step's rows as fast and keeps its plain weight
+        if linear.weight.dtype != dtype or (dtype == torch.float32 and not name.startswith("layers.")):
             continue
         shared = holders[linear.weight.data_ptr()] > 1
         # bfloat16 panels hold pairs of columns
