@@ -37,12 +37,7 @@ CHOICES = FAMILY.choices
 def chosen_level() -> int | None:
     """The C kernel's level for a float32 model's linears, or None where torch's product
     serves them (PAGEDKV_F32_KERNELS, the CPU, a library that did not build)."""
-    if load() is None:
-        if levels.requested(FAMILY.name) not in CHOICES:  # a bad switch is still refused
-            raise ValueError(f"{ENV}={levels.requested(FAMILY.name)!r}: expected one of {', '.join(CHOICES)}")
-        return None
-    choice = levels.choose(FAMILY.name)
-    return None if choice == "torch" else LEVELS.index(choice)
+    return levels.chosen_index(FAMILY.name)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
