@@ -292,7 +292,7 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
     if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
     if (tokens == 0) return 0;
     panel_plan plan = {tile_portable, tokens <= 2 ? 4 : 2, BF16_TOKEN_TILE, sizeof(uint16_t), sizeof(uint16_t),
-                       sizeof(uint16_t)};
+                       sizeof(uint16_t), 0};
 #if defined(__x86_64__)
     if (level == BLEVEL_AVX512_BF16) plan.tile = tile_bf16;
     if (level == BLEVEL_AVX2) {

@@ -34,6 +34,8 @@
 #define F32_PORTABLE_TOKEN_TILE 4
 #define F32_AVX2_TOKEN_TILE 3 /* 2 panels x 2 halves x 3 tokens = 12 of the 16 registers */
 #define F32_AVX512_TOKEN_TILE 6 /* 4 panels x 6 tokens = 24 of the 32 registers */
+/* panel_plan's min_parallel_macs: about a hundred microseconds of one core's work */
+#define F32_MIN_PARALLEL_MACS (1 << 20)
 
 enum { FLEVEL_PORTABLE = 0, FLEVEL_AVX2 = 1, FLEVEL_AVX512 = 2 };
 
@@ -211,12 +213,19 @@ int f32_linear(const float *x, int64_t x_stride, int tokens, int cols, int rows,
                int64_t y_stride, int level, int num_threads) {
     if (tokens < 0 || rows <= 0 || cols <= 0 || level < 0 || level > f32_cpu_level()) return -1;
     if (tokens == 0) return 0;
-    panel_plan plan = {tile_portable, 1, F32_PORTABLE_TOKEN_TILE, sizeof(float), sizeof(float), sizeof(float)};
+    panel_plan plan = {tile_portable, 1, F32_PORTABLE_TOKEN_TILE, sizeof(float), sizeof(float), sizeof(float),
+                       F32_MIN_PARALLEL_MACS};
 #if defined(__x86_64__)
-    if (level == FLEVEL_AVX2) plan = (panel_plan){tile_avx2, tokens == 1 ? 4 : 2, F32_AVX2_TOKEN_TILE,
-                                                  sizeof(float), sizeof(float), sizeof(float)};
-    if (level == FLEVEL_AVX512) plan = (panel_plan){tile_avx512, tokens <= 2 ? 4 : 2, F32_AVX512_TOKEN_TILE,
-                                                    sizeof(float), sizeof(float), sizeof(float)};
+    if (level == FLEVEL_AVX2) {
+        plan.tile = tile_avx2;
+        plan.group = tokens == 1 ? 4 : 2;
+        plan.token_tile = F32_AVX2_TOKEN_TILE;
+    }
+    if (level == FLEVEL_AVX512) {
+        plan.tile = tile_avx512;
+        plan.group = tokens <= 2 ? 4 : 2;
+        plan.token_tile = F32_AVX512_TOKEN_TILE;
+    }
 #endif
     panel_drive(&plan, panels, (int64_t)cols * PANEL_ROWS, cols, rows, x, x_stride, tokens, y, y_stride,
                 num_threads);

@@ -29,6 +29,11 @@ typedef struct {
     panel_tile_fn tile;
     int group, token_tile;
     size_t weight_bytes, x_bytes, y_bytes; /* an element of the panels, of x, of y */
+    /* Products of fewer multiply-adds (tokens x rows x cols) run on the calling thread:
+     * splitting them saves less than waking the other threads costs, and on a machine
+     * whose cores are all busy a parallel region waits for a descheduled thread. 0: any
+     * product with more than one group is split. */
+    int64_t min_parallel_macs;
 } panel_plan;
 
 static inline void panel_drive(const panel_plan *plan, const void *panels, int64_t panel_elems, int depth, int rows,
@@ -38,7 +43,8 @@ static inline void panel_drive(const panel_plan *plan, const void *panels, int64
     const int groups = (num_panels + group - 1) / group;
     const char *ws = panels, *xs = x;
     char *ys = y;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && groups > 1)
+    const int split = num_threads > 1 && groups > 1 && (int64_t)tokens * rows * depth >= plan->min_parallel_macs;
+#pragma omp parallel num_threads(num_threads) if (split)
     {
         const int workers = omp_get_num_threads(), me = omp_get_thread_num();
         const int g0 = (int)((int64_t)groups * me / workers), g1 = (int)((int64_t)groups * (me + 1) / workers);
