@@ -1,5 +1,6 @@
 """W48 (or one stream) through the engine alone: where a run's time goes, without gRPC
-streaming or a client.
+streaming or a client (bench_vs_vllm.py --pagedkv-path engine against its default gRPC
+path says what those cost).
 
 The same checkpoints and workloads as bench_vs_vllm.py (the W48 random Llama or SmolLM2,
 float32 or bfloat16; W48 or one stream of 128 tokens); a real cache service process
@@ -7,9 +8,12 @@ leases the blocks, but the engine runs in this process (inprocess_engine.py) and
 tokens, ids only as bench_vs_vllm.py asks for them, go to plain callbacks. Reports the
 wall time, engine steps by kind (prefill, decode by batch size), and the time inside the
 layer linears (quantized ones too), the lm_head, paged attention (K/V write, gather and
-SDPA), the norms, rotary, SiLU, a quantized model's one-call decode steps
-(cpu_decode_stack.py) and the step's inputs, measured by timing those calls (CPU work is
-synchronous).
+SDPA), the norms, rotary, SiLU, the one-call decode steps (cpu_decode_stack.py: quantized or panel linears) and the
+step's inputs, measured by timing those calls (CPU work is synchronous). A second table
+splits the engine thread's time: forward passes, sampling, the scheduler, lease calls to
+the cache service (sending, and waiting for the answer), handing tokens to the request
+sinks (on the service, the hand-off to the gRPC threads) and the inbox; what is left of
+the wall time the engine thread spent outside its steps.
 
     .venv/bin/python bench/engine_breakdown.py [--threads 2] [--model w48|smollm2|PATH]
         [--dtype float32|bfloat16] [--workload w48|single] [--weights dequantize|native]
@@ -41,15 +45,23 @@ from model_service.models.cpu_decode_stack import DecodeStack  # noqa: E402
 from model_service.models.packed_linear import PackedLinear  # noqa: E402
 from model_service.models.panel_linear import PanelLinear  # noqa: E402
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
+from model_service.cache.session import CacheSession  # noqa: E402
+from model_service.engine.live_requests import LiveRequests  # noqa: E402
+from model_service.engine.loop import Engine  # noqa: E402
+from model_service.engine.step_sampler import StepSampler  # noqa: E402
+from model_service.sched.scheduler import Scheduler  # noqa: E402
 from model_service.worker.runner import ModelRunner  # noqa: E402
 
 # seconds spent inside each kind of call, and one (batch size, tokens, seconds) per step
 time_in: collections.Counter[str] = collections.Counter()
+# the engine thread's seconds by part (engine_parts), outermost call only
+engine_time: collections.Counter[str] = collections.Counter()
 steps: list[tuple[int, int, float]] = []
+FORWARD = "forward passes and logits (ModelRunner.execute)"
 
 
-def timed(owner, name: str, label) -> None:
-    """Replace owner.name with a wrapper that adds its wall time to time_in[label(args)]."""
+def timed(owner, name: str, label, into: collections.Counter = time_in) -> None:
+    """Replace owner.name with a wrapper that adds its wall time to into[label(args)]."""
     inner = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -57,9 +69,23 @@ def timed(owner, name: str, label) -> None:
         try:
             return inner(*args, **kwargs)
         finally:
-            time_in[label(args)] += time.perf_counter() - started
+            into[label(args)] += time.perf_counter() - started
 
     setattr(owner, name, wrapper)
+
+
+def engine_parts() -> None:
+    """The engine thread's calls, by part: none of these calls another (a request's
+    admission into the scheduler happens in the inbox's part)."""
+    timed(Engine, "_step", lambda args: "engine steps, all of them", engine_time)
+    parts = [(StepSampler, "sample", "sampling (StepSampler.sample)"),
+             (Scheduler, "schedule", "scheduler"), (Scheduler, "update_from_output", "scheduler"),
+             (Scheduler, "apply", "scheduler"),
+             (CacheSession, "send", "lease calls: sending"), (CacheSession, "collect", "lease calls: waiting for answers"),
+             (LiveRequests, "emit", "handing tokens to the sinks (LiveRequests.emit)"),
+             (Engine, "_drain_inbox", "inbox (submits, cancels)")]
+    for owner, name, label in parts:
+        timed(owner, name, lambda args, label=label: label, engine_time)
 
 
 def instrument(vocab_size: int) -> None:
@@ -80,10 +106,13 @@ def instrument(vocab_size: int) -> None:
     def execute_and_log(runner, batch, *rest):
         started = time.perf_counter()
         result = execute(runner, batch, *rest)
-        steps.append((len(batch), sum(n for _, n in batch), time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        steps.append((len(batch), sum(n for _, n in batch), seconds))
+        engine_time[FORWARD] += seconds
         return result
 
     ModelRunner.execute = execute_and_log
+    engine_parts()
 
 
 def step_kind(batch_size: int, tokens: int) -> str:
@@ -113,6 +142,7 @@ def main() -> int:
         with engine_in_process(loaded, dtype, tmp) as run:
             run([(requests[0][0][::-1], 2)])  # warm up, with a prompt the workload does not use
             time_in.clear()
+            engine_time.clear()
             steps.clear()
             wall = run(requests)["seconds"]
 
@@ -131,6 +161,13 @@ def main() -> int:
     print("\n| inside the forward passes | seconds | share of wall |")
     print("| --- | --- | --- |")
     for label, seconds in time_in.most_common():
+        print(f"| {label} | {seconds:.2f} | {100 * seconds / wall:.0f} % |")
+    in_steps = engine_time.pop("engine steps, all of them")
+    engine_time["the rest of the engine steps"] = in_steps - sum(engine_time.values())
+    engine_time["engine thread outside its steps (idle, GIL waits)"] = wall - in_steps
+    print("\n| the engine thread | seconds | share of wall |")
+    print("| --- | --- | --- |")
+    for label, seconds in engine_time.most_common():
         print(f"| {label} | {seconds:.2f} | {100 * seconds / wall:.0f} % |")
     return 0
 

@@ -64,7 +64,7 @@ def test_products_are_close_and_a_tokens_bits_do_not_depend_on_its_batch(level, 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_a_prefill_sized_batch_crosses_token_blocks_alike(level):
-    """Past 128 tokens (BF16_TOKEN_BLOCK) rows go a block at a time: the same bits."""
+    """Past 128 tokens (panel_driver.h's PANEL_TOKEN_BLOCK) rows go a block at a time: the same bits."""
     torch.manual_seed(1)
     weight = torch.randn(48, 64).to(torch.bfloat16)
     panels = bf16_matmul.pack_panels(weight)

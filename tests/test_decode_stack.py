@@ -18,7 +18,7 @@ from kernel_levels import force, level_params
 from paged_runner import PagedRunner
 
 from model_service.attention.metadata import AttentionMetadata
-from model_service.cpu_kernels import bf16_matmul, load, quant_matmul
+from model_service.cpu_kernels import bf16_matmul, f32_matmul, load, quant_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.loader import load_model
 from model_service.models.cpu_decode_stack import DecodeStack
@@ -105,6 +105,22 @@ def test_a_bfloat16_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monke
     assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
 
 
+@pytest.mark.skipif(load() is None, reason="the CPU kernel library did not build")
+@pytest.mark.parametrize("level", level_params(f32_matmul.FAMILY))
+def test_a_float32_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monkeypatch, level):
+    """A float32 checkpoint's layer linears in f32_matmul's panels (its lm_head torch's):
+    17 sequences decoding take the stack, and give the per-layer path's bits."""
+    force(monkeypatch, f32_matmul.FAMILY, level)
+    loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.float32, "cpu")
+    layer = loaded.model.layers[0]
+    assert all(isinstance(module, PanelLinear) and module.panels.dtype == torch.float32
+               and f32_matmul.LEVELS[module.level] == level
+               for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj))
+    assert not isinstance(loaded.model.lm_head, PanelLinear)
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 2)] for i in range(17)]
+    assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
+
+
 def test_smollm2_in_bfloat16_stack_matches_the_layer_path(monkeypatch):
     """At the CPU's best level, what auto serves."""
     monkeypatch.delenv(bf16_matmul.ENV, raising=False)
@@ -119,9 +135,10 @@ def test_smollm2_stack_matches_the_layer_path(monkeypatch):
 
 def test_models_it_does_not_take_run_the_layer_path(tmp_path, monkeypatch):
     path, _ = write_gguf(tmp_path / "tiny-Q8_0.gguf", "Q8_0")
+    monkeypatch.setenv(f32_matmul.ENV, "torch")
     dequantized = load_model(str(path), torch.float32, "cpu", weights="dequantize")
     run(dequantized.model, dequantized.config, stack=True)
-    assert dequantized.model._decode_stack is False  # float32 linears: asked once, then left alone
+    assert dequantized.model._decode_stack is False  # torch's float32 linears: asked once, then left alone
     monkeypatch.setenv(bf16_matmul.ENV, "onednn")
     onednn = load_model(str(path), torch.bfloat16, "cpu", weights="dequantize")
     run(onednn.model, onednn.config, stack=True)

@@ -48,17 +48,23 @@ def test_sharded_checkpoint_loads_same_weights_as_single_file(checkpoints):
         assert torch.equal(single[name], sharded[name]), name
 
 
+def dense(linear) -> torch.Tensor:
+    """A linear's plain weight: a CPU float32 model's layer linears may hold panels
+    (models/panel_linear.py), which give it back by dense_weight()."""
+    return linear.dense_weight() if hasattr(linear, "dense_weight") else linear.weight
+
+
 def test_fused_layout_holds_hf_tensors_in_order(checkpoints):
     tensors = load_file(checkpoints["qwen2"] / "model.safetensors")
     model = load_model(str(checkpoints["qwen2"])).model
     attn = "model.layers.1.self_attn"
     expected_qkv = torch.cat([tensors[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(model.layers[1].self_attn.qkv_proj.weight, expected_qkv)
+    assert torch.equal(dense(model.layers[1].self_attn.qkv_proj), expected_qkv)
     expected_bias = torch.cat([tensors[f"{attn}.{p}_proj.bias"] for p in "qkv"])
     assert torch.equal(model.layers[1].self_attn.qkv_proj.bias, expected_bias)
     mlp = "model.layers.1.mlp"
     expected_gate_up = torch.cat([tensors[f"{mlp}.gate_proj.weight"], tensors[f"{mlp}.up_proj.weight"]])
-    assert torch.equal(model.layers[1].mlp.gate_up_proj.weight, expected_gate_up)
+    assert torch.equal(dense(model.layers[1].mlp.gate_up_proj), expected_gate_up)
     assert model.layers[1].self_attn.o_proj.bias is None
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from model_service.loading.loader import load_model
-from model_service.cpu_kernels import bf16_matmul
+from model_service.cpu_kernels import bf16_matmul, f32_matmul
 from model_service.models.packed_linear import PackedLinear, pack_linears, packed_nbytes, packing_supported
 from model_service.models.panel_linear import PanelLinear
 from model_service.models.weights_held import weights_bytes
@@ -70,6 +70,7 @@ def test_load_model_packs_bfloat16_cpu_models_only(checkpoints, monkeypatch, pac
     # The embedding looks rows up in the tied lm_head's weight: it stays; no other does.
     assert packed.lm_head.weight is packed.embed_tokens.weight
     assert all(m.weight is None for m in linears if m is not packed.lm_head)
+    monkeypatch.setenv(f32_matmul.ENV, "torch")  # float32's own panels: tests/test_f32_matmul.py
     plain = load_model(str(checkpoints["qwen2"]), torch.float32, "cpu").model
     assert not any(isinstance(m, (PackedLinear, PanelLinear)) for m in plain.modules())
     assert pack_linears(plain) == 0
@@ -105,6 +106,7 @@ def held_tensor_bytes(model: nn.Module) -> int:
 def test_weights_bytes_count_the_tensors_held_and_bfloat16_halves_them(checkpoints, monkeypatch, kind, packing):
     """Runs where oneDNN's packing does not happen too: then the plain bfloat16 weights are held."""
     monkeypatch.setenv(bf16_matmul.ENV, packing)
+    monkeypatch.setenv(f32_matmul.ENV, "torch")  # float32 held plain, the size halved against
     path = str(checkpoints[kind])
     float32, bfloat16 = (load_model(path, dtype, "cpu") for dtype in (torch.float32, torch.bfloat16))
     for loaded in (float32, bfloat16):

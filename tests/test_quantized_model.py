@@ -24,6 +24,7 @@ from gguf_checkpoints import write_gguf
 from paged_runner import PagedRunner
 from quantized_compare import assert_equal_up_to_a_near_tie, greedy
 
+from model_service.cpu_kernels import f32_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.embedded import embedded_model_path
 from model_service.loading.loader import load_model
@@ -100,7 +101,7 @@ def test_make_runs_answer_up_to_its_near_tie(smollm2):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied"])
-def test_weights_bytes_as_held_in_both_modes(tmp_path, tied):
+def test_weights_bytes_as_held_in_both_modes(tmp_path, monkeypatch, tied):
     """What GetModelInfo and the sizing report (LoadedModel.weights_bytes_by_type) against
     the file itself: native holds each Q4_0 tensor's bytes as written (a tied lm_head adds
     none) and the F32 norms as float32; dequantize holds every tensor as float32."""
@@ -111,6 +112,7 @@ def test_weights_bytes_as_held_in_both_modes(tmp_path, tied):
     q4_0 = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "Q4_0")
     f32 = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "F32")
     elements = sum(int(t.n_elements) for t in tensors)
+    monkeypatch.setenv(f32_matmul.ENV, "torch")  # float32 linears plain parameters, as counted below
     native = load_model(str(path), torch.float32, "cpu", weights="native")
     dequantized = load_model(str(path), torch.float32, "cpu", weights="dequantize")
     assert native.weights_bytes_by_type == {"Q4_0": q4_0, "float32": f32}

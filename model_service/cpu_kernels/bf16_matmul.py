@@ -41,12 +41,7 @@ def cpu_level() -> int:
 def chosen_level() -> int | None:
     """The C kernel's level for a bfloat16 model's linears, or None where oneDNN's packed
     product serves them (PAGEDKV_BF16_KERNELS, the CPU, a library that did not build)."""
-    if load() is None:
-        if levels.requested(FAMILY.name) not in CHOICES:  # a bad switch is still refused
-            raise ValueError(f"{ENV}={levels.requested(FAMILY.name)!r}: expected one of {', '.join(CHOICES)}")
-        return None
-    choice = levels.choose(FAMILY.name)
-    return None if choice == "onednn" else LEVELS.index(choice)
+    return levels.chosen_index(FAMILY.name)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

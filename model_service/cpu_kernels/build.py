@@ -36,7 +36,7 @@ log = structlog.get_logger()
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c", "quant_matmul.c", "decode_stack.c", "kv_write.c",
-           "bf16_matmul.c", "prefill_attention.c")
+           "bf16_matmul.c", "f32_matmul.c", "prefill_attention.c")
 # Never -ffast-math: see csrc/cpu_math.h.
 BUILD_TIMEOUT_S = 300
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -69,6 +69,9 @@ SIGNATURES = {
     "bf16_cpu_level": [],
     "bf16_pack_panels": [_ptr, _i64, _i32, _i32, _ptr],
     "bf16_linear": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32],
+    "f32_cpu_level": [],
+    "f32_pack_panels": [_ptr, _i64, _i32, _i32, _ptr],
+    "f32_linear": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32],
     "prefill_best_level": [],
     "prefill_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32,
                           _i32, _ptr, _i64, _i32, _i32, _i32],
@@ -84,6 +87,7 @@ RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes
            "quant_quantize_activations": ctypes.c_int, "decode_stack": ctypes.c_int, "write_kv": ctypes.c_int,
            "bf16_cpu_level": ctypes.c_int,
            "bf16_pack_panels": ctypes.c_int, "bf16_linear": ctypes.c_int,
+           "f32_cpu_level": ctypes.c_int, "f32_pack_panels": ctypes.c_int, "f32_linear": ctypes.c_int,
            "prefill_best_level": ctypes.c_int, "prefill_attention": ctypes.c_int, "kv_write_best_level": ctypes.c_int}
 
 _lock = threading.Lock()

@@ -43,7 +43,8 @@ from model_service.cpu_kernels.build import load
 log = structlog.get_logger()
 
 # The modules that register a family (imported by families()).
-FAMILY_MODULES = ("model_service.cpu_kernels.bf16_matmul", "model_service.cpu_kernels.quant_matmul",
+FAMILY_MODULES = ("model_service.cpu_kernels.bf16_matmul", "model_service.cpu_kernels.f32_matmul",
+                  "model_service.cpu_kernels.quant_matmul",
                   "model_service.cpu_kernels.paged_decode", "model_service.cpu_kernels.prefill_attention",
                   "model_service.cpu_kernels.kv_write")
 
@@ -99,6 +100,19 @@ def choose(name: str) -> str:
     return _choose(name, requested(name))
 
 
+def chosen_index(name: str) -> int | None:
+    """The index of the level family `name` runs, or None where one of its other choices
+    (torch's or oneDNN's product) serves, or where the library did not build (a bad switch
+    is refused even then)."""
+    family = _families[name]
+    if load() is None:
+        if requested(name) not in family.choices:
+            raise ValueError(f"{family.env}={requested(name)!r}: expected one of {', '.join(family.choices)}")
+        return None
+    choice = choose(name)
+    return family.levels.index(choice) if choice in family.levels else None
+
+
 def forced() -> dict[str, set[str]]:
     """Per family, the levels its switch forced in this process."""
     return {name: set(levels) for name, levels in _forced.items()}
@@ -133,4 +147,4 @@ def _choose(name: str, asked: str) -> str:
     return choice
 
 
-__all__ = ["FAMILY_MODULES", "Family", "best", "choose", "families", "forced", "missing", "register", "requested"]
+__all__ = ["FAMILY_MODULES", "Family", "best", "choose", "chosen_index", "families", "forced", "missing", "register", "requested"]

@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one C call (cpu_kernels/csrc/decode_stack.c), for a
-model whose layer linears are all held in quantized blocks on CPU, or all in bfloat16
-panels (panel_linear.py).
+model whose layer linears are all held on CPU in quantized blocks or in panels of the
+activations' dtype (panel_linear.py: bfloat16 or float32).
 
 At one stream, a decode step through models/llama.py's modules is ~300 small operations,
 each a dispatch (and a ctypes call for the C kernels): on SmolLM2's Q4_1 file those were a
@@ -9,7 +9,7 @@ same order over the same buffers, so the step's results are the same bits; only 
 between them goes.
 
 `DecodeStack.of(model)` says whether the model qualifies (every layer linear quantized or
-in bfloat16 panels under bfloat16 activations, none with a bias; rotary tables in the
+in panels of the activations' dtype, none with a bias; rotary tables in the
 model's dtype; the default paged attention on CPU) and describes it to the C side once;
 `run` then takes a decode-only step on a pool of the model's own dtype (or an 8-bit pool
 under float32 activations), and answers None for anything else (a prefill, bfloat16
@@ -34,7 +34,8 @@ from model_service.models.quantized_linear import QuantizedLinear
 from pagedkv.kv_geometry import is_fp8
 
 MAX_SEGMENTS = 4  # decode_stack.c's STACK_MAX_SEGMENTS
-BF16_PANELS = 0x1000  # decode_stack.c's STACK_BF16_PANELS
+# decode_stack.c's STACK_BF16_PANELS and STACK_F32_PANELS, by the panels' dtype
+PANELS = {torch.bfloat16: 0x1000, torch.float32: 0x1001}
 
 
 class _Linear(ctypes.Structure):
@@ -54,13 +55,13 @@ class _Model(ctypes.Structure):
                 ("dtype", ctypes.c_int32), ("block_size", ctypes.c_int32), ("level", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("final_norm", ctypes.c_int64), ("cos_table", ctypes.c_int64), ("sin_table", ctypes.c_int64),
-                ("layers", ctypes.POINTER(_Layer)), ("bf16_level", ctypes.c_int32)]
+                ("layers", ctypes.POINTER(_Layer)), ("bf16_level", ctypes.c_int32), ("f32_level", ctypes.c_int32)]
 
 
 def _linear(module) -> _Linear | None:
     if isinstance(module, PanelLinear) and module.bias is None:
         described = _Linear(segments=1)
-        described.types[0], described.rows[0] = BF16_PANELS, module.out_features
+        described.types[0], described.rows[0] = PANELS[module.panels.dtype], module.out_features
         described.weights[0] = module.panels.data_ptr()
         return described
     if not isinstance(module, QuantizedLinear) or module.bias is not None \
@@ -80,12 +81,12 @@ class DecodeStack:
     """The model described to decode_stack.c (weights by pointer: the model must outlive it)."""
 
     def __init__(self, model, library: ctypes.CDLL, layers: ctypes.Array, scaled: bool, any_batch: bool,
-                 quant_level: int, bf16_level: int) -> None:
+                 quant_level: int, panel_level: int) -> None:
         config = model.config
         self.model, self.library, self._layers = model, library, layers  # _layers: kept alive for the C side
         self.scaled = scaled  # the layers' 8-bit pool scales were set (an 8-bit pool is what it takes then)
         # every linear's product the same kernel at any batch, as the per-layer path has it:
-        # bfloat16 panels, or quantized rows all interleaved (integer products)
+        # panels, or quantized rows all interleaved (integer products)
         self.any_batch = any_batch
         self.dtype = model.norm.weight.dtype
         self._described = _Model(
@@ -94,7 +95,9 @@ class DecodeStack:
             dtype=DTYPE_CODES[self.dtype], block_size=0, level=quant_level,
             eps=config.rms_norm_eps, scale=config.head_dim ** -0.5,
             final_norm=model.norm.weight.data_ptr(), cos_table=model.rotary.cos_cache.data_ptr(),
-            sin_table=model.rotary.sin_cache.data_ptr(), layers=layers, bf16_level=bf16_level)
+            sin_table=model.rotary.sin_cache.data_ptr(), layers=layers,
+            bf16_level=panel_level if self.dtype == torch.bfloat16 else 0,
+            f32_level=panel_level if self.dtype == torch.float32 else 0)
 
     @classmethod
     def of(cls, model) -> DecodeStack | None:
@@ -111,7 +114,7 @@ class DecodeStack:
         if rotary.cos_cache.dtype != norm_dtype or not rotary.cos_cache.is_contiguous() \
                 or not rotary.sin_cache.is_contiguous():
             return None
-        described, any_batch, quantized, bf16_levels = [], True, False, set()
+        described, any_batch, quantized, panel_levels = [], True, False, set()
         for layer in model.layers:
             attention = layer.self_attn
             if not isinstance(attention.attention, PagedAttention) or attention.attention.backend not in ("auto", "cpu"):
@@ -124,21 +127,23 @@ class DecodeStack:
                 return None
             for module in modules:
                 if isinstance(module, PanelLinear):
-                    bf16_levels.add(module.level)
+                    if module.panels.dtype != norm_dtype:  # panels take activations of their dtype
+                        return None
+                    panel_levels.add(module.level)
                 else:
                     quantized = True
                     any_batch = any_batch and module.segments.interleaved
             k_scale, v_scale = attention.kv_scales or (1.0, 1.0)
             described.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *linears,
                                     attention.sliding_window or 0, k_scale, v_scale))
-        # Panels take bfloat16 activations, and one level serves the whole call.
-        if bf16_levels and (norm_dtype != torch.bfloat16 or len(bf16_levels) > 1):
+        # One level serves the whole call.
+        if len(panel_levels) > 1:
             return None
         # An 8-bit pool's scales are described too: set_kv_scales drops the stack, so a new
         # set is described again at the next step.
         scaled = model.layers[0].self_attn.kv_scales is not None
         return cls(model, library, (_Layer * len(described))(*described), scaled, any_batch,
-                   quant_matmul.chosen_level(library) if quantized else 0, bf16_levels.pop() if bf16_levels else 0)
+                   quant_matmul.chosen_level(library) if quantized else 0, panel_levels.pop() if panel_levels else 0)
 
     def points_at(self, model) -> bool:
         """Whether the weights described are still where `model` holds them (a `.to()` moves

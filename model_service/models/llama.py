@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Decode-only steps of a model with quantized linears on CPU run their layers in one
+        # Decode-only steps of a model with quantized or panel linears on CPU run their layers in one
         # C call (cpu_decode_stack.py) when this is True; built at the first such step.
         self.decode_stack_enabled = True
         self._decode_stack = None

@@ -1,5 +1,6 @@
 """bfloat16 linears on CPU with their weights pre-packed for oneDNN (AMX / AVX512-BF16),
-where the C kernel of panel_linear.py does not serve them (pack_linears chooses).
+where the C kernel of panel_linear.py does not serve them, and float32 ones in that
+kernel's panels (pack_linears chooses).
 
 An eager `F.linear` in bfloat16 on CPU hands oneDNN a plain row-major weight, which it
 reorders into its blocked layout on every call: measured on the 2-core dev machine over
@@ -16,8 +17,10 @@ it, so it stays at no cost, and the lm_head's packed copy is the one weight held
 (SmolLM2: 57 MB). Unpacked, that lm_head would save it but reorder its 28 M weights every
 step: measured 12 ms a call against 8 ms packed at batch 1, 23 against 17 ms at batch 48.
 
-float32 stays on the plain path: packing measured no steady gain there, and greedy
-float32 outputs are checked token for token against transformers.
+float32 linears are not packed for oneDNN (packing measured no steady gain there): they
+go to the float32 panel kernel (panel_linear.py) where f32_matmul.chosen_level says so,
+which lets a decode step's layers run in one C call (cpu_decode_stack.py), and stay plain
+torch linears otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from model_service.cpu_kernels import bf16_matmul
+from model_service.cpu_kernels import bf16_matmul, f32_matmul
 from model_service.models.panel_linear import PanelLinear
 
 # oneDNN picks a blocked layout for a typical batch; any batch size runs on it.
@@ -79,19 +82,25 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swaps every nn.Linear of a CPU bfloat16 model for one that multiplies by a packed copy
-    of its weight; returns how many. The C kernel's panels (panel_linear.py) where
-    bf16_matmul.chosen_level says so, oneDNN's PackedLinear otherwise. A no-op (0) on other
-    devices and dtypes. Each plain weight is freed as its linear is swapped (unless shared):
-    packing needs one linear's copy more than the model, not two models' worth."""
+    """Swaps every nn.Linear of a CPU bfloat16 or float32 model for one that multiplies by a
+    packed copy of its weight; returns how many. bfloat16: the C kernel's panels
+    (panel_linear.py) where bf16_matmul.chosen_level says so, oneDNN's PackedLinear
+    otherwise; float32: the decoder layers' linears in the C kernel's panels where
+    f32_matmul.chosen_level says so, else none. A no-op (0) on other devices and dtypes. Each plain weight is freed as its
+    linear is swapped (unless shared): packing needs one linear's copy more than the model,
+    not two models' worth."""
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     if not names:
         return 0
     weight = model.get_submodule(names[0]).weight
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    dtype = weight.dtype
+    if weight.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return 0
     del weight
-    level, onednn = bf16_matmul.chosen_level(), packing_supported("cpu", torch.bfloat16)
+    if dtype == torch.float32:
+        level, onednn = f32_matmul.chosen_level(), False
+    else:
+        level, onednn = bf16_matmul.chosen_level(), packing_supported("cpu", torch.bfloat16)
     holders = Counter(parameter.data_ptr() for module in model.modules()
                       for parameter in module._parameters.values() if parameter is not None)
     swapped = 0
@@ -99,8 +108,13 @@ def pack_linears(model: nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
+        # float32: the decoder layers' linears, what the decode stack runs; the lm_head stays
+        # torch's, which multiplies a step's rows as fast and keeps its plain weight
+        if linear.weight.dtype != dtype or (dtype == torch.float32 and not name.startswith("layers.")):
+            continue
         shared = holders[linear.weight.data_ptr()] > 1
-        if level is not None and linear.in_features % 2 == 0:  # panels hold pairs of columns
+        # bfloat16 panels hold pairs of columns
+        if level is not None and (dtype == torch.float32 or linear.in_features % 2 == 0):
             setattr(parent, child, PanelLinear.from_linear(linear, level, keep_weight=shared))
         elif onednn:
             setattr(parent, child, PackedLinear.from_linear(linear, keep_weight=shared))

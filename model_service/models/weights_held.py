@@ -5,7 +5,7 @@ What GetModelInfo and the Attach's sizing report (weights_bytes, weights_bytes_b
 - quantized blocks (QuantizedLinear, QuantizedEmbedding: --weights native, --quantization
   int8) at their size, under their GGUF type ("Q4_1", "Q8_0", ...): they are plain
   attributes, not parameters, so model.parameters() alone would miss them;
-- a PanelLinear's panels (bf16_matmul.c's layout, the last panel's rows padded to 16) at
+- a PanelLinear's panels (bf16_matmul.c's or f32_matmul.c's layout, the last panel's rows padded to 16) at
   their size;
 - a PackedLinear's oneDNN copy of its weight at the bytes oneDNN allocated for it (its
   blocked layout may pad); its plain weight is gone, except a tied lm_head's, which is

@@ -31,16 +31,16 @@
  * The levels' results differ in the last bits (dpbf16ps rounds its own way; the others add
  * a pair's two products one FMA at a time).
  */
-#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#include "panel_driver.h"
 #if defined(__x86_64__)
 /* Outside the levels' target pragmas: each intrinsic keeps its own instruction set. */
 #include <immintrin.h>
 #endif
 
-#define BF16_PANEL_ROWS 16
+#define BF16_PANEL_ROWS PANEL_ROWS
 #define BF16_TOKEN_TILE 8
 /* The AVX2 level's tiles: sixteen 256-bit registers hold 2 x 2 x 3 sums, the widened
  * half-line and a token's two columns broadcast (four panels for one token: 8 sums). */
@@ -49,9 +49,6 @@
  * hardware's prefetch alone, a step's 120 SmolLM2 linears at 8 tokens took 1.3x as long
  * (9.1 against 6.8 ms; 16 pairs ahead 7.3, 64 7.0). */
 #define BF16_PREFETCH 32
-/* Tokens whose x rows a thread keeps near while it walks its panels: the x block (128
- * rows of up to a few thousand columns) stays in L2, the panels stream through once a block. */
-#define BF16_TOKEN_BLOCK 128
 
 enum { BLEVEL_PORTABLE = 0, BLEVEL_AVX2 = 1, BLEVEL_AVX512_BF16 = 2 };
 
@@ -96,9 +93,10 @@ static inline float word_high(uint32_t word) { /* the odd column's: the top half
     return f;
 }
 
-static void tile_portable(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
-                          int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
-    const uint16_t *x = xv;
+static void tile_portable(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
+                          int nt, int pairs, void *y_v, int64_t y_stride, int row0, int rows) {
+    const uint16_t *x = xv, *panel = panel_v;
+    uint16_t *y = y_v;
     for (int p = 0; p < np; p++) {
         const uint16_t *w = panel + p * panel_elems;
         for (int t = 0; t < nt; t++) {
@@ -191,9 +189,11 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *pa
         tile_avx2_n(panel, panel_elems, NP, x, x_stride, NT, pairs, y, y_stride, row0, rows);            \
         break;
 
-static void tile_avx2(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
-                      int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
+static void tile_avx2(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
+                      int nt, int pairs, void *y_v, int64_t y_stride, int row0, int rows) {
     const float *x = xv;
+    const uint16_t *panel = panel_v;
+    uint16_t *y = y_v;
     if (np == 4) {
         switch (nt) { BF16_AVX2_CASE(4, 1) }
     } else if (np == 2) {
@@ -253,9 +253,10 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *pa
         BF16_TILE_CASE(NP, 5) BF16_TILE_CASE(NP, 6) BF16_TILE_CASE(NP, 7) BF16_TILE_CASE(NP, 8)          \
     }
 
-static void tile_bf16(const uint16_t *panel, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
-                      int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows) {
-    const uint16_t *x = xv;
+static void tile_bf16(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
+                      int nt, int pairs, void *y_v, int64_t y_stride, int row0, int rows) {
+    const uint16_t *x = xv, *panel = panel_v;
+    uint16_t *y = y_v;
     if (np == 4) {
         BF16_TILE_SWITCH(4)
     } else if (np == 2) {
@@ -281,38 +282,27 @@ int bf16_cpu_level(void) {
     return BLEVEL_PORTABLE;
 }
 
-/* x: the level's activations, bfloat16 (portable, AVX-512 BF16) or float32 (AVX2). */
-typedef void (*tile_fn)(const uint16_t *panel, int64_t panel_elems, int np, const void *x, int64_t x_stride,
-                        int nt, int pairs, uint16_t *y, int64_t y_stride, int row0, int rows);
-
 /* x: [tokens, cols] bfloat16, rows x_stride apart; panels: bf16_pack_panels' of a
- * [rows, cols] weight; y: [tokens, rows] bfloat16, y_stride apart. Threads split the
- * panels; each takes its panels four at a time for the fewest tokens (four independent
- * sums keep a load of lines in flight), two at a time otherwise, for a tile of tokens as
- * many as the level's registers hold sums for. Returns 0, -1 for a shape it does not
- * take (odd cols, a level this CPU lacks), -2 without memory for the AVX2 level's float32
- * copy of x. */
+ * [rows, cols] weight; y: [tokens, rows] bfloat16, y_stride apart. panel_driver.h splits
+ * the work; the AVX2 level takes float32 x (widened here once) and tiles of fewer tokens.
+ * Returns 0, -1 for a shape it does not take (odd cols, a level this CPU lacks), -2
+ * without memory for the AVX2 level's float32 copy of x. */
 int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
                 int64_t y_stride, int level, int num_threads) {
     if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
     if (tokens == 0) return 0;
-    tile_fn tile = tile_portable;
-    int group = tokens <= 2 ? 4 : 2, token_tile = BF16_TOKEN_TILE;
+    panel_plan plan = {tile_portable, tokens <= 2 ? 4 : 2, BF16_TOKEN_TILE, sizeof(uint16_t), sizeof(uint16_t),
+                       sizeof(uint16_t), 0};
 #if defined(__x86_64__)
-    if (level == BLEVEL_AVX512_BF16) tile = tile_bf16;
+    if (level == BLEVEL_AVX512_BF16) plan.tile = tile_bf16;
     if (level == BLEVEL_AVX2) {
-        tile = tile_avx2;
-        group = tokens == 1 ? 4 : 2;
-        token_tile = BF16_AVX2_TOKEN_TILE;
+        plan.tile = tile_avx2;
+        plan.group = tokens == 1 ? 4 : 2;
+        plan.token_tile = BF16_AVX2_TOKEN_TILE;
+        plan.x_bytes = sizeof(float);
     }
 #endif
-    const int pairs = cols / 2, num_panels = (rows + BF16_PANEL_ROWS - 1) / BF16_PANEL_ROWS;
-    const int64_t panel_elems = (int64_t)pairs * 2 * BF16_PANEL_ROWS;
-    const int groups = (num_panels + group - 1) / group;
-    const uint16_t *ws = panels;
-    uint16_t *ys = y;
-    const char *xs = x;
-    size_t x_bytes = sizeof(uint16_t);
+    const int pairs = cols / 2;
     float *widened = NULL;
     if (level == BLEVEL_AVX2) { /* x widened once, exactly: the sums see the same values */
         widened = malloc((size_t)tokens * cols * sizeof(float));
@@ -321,32 +311,11 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
             const uint16_t *row = (const uint16_t *)x + t * x_stride;
             for (int c = 0; c < cols; c++) widened[(int64_t)t * cols + c] = bf16_to_f32(row[c]);
         }
-        xs = (const char *)widened;
+        x = widened;
         x_stride = cols;
-        x_bytes = sizeof(float);
     }
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && groups > 1)
-    {
-        /* each thread a contiguous run of groups, so its panels stream in order */
-        const int workers = omp_get_num_threads(), me = omp_get_thread_num();
-        const int g0 = (int)((int64_t)groups * me / workers), g1 = (int)((int64_t)groups * (me + 1) / workers);
-        for (int t0 = 0; t0 < tokens; t0 += BF16_TOKEN_BLOCK) {
-            const int t_end = t0 + BF16_TOKEN_BLOCK < tokens ? t0 + BF16_TOKEN_BLOCK : tokens;
-            for (int g = g0; g < g1; g++) {
-                const int p0 = g * group, np = p0 + group <= num_panels ? group : num_panels - p0;
-                for (int t = t0; t < t_end; t += token_tile) {
-                    const int nt = t + token_tile <= t_end ? token_tile : t_end - t;
-                    /* a tail of panels goes one at a time: the SIMD tiles have cases for 4, 2 and 1 */
-                    for (int p = p0; p < p0 + np;) {
-                        const int here = np - (p - p0) >= group ? group : 1;
-                        tile(ws + p * panel_elems, panel_elems, here, xs + (size_t)t * x_stride * x_bytes, x_stride,
-                             nt, pairs, ys + t * y_stride, y_stride, p * BF16_PANEL_ROWS, rows);
-                        p += here;
-                    }
-                }
-            }
-        }
-    }
+    panel_drive(&plan, panels, (int64_t)pairs * 2 * BF16_PANEL_ROWS, pairs, rows, x, x_stride, tokens, y, y_stride,
+                num_threads);
     free(widened);
     return 0;
 }

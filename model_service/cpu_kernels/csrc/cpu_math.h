@@ -13,6 +13,12 @@
 #include <immintrin.h>
 #endif
 
+/* Below this many elements an elementwise op (a norm, SiLU, rotary, a K/V write) runs on
+ * the calling thread: waking the other threads and waiting for the slowest costs more than
+ * the work, and on a machine whose cores are all busy a parallel region waits for a
+ * descheduled thread. A row's result does not depend on which thread computes it. */
+#define PARALLEL_MIN_ELEMENTS 32768
+
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E4M3 = 3, DTYPE_FP8_E5M2 = 4 };
 
 static inline float bf16_to_f32(uint16_t h) {

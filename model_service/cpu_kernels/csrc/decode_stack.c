@@ -1,5 +1,6 @@
 /* A whole decode step's decoder layers in one call, for models whose linears are held in
- * quantized blocks (quant_matmul.c) or, for bfloat16 models, in bf16_matmul.c's panels.
+ * quantized blocks (quant_matmul.c) or in panels of their own dtype (bf16_matmul.c's for a
+ * bfloat16 model, f32_matmul.c's for a float32 one).
  *
  * A decode step of one stream on a 30-layer model is ~300 small operations; through
  * PyTorch each costs a dispatch, a tensor and, for the C kernels, a ctypes call, and at
@@ -29,8 +30,10 @@
 /* A linear's type when its one segment is bfloat16 panels (bf16_linear), not quantized
  * blocks: above every ggml type code and its interleaved variant (quant_matmul.py's X8). */
 #define STACK_BF16_PANELS 0x1000
+/* And when it is float32 panels (f32_linear). */
+#define STACK_F32_PANELS 0x1001
 
-/* One linear's rows as quant_linear takes them, or bfloat16 panels (STACK_BF16_PANELS). */
+/* One linear's rows as quant_linear takes them, or panels (STACK_BF16_PANELS, STACK_F32_PANELS). */
 typedef struct {
     int32_t segments;
     int32_t types[STACK_MAX_SEGMENTS];
@@ -51,7 +54,8 @@ typedef struct {
     float eps, scale;
     int64_t final_norm, cos_table, sin_table; /* [hidden]; rotary tables [positions, head_dim / 2] */
     const stack_layer *layers;
-    int32_t bf16_level; /* bf16_linear's, for panel linears */
+    int32_t bf16_level; /* bf16_linear's, for bfloat16 panel linears */
+    int32_t f32_level;  /* f32_linear's, for float32 panel linears */
 } stack_model;
 
 /* Declared by the other kernel sources of this library. */
@@ -60,6 +64,8 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
                  int level, int num_threads);
 int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
                 int64_t y_stride, int level, int num_threads);
+int f32_linear(const float *x, int64_t x_stride, int tokens, int cols, int rows, const float *panels, float *y,
+               int64_t y_stride, int level, int num_threads);
 void rms_norm(const void *x, int64_t x_row_stride, const void *weight, void *out, int rows, int cols, float eps,
               int dtype, int num_threads);
 void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, const void *weight, void *out,
@@ -85,6 +91,9 @@ static int linear(const stack_model *m, const stack_linear *w, const void *x, in
     if (w->types[0] == STACK_BF16_PANELS)
         return bf16_linear(x, cols, tokens, cols, w->rows[0], (const void *)(intptr_t)w->weights[0], y, y_stride,
                            m->bf16_level, num_threads);
+    if (w->types[0] == STACK_F32_PANELS)
+        return f32_linear(x, cols, tokens, cols, w->rows[0], (const float *)(intptr_t)w->weights[0], y, y_stride,
+                          m->f32_level, num_threads);
     const int dtype = m->dtype, level = m->level;
     return quant_linear(x, cols, tokens, cols, dtype, w->segments, w->weights, w->types, w->rows, y, y_stride,
                         level, num_threads);

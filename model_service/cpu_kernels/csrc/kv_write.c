@@ -118,7 +118,7 @@ int write_kv_at(const void *k, int64_t k_row_stride, const void *v, int64_t v_ro
                 float v_scale, int num_threads, int level) {
     if (kv_dtype != dtype && kv_dtype != DTYPE_FP8_E4M3 && kv_dtype != DTYPE_FP8_E5M2) return 1;
     if (level < KV_WRITE_PORTABLE || level > kv_write_best_level()) return 2;
-#pragma omp parallel for num_threads(num_threads) if (tokens > 8)
+#pragma omp parallel for num_threads(num_threads) if (tokens > 8 && 2 * (int64_t)tokens * kv_size >= PARALLEL_MIN_ELEMENTS)
     for (int t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
         write_row(k, (int64_t)t * k_row_stride, k_cache, slots[t], kv_size, dtype, kv_dtype, k_scale, level);

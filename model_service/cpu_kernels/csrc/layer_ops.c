@@ -50,8 +50,9 @@ static inline __attribute__((always_inline)) void norm_row(const void *x, int64_
 
 void rms_norm(const void *x, int64_t x_row_stride, const void *weight, void *out, int rows, int cols,
               float eps, int dtype, int num_threads) {
+    const int64_t elements = (int64_t)rows * cols;
 #define RMS_NORM(DT)                                                                             \
-    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1)")                           \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1 && elements >= PARALLEL_MIN_ELEMENTS)") \
     for (int r = 0; r < rows; r++) norm_row(x, (int64_t)r * x_row_stride, weight, out, (int64_t)r * cols, cols, eps, DT);
     FOR_DTYPE(dtype, RMS_NORM)
 #undef RMS_NORM
@@ -62,8 +63,9 @@ void rms_norm(const void *x, int64_t x_row_stride, const void *weight, void *out
  * are contiguous [rows, cols]; delta rows are delta_row_stride apart. */
 void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, const void *weight, void *out,
                   int rows, int cols, float eps, int dtype, int num_threads) {
+    const int64_t elements = (int64_t)rows * cols;
 #define ADD_RMS_NORM(DT)                                                                         \
-    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1)")                           \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1 && elements >= PARALLEL_MIN_ELEMENTS)") \
     for (int r = 0; r < rows; r++) {                                                             \
         const int64_t row = (int64_t)r * cols, delta_row = (int64_t)r * delta_row_stride;        \
         _Pragma("omp simd")                                                                      \
@@ -78,8 +80,9 @@ void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, con
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up is contiguous
  * [rows, 2 * inter] (the fused gate/up projection), out contiguous [rows, inter]. */
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads) {
+    const int64_t elements = (int64_t)rows * inter;
 #define SILU_MUL(DT)                                                                             \
-    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1)")                           \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1 && elements >= PARALLEL_MIN_ELEMENTS)") \
     for (int r = 0; r < rows; r++) {                                                             \
         const int64_t in_row = (int64_t)r * 2 * inter, out_row = (int64_t)r * inter;             \
         _Pragma("omp simd")                                                                      \
@@ -100,8 +103,9 @@ void silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, in
 void rotary_in_place(void *x, int64_t x_row_stride, int rows, int heads, int head_dim, const void *cos_table,
                      const void *sin_table, const int64_t *positions, int dtype, int num_threads) {
     const int half = head_dim / 2;
+    const int64_t elements = (int64_t)rows * heads * head_dim;
 #define ROTARY(DT)                                                                               \
-    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1)")                           \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows > 1 && elements >= PARALLEL_MIN_ELEMENTS)") \
     for (int r = 0; r < rows; r++) {                                                             \
         const int64_t table_row = positions[r] * half;                                           \
         for (int h = 0; h < heads; h++) {                                                        \
