@@ -211,6 +211,22 @@ def test_unknown_backend_and_bad_head_counts_are_errors():
 def test_auto_uses_the_c_kernel_for_a_cpu_pool():
     kv_layer = torch.zeros(2, 1, 8, 1, 4)
     attention = PagedAttention("auto")
-    assert not attention.uses_triton(kv_layer)
-    assert attention.cpu_kernel_library(torch.zeros(1, 1, 4), kv_layer) is not None
-    assert PagedAttention("torch").cpu_kernel_library(torch.zeros(1, 1, 4), kv_layer) is None
+    assert attention.select(torch.zeros(1, 1, 4), kv_layer).name == "cpu"
+    assert PagedAttention("torch").select(torch.zeros(1, 1, 4), kv_layer).name == "torch"
+
+
+@pytest.mark.parametrize("requested", ["auto", "torch"])
+def test_the_backend_is_chosen_once_for_a_pool_not_at_every_layer(monkeypatch, requested):
+    """Every layer of every step over one pool reuses the first call's choice; a pool of
+    another dtype is chosen for again, and the outputs do not depend on the memo."""
+    attention = PagedAttention(requested)
+    choices = []
+    choose = attention._choose
+    monkeypatch.setattr(attention, "_choose", lambda q, kv_layer: choices.append(kv_layer.dtype) or choose(q, kv_layer))
+    steps = [build_step([(9, 1), (20, 6)], 1, group=2, block_size=8, dtype=dtype, seed=seed)
+             for dtype in (torch.float32, torch.bfloat16) for seed in (0, 1)]
+    outputs = [attention(q, k, v, kv_layer, meta, 0.25) for q, k, v, kv_layer, meta, _, _ in steps for _layer in range(3)]
+    assert choices == [torch.float32, torch.bfloat16]
+    for index, (q, k, v, kv_layer, meta, _, _) in enumerate(steps):
+        fresh = PagedAttention(requested)(q, k, v, kv_layer.clone(), meta, 0.25)
+        torch.testing.assert_close(outputs[index * 3 + 2], fresh, atol=0, rtol=0)

@@ -94,7 +94,7 @@ def test_shapes_past_the_kernel_limits_take_the_torch_path():
     q = torch.zeros(1, 2, 512)
     kv_layer = torch.zeros(2, 1, 16, 1, 512)
     assert not paged_decode.supports(q, kv_layer)
-    assert PagedAttention("auto").cpu_kernel_library(q, kv_layer) is None
+    assert PagedAttention("auto").select(q, kv_layer).name == "torch"
     assert not paged_decode.supports(q, kv_layer.transpose(1, 2))  # not the pool's contiguous layout
 
 
@@ -163,7 +163,7 @@ def test_without_the_kernel_auto_serves_on_torch_and_cpu_refuses(tmp_path, env):
         from model_service.attention.backend import PagedAttention
         assert cpu_kernels.load() is None
         print("reason:", cpu_kernels.load_error())
-        assert PagedAttention("auto").cpu_kernel_library(torch.zeros(1, 1, 4), torch.zeros(2, 1, 8, 1, 4)) is None
+        assert PagedAttention("auto").select(torch.zeros(1, 1, 4), torch.zeros(2, 1, 8, 1, 4)).name == "torch"
         from model_service.models import fused_ops  # the layer ops fall back to their torch code
         gate_up = torch.randn(3, 8)
         assert torch.equal(fused_ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :4]) * gate_up[:, 4:])

@@ -1,14 +1,13 @@
-"""PagedAttention: write this step's K/V into the pool, then attend (decode, then prefill).
+"""PagedAttention: write this step's K/V into the pool, then attend (decode, then prefill),
+through one backend chosen for the pool the first time it is seen, not at every layer:
 
-The write: Triton's kernel on CUDA, the C kernel on CPU (cpu_kernels/kv_write.py: one call
-a layer, an 8-bit pool's quantization included), torch's index_copy_ elsewhere.
+- "triton" (triton_backend.py): CUDA; the tests run it interpreted on CPU;
+- "cpu" (cpu_backend.py): the C kernels of model_service/cpu_kernels, reading blocks in place;
+- "torch" (torch_backend.py): index_copy_, gather + SDPA; any device.
 
-Decode attention by backend: "triton" (CUDA; the tests run it interpreted on CPU), "cpu"
-(the C kernel of model_service/cpu_kernels, reading blocks in place), "torch" (gather + SDPA, any
-device). "auto" takes Triton on CUDA and the C kernel on CPU, each where it loads, and
-the torch path otherwise. Prefill: SDPA a sequence at a time, but where the C kernels
-serve a pool of the model's own dtype: the prefill kernel (cpu_kernels/prefill_attention.py)
-for float32 and bfloat16 pools, else each prompt token as a decode query.
+"auto" takes Triton on CUDA and the C kernels on CPU, each where it loads and takes the
+pool's dtype and shapes, and torch otherwise; "cpu" and "triton" refuse to start where
+their kernels do not load.
 
 Triton is imported lazily, on the first call that needs it, for two reasons: a CPU-only
 server never pays triton's import (about a second), and triton decides between compiled and
@@ -20,19 +19,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import structlog
 import torch
 
 from model_service import cpu_kernels
-from model_service.cpu_kernels import kv_write, paged_decode, prefill_attention
+from model_service.attention.cpu_backend import CpuBackend
 from model_service.attention.metadata import AttentionMetadata
-from model_service.attention.torch_paged import (
-    DecodePlan,
-    decode_attention_torch,
-    decode_plan,
-    prefill_attention_torch,
-    write_kv_torch,
-)
-from pagedkv.kv_geometry import is_fp8
+from model_service.attention.torch_backend import TorchBackend
+from model_service.attention.triton_backend import TritonBackend
+from model_service.cpu_kernels import paged_decode
+
+log = structlog.get_logger()
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
@@ -64,18 +61,31 @@ class PagedAttention:
         if backend == "cpu" and cpu_kernels.load() is None:
             raise RuntimeError(f"attention backend 'cpu' requested but its C kernels did not build: "
                                f"{cpu_kernels.load_error()}")
-        self.backend = backend
+        self.backend = backend  # as requested; `select` says which one serves a pool
+        self._chosen: tuple[tuple, TorchBackend] | None = None
 
-    def uses_triton(self, kv_layer: torch.Tensor) -> bool:
-        if self.backend == "auto":
-            return kv_layer.is_cuda and load_triton_kernels() is not None
-        return self.backend == "triton"
+    def select(self, q: torch.Tensor, kv_layer: torch.Tensor) -> TorchBackend:
+        """The backend serving calls with q's and this pool's dtypes and shapes: chosen at
+        the first such call (every layer of a pool shares it), again only for another pool."""
+        key = (kv_layer.device, kv_layer.dtype, tuple(kv_layer.shape[2:]), kv_layer.is_contiguous(),
+               q.dtype, q.shape[1])
+        if self._chosen is None or self._chosen[0] != key:
+            chosen = self._choose(q, kv_layer)
+            self._chosen = (key, chosen)
+            log.info("attention backend", requested=self.backend, serving=chosen.name, device=str(kv_layer.device),
+                     kv_dtype=str(kv_layer.dtype), prefill=getattr(chosen, "prefill_path", chosen.name))
+        return self._chosen[1]
 
-    def cpu_kernel_library(self, q: torch.Tensor, kv_layer: torch.Tensor):
-        """The C kernel library where it serves this call, else None (torch path)."""
-        if self.backend not in ("auto", "cpu") or not paged_decode.supports(q, kv_layer):
-            return None
-        return cpu_kernels.load()
+    def _choose(self, q: torch.Tensor, kv_layer: torch.Tensor) -> TorchBackend:
+        if self.backend == "triton" or (self.backend == "auto" and kv_layer.is_cuda):
+            kernels = load_triton_kernels()
+            if kernels is not None:
+                return TritonBackend(kernels)
+        if self.backend in ("auto", "cpu") and paged_decode.supports(q, kv_layer):
+            library = cpu_kernels.load()
+            if library is not None:
+                return CpuBackend(library, q, kv_layer)
+        return TorchBackend()
 
     def __call__(
         self,
@@ -95,99 +105,15 @@ class PagedAttention:
         if kv_layer.shape[2] != meta.block_size:
             raise ValueError(f"pool block_size {kv_layer.shape[2]} != metadata block_size {meta.block_size}")
 
-        triton_kernels = load_triton_kernels() if self.uses_triton(kv_layer) else None
-        # The C kernels serve both the write and decode attention, or neither.
-        library = self.cpu_kernel_library(q, kv_layer) if triton_kernels is None else None
-        if triton_kernels is not None:
-            triton_kernels.write_kv_triton(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
-        elif library is not None and kv_write.supports(k, v, kv_layer):
-            kv_write.write_kv(library, k, v, kv_layer, meta.slot_mapping, kv_scales)
-        else:
-            write_kv_torch(k, v, kv_layer, meta.slot_mapping, kv_scales=kv_scales)
-
-        out = torch.empty_like(q)
+        backend = self.select(q, kv_layer)
+        backend.write(k, v, kv_layer, meta, kv_scales)
         num_decode = meta.num_decode_seqs
+        if num_tokens == num_decode > 0:
+            # a decode-only step: no copy into a step-wide buffer
+            return backend.decode(q, kv_layer, meta, scale, sliding_window, kv_scales)
+        out = torch.empty_like(q)
         if num_decode > 0:
-            tables = meta.block_tables[:num_decode]
-            lens = meta.context_lens[:num_decode]
-            if triton_kernels is not None:
-                # Context lengths stay runtime values: no recompiles as sequences grow.
-                out[:num_decode] = triton_kernels.decode_attention_triton(
-                    q[:num_decode], kv_layer, tables, lens, scale, sliding_window=sliding_window,
-                    kv_scales=kv_scales,
-                )
-            else:
-                if library is not None:
-                    decoded = paged_decode.paged_decode_attention(
-                        library, q[:num_decode], kv_layer, tables, lens, scale, sliding_window, kv_scales)
-                else:
-                    plan = self._decode_plan(meta, kv_layer.device, sliding_window)
-                    decoded = decode_attention_torch(q[:num_decode], kv_layer, tables, lens, scale, plan=plan,
-                                                     kv_scales=kv_scales)
-                if num_tokens == num_decode:
-                    return decoded  # a decode-only step: no copy into a step-wide buffer
-                out[:num_decode] = decoded
-        if num_tokens > num_decode and library is not None and prefill_attention.supports(library, q, kv_layer):
-            # A float32 or bfloat16 pool: a query head's queries a vector, a lane each (eight
-            # at the portable and AVX2 levels, sixteen at AVX-512 BF16; bench/prefill_attention.py).
-            sequences = meta.shared("prefill_sequences", lambda: prefill_attention.prefill_sequences(
-                meta.block_tables[num_decode:], meta.query_lens[num_decode:], meta.context_lens_host[num_decode:]))
-            prefill_attention.prefill_attention(library, q[num_decode:], kv_layer, sequences, scale, sliding_window,
-                                                out[num_decode:])
-        elif num_tokens > num_decode and library is not None and not is_fp8(kv_layer.dtype):
-            # A float16 pool (or a head_dim the prefill kernel does not take): each prompt token
-            # attends as a decode query over its own context (the keys up to its position, this
-            # step's already in the pool), by the C kernel that decode steps use, faster than SDPA
-            # a sequence at a time (BENCHMARKS.md, "Token tiles"), with a cached prefix and a window alike.
-            tables, lens = self._prefill_queries(meta)
-            out[num_decode:] = paged_decode.paged_decode_attention(
-                library, q[num_decode:], kv_layer, tables, lens, scale, sliding_window, kv_scales)
-        elif num_tokens > num_decode:
-            # Prefill on CUDA (and where the C kernels do not serve) takes the torch path:
-            # SDPA's fused kernels handle the long causal chunks well, and prefill runs once
-            # per prompt. So does an 8-bit pool on CPU, to attend over this step's K/V
-            # unquantized, as vLLM's prefill does.
-            out[num_decode:] = prefill_attention_torch(
-                q[num_decode:],
-                kv_layer,
-                meta.block_tables[num_decode:],
-                meta.query_lens[num_decode:],
-                meta.context_lens_host[num_decode:],
-                scale,
-                k_new=k[num_decode:],
-                v_new=v[num_decode:],
-                sliding_window=sliding_window,
-                kv_scales=kv_scales,
-            )
+            out[:num_decode] = backend.decode(q[:num_decode], kv_layer, meta, scale, sliding_window, kv_scales)
+        backend.prefill(q[num_decode:], k[num_decode:], v[num_decode:], kv_layer, meta, scale, sliding_window,
+                        kv_scales, out[num_decode:])
         return out
-
-    @staticmethod
-    def _prefill_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each prefill token as a decode query: its sequence's block table row and its
-        context length (position + 1), int32 [prefill tokens, ...]; built by the first layer
-        and shared by the rest (meta.shared)."""
-
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
-            num_decode = meta.num_decode_seqs
-            query_lens = meta.query_lens[num_decode:]
-            lens = torch.cat([torch.arange(context - length + 1, context + 1, dtype=torch.int32)
-                              for length, context in zip(query_lens, meta.context_lens_host[num_decode:], strict=True)])
-            rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-            tables = meta.block_tables[num_decode:].index_select(0, rows.to(meta.block_tables.device))
-            return tables.to(torch.int32), lens
-
-        return meta.shared("prefill_queries", build)
-
-    @staticmethod
-    def _decode_plan(meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> DecodePlan:
-        """The step's decode plan for this window: built by the first layer that needs it
-        and shared by the rest (meta.shared; built every layer without a memo)."""
-
-        def build() -> DecodePlan:
-            num_decode = meta.num_decode_seqs
-            return decode_plan(
-                meta.block_tables[:num_decode], meta.context_lens[:num_decode], meta.block_size, device,
-                max_context_len=max(meta.context_lens_host[:num_decode]), sliding_window=sliding_window,
-            )
-
-        return meta.shared(("decode_plan", sliding_window), build)
