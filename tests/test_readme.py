@@ -10,6 +10,7 @@ scripts/readme_tables.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -130,13 +131,14 @@ _NAMED_PATH = re.compile(rf"(?<![\w/.~$:-])((?:{_TOP}|\.ci)/[\w./-]*|[\w.][\w./-
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def _repository_paths() -> set[str]:
+@functools.cache
+def _repository_paths() -> frozenset[str]:
     paths = set()
     for directory, folders, files in os.walk(ROOT):
         folders[:] = [name for name in folders if name not in {".git", ".venv", "__pycache__"}]
         relative = Path(directory).relative_to(ROOT)
         paths.update((relative / name).as_posix() for name in folders + files)
-    return paths
+    return frozenset(paths)
 
 
 def _anchors(markdown: str) -> set[str]:
