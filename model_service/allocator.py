@@ -29,7 +29,7 @@ M_ARENA_MAX = -8  # malloc.h
 # The model service's defaults (server.py): two arenas are enough for threads that mostly
 # wait on the engine and bound the arenas on a machine of many cores (glibc allows eight a
 # core); a trim every ten seconds is far from any request's path. Together they lower the
-# resident set a little; they do not change its slow growth (BENCHMARKS.md, "Memory soak").
+# resident set a little; they do not change its slow growth (docs/benchmark-log.md, "Memory soak").
 DEFAULT_ARENA_MAX = 2
 DEFAULT_TRIM_INTERVAL_S = 10.0
 

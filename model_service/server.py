@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="replay decode steps from CUDA graphs captured per batch-size bucket; auto: on with CUDA + Triton")
     add_flag(parser, "--threads", default=None, type=int, help="CPU threads for torch (default: all cores)")
     # Both on by default: a server's many threads would each take a glibc arena (up to eight
-    # a core), and an arena keeps what is freed in its middle resident (README, "Memory";
+    # a core), and an arena keeps what is freed in its middle resident (docs/operations.md, "Memory";
     # allocator.py).
     add_flag(parser, "--malloc-arena-max", default=allocator.DEFAULT_ARENA_MAX, type=int,
              help="glibc malloc arenas the service's threads share (mallopt M_ARENA_MAX, set at start-up; "
@@ -272,7 +272,7 @@ async def serve(args: argparse.Namespace) -> int:
                                     device.type == "cuda" and load_triton_kernels() is not None),
     )
     # Never --auth-token: whoever holds the cache service's credential can read and write
-    # every model's K/V; the clients' token must not open it (README, "Credentials").
+    # every model's K/V; the clients' token must not open it (docs/tenants-and-security.md, "Credentials").
     cache = CacheClient(args.cache_service, auth_token=args.cache_auth_token, tls_ca=args.cache_tls_ca)
     loop = asyncio.get_running_loop()
     fatal: asyncio.Future = loop.create_future()

@@ -134,7 +134,7 @@ class KvGeometry:
         return block_size * self.bytes_per_token
 
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
-        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (README.md, "Pool layout")."""
+        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (docs/architecture.md, "Pool layout")."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)

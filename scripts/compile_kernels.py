@@ -5,7 +5,8 @@ representative set in CI; this is the whole matrix: model dtypes x GQA groups 1-
 dims 64 and 128 x every allowed block size x split / whole-context decode x the pool's K/V
 (the model dtype, or 8-bit e4m3 / e5m2 bytes: --kv-cache-dtype), the split reduction at
 every split count's pad, and the K/V write (of the model dtype, and of an 8-bit pool's
-bytes). Exits 1 on a compile error or a spilled register. About 3 s a configuration a core:
+bytes). Exits 1 on a compile error or a spilled register. Each configuration compiles on
+one core, so --jobs spreads them:
 
     PYTHONPATH=$PWD python scripts/compile_kernels.py --jobs 16
     PYTHONPATH=$PWD python scripts/compile_kernels.py --archs sm_90 --dtypes bf16 --block-sizes 16,32

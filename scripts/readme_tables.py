@@ -1,16 +1,17 @@
-"""Regenerates README.md's flag and metric tables from the code (run: python scripts/readme_tables.py).
+"""Regenerates the flag and metric tables in docs/ from the code (run: python scripts/readme_tables.py).
 
 The flag tables come from the argparse parsers of `python -m cache_service`,
-`python -m model_service` and `python -m pagedkv.stack`; the metric tables from the
-Prometheus objects of cache_service/api/metrics.py, cache_service/events/replay.py and
-model_service/metrics.py. Each table
-sits in README.md between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers and is
-replaced whole; so is the output of the sizing calculator for the README's Llama-3-8B
-config.json (between `<!-- sizing-example:... -->`). tests/test_readme.py fails when README.md differs from what this
-script writes, so a new flag or metric cannot go undocumented.
+`python -m model_service` and `python -m pagedkv.stack` and live in docs/configuration.md;
+the metric tables come from the Prometheus objects of cache_service/api/metrics.py,
+cache_service/events/replay.py and model_service/metrics.py and live in docs/operations.md.
+Each table sits between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers in the file
+MARKERS names and is replaced whole; so is the output of the sizing calculator for the
+Llama-3-8B config.json of docs/sizing.md (between `<!-- sizing-example:... -->`).
+tests/test_readme.py fails when a file differs from what this script writes, so a new flag
+or metric cannot go undocumented.
 
-    python scripts/readme_tables.py          # rewrite README.md in place
-    python scripts/readme_tables.py --check  # exit 1 if README.md is out of date
+    python scripts/readme_tables.py          # rewrite the docs in place
+    python scripts/readme_tables.py --check  # exit 1 if any of them is out of date
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+CONFIGURATION = "docs/configuration.md"
+OPERATIONS = "docs/operations.md"
+SIZING = "docs/sizing.md"
+# Marker name -> the file, relative to ROOT, that holds the generated text.
+MARKERS = {
+    "flags-cache": CONFIGURATION,
+    "flags-model": CONFIGURATION,
+    "flags-stack": CONFIGURATION,
+    "metrics-cache": OPERATIONS,
+    "metrics-model": OPERATIONS,
+    "sizing-example": SIZING,
+}
 
 
 
@@ -160,17 +172,17 @@ def tables() -> dict[str, str]:
 SIZING_COMMAND = "python -m cache_service sizing --config /tmp/llama3-8b/config.json --memory 80GiB --dtype bfloat16"
 
 
-def sizing_example(readme: str) -> str:
-    """The calculator's output for the README's Llama-3-8B config.json, under the command shown."""
+def sizing_example(document: str) -> str:
+    """The calculator's output for docs/sizing.md's Llama-3-8B config.json, under the command shown."""
     import contextlib
     import io
     import tempfile
 
     from cache_service.api.sizing_cli import main as sizing_main
 
-    match = re.search(r"<!-- llama3-config:begin -->\n```json\n(.*?)\n```\n<!-- llama3-config:end -->", readme, re.S)
+    match = re.search(r"<!-- llama3-config:begin -->\n```json\n(.*?)\n```\n<!-- llama3-config:end -->", document, re.S)
     if not match:
-        raise SystemExit("README.md has no <!-- llama3-config:begin --> block with a config.json")
+        raise SystemExit(f"{SIZING} has no <!-- llama3-config:begin --> block with a config.json")
     with tempfile.TemporaryDirectory() as directory:
         config = Path(directory) / "config.json"
         config.write_text(match.group(1))
@@ -179,34 +191,48 @@ def sizing_example(readme: str) -> str:
             argv = SIZING_COMMAND.split()[4:]
             code = sizing_main([str(config) if part.endswith("config.json") else part for part in argv])
     if code != 0:
-        raise SystemExit(f"the sizing calculator failed ({code}) on README.md's config.json")
+        raise SystemExit(f"the sizing calculator failed ({code}) on {SIZING}'s config.json")
     return f"```\n$ {SIZING_COMMAND}\n{output.getvalue().rstrip()}\n```"
 
 
-def render(readme: str, generated: dict[str, str]) -> str:
-    for name, table in generated.items():
-        pattern = re.compile(rf"(<!-- {name}:begin -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
-        if not pattern.search(readme):
-            raise SystemExit(f"README.md has no <!-- {name}:begin --> ... <!-- {name}:end --> markers")
-        readme = pattern.sub(lambda match: match.group(1) + table + "\n" + match.group(2), readme)
-    return readme
+def render(document: str, generated: dict[str, str], name: str = "the document") -> str:
+    """document with the text between each marker of generated replaced by its value."""
+    for marker, table in generated.items():
+        pattern = re.compile(rf"(<!-- {marker}:begin -->\n)(?:.*?\n)?(<!-- {marker}:end -->)", re.S)
+        if not pattern.search(document):
+            raise SystemExit(f"{name} has no <!-- {marker}:begin --> ... <!-- {marker}:end --> markers")
+        document = pattern.sub(lambda match: match.group(1) + table + "\n" + match.group(2), document)
+    return document
+
+
+def documents() -> dict[str, tuple[str, str]]:
+    """Each file MARKERS names -> (its text now, its text with every generated part current)."""
+    generated = tables()
+    result = {}
+    for path in sorted(set(MARKERS.values())):
+        current = (ROOT / path).read_text()
+        mine = {marker: text for marker, text in generated.items() if MARKERS[marker] == path}
+        if MARKERS["sizing-example"] == path:
+            mine["sizing-example"] = sizing_example(current)
+        result[path] = (current, render(current, mine, path))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is out of date, write nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file is out of date, write nothing")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    current = README.read_text()
-    wanted = render(current, {**tables(), "sizing-example": sizing_example(current)})
+    texts = documents()
+    stale = [path for path, (current, wanted) in texts.items() if wanted != current]
     if args.check:
-        if wanted != current:
-            print("README.md's flag or metric tables are out of date: run python scripts/readme_tables.py",
-                  file=sys.stderr)
+        if stale:
+            print(f"{', '.join(stale)}: flag or metric tables or the sizing example out of date: "
+                  "run python scripts/readme_tables.py", file=sys.stderr)
             return 1
         return 0
-    if wanted != current:
-        README.write_text(wanted)
+    for path in stale:
+        (ROOT / path).write_text(texts[path][1])
     return 0
 
 

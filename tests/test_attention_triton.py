@@ -9,7 +9,7 @@ which runs this same file in a fresh `python -m pytest` with TRITON_INTERPRET=1 
 environment, before anything imports triton. In that child (or in any run started with
 TRITON_INTERPRET=1) the kernel tests below are defined and run in-process.
 
-Shapes stay small: the interpreter runs one program at a time (~0.4 s for a 4-sequence decode);
+Shapes stay small: the interpreter runs one program at a time, in Python;
 the long-context cases use two sequences and at most two kv heads.
 """
 

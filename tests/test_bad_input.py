@@ -3,7 +3,7 @@
 Each row sends one bad request and checks the status code and a phrase of the message
 that says what to change; then that the service still serves (a good request succeeds),
 that nothing leaked (GetStats: 0 blocks leased) and that no traceback reached the log.
-Rows follow the error table in README.md ("Errors"), plus the limits a hostile client could push on.
+Rows follow the error table in docs/grpc-api.md ("Errors"), plus the limits a hostile client could push on.
 
 The services run once for the module, with --auth-token on (so every row but the
 UNAUTHENTICATED ones also goes through the auth interceptor) and small limits:

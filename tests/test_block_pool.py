@@ -611,8 +611,8 @@ def test_ledger_check_invariants_catches_shared_partial_block():
 
 def test_a_pool_of_ten_million_blocks_costs_nothing_until_blocks_are_used():
     # A block object is made when a block is first leased (block_pool.py's docstring), so a
-    # 10M-block pool is built without 10M objects (the eager pool took about 8 s and 1.3 GB,
-    # past the model service's Attach deadline) and uses memory only for what is leased.
+    # 10M-block pool is built without 10M objects (building them all eagerly took seconds and
+    # gigabytes, past the model service's Attach deadline) and uses memory only for what is leased.
     import tracemalloc
 
     tracemalloc.start()

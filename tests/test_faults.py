@@ -38,7 +38,7 @@ GENEROUS_S = 60
 # Long enough that no stream finishes before the fault: the tiny model's max_model_len is 2048.
 LONG = 1900
 
-# Each test starts two or three services (~5 s of torch import each); a hang still fails.
+# Each test starts two or three services (each pays torch's import); a hang still fails.
 pytestmark = pytest.mark.timeout(300)
 
 

@@ -114,7 +114,7 @@ def generate_limits(draw) -> GenerateLimits:
 
 
 def expected_refusal(request: model_pb2.GenerateRequest, limits: GenerateLimits) -> str | None:
-    """The rules of the error table in README.md ("Errors") for the fields the strategies draw, restated
+    """The rules of the error table in docs/grpc-api.md ("Errors") for the fields the strategies draw, restated
     apart from the validator: "invalid" (INVALID_ARGUMENT), "pool" (RESOURCE_EXHAUSTED:
     larger than the whole pool), or None (valid)."""
     sampling = request.sampling

@@ -125,7 +125,8 @@ METADATA_ARRAYS = {"a.ints": [1, -2, 3], "a.floats": [1.5, -2.25], "a.bools": [T
 @pytest.mark.parametrize("endianess", ["LITTLE", "BIG"])
 def test_metadata_arrays_read_as_gguf_reads_them(tmp_path, endianess):
     """gguf_file.py reads arrays in the metadata itself (gguf's parse of SmolLM2's
-    vocabulary took 63 MB and ~2 s): every kind of array reads as gguf's reader reads it."""
+    vocabulary makes numpy views per element, slow and large): every kind of array reads as
+    gguf's reader reads it."""
     import gguf
 
     from model_service.loading.gguf_file import GGUFFile

@@ -6,7 +6,7 @@ can launch (model dtypes, head dims 64 and 128, GQA groups 1-8, the smallest, us
 largest allowed block sizes, split and whole-context decode, an 8-bit pool) with Triton's
 bundled ptxas,
 and fails on a compile error or any spilled register. scripts/compile_kernels.py compiles
-the whole matrix. About 3 s a configuration on one core.
+the whole matrix, each configuration a compile of its own, too many for the suite.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def test_smollm2_holds_the_files_blocks(smollm2):
     assert isinstance(model.embed_tokens, QuantizedEmbedding)  # Q8_0, and the tied lm_head shares it
     assert model.lm_head.segments.parts[0][1].data_ptr() == model.embed_tokens.blocks.data_ptr()
     assert model.layers[0].self_attn.qkv_proj.types == ["Q4_1"]
-    # README's worked example: the Q4_1 linears, the Q8_0 embedding once, float32 norms;
+    # docs/sizing.md's worked example: the Q4_1 linears, the Q8_0 embedding once, float32 norms;
     # less than the file, which holds the tokenizer too.
     assert smollm2.weights_bytes_by_type == {"Q4_1": 66_355_200, "Q8_0": 30_081_024, "float32": 140_544}
     assert weights_bytes(model) == 96_576_768 < embedded_model_path().stat().st_size
@@ -151,14 +151,13 @@ print(tokenizer, rss() - before, sum(loaded.weights_bytes_by_type.values()))
 
 def test_rss_after_loading_smollm2_against_the_file_size():
     """Anonymous resident memory grown by loading with native weights, in a fresh process,
-    against the file's 98.4 MB: at most 1.25x (the issue's goal), tokenizer included, and
+    against the file's 98.4 MB: at most 1.25x (the target), tokenizer included, and
     at most 1.1x without it (the growth of building the tokenizer, measured first in the
-    same process). Measured: 110.7 MB grown, 1.13x: the 96.6 MB of blocks, the tokenizer's
-    12.1 MB (the Rust BPE's vocabulary and merges) and the 2.1 MB of RoPE tables; 98.6 MB,
-    1.00x, without the tokenizer. The margins (12 and 10 MB) are for the allocators'
+    same process). What grows is the 96.6 MB of blocks, the tokenizer (the Rust BPE's
+    vocabulary and merges) and the RoPE tables. The margins are for the allocators'
     variation; a float32 copy of the weights (538 MB, what --weights dequantize holds),
-    gguf's own parse of the metadata kept alive (74 MB, gguf_file.py) or torch's Python
-    meta kernels (79 MB, meta_build.py) would be past them."""
+    gguf's own parse of the metadata kept alive (gguf_file.py) or torch's Python meta
+    kernels (meta_build.py), each tens of MB, would be past them."""
     file_size = embedded_model_path().stat().st_size
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tokenizer, grown, held = (int(n) for n in subprocess.run(

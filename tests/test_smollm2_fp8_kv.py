@@ -37,7 +37,7 @@ MAX_NEW_TOKENS = 32
 # e4m3 keeps 3 mantissa bits to bfloat16's 7 (a rounding step 16x as large), but attention
 # averages the K/V rounding over the context and the bfloat16 weights and compute err
 # alike in both runs: a factor of 4 over the bfloat16 pool's own error bounds what the
-# 8-bit pool may add (BENCHMARKS.md, "fp8 KV cache", measures the two pools' distance).
+# 8-bit pool may add (docs/benchmark-log.md, "fp8 KV cache", measures the two pools' distance).
 FACTOR = 4
 
 

@@ -20,7 +20,7 @@ range of ids [0, num_blocks) in order, and nothing is ever put in front of it (f
 go to the tail), so the free list is always "the never-leased ids from ``_next_fresh`` up,
 then the linked list": ``take`` gives out never-leased ids first, making their objects
 then. A pool of 10 million blocks is built in microseconds and holds no memory per block
-until blocks are used (a Block object is about 130 bytes; BENCHMARKS.md, "Block pool").
+until blocks are used (a Block object is a small fixed size; docs/benchmark-log.md, "Block pool").
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class PoolSettings:
     session_limits: SessionLimits = field(default_factory=SessionLimits)
     # An expired session's blocks stay leased this much longer before anyone else can
     # get them: its model service may still be finishing a forward pass it started
-    # before its local lease deadline (README, "Fenced writes").
+    # before its local lease deadline (docs/tenants-and-security.md, "Fenced writes").
     reclaim_grace_ms: int = 5000
     # The host and disk tiers beyond the pool (off by default).
     tiers: TierSettings = field(default_factory=TierSettings)
@@ -119,7 +119,7 @@ class Attachment:
 
 
 # Block references released between two yields to the event loop when a session goes:
-# about 1 ms of ledger work (BENCHMARKS.md), so no RPC waits long behind a huge session.
+# small enough a piece of ledger work that no RPC waits long behind a huge session.
 RELEASE_CHUNK_BLOCKS = 8192
 
 

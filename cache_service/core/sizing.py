@@ -1,4 +1,4 @@
-"""How many KV blocks fit, and why: the one sizing formula of README.md ("Sizing: how many tokens fit").
+"""How many KV blocks fit, and why: the one sizing formula of docs/sizing.md.
 
     bytes_per_block = 2 (K and V) × num_layers × block_size × num_kv_heads × head_dim × dtype_bytes
     CUDA:  budget = total × memory_fraction − (total − free_now), capped by kv_cache_bytes

@@ -11,7 +11,8 @@ the block pool's internals:
   were not registered before, in chain order: ``BlockPool.register`` registers a run of
   blocks after those already cached and stops at the first it cannot register.
 - Only those are hashed; a block registered earlier keeps its digest here, so a
-  release that extends a cached prefix hashes its new blocks only (~11 µs each).
+  release that extends a cached prefix hashes its new blocks only (sha256 over CBOR, far
+  dearer than the pool's own hash, so never twice for one block).
 - The KV tiers (``cache_service/tiers``) report their copies with ``tier_stored`` and
   ``tier_removed`` under the key the pool block had: a demotion is a ``BlockStored`` with
   medium "CPU" (host) or "STORAGE" (disk), the pool's eviction its usual "GPU" removal.

@@ -4,7 +4,7 @@ Plain asyncio code, no gRPC context and no HTTP: one validation and one way of d
 engine, so a request means the same whichever door it came in by. Its language is
 model.proto's messages (a GenerateRequest in, GenerateResponses out), which the gRPC
 door passes through and the HTTP door maps to and from OpenAI's JSON. A failure is a
-GenerateError carrying the status the error table in README.md ("Errors") gives it; the gRPC servicer
+GenerateError carrying the status the error table in docs/grpc-api.md ("Errors") gives it; the gRPC servicer
 aborts the call with it, the HTTP app turns it into an OpenAI error object.
 
 Everything a client can get wrong is caught before the engine sees the request, so a
@@ -43,7 +43,7 @@ FINISH_REASON = {
 
 
 class GenerateError(Exception):
-    """A request that ends with an error status: the code from the error table in README.md ("Errors") and
+    """A request that ends with an error status: the code from the error table in docs/grpc-api.md ("Errors") and
     a message a person can act on. Each front door maps the code to its own wire form.
 
     `retry_later` tells a RESOURCE_EXHAUSTED that passes (queue or stream limit: HTTP 429)

@@ -4,7 +4,7 @@ and write the pool's blocks in place, each at the level cpu_kernels/levels.py ch
 Prefill by pool: float32 and bfloat16 take the prefill kernel (a query head's queries a
 vector, a lane each); float16, or a head_dim the prefill kernel does not take, attends each
 prompt token as a decode query over its own context (the keys up to its position, this
-step's already in the pool), faster than SDPA a sequence at a time (BENCHMARKS.md, "Token
+step's already in the pool), faster than SDPA a sequence at a time (docs/benchmark-log.md, "Token
 tiles"), a cached prefix and a window alike; an 8-bit pool takes torch's prefill, to attend
 over this step's K/V unquantized.
 """

@@ -5,7 +5,7 @@ ordered decode first (one new token each), then prefill chunks (any number of ne
 tokens, possibly after a prefix already in the pool). The tokens of the step are
 flattened in that same order: q/k/v are [num_tokens, heads, head_dim].
 
-Pool layout (README.md): kv_pool is [num_layers, 2, num_blocks, block_size, num_kv_heads,
+Pool layout (docs/architecture.md): kv_pool is [num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]; a layer's slice kv_pool[layer] is [2, num_blocks, block_size, kv_heads, head_dim]
 with K at index 0 and V at index 1. Slot s of block b holds token position
 b * block_size + s of the sequence whose table lists b.

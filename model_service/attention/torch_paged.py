@@ -1,18 +1,13 @@
 """Paged attention in plain PyTorch: runs on any device; the CPU hot path.
 
-Layout (README.md, "Pool layout"): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim],
+Layout (docs/architecture.md, "Pool layout"): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim],
 K at index 0 and V at index 1; slot s of block b is flat slot b * block_size + s.
 
 Decode gathers a sequence's blocks and runs one SDPA call with the group's q heads laid out
-as query rows of their shared kv head ([B, kv_heads, group, D]). Measured at the W48 decode
-shape (batch 48, context ~336, 4 KV heads, group 2, head_dim 32, fp32, 2 threads), per layer:
-  repeat_interleave K/V + SDPA       ~9.5 ms
-  grouped einsum                     ~5.1 ms
-  grouped matmul (bmm)               ~4.3 ms
-  SDPA enable_gqa=True               ~2.3 ms
-  SDPA, q heads as group rows        ~1.7 ms   <- kept
-and gathering with index_select on the block dimension costs ~0.8 ms against ~2-2.7 ms for
-advanced indexing (kv[0][block_tables]), so the gather uses index_select.
+as query rows of their shared kv head ([B, kv_heads, group, D]): one SDPA call that reads
+each kv head once, where repeat_interleave copies K/V per q head and einsum, bmm and SDPA's
+enable_gqa all measured slower at a batched decode shape. The gather uses index_select on
+the block dimension, which measured faster than advanced indexing (kv[0][block_tables]).
 
 An 8-bit pool (attention/kv_quant.py) holds K / k_scale and V / v_scale: the gathered blocks
 are converted to q's dtype (exact: every e4m3 and e5m2 value is a bfloat16 and a float16

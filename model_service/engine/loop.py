@@ -189,7 +189,7 @@ class Engine:
 
     def record_counts(self) -> dict[str, int]:
         """Entries in each of the engine's per-request records. None outlives its request
-        for long: each is bounded by the live requests (README, "Memory"), and what
+        for long: each is bounded by the live requests (docs/operations.md, "Memory"), and what
         tests/test_request_memory.py checks does not grow with requests served. Read
         from any thread between requests; a snapshot, not a consistent one, while they run."""
         return {**self._requests.record_counts(), "admitted_ids": len(self._admission),

@@ -170,5 +170,5 @@ class StepSampler:
 
 
 # Prompt positions turned into logits at once: 256 rows at vocab 49,152 are 50 MB of
-# float32, where a whole 2,048-token chunk was 400 MB (and +789 MiB peak measured).
+# float32, where a whole 2,048-token chunk was 400 MB (and its peak more).
 PROMPT_LOGPROB_ROWS = 256

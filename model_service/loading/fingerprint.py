@@ -8,9 +8,9 @@ path, keeps hitting its cache.
 The hash covers every byte that decides the model's K/V or its token ids: the config,
 the tokenizer files and the weights. It is xxh3_128 (xxhash) over the mapped files:
 not a cryptographic hash (whoever can attach to the cache service is trusted with every
-model's K/V anyway, see README "Credentials"), but two checkpoints that differ in any
-byte get different fingerprints, and a multi-GB checkpoint costs a fraction of a
-second once it is in the page cache (BENCHMARKS.md). Nothing is cached on disk.
+model's K/V anyway, see docs/tenants-and-security.md, "Credentials"), but two checkpoints
+that differ in any byte get different fingerprints, and hashing a checkpoint already in
+the page cache costs little beside loading it (docs/benchmark-log.md, "Model fingerprint"). Nothing is cached on disk.
 
 - a Hugging Face directory: the config, tokenizer and weight files in it (names, sizes,
   content), in name order;
@@ -94,8 +94,8 @@ def file_fingerprint(path: Path) -> str:
 
 
 def _update_from_file(digest: xxhash.xxh3_128, path: Path) -> None:
-    # Hashed straight from a read-only mapping: no copy into a Python buffer (about
-    # 1.5x the throughput of 16 MiB reads here, BENCHMARKS.md).
+    # Hashed straight from a read-only mapping: no copy into a Python buffer, which
+    # measured faster than reading the file in 16 MiB pieces (docs/benchmark-log.md).
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size

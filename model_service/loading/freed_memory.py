@@ -4,10 +4,10 @@ glibc serves allocations under its mmap threshold (which grows up to 32 MB as la
 blocks are freed) from its heaps, and keeps freed heap pages resident until trimmed.
 A load frees many such blocks: a GGUF file's tensors dequantized before their copy into
 the model, and a bfloat16 model's plain weights once packed (packed_linear.py), between
-allocations that stay. Nothing else in the model service would reuse those pages:
-SmolLM2 in bfloat16 grew anonymous memory by 490 MB untrimmed and 434 MB trimmed, for
-326 MB of weights; 341 MB since neither gguf's parse of the metadata (gguf_file.py) nor
-torch's Python meta kernels (meta_build.py) stay: the rest is the tokenizer (12 MB) and
+allocations that stay. Nothing else in the model service would reuse those pages, so
+untrimmed they are resident memory a load leaves for nothing; trimmed, what a load grows
+by (SmolLM2 in bfloat16, with neither gguf's parse of the metadata, gguf_file.py, nor
+torch's Python meta kernels, meta_build.py, staying) is its weights, the tokenizer and
 the RoPE tables."""
 
 from __future__ import annotations

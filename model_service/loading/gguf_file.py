@@ -87,11 +87,11 @@ class GGUFFile:
 class _FastGGUFReader(gguf.GGUFReader):
     """gguf's reader, with arrays in the metadata kept as where they lie in the file (an
     _ArrayField, decoded when asked for) and its parse slicing a plain ndarray view of its
-    memory map (a numpy.memmap slice costs ~10x a plain one: its __array_finalize__).
+    memory map (a numpy.memmap slice costs far more than a plain one: its __array_finalize__).
     gguf parses an array into numpy views, one or two per element, each holding the views
-    it was cut from: opening SmolLM2's file (49,152 tokens, their types, 48,900 merges)
-    took 74 MB of resident memory for as long as it was open, and 0.8 s; now 0.8 MB and
-    0.03 s. Everything else (scalars, strings, the tensors, which stay memory-mapped) is
+    it was cut from: opening a file with a large vocabulary (SmolLM2's: 49,152 tokens, their
+    types, 48,900 merges) held tens of MB of resident memory for as long as it was open, and
+    took most of a second; kept as they lie, they cost next to nothing until read. Everything else (scalars, strings, the tensors, which stay memory-mapped) is
     gguf's own parse."""
 
     def _get(self, offset, dtype, count=1, override_order=None):

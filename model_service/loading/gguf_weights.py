@@ -26,7 +26,7 @@ from model_service.loading.gguf_file import GGUFFile
 from model_service.models.llama import LlamaForCausalLM
 from model_service.loading.hf_weights import describe_tensor_mismatch
 
-# What gguf.quants dequantizes (and the list: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K).
+# The tensor types accepted, each one gguf.quants dequantizes; a file with another is refused.
 SUPPORTED_TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

@@ -5,9 +5,8 @@ A loader builds LlamaForCausalLM on the meta device, then gives it uninitialized
 overwrites every weight. Two of the calls that takes by default have no C++ meta kernel:
 nn.Embedding's init (normal_) and Module.to_empty (empty_like of a meta tensor); the first
 of them imports torch's Python ones (torch._refs, and through them sympy, torch._dynamo,
-torch._inductor and triton: ~900 modules), which stay resident for the process's life:
-79 MB of SmolLM2's load (and 1.5 s), more than its tokenizer (tests/test_quantized_model.py bounds
-the growth). Neither is needed: the random init is overwritten, and a plain torch.empty
+torch._inductor and triton: hundreds of modules), which stay resident for the process's life:
+more of SmolLM2's load than its tokenizer (tests/test_quantized_model.py bounds the growth). Neither is needed: the random init is overwritten, and a plain torch.empty
 of each tensor's shape is what to_empty makes.
 """
 

@@ -3,8 +3,8 @@ model whose layer linears are all held on CPU in quantized blocks or in panels o
 activations' dtype (panel_linear.py: bfloat16 or float32).
 
 At one stream, a decode step through models/llama.py's modules is ~300 small operations,
-each a dispatch (and a ctypes call for the C kernels): on SmolLM2's Q4_1 file those were a
-third of the step, in bfloat16 ~5 ms of 15.8. decode_stack.c runs the same kernels in the
+each a dispatch (and a ctypes call for the C kernels): on a model as small as SmolLM2 those
+are a large share of the step. decode_stack.c runs the same kernels in the
 same order over the same buffers, so the step's results are the same bits; only the Python
 between them goes.
 

@@ -2,7 +2,7 @@
 load (cpu_kernels/layer_ops.py), else the torch code here, which is also their reference
 (tests/test_layer_ops.py holds one to the other). CUDA always takes the torch code.
 
-Measured on SmolLM2-135M, bfloat16, 2 threads: BENCHMARKS.md "Fused layer ops".
+Measured on SmolLM2-135M, bfloat16, 2 threads: docs/benchmark-log.md, "C kernels on CPU".
 """
 
 from __future__ import annotations

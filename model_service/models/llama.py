@@ -6,7 +6,8 @@ the whole pool and the step's AttentionMetadata; PagedAttention writes this step
 into the pool and attends over each sequence's blocks.
 
 Projections are fused for speed (one matmul instead of three, or two): q/k/v into
-`qkv_proj` and gate/up into `gate_up_proj`; weights.py maps Hugging Face names into them.
+`qkv_proj` and gate/up into `gate_up_proj`; loading/hf_weights.py maps Hugging Face names
+into them (loading/gguf_weights.py GGUF's).
 """
 
 from __future__ import annotations

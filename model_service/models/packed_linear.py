@@ -3,10 +3,9 @@ where the C kernel of panel_linear.py does not serve them, and float32 ones in t
 kernel's panels (pack_linears chooses).
 
 An eager `F.linear` in bfloat16 on CPU hands oneDNN a plain row-major weight, which it
-reorders into its blocked layout on every call: measured on the 2-core dev machine over
-SmolLM2-135M's 121 linears (layers and lm_head), eager bfloat16 took 42 ms a step at
-batch 1 and 82 ms at batch 48 against 33 and 46 ms with the weights packed once
-(1 thread, medians of rounds in turns). The packed call gives bit-identical results:
+reorders into its blocked layout on every call, a cost paid again each step that packing
+the weights once at load removes (measured over SmolLM2-135M's 121 linears, at batch 1 and
+at batch 48, in turns). The packed call gives bit-identical results:
 the same oneDNN kernel, minus the reorder. This is what inductor's freezing pass does to
 bfloat16 linears; doing it at load time gets it without compiling.
 
@@ -15,7 +14,7 @@ model's linears twice (SmolLM2: 538 MB, float32's size, instead of 326 MB). The 
 is a weight that another module shares, a tied lm_head's: the embedding looks rows up in
 it, so it stays at no cost, and the lm_head's packed copy is the one weight held twice
 (SmolLM2: 57 MB). Unpacked, that lm_head would save it but reorder its 28 M weights every
-step: measured 12 ms a call against 8 ms packed at batch 1, 23 against 17 ms at batch 48.
+step, which measured slower than the packed copy at batch 1 and at batch 48 alike.
 
 float32 linears are not packed for oneDNN (packing measured no steady gain there): they
 go to the float32 panel kernel (panel_linear.py) where f32_matmul.chosen_level says so,

@@ -2,9 +2,9 @@
 rows: bfloat16 ones by cpu_kernels/bf16_matmul.py, float32 ones by cpu_kernels/f32_matmul.py.
 
 At a decode step's few tokens a linear's time is its weights' bytes over the memory's
-bandwidth: on SmolLM2-135M's 120 layer linears the bfloat16 kernel read the weights at
-38-41 GB/s a step of one token against oneDNN's packed product's 27-35, 1.2-1.4x faster at
-1-32 tokens (BENCHMARKS.md, "A bfloat16 decode stack"). Being C, the kernels also run inside
+bandwidth, and the bfloat16 kernel reads its panels, laid out in the order it multiplies,
+closer to that bound than oneDNN's packed product at 1-32 tokens on SmolLM2-135M's layer
+linears (docs/benchmark-log.md, "A bfloat16 decode stack"). Being C, the kernels also run inside
 the decode stack's one call a step (cpu_decode_stack.py), which oneDNN's product cannot. A
 token's result does not depend on the batch it is in.
 

@@ -29,8 +29,8 @@ import torch
 from model_service.device_copies import to_device
 
 
-# Each stage below is a few whole-width passes over [R, V], done in place: at batch 48
-# and a 32k vocabulary one pass is ~1 ms on these CPUs, so the pass count is the cost.
+# Each stage below is a few whole-width passes over [R, V], done in place: at a large batch
+# and vocabulary every pass reads and writes the whole tensor, so the pass count is the cost.
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

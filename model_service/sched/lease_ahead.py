@@ -3,7 +3,7 @@
 Pure Python, like the scheduler that uses it. A lease call costs the engine more than its
 wait: the cache service's and the gRPC threads' work takes a core from the engine's
 OpenMP team while the forward pass runs, and a step with a call in flight measured
-1.5-2x one without (BENCHMARKS.md, "Fewer lease calls"). At 48 streams and 16-token
+markedly slower than one without (docs/benchmark-log.md, "Fewer lease calls"). At 48 streams and 16-token
 blocks some stream crosses a block boundary nearly every step, and one finishes nearly
 every other step; so a call that goes out anyway also
 

@@ -8,8 +8,8 @@ waiting: between parallel regions a worker spins about 100 times, then sleeps on
 until the next region wakes it. Loading the model and measuring the warmup in the main
 thread, then stepping in the engine thread, made two pools of 2 on 2 cores, and a decode
 step (about 500 regions: every linear and every kernel call) paid a sleep and a wake-up
-for each: 73,000 voluntary context switches in a W48 run of SmolLM2 instead of 2,000,
-and the engine's CPU use at 1.4-1.6 of its 2 threads (BENCHMARKS.md, "One OpenMP pool").
+for each: many times the voluntary context switches of one pool in a W48 run of SmolLM2,
+and the engine short of its 2 threads' CPU (docs/benchmark-log.md, "One OpenMP pool").
 
 So the start-up work that runs parallel torch ops goes through `run_in_passing_thread`:
 a thread that exits when the work is done, taking its pool with it; the engine thread's

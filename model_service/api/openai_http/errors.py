@@ -2,7 +2,7 @@
 status the official clients turn into their exception classes (400 BadRequestError,
 401 AuthenticationError, 404 NotFoundError, 429 RateLimitError, 5xx InternalServerError).
 
-A GenerateError carries the gRPC status the error table in README.md ("Errors") gives; this is the one
+A GenerateError carries the gRPC status the error table in docs/grpc-api.md ("Errors") gives; this is the one
 place that says which HTTP status each becomes.
 """
 
