@@ -25,12 +25,12 @@ import zmq
 import zmq.auth
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
+from harness.cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
 from cache_service.events.publisher import KvEventPublisher
 from cache_service.events.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
-from processes import free_port, start_cache_service
+from harness.processes import free_port, start_cache_service
 
 BS = 16  # the cache service's default --block-size
 TAG = DiskGeometry(TINY_GEOMETRY["num_layers"], TINY_GEOMETRY["num_kv_heads"], TINY_GEOMETRY["head_dim"], BS,

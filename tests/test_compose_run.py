@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 from compose_cli import COMPOSE_CLI_HINT, compose_cli, compose_version, docker_engine
-from processes import free_port
+from harness.processes import free_port
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import write_checkpoint
+from harness.hf_checkpoints import write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from model_service.cpu_kernels import bf16_matmul, load

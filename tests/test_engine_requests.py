@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service
 from recorded_events import recording_events
-from reference_generate import prompt_ids, reference_greedy
+from harness.reference_generate import prompt_ids, reference_greedy
 from prometheus_client import REGISTRY
 
 from model_service.cache.client import CacheClient

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from gguf_checkpoints import QUANT_TYPES, write_gguf
-from processes import start_cache_service, start_model_service
-from paged_runner import PagedRunner
-from reference_generate import reference_greedy
+from harness.processes import start_cache_service, start_model_service
+from harness.paged_runner import PagedRunner
+from harness.reference_generate import reference_greedy
 from test_model_vs_transformers import reference_logits
 
 from model_service.errors import ModelLoadError

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from hf_checkpoints import EOS_ID, EXTRA_ID, MISTRAL_WINDOW, QWEN2_WINDOW, write_checkpoint
+from harness.hf_checkpoints import EOS_ID, EXTRA_ID, MISTRAL_WINDOW, QWEN2_WINDOW, write_checkpoint
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_checkpoints import write_checkpoint
+from harness.hf_checkpoints import write_checkpoint
 from kernel_levels import level_params
 from safetensors.torch import save_file
 from torch import nn

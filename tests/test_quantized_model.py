@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 from gguf_checkpoints import write_gguf
-from paged_runner import PagedRunner
+from harness.paged_runner import PagedRunner
 from quantized_compare import assert_equal_up_to_a_near_tie, greedy
 
 from model_service.cpu_kernels import f32_matmul

@@ -14,7 +14,7 @@ import concurrent.futures
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
+from harness.cache_helpers import cache_stub, stats, wait_for
 from google.protobuf import struct_pb2
 from test_smollm2_tokenizer import CONVERSATIONS
 

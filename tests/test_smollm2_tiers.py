@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
+from harness.cache_helpers import cache_stub, stats, wait_for
 from grpc_generate import greedy
 
 from pagedkv.model.v1 import model_pb2

@@ -10,14 +10,14 @@ from model_service.sched.scheduler import POLICIES
 
 # Every decoding stream waits for a step's whole prefill chunk. SmolLM2 bfloat16 on CPU, with
 # the decode stack in C: 7 streams decode in 13 ms a step, and each chunk token adds 0.35-0.5
-# ms (bench/step_time_vs_chunk.py), so a 512-token chunk made a 240 ms gap. Against vLLM's
+# ms (bench/engine/step_time_vs_chunk.py), so a 512-token chunk made a 240 ms gap. Against vLLM's
 # server, 128 halved ITL p99 in every cell (c8 221 -> 95 ms, prefix 254 -> 108, c32 255 ->
 # 130) for at most 5 % of the tokens/s (still 1.6-1.7x vLLM's), TTFT p99 still below vLLM's
 # (BENCHMARKS.md, "A bfloat16 decode stack"). Before that stack, 512 had been chosen: a step
 # of 32 streams was slow enough that smaller chunks cost c32 its lead ("the cap, quiet").
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 128
 # Two blocks of 16: a prompt waits a step or so for a prefix this long rather than compute it
-# again (sched/inflight_prefixes.py; bench/sched_sim.py's prefix16 row in BENCHMARKS.md).
+# again (sched/inflight_prefixes.py; bench/engine/sched_sim.py's prefix16 row in BENCHMARKS.md).
 DEFAULT_PREFIX_HOLD_MIN_TOKENS = 32
 
 
