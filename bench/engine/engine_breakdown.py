@@ -1,11 +1,11 @@
 """W48 (or one stream) through the engine alone: where a run's time goes, without gRPC
-streaming or a client (bench_vs_vllm.py --pagedkv-path engine against its default gRPC
+streaming or a client (bench/serve/bench_vs_vllm.py --pagedkv-path engine against its default gRPC
 path says what those cost).
 
-The same checkpoints and workloads as bench_vs_vllm.py (the W48 random Llama or SmolLM2,
+The same checkpoints and workloads as bench/serve/bench_vs_vllm.py (the W48 random Llama or SmolLM2,
 float32 or bfloat16; W48 or one stream of 128 tokens); a real cache service process
 leases the blocks, but the engine runs in this process (inprocess_engine.py) and its
-tokens, ids only as bench_vs_vllm.py asks for them, go to plain callbacks. Reports the
+tokens, ids only as bench/serve/bench_vs_vllm.py asks for them, go to plain callbacks. Reports the
 wall time, engine steps by kind (prefill, decode by batch size), and the time inside the
 layer linears (quantized ones too), the lm_head, paged attention (K/V write, gather and
 SDPA), the norms, rotary, SiLU, the one-call decode steps (cpu_decode_stack.py: quantized or panel linears) and the

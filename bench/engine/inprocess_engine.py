@@ -1,6 +1,6 @@
 """The engine in this process, against a real cache service process, driven as a client
 drives the model service: submit requests, collect their tokens, wait for every one to
-end. For benchmarks that leave the gRPC server and its streams out (bench_vs_vllm.py
+end. For benchmarks that leave the gRPC server and its streams out (bench/serve/bench_vs_vllm.py
 --pagedkv-path engine, engine_breakdown.py).
 """
 

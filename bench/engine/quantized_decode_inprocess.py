@@ -3,7 +3,7 @@ with a decode step's layers in one C call (models/cpu_decode_stack.py, the defau
 same with the blocks held as the file has them (PAGEDKV_QUANT_REPACK=0: not interleaved,
 csrc/quant_x8.h), native through the per-layer modules, and --weights dequantize. One sequence, greedy,
 tokens/s per round and their median (no services, no gRPC; harness/paged_runner.py does the
-bookkeeping, and its logits each step). A quick check where bench_quantized.py's service
+bookkeeping, and its logits each step). A quick check where bench/serve/bench_quantized.py's service
 pairs are too slow to start on a loaded machine.
 
     .venv/bin/python -m bench.engine.quantized_decode_inprocess [--threads 2] [--rounds 5] [--steps 32]

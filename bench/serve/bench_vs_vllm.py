@@ -20,7 +20,7 @@ new prompt tokens (same lengths), so neither engine's prefix cache can help.
     first token at once, then that many a message). vLLM's LLM.generate streams nothing
     and returns whole completions; --no-stream asks pagedkv for the same
     (GenerateRequest.stream = false: one message a completion, when it ends).
-    With --pagedkv-path engine, the engine runs in this process instead (inprocess_engine.py,
+    With --pagedkv-path engine, the engine runs in this process instead (bench/engine/inprocess_engine.py,
     against a real cache service process), its tokens going to callbacks: the same
     comparison without the gRPC server and its streams, so the two tables together say
     what serving costs.

@@ -14,7 +14,7 @@ pagedkv.
 Greedy, eos ignored, token ids in and out (no tokenizer, no chat template: the bench sends
 the ids pagedkv's chat template makes). prompt_seconds runs from the call to the first
 generated token (prompt eval and one sample); decode_seconds from the first generated token
-to the last, as bench_quantized.py times pagedkv's stream.
+to the last, as bench/serve/bench_quantized.py times pagedkv's stream.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ this process talks to it over loopback gRPC with stubs compiled here from the
 imported into pagedkv's venv. Requests are token ids, greedy, eos ignored, prefix caching
 off, as in vllm_worker.py; `stream=True` asks for every step's new tokens in a message of
 their own (vLLM's DELTA output kind), `stream=False` for each completion whole (FINAL_ONLY).
-The client is one asyncio gRPC client, timed as pagedkv's is in bench_vs_vllm.py.
+The client is one asyncio gRPC client, timed as pagedkv's is in bench/serve/bench_vs_vllm.py.
 """
 
 from __future__ import annotations
