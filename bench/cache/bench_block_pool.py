@@ -17,7 +17,6 @@ import random
 import statistics
 import time
 
-
 from cache_service.core.ledger import Ledger
 
 BLOCK_SIZE = 16

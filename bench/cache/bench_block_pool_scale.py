@@ -20,7 +20,6 @@ import time
 import resource
 
 
-
 def load_pool_class(path: str | None):
     if path is None:
         from cache_service.blocks.block_pool import BlockPool

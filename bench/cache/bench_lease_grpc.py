@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from harness.cache_helpers import allocate, attach, cache_stub, release
 from harness.processes import start_cache_service
 

@@ -73,7 +73,6 @@ os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 import grpc
 
-
 from harness.peers.vllm import ensure_vllm_venv, smollm2_checkpoint, vllm_server
 from bench.serve.bench_smollm2 import real_paragraphs
 from harness.processes import start_cache_service, start_model_service

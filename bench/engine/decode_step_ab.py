@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-
 from bench.serve.bench_generate import write_w48_checkpoint
 from bench.kernels.quant_product import add_turn_arguments
 

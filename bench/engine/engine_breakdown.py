@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
 from bench.serve.bench_generate import workload, write_w48_checkpoint
 from bench.serve.bench_vs_vllm import single_stream
 from harness.peers.vllm import smollm2_checkpoint

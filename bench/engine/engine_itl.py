@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-
 from bench.engine.inprocess_engine import engine_in_process, load_in_passing_thread
 
 

@@ -20,7 +20,6 @@ import os
 
 import torch
 
-
 from harness import paged_runner
 from bench.serve.kv_fp8_accuracy import compare, prompt_token_ids, prompts
 

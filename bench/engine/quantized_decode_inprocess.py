@@ -16,7 +16,6 @@ import time
 
 import torch
 
-
 from harness.paged_runner import PagedRunner
 
 from model_service.loading.loader import load_model

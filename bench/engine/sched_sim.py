@@ -24,7 +24,6 @@ import statistics
 import sys
 from collections.abc import Callable
 
-
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import (
     Allocated, Committed, Extended, Forked, LeaseAnswer, Released, blocks_for,

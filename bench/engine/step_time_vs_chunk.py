@@ -26,7 +26,6 @@ import time
 
 import torch
 
-
 from model_service.loading.loader import load_model
 from model_service.sched.sequence import Sequence
 from model_service.worker.runner import ModelRunner

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-
 from bench.serve.bench_generate import write_w48_checkpoint
 from harness.peers.vllm import smollm2_checkpoint
 

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 from model_service.cpu_kernels import bf16_matmul
 from model_service.models.packed_linear import PackedLinear, packing_supported
 from model_service.models.panel_linear import PanelLinear

@@ -19,7 +19,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-
 from bench.kernels.quant_product import add_turn_arguments, best_in_turns
 
 from model_service.cpu_kernels import f32_matmul

@@ -23,7 +23,6 @@ import sys
 
 import torch
 
-
 from model_service.attention.torch_paged import prefill_attention_torch
 from model_service.cpu_kernels import paged_decode, prefill_attention
 from bench.kernels.quant_product import add_turn_arguments, best_in_turns, kernel_library

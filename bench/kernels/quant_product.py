@@ -19,7 +19,6 @@ import time
 
 import torch
 
-
 from model_service import cpu_kernels
 from model_service.cpu_kernels import quant_matmul
 from harness.random_quant_blocks import random_blocks

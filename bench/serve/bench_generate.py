@@ -46,7 +46,6 @@ from pathlib import Path
 import grpc
 import torch
 
-
 from harness.processes import start_cache_service, start_model_service
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc

@@ -29,7 +29,6 @@ import grpc
 import openai
 import torch
 
-
 from bench.serve.bench_generate import NUM_REQUESTS, redraw_tokens, workload, write_w48_checkpoint
 from harness.processes import start_cache_service, start_model_service
 

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import grpc
 
-
 from bench.serve.bench_smollm2 import PagedkvRunner, for_round, workload
 from harness.peers.llamacpp import LLAMACPP_WORKER, LlamaCppWorker, ensure_llamacpp_venv
 from harness.peers.places import CACHE_DIR

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import openai
 
-
 from harness.processes import free_port, start_cache_service, start_model_service
 
 ROUTER = Path(sys.executable).parent / "vllm-router"

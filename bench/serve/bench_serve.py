@@ -39,7 +39,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from harness.peers.vllm import KV_GIB, SERVED_NAME, VLLM_CLI, ensure_vllm_venv, smollm2_checkpoint, tail, vllm_server
 from harness.processes import start_cache_service, start_model_service
 

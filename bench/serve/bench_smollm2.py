@@ -33,7 +33,6 @@ from pathlib import Path
 import grpc
 import torch
 
-
 from harness.processes import start_cache_service, start_model_service
 from bench.serve.bench_generate import run_hf_generate as generate_batches
 

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import grpc
 
-
 from bench.serve.bench_smollm2 import for_round, workload
 from harness.processes import start_cache_service, start_model_service
 

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import grpc
 
-
 from harness.peers.vllm import MAX_MODEL_LEN, VllmWorker, ensure_vllm_venv, smollm2_checkpoint
 from harness.processes import start_cache_service, start_model_service
 

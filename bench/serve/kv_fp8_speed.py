@@ -24,7 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 from bench.serve.bench_generate import workload
 from bench.serve.bench_vs_vllm import pagedkv_services, rate, redraw, single_stream
 from harness.peers.vllm import VllmWorker, ensure_vllm_venv, smollm2_checkpoint
