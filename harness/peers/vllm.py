@@ -23,9 +23,9 @@ from harness.processes import free_port
 
 VLLM_VENV = Path(os.environ.get("PAGEDKV_VLLM_VENV", BENCH / ".venv-vllm"))
 VLLM_VERSION = "0.32.0"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 1024  # the worker's, and the pagedkv services' that the benchmarks run beside it
 SERVED_NAME = "smollm2"
-KV_GIB = 2
+KV_GIB = 2  # vllm_server's KV cache (bench_serve.py gives pagedkv the same, under the same SERVED_NAME)
 VLLM_CLI = PEERS / "vllm_cli.py"  # `vllm serve` and `vllm bench serve`, run by path in the vLLM venv
 
 
