@@ -62,6 +62,11 @@ GRAMMAR_CACHE_HITS = Counter(
     "Structured-output requests whose spec was compiled already, or was being compiled for another, by kind",
     ["kind"],
 )
+GRAMMAR_CACHE_BYTES = Gauge(
+    "pagedkv_model_grammar_cache_bytes",
+    "Bytes of the compiled grammars kept for reuse (xgrammar's estimate plus the specs' text; "
+    "bounded by --grammar-cache-bytes)",
+)
 GRAMMAR_COMPILE_SECONDS = Histogram(
     "pagedkv_model_grammar_compile_seconds",
     "Time to compile one spec, refused ones included (the first compile also reads the vocabulary), by kind",

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "with the cube of it); deeper is INVALID_ARGUMENT before compiling")
     add_flag(parser, "--grammar-compiles-per-tenant", default=CompileLimits().per_tenant, type=int,
              help="grammars one --api-keys tenant may have compiling at once; past them RESOURCE_EXHAUSTED")
+    add_flag(parser, "--grammar-cache-bytes", default="64MiB", type=parse_bytes,
+             help="bytes the compiled structured-output grammars kept for reuse may hold, least recently used "
+                  "evicted first (a grammar larger than this is compiled for its request and not kept)")
     add_flag(parser, "--max-request-bytes", default=DEFAULT_MAX_REQUEST_BYTES, type=parse_bytes,
              help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
     add_flag(parser, "--served-model-name", default=None,
@@ -289,7 +292,8 @@ async def serve(args: argparse.Namespace) -> int:
                                    stream_interval=args.stream_interval)
     generation.grammars.limits = CompileLimits(
         threads=args.grammar_compile_threads, timeout_s=args.grammar_compile_timeout_s,
-        max_json_depth=args.max_json_schema_depth, per_tenant=args.grammar_compiles_per_tenant)
+        max_json_depth=args.max_json_schema_depth, per_tenant=args.grammar_compiles_per_tenant,
+        cache_bytes=args.grammar_cache_bytes)
     servicer = ModelServicer(generation, api_keys)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server),

@@ -16,14 +16,12 @@ import shutil
 import stat
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 import torch
 import zmq
 import zmq.auth
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
 from cache_service.events.publisher import KvEventPublisher
@@ -31,20 +29,12 @@ from cache_service.events.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
 from harness.processes import free_port, start_cache_service
+from scrape import metric
 
 BS = 16  # the cache service's default --block-size
 TAG = DiskGeometry(TINY_GEOMETRY["num_layers"], TINY_GEOMETRY["num_kv_heads"], TINY_GEOMETRY["head_dim"], BS,
                    torch.float32).tag
 
-
-def metric(service, name: str, **labels) -> float:
-    with urllib.request.urlopen(service.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    return 0.0
 
 
 def replay_requests(service, outcome: str) -> float:

@@ -24,6 +24,7 @@ import pytest
 from harness.cache_helpers import cache_stub, no_block_leased, stats, wait_for
 from harness.hf_checkpoints import write_checkpoint
 from harness.processes import start_cache_service, start_model_service
+from scrape import metric
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
@@ -81,13 +82,6 @@ def grpc_text(stub, **fields) -> tuple[str, model_pb2.GenerateResponse]:
         last = response
     return text, last
 
-
-def metric(model, name: str, **labels) -> float:
-    wanted = name + ("{" + ",".join(f'{key}="{value}"' for key, value in labels.items()) + "}" if labels else "")
-    for line in urllib.request.urlopen(model.metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 # -- models and health ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from harness.cache_helpers import cache_stub, stats, wait_for
 from google.protobuf import struct_pb2
 from harness.hf_checkpoints import write_checkpoint
 from harness.processes import start_cache_service, start_model_service
+from scrape import metric
 
 from model_service import client as cli
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -230,15 +231,6 @@ def test_chat_n_2_streams_both_choices(client):
 # ---------------------------------------------------------------- structured output's compiles, on /metrics
 
 
-def metric(model, name: str, **labels) -> float:
-    import urllib.request
-
-    wanted = name + ("{" + ",".join(f'{key}="{value}"' for key, value in labels.items()) + "}" if labels else "")
-    for line in urllib.request.urlopen(model.metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
-    return 0.0
-
 
 def test_grammar_compiles_cache_hits_and_compile_seconds_are_on_metrics(client, services):
     _, model, _ = services
@@ -263,6 +255,8 @@ def test_grammar_compiles_cache_hits_and_compile_seconds_are_on_metrics(client, 
     delta = {key: after[key] - before[key] for key in series}
     assert delta["ok"] == 1 and delta["invalid"] == 2 and delta["hits"] == 1, delta
     assert delta["timed"] == delta["in_buckets"] == 3 and delta["seconds"] > 0, delta
+    # The kept grammars' bytes are reported, within --grammar-cache-bytes (64 MiB by default).
+    assert 0 < metric(model, "pagedkv_model_grammar_cache_bytes") <= 64 << 20
 
 
 # ---------------------------------------------------------------- tools: calls, results and tool_choice "auto"

@@ -16,7 +16,7 @@ from model_service.api.openai_http.errors import ApiError
 from model_service.api.openai_http.protocol import ChatCompletionRequest
 from model_service.api.openai_http.tools import parse_hermes, plan_tools
 from model_service.api.sampling_proto import structured_from_proto
-from model_service.sample.grammar import GrammarCompiler, InvalidStructure, TokenMasks, accept, new_matcher
+from model_service.sample.grammar import CompileLimits, GrammarCompiler, InvalidStructure, TokenMasks, accept, new_matcher
 from model_service.sample.params import InvalidRequest, SamplingOptions, StructuredSpec
 from model_service.sample.sampler import make_generator, sample
 from model_service.text.tokenizer import ByteTokenizer
@@ -37,6 +37,28 @@ def test_a_spec_is_compiled_once_even_when_asked_for_at_once(grammars):
     with ThreadPoolExecutor(4) as pool:
         compiled = list(pool.map(lambda _: grammars.compile(spec), range(8)))
     assert grammars.compiles == before + 1 and all(c is compiled[0] for c in compiled)
+
+
+def test_the_grammar_cache_is_bounded_by_bytes_and_xgrammar_keeps_no_second_copy():
+    grammars = GrammarCompiler(ByteTokenizer(), VOCAB, {EOS})
+    specs = [StructuredSpec("regex", f"[0-9]{{4}}x{index}") for index in range(6)]
+    one = grammars.compile(specs[0]).memory_size_bytes + len(specs[0].text)
+    grammars.limits = CompileLimits(cache_bytes=3 * one + one // 2)  # room for three
+    for spec in specs[1:]:
+        grammars.compile(spec)
+    assert grammars.cached_bytes <= grammars.limits.cache_bytes
+    assert 0 < len(grammars._cache) <= 3
+    assert grammars._xgrammar_compiler().get_cache_size_bytes() == 0
+    before = grammars.compiles
+    grammars.compile(specs[-1])  # the most recent is kept
+    assert grammars.compiles == before
+    grammars.compile(specs[0])  # the oldest was evicted: compiled again
+    assert grammars.compiles == before + 1
+
+    grammars.limits = CompileLimits(cache_bytes=one // 2)  # smaller than any grammar
+    spec = StructuredSpec("regex", "[a-z]{3}")
+    assert grammars.compile(spec) is not None  # served, not kept
+    assert spec not in grammars._cache and grammars.cached_bytes <= one // 2
 
 
 def test_spec_from_proto_checks_its_shape():

@@ -18,6 +18,7 @@ import pytest
 import grpc_generate
 from harness.cache_helpers import cache_stub, stats, wait_for
 from harness.processes import start_cache_service, start_model_service
+from scrape import metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -47,12 +48,6 @@ def services(tmp_path_factory):
 def generate(stub, key: str, **fields) -> model_pb2.GenerateResponse:
     return grpc_generate.generate(stub, sampling=dict(max_new_tokens=2), metadata=bearer_metadata(key), **fields).last
 
-
-def metric(model, line_start: str) -> float:
-    for line in urllib.request.urlopen(model.metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith(line_start + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def by_tenant(model, name: str, **labels) -> dict[str, float]:
@@ -87,8 +82,8 @@ def test_a_tenant_past_its_concurrent_requests_is_429_and_resource_exhausted_the
     assert generate(stub, KEY_B, prompt="b runs").usage.completion_tokens == 2
     holding.close()
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
-    assert metric(model, 'pagedkv_model_tenant_requests_total{tenant="a"}') >= 1
-    assert metric(model, 'pagedkv_model_tenant_tokens_total{kind="completion",tenant="b"}') >= 2
+    assert metric(model, "pagedkv_model_tenant_requests_total", tenant="a") >= 1
+    assert metric(model, "pagedkv_model_tenant_tokens_total", kind="completion", tenant="b") >= 2
 
 
 def test_tenants_do_not_share_cached_prefixes_even_given_one_salt(services):

@@ -38,7 +38,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # compiled grammar grow with the text.
 MAX_STRUCTURED_CHARS = 64 * 1024
 MAX_CHOICES = 1024
-# Compiled grammars kept; a compiled JSON schema for a 49k-token vocabulary is tens of KiB.
+# Compiled grammars kept, at most (their bytes are bounded too: CompileLimits.cache_bytes).
 MAX_CACHED_GRAMMARS = 256
 # JSON with any whitespace: at most this many whitespace characters between two elements.
 # Room for indentation, never a run a small model can loop in until max_new_tokens.
@@ -86,6 +86,10 @@ class CompileLimits:
     timeout_s: float = 10.0  # --grammar-compile-timeout-s
     max_json_depth: int = 64  # nesting of a JSON schema's objects and arrays (--max-json-schema-depth)
     per_tenant: int = 1  # compiles one tenant may have running (--grammar-compiles-per-tenant)
+    # What the compiled grammars kept for reuse may hold (--grammar-cache-bytes): a compiled
+    # grammar's token masks grow with the vocabulary and the spec, so a count alone does not
+    # bound them. A grammar larger than this is served but not kept.
+    cache_bytes: int = 64 << 20
 
 
 class CompilerBusy(Exception):
@@ -106,7 +110,8 @@ class _Compiling:
 
 
 class GrammarCompiler:
-    """Compiles specs for one model's vocabulary; thread-safe; keeps the last MAX_CACHED_GRAMMARS.
+    """Compiles specs for one model's vocabulary; thread-safe; keeps the most recently used
+    compiled grammars, at most MAX_CACHED_GRAMMARS of them and `limits.cache_bytes` in all.
 
     A compile runs on a daemon thread of its own, at most `limits.threads` at once; its
     waiters give up at its deadline with InvalidStructure naming the limit. Python cannot
@@ -127,7 +132,8 @@ class GrammarCompiler:
         self._compiler = None  # made at the first compile
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()  # held while the vocabulary is read, once
-        self._cache: OrderedDict[StructuredSpec, object] = OrderedDict()
+        self._cache: OrderedDict[StructuredSpec, tuple[object, int]] = OrderedDict()  # spec -> (compiled, bytes)
+        self.cached_bytes = 0
         self._compiling: dict[StructuredSpec, _Compiling] = {}  # running, stragglers included
         self._too_slow: OrderedDict[StructuredSpec, None] = OrderedDict()  # timed out, not finished since
         self.compiles = 0  # cache misses, for tests and the benchmark
@@ -165,12 +171,13 @@ class GrammarCompiler:
 
     def cached(self, spec: StructuredSpec, count_hit: bool = True):
         with self._lock:
-            compiled = self._cache.get(spec)
-            if compiled is not None:
-                self._cache.move_to_end(spec)
-                if count_hit:
-                    metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
-            return compiled
+            entry = self._cache.get(spec)
+            if entry is None:
+                return None
+            self._cache.move_to_end(spec)
+            if count_hit:
+                metrics.GRAMMAR_CACHE_HITS.labels(spec.kind).inc()
+            return entry[0]
 
     def start(self, spec: StructuredSpec, tenant: str = "") -> _Compiling:
         """The spec's compile: the one running (another request sent the same spec), or a
@@ -217,10 +224,22 @@ class GrammarCompiler:
             self.compiles += 1
             self._compiling.pop(spec, None)
             self._too_slow.pop(spec, None)
-            self._cache[spec] = compiled
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            self._keep(spec, compiled)
         future.set_result(compiled)
+
+    def _keep(self, spec: StructuredSpec, compiled) -> None:
+        """Caches a compiled grammar, evicting the least recently used past either bound;
+        the caller holds the lock. Its bytes: xgrammar's estimate plus the spec's text (the key)."""
+        size = compiled.memory_size_bytes + len(spec.text)
+        if size <= self.limits.cache_bytes:
+            self._cache[spec] = (compiled, size)
+            self.cached_bytes += size
+        else:
+            log.info("grammar_not_cached", kind=spec.kind, bytes=size, cache_bytes=self.limits.cache_bytes)
+        while len(self._cache) > MAX_CACHED_GRAMMARS or self.cached_bytes > self.limits.cache_bytes:
+            _, (_, evicted) = self._cache.popitem(last=False)
+            self.cached_bytes -= evicted
+        metrics.GRAMMAR_CACHE_BYTES.set(self.cached_bytes)
 
     def _timed_out(self, spec: StructuredSpec, before: bool = False) -> InvalidStructure:
         """The error of a compile past its deadline; `before`: one found so at an earlier
@@ -244,7 +263,9 @@ class GrammarCompiler:
 
                 # Reading the vocabulary takes about a second: done once, at the first spec.
                 info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                # xgrammar's own cache has no bound by default and would keep every grammar
+                # this one evicts: the cache above is the only one.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
             return self._compiler
 
     def _compile(self, compiler, spec: StructuredSpec):
