@@ -649,7 +649,7 @@ def services_on_one_gpu(args) -> None:
     import torch
     from harness.cache_helpers import cache_stub, stats, wait_for
     from harness.hf_checkpoints import write_checkpoint
-    from harness.low_precision import agreeing_prefix, reference_greedy
+    from harness.low_precision import agreeing_prefix, reference_greedy_with_logits
     from harness.processes import start_cache_service, start_model_service
     from transformers import AutoModelForCausalLM
 
@@ -668,7 +668,7 @@ def services_on_one_gpu(args) -> None:
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
         generator = torch.Generator().manual_seed(3)
         prompts = [torch.randint(4, 300, (n,), generator=generator).tolist() for n in (40, 7, 23, 61)]
-        expected = [reference_greedy(reference, p, 24) for p in prompts]
+        expected = [reference_greedy_with_logits(reference, p, 24) for p in prompts]
         model_flags = ("--model", str(path), "--device", "cuda", "--dtype", "bfloat16", "--cuda-graphs", "on",
                        "--max-num-seqs", "8", "--max-model-len", "256")
         env = {"PYTHONPATH": str(ROOT)}  # `python -m model_service` from wherever this runs
@@ -711,7 +711,7 @@ def services_on_one_gpu(args) -> None:
                 wait_for(lambda: stats(cache_client).blocks_leased == 0, 60, "both services' blocks to be released")
                 # The second service reads K/V that the first wrote, through the prefix cache.
                 fresh = torch.randint(4, 300, (64,), generator=generator).tolist()
-                theirs, logits = reference_greedy(reference, fresh, 8)
+                theirs, logits = reference_greedy_with_logits(reference, fresh, 8)
                 generate(stubs[0], fresh, 8)
                 second_tokens, last = generate(stubs[1], fresh, 8)
                 try:
