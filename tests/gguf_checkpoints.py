@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf_kquants import quantize_k
+
 from harness.hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 
 ROPE_THETA = 10000.0

@@ -6,6 +6,7 @@ tolerance of each other (a near tie, which a quantization may flip)."""
 from __future__ import annotations
 
 import torch
+
 from harness.paged_runner import PagedRunner
 
 

@@ -22,11 +22,11 @@ import math
 import grpc
 import pytest
 import torch
-from harness.cache_helpers import stats, wait_for
 from ledger_cache import apply_proto_op
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from harness.cache_helpers import stats, wait_for
 from cache_service.core.ledger import Ledger
 from model_service.loading.tiny import tiny_config
 from model_service.text.tokenizer import ByteTokenizer

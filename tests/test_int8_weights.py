@@ -24,11 +24,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
 from quantized_compare import assert_equal_up_to_a_near_tie, greedy
 from safetensors import safe_open
 
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from model_service.loading.hf_int8 import CHUNK_ROWS, quantize_q8_0
 from model_service.loading.loader import load_model
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear

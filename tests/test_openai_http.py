@@ -21,11 +21,11 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from scrape import metric
+
 from harness.cache_helpers import cache_stub, no_block_leased, stats, wait_for
 from harness.hf_checkpoints import write_checkpoint
 from harness.processes import start_cache_service, start_model_service
-from scrape import metric
-
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 

@@ -19,12 +19,12 @@ import re
 import grpc
 import openai
 import pytest
-from harness.cache_helpers import cache_stub, stats, wait_for
 from google.protobuf import struct_pb2
-from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
 from scrape import metric
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from model_service import client as cli
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.processes import free_port, start_cache_service, start_model_service
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.health_probe import wait_serving
-from harness.processes import free_port, start_cache_service, start_model_service
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_SERVICE_MISSING = not (REPO / "model_service" / "__main__.py").exists()

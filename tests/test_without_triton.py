@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.processes import free_port
 
+from harness.processes import free_port
 from pagedkv.health_probe import wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
