@@ -183,7 +183,8 @@ def run_file(path: Path, llamacpp_python: Path, args, tmp: Path) -> dict:
             runners[mode] = (service.address, lambda prompt, address=service.address: one_stream(address, prompt))
         worker = LlamaCppWorker(llamacpp_python, path, args.threads, args.llamacpp_n_batch, tmp / f"{path.stem}-llamacpp.log")
         stack.callback(worker.close)
-        run_stream = {mode: runners[mode][1] for mode in MODES} | {"llama.cpp": lambda prompt: worker.one_stream(prompt, STREAM_TOKENS)}
+        run_stream = {mode: runners[mode][1] for mode in MODES}
+        run_stream["llama.cpp"] = lambda prompt: worker.one_stream(prompt, STREAM_TOKENS)
         warm = stream_prompt(path, -1)
         for engine in ENGINES:
             run_stream[engine](warm)
