@@ -18,6 +18,9 @@ import subprocess
 import sys
 import time
 import resource
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_pool_class(path: str | None):
@@ -66,10 +69,12 @@ def main() -> int:
     for case in ("build", "lease_1m", "lease_all"):
         for round_index in range(args.rounds):
             for name, path in sides:  # A/B alternating
-                argv = [sys.executable, __file__, "--blocks", str(args.blocks), "--case", case]
+                argv = [sys.executable, "-m", "bench.cache.bench_block_pool_scale", "--blocks", str(args.blocks),
+                        "--case", case]
                 if path:
                     argv += ["--path", path]
-                out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+                # -m from the repository root: the child measures this tree's pool, whatever is installed.
+                out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
                 print(f"{case:<10} round {round_index} {name:<6} {out.strip()}", flush=True)
     return 0
 
