@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A first GPU run in one command: install the wheels the GPU image lacks, print the
-# versions, run bench/gpu_check.py (kernels, fp8 KV, bandwidth, graph memory, graphs,
+# versions, run checks/gpu_check.py (kernels, fp8 KV, bandwidth, graph memory, graphs,
 # sampling, cuda:N, the KV tiers; then the model and the services), the CUDA IPC test,
 # the GPU tests of the worker and the tier tests, each step's log under one folder, the whole run
 # within --budget-s (default 530 s: under 9 minutes on one H200).
@@ -146,9 +146,9 @@ else
     CUDA_WHY="torch did not report; see $LOGS/versions.log"
 fi
 
-gpu_step gpu_check_kernels 330 "$PYTHON" bench/gpu_check.py --only kernels --only fp8_kv --only bandwidth \
+gpu_step gpu_check_kernels 330 "$PYTHON" checks/gpu_check.py --only kernels --only fp8_kv --only bandwidth \
     --only graph_memory --only graphs --only sampling --only cuda_n --only tiers
-gpu_step gpu_check_services 240 "$PYTHON" bench/gpu_check.py --only model --only services
+gpu_step gpu_check_services 240 "$PYTHON" checks/gpu_check.py --only model --only services
 gpu_step cuda_ipc_and_worker_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider \
     tests/test_pool_memory.py tests/test_cuda_threads.py tests/test_warmup_workspace.py -k "cuda or gpu or GPU"
 gpu_step tier_stack_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py \

@@ -36,7 +36,7 @@ def smollm2_stack(tmp_path_factory):
     import grpc
 
     from pagedkv.model.v1 import model_pb2_grpc
-    from processes import start_cache_service, start_model_service
+    from harness.processes import start_cache_service, start_model_service
 
     tmp_path = tmp_path_factory.mktemp("smollm2")
     with start_cache_service(tmp_path, "--kv-cache-bytes", "64MiB", "--host-cache-bytes", "32MiB",

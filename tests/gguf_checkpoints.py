@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf_kquants import quantize_k
-from hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
+
+from harness.hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 
 ROPE_THETA = 10000.0
 QUANT_TYPES = ("F32", "F16", "Q8_0", "Q4_0")

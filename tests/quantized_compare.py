@@ -6,7 +6,8 @@ tolerance of each other (a near tie, which a quantization may flip)."""
 from __future__ import annotations
 
 import torch
-from paged_runner import PagedRunner
+
+from harness.paged_runner import PagedRunner
 
 
 def greedy(model, config, tokenizer, prompt: str, steps: int) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:

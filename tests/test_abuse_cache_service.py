@@ -23,12 +23,12 @@ import torch
 import zmq
 import zmq.auth
 
-from cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
+from harness.cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
+from harness.processes import free_port, start_cache_service
 from cache_service.events.publisher import KvEventPublisher
 from cache_service.events.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
-from processes import free_port, start_cache_service
 from scrape import metric
 
 BS = 16  # the cache service's default --block-size

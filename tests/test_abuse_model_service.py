@@ -26,10 +26,10 @@ import grpc
 import openai
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 

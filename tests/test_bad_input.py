@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cache_helpers import allocate, attach, extend, fork, lease, release, wait_for
-from processes import start_cache_service, start_model_service
 
+from harness.cache_helpers import allocate, attach, extend, fork, lease, release, wait_for
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata

@@ -9,9 +9,9 @@ import threading
 
 import grpc
 import pytest
-from cache_helpers import allocate, attach, cache_stub, fork, lease, stats, wait_for
-from processes import start_cache_service, start_model_service
 
+from harness.cache_helpers import allocate, attach, cache_stub, fork, lease, stats, wait_for
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

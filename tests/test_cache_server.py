@@ -11,11 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from cache_helpers import (
+
+from harness.cache_helpers import (
     TINY_GEOMETRY, allocate, attach, cache_stub, extend, fork, lease, leased_blocks, release, stats, wait_for,
 )
-from processes import start_cache_service
-
+from harness.processes import start_cache_service
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 

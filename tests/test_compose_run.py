@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 import pytest
 from compose_cli import COMPOSE_CLI_HINT, compose_cli, compose_version, docker_engine
-from processes import free_port
 
+from harness.processes import free_port
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent

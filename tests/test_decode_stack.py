@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_checkpoints import write_gguf
-from hf_checkpoints import write_checkpoint
 from kernel_levels import force, level_params
-from paged_runner import PagedRunner
 
+from harness.hf_checkpoints import write_checkpoint
+from harness.paged_runner import PagedRunner
 from model_service.attention.metadata import AttentionMetadata
 from model_service.cpu_kernels import bf16_matmul, f32_matmul, load, quant_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES

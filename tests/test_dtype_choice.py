@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import write_checkpoint
 from safetensors.torch import load_file, save_file
 
+from harness.hf_checkpoints import write_checkpoint
 from model_service.cpu_kernels import bf16_matmul, load
 from model_service.errors import ModelLoadError
 from model_service.loading.dtype_choice import auto_dtype, stored_dtype

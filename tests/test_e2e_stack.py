@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client.parser import text_string_to_metric_families
 
 import grpc_generate
-from cache_helpers import stats, wait_for
+from harness.cache_helpers import stats, wait_for
 from pagedkv.cache.v1 import cache_pb2_grpc
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

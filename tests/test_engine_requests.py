@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service
 from recorded_events import recording_events
-from reference_generate import prompt_ids, reference_greedy
 from prometheus_client import REGISTRY
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service
+from harness.reference_generate import prompt_ids, reference_greedy
 from model_service.cache.client import CacheClient
 from model_service.engine import live_requests
 from model_service.engine.loop import Engine

@@ -17,12 +17,12 @@ import time
 
 import grpc
 import pytest
-from cache_helpers import cache_stub, stats, wait_for
 from generate_stream import GenerateStream
 from grpc_generate import deadline_after_first_token, greedy
-from processes import (DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service,
-                       start_model_service)
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.processes import (DEFAULT_TIMEOUT_S, ServiceProcess, _test_env, free_port, start_cache_service,
+                               start_model_service)
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.health_probe import check as health_check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc

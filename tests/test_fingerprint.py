@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from hf_checkpoints import write_checkpoint
 
+from harness.hf_checkpoints import write_checkpoint
 from model_service.errors import ModelLoadError
 from model_service.loading.fingerprint import checkpoint_fingerprint
 

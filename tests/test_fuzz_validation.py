@@ -22,11 +22,11 @@ import math
 import grpc
 import pytest
 import torch
-from cache_helpers import stats, wait_for
 from ledger_cache import apply_proto_op
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from harness.cache_helpers import stats, wait_for
 from cache_service.core.ledger import Ledger
 from model_service.loading.tiny import tiny_config
 from model_service.text.tokenizer import ByteTokenizer
@@ -260,8 +260,8 @@ SERVED_DEFAULT_MAX_NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from cache_helpers import cache_stub
-    from processes import start_cache_service, start_model_service
+    from harness.cache_helpers import cache_stub
+    from harness.processes import start_cache_service, start_model_service
 
     tmp_path = tmp_path_factory.mktemp("fuzz")
     with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \

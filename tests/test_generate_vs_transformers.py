@@ -12,12 +12,12 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
 from grpc_generate import greedy
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
-from reference_generate import reference_greedy
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
+from harness.reference_generate import reference_greedy
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:

@@ -11,15 +11,15 @@ import re
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
 from grpc_generate import deadline_after_first_token
-from hf_checkpoints import EOS_ID, write_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from processes import start_cache_service, start_model_service
-from reference_generate import prompt_ids, reference_greedy
 from transformers.generation.logits_process import MinPLogitsWarper
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import EOS_ID, write_checkpoint
+from harness.processes import start_cache_service, start_model_service
+from harness.reference_generate import prompt_ids, reference_greedy
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

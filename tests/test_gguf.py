@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from gguf_checkpoints import QUANT_TYPES, write_gguf
-from processes import start_cache_service, start_model_service
-from paged_runner import PagedRunner
-from reference_generate import reference_greedy
 from test_model_vs_transformers import reference_logits
 
+from harness.paged_runner import PagedRunner
+from harness.processes import start_cache_service, start_model_service
+from harness.reference_generate import reference_greedy
 from model_service.errors import ModelLoadError
 from model_service.loading.gguf_weights import unpermute_rope_rows
 from model_service.loading.loader import load_model

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py on a machine without CUDA: it parses its arguments and says plainly
+"""checks/gpu_check.py on a machine without CUDA: it parses its arguments and says plainly
 that it checked nothing (exit 2), rather than failing on an import or passing vacuously;
 a run that skips every check, or whose checks report nothing, never passes either; the
 references its GPU checks trust hold on CPU."""
@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+from checks import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "checks.gpu_check", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
 def test_without_cuda_it_exits_2_and_says_so():
@@ -41,15 +44,10 @@ def test_its_decode_reference_and_dtype_bound_hold_on_cpu():
     # The GPU run trusts reference_decode (gather + float64 SDPA) and dtype_margin's bound:
     # here they meet the torch path on CPU, computing in float32 from inputs in the dtype and
     # rounding its output to the dtype, as the Triton kernel does.
-    import importlib.util
-
     import torch
 
     from model_service.attention.torch_paged import decode_attention_torch
 
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     torch.manual_seed(0)
     batch, kv_heads, group, head_dim, block_size, width = 4, 2, 3, 64, 16, 6
     tables = gpu_check.random_tables(batch, width, batch * width + 5, device="cpu")
@@ -70,17 +68,7 @@ def test_its_decode_reference_and_dtype_bound_hold_on_cpu():
         assert gpu_check.dtype_margin(wrong[1:], expected[1:], v_max, str(dtype)[6:]) > 1.0
 
 
-def load_gpu_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
-
-
 def test_skipping_every_check_is_refused():
-    gpu_check = load_gpu_check()
     every = [argument for name in gpu_check.CHECKS for argument in ("--skip", name)]
     result = run(*every)
     assert result.returncode == 2 and "every check is skipped: nothing would be checked" in result.stderr
@@ -93,7 +81,6 @@ def test_checks_that_report_nothing_do_not_pass(monkeypatch, capsys):
     # With a (faked) GPU, steps that return without a result: exit 2, not "all GPU checks passed".
     import torch
 
-    gpu_check = load_gpu_check()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
     monkeypatch.setattr(gpu_check, "STEPS", {name: (lambda args: None) for name in gpu_check.CHECKS})
@@ -114,7 +101,6 @@ def test_its_sampling_reference_matches_the_cpu_sampler_and_the_bound_can_fail()
     from model_service.sample.params import SamplingOptions
     from model_service.sample.sampler import make_generator, sample
 
-    gpu_check = load_gpu_check()
     rows, vocab = 16384, 1000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 3
     for knobs in (dict(temperature=0.7), dict(temperature=1.0, top_k=50, top_p=0.9),
@@ -138,7 +124,6 @@ def test_its_fp8_pool_and_reference_agree_with_the_torch_path_on_cpu():
 
     from model_service.attention.torch_paged import decode_attention_torch
 
-    gpu_check = load_gpu_check()
     torch.manual_seed(1)
     batch, kv_heads, group, head_dim, block_size, width = 4, 2, 4, 64, 16, 5
     scales = (0.05, 0.02)
@@ -160,11 +145,6 @@ def test_its_fp8_pool_and_reference_agree_with_the_torch_path_on_cpu():
 
 def test_its_tier_round_trip_holds_on_cpu(tmp_path):
     # The GPU run's tiers check, on a small CPU pool: what it compares and counts is right.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     small = dict(layers=2, kv_heads=1, head_dim=8, block_size=4)
     host = gpu_check.tier_round_trip("cpu", blocks=16, host_blocks=9, disk_dir=None, promote=8, **small)
     assert host["equal"] and host["cached_tokens"] == 32 and host["errors"] == 0

@@ -81,6 +81,14 @@ RULES = [
      "where a model comes from knows nothing of serving it"),
     (("model_service/engine", "model_service/sched", "model_service/cache", "model_service/sample"),
      ("model_service.api", "fastapi", "starlette"), "nothing below the front doors imports them"),
+    # What drives the product from outside: harness/ (shared), bench/, checks/, tests/.
+    (("pagedkv", "cache_service", "model_service"), ("harness", "bench", "checks", "tests"),
+     "the product never imports what tests, benchmarks and checks drive it with"),
+    (("harness",), ("bench", "checks", "tests"), "harness/ is what the others share, so it needs none of them"),
+    (("bench", "checks"), ("tests",), "what a benchmark shares with the tests lives in harness/"),
+    (("harness/peers/vllm_worker.py", "harness/peers/vllm_cli.py", "harness/peers/llamacpp_worker.py"),
+     ("pagedkv", "cache_service", "model_service", "harness", "bench", "checks"),
+     "the peers' scripts run by path in the peers' own venvs, where nothing of this project is installed"),
 ]
 
 
@@ -143,3 +151,12 @@ def test_the_rules_see_imports():
     """The checker itself: a file that imports the scheduler and torch is seen doing so."""
     assert {"torch", "model_service.sched.scheduler", "model_service.sched.scheduler.Scheduler"} <= imports_of(
         ROOT / "model_service" / "engine" / "loop.py")
+
+
+def test_no_script_edits_sys_path():
+    """bench/ and checks/ import the product and harness/ as packages (run with -m from the root,
+    or by path once installed): a sys.path edit would hide a module that is not where it is named."""
+    edits = [f"{path.relative_to(ROOT)}:{number}" for path in files("bench", "checks")
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if line.lstrip().startswith(("sys.path.insert", "sys.path.append", "sys.path[:0]"))]
+    assert edits == []

@@ -8,7 +8,7 @@ Two roundings differ from float32: each weight to the nearest of its block's 255
 (0.8 %) of its blocks' largest terms, compounded through 2 layers and the lm_head.
 Stated tolerances:
 - logits: max |int8 - float32| <= INT8_LOGIT_TOLERANCE × max |logit| (measured at most
-  3.0 % over the six kinds of tests/hf_checkpoints.py and four prompts);
+  3.0 % over the six kinds of harness/hf_checkpoints.py and four prompts);
 - greedy tokens: equal, up to the first step where float32's top two logits are within
   that absolute tolerance (a near tie): any divergence must start at one.
 """
@@ -24,11 +24,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
 from quantized_compare import assert_equal_up_to_a_near_tie, greedy
 from safetensors import safe_open
 
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from model_service.loading.hf_int8 import CHUNK_ROWS, quantize_q8_0
 from model_service.loading.loader import load_model
 from model_service.models.quantized_linear import QuantizedEmbedding, QuantizedLinear

@@ -15,14 +15,14 @@ import msgspec
 import pytest
 import zmq
 
-from cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
+from harness.cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
+from harness.processes import free_port, start_cache_service
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.core.ledger import Ledger
 from cache_service.api.server import build_parser, kv_event_publishers
 from cache_service.events.vllm_block_hash import DEFAULT_SEED, chain, external, none_hash, sha256_cbor
 from pagedkv.cache.v1 import cache_pb2
-from processes import free_port, start_cache_service
 
 BS = 16
 # Computed by vLLM 0.32's own code (its sha256_cbor block hashes, seed "vllm-none-hash").

@@ -8,10 +8,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, leased_blocks, stats, wait_for
-from processes import start_cache_service, start_model_service
 from test_kv_tiers_stack import FULL_BLOCK_TOKENS, MODEL_ARGS, POOL_ARGS, evict_with_other_prompts, generate, prompt, tier
 
+from harness.cache_helpers import cache_stub, leased_blocks, stats, wait_for
+from harness.processes import start_cache_service, start_model_service
 from cache_service.tiers.host_tier import HostTier
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -17,10 +17,10 @@ import time
 import grpc
 import pytest
 import torch
-from cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
 from cuda_tier_fakes import FakeCuda, FakeCudaTensor, on_fake_cuda
 from test_kv_tiers import BS, BYTES_PER_BLOCK, Stack, tokens_of
 
+from harness.cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
 from cache_service.tiers import device_copies, kv_tiers
 from cache_service.tiers.settings import TierSettings
 from pagedkv.cache.v1 import cache_pb2

@@ -16,11 +16,11 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, leased_blocks, stats, wait_for
 from generate_stream import GenerateStream
 from grpc_generate import greedy
-from processes import free_port, start_cache_service, start_model_service, start_together
 
+from harness.cache_helpers import cache_stub, leased_blocks, stats, wait_for
+from harness.processes import free_port, start_cache_service, start_model_service, start_together
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)

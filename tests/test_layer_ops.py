@@ -118,7 +118,7 @@ def test_a_model_step_agrees_with_and_without_the_kernels(monkeypatch, dtype):
     # The tiny model through prefill then decode, once on the C kernels, once on the torch
     # code alone (torch attention backend, layer ops' C path off), same weights and pool.
     from model_service.loading.tiny import build_tiny_model
-    from paged_runner import PagedRunner
+    from harness.paged_runner import PagedRunner
 
     with_c = build_tiny_model(dtype)
     on_torch = build_tiny_model(dtype, attention_backend="torch")

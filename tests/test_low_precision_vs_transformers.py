@@ -13,13 +13,13 @@ import concurrent.futures
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
 from grpc_generate import greedy
-from hf_checkpoints import write_checkpoint
-from low_precision import agreeing_prefix, assert_close_in_dtype, reference_greedy_with_logits
-from paged_runner import PagedRunner
-from processes import start_cache_service, start_model_service
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.low_precision import agreeing_prefix, assert_close_in_dtype, reference_greedy_with_logits
+from harness.paged_runner import PagedRunner
+from harness.processes import start_cache_service, start_model_service
 from model_service.loading.loader import load_model
 from pagedkv.model.v1 import model_pb2_grpc
 

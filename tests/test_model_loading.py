@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-from hf_checkpoints import EOS_ID, EXTRA_ID, MISTRAL_WINDOW, QWEN2_WINDOW, write_checkpoint
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
+from harness.hf_checkpoints import EOS_ID, EXTRA_ID, MISTRAL_WINDOW, QWEN2_WINDOW, write_checkpoint
 from model_service.attention.metadata import AttentionMetadata
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_checkpoints import CHECKPOINT_KINDS, write_checkpoint
-from paged_runner import BLOCK_SIZE, PagedRunner
 
+from harness.hf_checkpoints import CHECKPOINT_KINDS, write_checkpoint
+from harness.paged_runner import BLOCK_SIZE, PagedRunner
 from model_service.loading.loader import load_model
 
 ATOL = 1e-4

@@ -20,13 +20,13 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
 from generate_stream import GenerateStream
 from grpc_generate import greedy
-from hf_checkpoints import write_checkpoint
-from processes import free_port, start_cache_service, start_model_service, start_together
-from reference_generate import prompt_ids, reference_greedy
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import free_port, start_cache_service, start_model_service, start_together
+from harness.reference_generate import prompt_ids, reference_greedy
 from pagedkv.health_probe import check as health_check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -1,7 +1,7 @@
 """The OpenAI HTTP API of the model service, through the official `openai` client.
 
 Real processes: a cache service and model services serving a tiny random Llama checkpoint
-(tests/hf_checkpoints.py, a real byte-level BPE tokenizer), with --auth-token on, so every
+(harness/hf_checkpoints.py, a real byte-level BPE tokenizer), with --auth-token on, so every
 call here also goes through the bearer check. Each HTTP answer is compared with what the
 gRPC Generate call gives for the same request: one validation and one engine behind both
 doors. Every error status comes back as an OpenAI error object that the client turns into
@@ -21,11 +21,11 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from cache_helpers import cache_stub, no_block_leased, stats, wait_for
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
 from scrape import metric
 
+from harness.cache_helpers import cache_stub, no_block_leased, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 

@@ -1,5 +1,5 @@
 """/v1/chat/completions through the official `openai` client, against a real model service
-whose checkpoint carries a chat template (tests/hf_checkpoints.py's tiny Llama, with a
+whose checkpoint carries a chat template (harness/hf_checkpoints.py's tiny Llama, with a
 template written into its tokenizer_config.json).
 
 The messages go into GenerateRequest.messages and are rendered by the same code as a gRPC
@@ -19,12 +19,12 @@ import re
 import grpc
 import openai
 import pytest
-from cache_helpers import cache_stub, stats, wait_for
 from google.protobuf import struct_pb2
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
 from scrape import metric
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from model_service import client as cli
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import grpc
 import openai
 import pytest
-from hf_checkpoints import write_checkpoint
-from processes import start_cache_service, start_model_service
 
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog."

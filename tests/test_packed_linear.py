@@ -16,11 +16,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_checkpoints import write_checkpoint
 from kernel_levels import level_params
 from safetensors.torch import save_file
 from torch import nn
 
+from harness.hf_checkpoints import write_checkpoint
 from model_service.loading.loader import load_model
 from model_service.cpu_kernels import bf16_matmul, f32_matmul
 from model_service.models.packed_linear import PackedLinear, pack_linears, packed_nbytes, packing_supported

@@ -282,8 +282,8 @@ def test_cleanup_skips_hostile_files_with_a_warning(shm_dir):
 
 
 def test_cache_service_starts_among_hostile_files(shm_dir, tmp_path):
-    from cache_helpers import attach, cache_stub
-    from processes import start_cache_service
+    from harness.cache_helpers import attach, cache_stub
+    from harness.processes import start_cache_service
 
     files = _hostile_files(shm_dir)
     with start_cache_service(tmp_path, "--shm-dir", shm_dir, "--kv-cache-bytes", "1MiB") as cache:

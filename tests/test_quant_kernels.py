@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from kernel_levels import force, level_params
-from random_quant_blocks import random_blocks
+from harness.random_quant_blocks import random_blocks
 
 from model_service import cpu_kernels
 from model_service.cpu_kernels import quant_matmul

@@ -21,9 +21,9 @@ import sys
 import pytest
 import torch
 from gguf_checkpoints import write_gguf
-from paged_runner import PagedRunner
 from quantized_compare import assert_equal_up_to_a_near_tie, greedy
 
+from harness.paged_runner import PagedRunner
 from model_service.cpu_kernels import f32_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.embedded import embedded_model_path

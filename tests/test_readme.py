@@ -209,7 +209,7 @@ def test_the_first_answer_is_what_make_runs_default_gives():
     from pagedkv.stack import EXAMPLE_QUESTION
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from paged_runner import PagedRunner
+    from harness.paged_runner import PagedRunner
 
     shown = re.search(r'\$ \.venv/bin/python -m model_service\.client --chat "([^"]+)" --max-new-tokens (\d+) '
                       r'--address \S+\n(.*?)\n\[prompt_tokens=\d+ completion_tokens=(\d+) ', README, re.S)

@@ -39,10 +39,10 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_helpers import cache_stub, leased_blocks, wait_for
+from harness.cache_helpers import cache_stub, leased_blocks, wait_for
+from harness.processes import free_port, start_cache_service, start_model_service
 from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.events.vllm_block_hash import chain, external
-from processes import free_port, start_cache_service, start_model_service
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
 MODEL = "tiny-replica"

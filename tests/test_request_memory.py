@@ -23,8 +23,8 @@ import time
 import pytest
 import torch
 from prometheus_client import REGISTRY
-from processes import start_cache_service
 
+from harness.processes import start_cache_service
 from model_service.api.generation import GenerateError, GenerationService, deliver_on_loop
 from model_service.api.tenants import Tenant
 from model_service.cache.client import CacheClient

@@ -20,8 +20,8 @@ import concurrent.futures
 import grpc
 import pytest
 import torch
-from processes import start_cache_service, start_model_service
 
+from harness.processes import start_cache_service, start_model_service
 from model_service.loading.embedded import embedded_model_path
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 

@@ -14,10 +14,10 @@ import concurrent.futures
 import grpc
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
 from google.protobuf import struct_pb2
 from test_smollm2_tokenizer import CONVERSATIONS
 
+from harness.cache_helpers import cache_stub, stats, wait_for
 from model_service.loading.embedded import embedded_model_path
 from pagedkv.stack import example_arguments
 from pagedkv.model.v1 import model_pb2

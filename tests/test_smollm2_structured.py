@@ -19,8 +19,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from cache_helpers import no_block_leased
 
+from harness.cache_helpers import no_block_leased
 from pagedkv.model.v1 import model_pb2
 
 SEEDS = (1, 2, 3)

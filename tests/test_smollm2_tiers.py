@@ -19,9 +19,9 @@ import urllib.request
 
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
 from grpc_generate import greedy
 
+from harness.cache_helpers import cache_stub, stats, wait_for
 from pagedkv.model.v1 import model_pb2
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,4 +1,4 @@
-"""`python -m pagedkv.stack` (what `make run` runs), the health probe, and tests/processes.py,
+"""`python -m pagedkv.stack` (what `make run` runs), the health probe, and harness/processes.py,
 all against real processes on free ports."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.processes import free_port, start_cache_service, start_model_service
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.health_probe import wait_serving
-from processes import free_port, start_cache_service, start_model_service
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_SERVICE_MISSING = not (REPO / "model_service" / "__main__.py").exists()
@@ -294,7 +294,7 @@ def test_wait_serving_times_out_naming_what_it_saw():
         wait_serving(f"127.0.0.1:{free_port()}", timeout_s=0.2)
 
 
-# -- tests/processes.py -------------------------------------------------------------------
+# -- harness/processes.py -------------------------------------------------------------------
 
 
 def test_process_helper_exposes_the_service_and_stops_it(tmp_path):

@@ -18,11 +18,11 @@ import grpc
 import grpc_generate
 import pytest
 import torch
-from cache_helpers import cache_stub, stats, wait_for
-from hf_checkpoints import BOS_ID, EOS_ID, EXTRA_ID, write_checkpoint
-from processes import start_cache_service, start_model_service
-from reference_generate import reference_greedy
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import BOS_ID, EOS_ID, EXTRA_ID, write_checkpoint
+from harness.processes import start_cache_service, start_model_service
+from harness.reference_generate import reference_greedy
 from model_service.text.detokenizer import IncrementalDetokenizer
 from model_service.text.tokenizer import HFTokenizer
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc

@@ -14,8 +14,8 @@ import json
 import grpc
 import openai
 import pytest
-from processes import start_cache_service, start_model_service
 
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 

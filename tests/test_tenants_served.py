@@ -16,11 +16,11 @@ import grpc
 import openai
 import pytest
 import grpc_generate
-from cache_helpers import cache_stub, stats, wait_for
-from processes import start_cache_service, start_model_service
 from scrape import metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.processes import start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 

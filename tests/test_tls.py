@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from processes import start_cache_service, start_model_service
 
+from harness.processes import start_cache_service, start_model_service
 from model_service.cache.client import CacheClient
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.health_probe import check

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 
+from harness.hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
 from model_service.errors import ModelLoadError
 from model_service.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 

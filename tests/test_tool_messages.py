@@ -14,8 +14,8 @@ import copy
 import json
 
 import pytest
-from hf_checkpoints import write_tokenizer
 
+from harness.hf_checkpoints import write_tokenizer
 from model_service.api.openai_http import to_generate
 from model_service.api.openai_http.errors import ApiError
 from model_service.api.openai_http.protocol import ChatCompletionRequest

@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import free_port
 
+from harness.processes import free_port
 from pagedkv.health_probe import wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
-OWN_PACKAGES = ("pagedkv", "cache_service", "model_service", "bench")
+OWN_PACKAGES = ("pagedkv", "cache_service", "model_service", "harness", "bench", "checks")
 
 HIDE_TRITON = '''
 import json, os, sys, traceback
@@ -101,9 +101,9 @@ def test_make_runs_stack_and_the_client_work_on_cpu_without_triton(no_triton_env
     assert own == [], f"pagedkv code imported triton on CPU: {own}"
 
 
-@pytest.mark.parametrize("script", ["bench/engine_breakdown.py"])
+@pytest.mark.parametrize("script", ["bench.engine.engine_breakdown"])
 def test_bench_scripts_that_load_the_engine_import_without_triton(no_triton_env, script):
-    result = subprocess.run([sys.executable, script, "--help"], env=no_triton_env, cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", script, "--help"], env=no_triton_env, cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     own = [attempt for attempt in import_attempts(no_triton_env) if attempt["own_frames"]]

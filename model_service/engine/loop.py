@@ -268,7 +268,7 @@ class Engine:
             # Admitted while others run: their blocks would come with this step's call, so
             # their prompts would start a whole step later (a step of every stream). A
             # loopback lease call costs far less than a step: wait for it, and run their
-            # first chunks in this step (bench/sched_sim.py --admit-now compares).
+            # first chunks in this step (bench/engine/sched_sim.py --admit-now compares).
             self._send(step.lease_ops)
             self._apply_answer()
             self._retire_ended()

@@ -10,14 +10,14 @@ from model_service.sched.scheduler import POLICIES
 
 # Every decoding stream waits for a step's whole prefill chunk, and once the decode stack
 # runs in C each chunk token costs a step more than the decode rows do
-# (bench/step_time_vs_chunk.py measures it), so a long chunk is a long gap between a
+# (bench/engine/step_time_vs_chunk.py measures it), so a long chunk is a long gap between a
 # stream's tokens. 128 cut the inter-token latency's tail against vLLM's server in every cell
 # for a small share of the throughput, with time to first token still ahead
 # (docs/benchmark-log.md, "A bfloat16 decode stack"). Before that stack, 512 had been chosen:
 # a step of 32 streams was slow enough that smaller chunks cost c32 its lead ("the cap, quiet").
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 128
 # Two blocks of 16: a prompt waits a step or so for a prefix this long rather than compute it
-# again (sched/inflight_prefixes.py; bench/sched_sim.py's prefix16 row in docs/benchmark-log.md).
+# again (sched/inflight_prefixes.py; bench/engine/sched_sim.py's prefix16 row in docs/benchmark-log.md).
 DEFAULT_PREFIX_HOLD_MIN_TOKENS = 32
 
 

@@ -150,7 +150,7 @@ def _load_unpacked(
 
 def gguf_text(file: GGUFFile, config: ModelConfig) -> tuple[HFTokenizer, ChatTemplate | None]:
     """A GGUF file's tokenizer and chat template (None: it has none), as the service uses
-    them; no weights are read (bench/bench_quantized.py renders its prompts with them)."""
+    them; no weights are read (bench/serve/bench_quantized.py renders its prompts with them)."""
     tokenizer = tokenizer_from_gguf(file, config.eos_token_ids, config.bos_token_id)
     source = file.value("tokenizer.chat_template")
     chat_template = None if not source else ChatTemplate(

@@ -15,7 +15,7 @@ from model_service.models.rope import apply_rotary
 
 
 # The C library for these tensors, or None: the torch code then serves (a name of its own
-# here, so that tests and bench/bench_cpu_kernels.py can turn the C path off).
+# here, so that tests and bench/kernels/bench_cpu_kernels.py can turn the C path off).
 _library = layer_ops.library_for
 
 

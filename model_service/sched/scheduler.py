@@ -81,7 +81,7 @@ class SchedulerLimits:
     max_prefill_tokens_while_decoding: int = 0
     # Prompts being computed go shortest first, each step a prompt has waited counting as
     # this many of its tokens done: only prompts ready within (its tokens left) / this
-    # steps after it can overtake it (bench/sched_sim.py chose 8: fewer is shortest first
+    # steps after it can overtake it (bench/engine/sched_sim.py chose 8: fewer is shortest first
     # with no bound, more is first come, first chunked).
     prefill_aging_tokens: int = 8
     # A waiting prompt whose leading full blocks (at least this many tokens of them)
@@ -446,7 +446,7 @@ class Scheduler:
         later prompt overtakes one only if it is that much shorter, and none waits forever.
         Under the priority policy, by priority first. First come, first chunked gave later
         median first tokens under steady load, and shortest first unaged later last ones
-        in a burst (bench/sched_sim.py compares the orders).
+        in a burst (bench/engine/sched_sim.py compares the orders).
         """
         aging = self.limits.prefill_aging_tokens
         prefills = [seq for seq in self.running if seq.num_uncomputed > 1]

@@ -1,0 +1,198 @@
+"""Multi-turn chats through vllm-router over two replicas: kv_aware (on the cache services' KV
+events) against round_robin, and one replica holding everything as the reference.
+
+Two replicas (a cache service publishing KV events and a model service each) and two
+routers in front of both, one per policy, all started once. Each round plays a fresh set of
+conversations (a system prompt of its own, then `--turns` user turns; each turn's prompt is
+the whole history, the previous answers included), `--concurrency` conversations at a
+time, through one router; the policies take turns round by round (kv_aware, round_robin,
+...), and a last set goes straight to replica A alone (one replica holding everything).
+Sets share no text, so no round finds another's blocks. Per policy: prefix hit rate
+(cached prompt tokens over prompt tokens, from each answer's usage), the prompt tokens
+prefilled (not cached), and time to first token (p50, p99) as the client sees it,
+streamed.
+
+    .venv/bin/python -m bench.serve.bench_replicas [--conversations 32] [--turns 6] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from harness.processes import free_port, start_cache_service, start_model_service
+
+ROUTER = Path(sys.executable).parent / "vllm-router"
+MODEL = "bench"
+WORDS = ("block pool prefix cache lease token sequence router replica event hash shared memory decode prefill "
+         "attention kernel batch stream tenant salt eviction tier host disk budget sizing").split()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def conversations(seed: int, count: int, system_words: int, user_words: int, turns: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"system": f"[set {seed} chat {index}] " + text(rng, system_words),
+             "users": [text(rng, user_words) for _ in range(turns)]} for index in range(count)]
+
+
+async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, samples: list) -> None:
+    history = conversation["system"]
+    for user in conversation["users"]:
+        history += f"\nUser: {user}\nAssistant:"
+        started = time.perf_counter()
+        first = None
+        answer = []
+        usage = None
+        stream = await client.completions.create(model=MODEL, prompt=history, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter() - started
+            if chunk.choices:
+                answer.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        samples.append((first if first is not None else time.perf_counter() - started, usage.prompt_tokens, cached))
+        history += "".join(answer)
+
+
+async def play(base_url: str, sets: list[dict], concurrency: int, max_tokens: int) -> list:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    samples: list = []
+    queue = list(sets)
+
+    async def worker() -> None:
+        while queue:
+            await chat(client, queue.pop(0), max_tokens, samples)
+
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    await client.close()
+    return samples
+
+
+def summary(samples: list) -> dict:
+    ttft = sorted(sample[0] for sample in samples)
+    prompt = sum(sample[1] for sample in samples)
+    cached = sum(sample[2] for sample in samples)
+    return {"requests": len(samples), "hit_rate": cached / prompt, "prefill_tokens": prompt - cached,
+            "ttft_p50_ms": 1000 * statistics.median(ttft),
+            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
+
+
+def requests_served(model) -> float:
+    total = 0.0
+    for line in urllib.request.urlopen(model.metrics_url, timeout=10).read().decode().splitlines():
+        if line.startswith("pagedkv_model_requests_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def start_router(policy: str, workers: list, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    urls = [model.http_url.removesuffix("/v1") for model, _ in workers]
+    argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--worker-startup-check-interval", "1", "--worker-urls", *urls,
+            "--kv-event-block-size", "16", "--kv-event-model", MODEL]
+    if policy == "kv_aware":
+        for url, (_, events) in zip(urls, workers):
+            argv += ["--kv-event-source", f"{url}={events}"]
+    log = open(log_dir / f"router-{policy}.log", "wb")
+    router = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                return router, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"vllm-router ({policy}) did not serve; see {log_dir}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-words", type=int, default=150, help="words of each conversation's system prompt")
+    parser.add_argument("--user-words", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per policy, in turns")
+    parser.add_argument("--kv-cache-bytes", default="256MiB")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="each model service's --threads (0: its default); 1 gives each replica a core of its own")
+    parser.add_argument("--model-flag", action="append", default=[],
+                        help="another model service flag, e.g. --model-flag=--max-model-len=2048 (repeatable)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
+    started, routers, workers = [], [], []
+    try:
+        for _ in range(2):
+            events = f"tcp://127.0.0.1:{free_port()}"
+            cache = start_cache_service(tmp, "--kv-cache-bytes", args.kv_cache_bytes, "--kv-events-endpoint", events)
+            started.append(cache)
+            threads = ["--threads", str(args.threads)] if args.threads else []
+            model = start_model_service(tmp, cache.address, "--model", args.model, "--served-model-name", MODEL,
+                                        *threads, *args.model_flag, timeout_s=600)
+            started.append(model)
+            workers.append((model, events))
+        urls = {}
+        for policy in ("kv_aware", "round_robin"):
+            router, url = start_router(policy, workers, tmp)
+            routers.append(router)
+            urls[policy] = url
+        results: dict[str, list] = {"kv_aware": [], "round_robin": [], "one_replica": []}
+        spread: dict[str, list] = {"kv_aware": [0, 0], "round_robin": [0, 0]}
+        seed = 0
+        for round_index in range(args.rounds):
+            for policy in ("kv_aware", "round_robin"):
+                seed += 1
+                sets = conversations(seed, args.conversations, args.system_words, args.user_words, args.turns)
+                before = [requests_served(model) for model, _ in workers]
+                results[policy] += asyncio.run(play(urls[policy], sets, args.concurrency, args.max_tokens))
+                after = [requests_served(model) for model, _ in workers]
+                spread[policy] = [total + a - b for total, a, b in zip(spread[policy], after, before)]
+                print(f"round {round_index + 1} {policy}: {summary(results[policy][-len(sets) * args.turns:])}",
+                      flush=True)
+        seed += 1
+        sets = conversations(seed, args.conversations, args.system_words, args.user_words, args.turns)
+        results["one_replica"] = asyncio.run(play(workers[0][0].http_url, sets, args.concurrency, args.max_tokens))
+        table = {name: summary(samples) for name, samples in results.items()}
+        for policy, (a, b) in spread.items():
+            table[policy]["replica_a_b"] = f"{int(a)}/{int(b)}"
+        print(json.dumps(table, indent=2))
+        print("| routing | requests | prefix hit rate | prompt tokens prefilled | TTFT p50 | TTFT p99 | served by A/B |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, row in table.items():
+            print(f"| {name} | {row['requests']} | {row['hit_rate']:.1%} | {row['prefill_tokens']:,} | "
+                  f"{row['ttft_p50_ms']:.0f} ms | {row['ttft_p99_ms']:.0f} ms | {row.get('replica_a_b', '-')} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=2))
+    finally:
+        for router in routers:
+            router.terminate()
+            router.wait(timeout=15)
+        for process in reversed(started):
+            process.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""vLLM's CPU engine, offline, driven one job at a time over stdin/stdout (JSON lines).
+
+Runs in the vLLM venv (bench/.venv-vllm), never the project's: vllm.py's VllmWorker starts it
+as a child process, so the engine stays loaded across rounds and takes turns with pagedkv.
+
+    argv: MODEL_DIR DTYPE MAX_MODEL_LEN [KV_CACHE_DTYPE]   (auto: the compute dtype; fp8_e4m3, ...)
+    stdin, one job a line:  {"requests": [[prompt_token_ids, max_new_tokens], ...], "logprobs": N}
+    stdout, one reply a line: {"seconds": s, "outputs": [[token ids], ...],
+                               "logprobs": [[[chosen, [top N, highest first]], ...], ...]}
+
+Greedy, eos ignored, prefix caching off, token ids in and out (no tokenizer). "logprobs"
+is optional (0 or absent: none asked, none replied); vLLM's logprobs are its raw ones
+(logprobs_mode raw_logprobs: log_softmax of the logits, as pagedkv's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def chosen_and_top(token: int, entry: dict, count: int) -> list:
+    """[the chosen token's logprob, the top `count` logprobs, highest first]: vLLM's entry
+    holds the top `count` and the chosen token (a third entry where it is not among them)."""
+    ranked = sorted(entry.values(), key=lambda logprob: logprob.rank)
+    return [entry[token].logprob, [logprob.logprob for logprob in ranked[:count]]]
+
+
+def main() -> int:
+    model_dir, dtype, max_model_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    kv_cache_dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    # Replies get a private copy of stdout; fd 1 becomes stderr, so whatever vLLM or its
+    # engine processes (which inherit the fds) print cannot end up among the replies.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+              max_num_seqs=64, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        job = json.loads(line)
+        logprobs = job.get("logprobs") or None
+        prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in job["requests"]]
+        params = [SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, detokenize=False,
+                                 logprobs=logprobs)
+                  for _, max_new in job["requests"]]
+        started = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        outputs = [list(result.outputs[0].token_ids) for result in results]
+        answer = {"seconds": seconds, "outputs": outputs}
+        if logprobs:
+            answer["logprobs"] = [[chosen_and_top(token, entry, logprobs) for token, entry
+                                   in zip(result.outputs[0].token_ids, result.outputs[0].logprobs)]
+                                  for result in results]
+        reply.write(json.dumps(answer) + "\n")
+        reply.flush()
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's engine runs in a child process that re-imports this module
+    sys.exit(main())
