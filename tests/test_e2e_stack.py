@@ -245,7 +245,7 @@ def test_cache_get_stats_through_reflection(stack):
     channel = stack.channel(stack.cache_address)
     service = _reflected_pool(channel).FindServiceByName(CACHE_SERVICE)
     assert {method.name for method in service.methods} == {
-        "Attach", "Heartbeat", "Detach", "Lease", "GetSizing", "GetStats", "ResetPrefixCache"}
+        "Attach", "Heartbeat", "HoldSession", "Detach", "Lease", "GetSizing", "GetStats", "ResetPrefixCache"}
     method = service.FindMethodByName("GetStats")
     request_class = message_factory.GetMessageClass(method.input_type)
     response_class = message_factory.GetMessageClass(method.output_type)
