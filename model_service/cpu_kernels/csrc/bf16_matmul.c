@@ -34,6 +34,7 @@
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 #include "panel_driver.h"
 #if defined(__x86_64__)
 /* Outside the levels' target pragmas: each intrinsic keeps its own instruction set. */

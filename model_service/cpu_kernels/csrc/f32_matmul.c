@@ -24,6 +24,7 @@
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 #include "panel_driver.h"
 #if defined(__x86_64__)
 #include <immintrin.h>

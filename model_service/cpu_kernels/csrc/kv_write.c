@@ -14,6 +14,7 @@
  * selected by mask. The two store the same bytes.
  */
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 enum { KV_WRITE_PORTABLE = 0, KV_WRITE_AVX2 = 1 };
 

@@ -16,6 +16,7 @@
  * and the caller passes torch's thread count (libgomp keeps that count per thread).
  */
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 64

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 #define PREFILL_MAX_HEAD_DIM 256
 #define PREFILL_LANES 16 /* the AVX-512 tile's queries and keys */

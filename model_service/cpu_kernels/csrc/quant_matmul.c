@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 #include "quant_blocks.h"
 #include "quant_x8.h"
 
