@@ -18,8 +18,9 @@
  * a token's result is the same bits at any batch size and in any tile (tests hold the
  * kernel to it), which is what lets decode_stack.c and the per-layer path share it.
  *
- * Three levels, each built with `#pragma GCC target` whatever -march says, as
- * quant_matmul.c's levels are, so one library serves every level the CPU has:
+ * Three levels (bf16_levels, cpu_levels.h's scheme), each built with `#pragma GCC target`
+ * whatever -march says, as quant_matmul.c's levels are, so one library serves every level
+ * the CPU has:
  * - portable C, written on the same 32-bit words as the AVX2 level (a weight is its word
  *   shifted left 16, or masked to its top half: integer operations every vector unit
  *   has), which the compiler vectorizes where it can: what a CPU with neither level runs;
@@ -33,10 +34,11 @@
  */
 #include <stdlib.h>
 
+#include "cpu_levels.h"
 #include "cpu_math.h"
 #include "pagedkv_kernels.h"
 #include "panel_driver.h"
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 /* Outside the levels' target pragmas: each intrinsic keeps its own instruction set. */
 #include <immintrin.h>
 #endif
@@ -120,7 +122,7 @@ static void tile_portable(const void *panel_v, int64_t panel_elems, int np, cons
 
 /* ---- AVX2 ---- */
 
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
@@ -209,7 +211,7 @@ static void tile_avx2(const void *panel_v, int64_t panel_elems, int np, const vo
 
 /* ---- AVX-512 BF16 ---- */
 
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
@@ -271,17 +273,19 @@ static void tile_bf16(const void *panel_v, int64_t panel_elems, int np, const vo
 #pragma GCC pop_options
 #endif
 
-/* The highest level this CPU runs (BLEVEL_*). */
-int bf16_cpu_level(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl"))
-        return BLEVEL_AVX512_BF16;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return BLEVEL_AVX2;
+/* Each level's tile, as panel_driver.h plans it: the AVX2 level takes float32 x (widened
+ * once a call, below) and tiles of fewer tokens. */
+static const panel_level bf16_levels[] = {
+    [BLEVEL_PORTABLE] = {tile_portable, 2, 4, 2, BF16_TOKEN_TILE, sizeof(uint16_t)},
+#if CPU_LEVELS_X86
+    [BLEVEL_AVX2] = {tile_avx2, 1, 4, 2, BF16_AVX2_TOKEN_TILE, sizeof(float)},
+    [BLEVEL_AVX512_BF16] = {tile_bf16, 2, 4, 2, BF16_TOKEN_TILE, sizeof(uint16_t)},
 #endif
-    return BLEVEL_PORTABLE;
-}
+};
+static const cpu_check_fn bf16_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512_bf16)};
+
+/* The highest level this CPU runs (BLEVEL_*). */
+int bf16_cpu_level(void) { return best_level(bf16_checks); }
 
 /* x: [tokens, cols] bfloat16, rows x_stride apart; panels: bf16_pack_panels' of a
  * [rows, cols] weight; y: [tokens, rows] bfloat16, y_stride apart. panel_driver.h splits
@@ -292,20 +296,11 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
                 int64_t y_stride, int level, int num_threads) {
     if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
     if (tokens == 0) return 0;
-    panel_plan plan = {tile_portable, tokens <= 2 ? 4 : 2, BF16_TOKEN_TILE, sizeof(uint16_t), sizeof(uint16_t),
-                       sizeof(uint16_t), 0};
-#if defined(__x86_64__)
-    if (level == BLEVEL_AVX512_BF16) plan.tile = tile_bf16;
-    if (level == BLEVEL_AVX2) {
-        plan.tile = tile_avx2;
-        plan.group = tokens == 1 ? 4 : 2;
-        plan.token_tile = BF16_AVX2_TOKEN_TILE;
-        plan.x_bytes = sizeof(float);
-    }
-#endif
+    const panel_plan plan =
+        panel_plan_at(&LEVEL_PICK(bf16_levels, level), tokens, sizeof(uint16_t), sizeof(uint16_t), 0);
     const int pairs = cols / 2;
     float *widened = NULL;
-    if (level == BLEVEL_AVX2) { /* x widened once, exactly: the sums see the same values */
+    if (plan.x_bytes == sizeof(float)) { /* x widened once, exactly: the sums see the same values */
         widened = malloc((size_t)tokens * cols * sizeof(float));
         if (widened == NULL) return -2;
         for (int t = 0; t < tokens; t++) {

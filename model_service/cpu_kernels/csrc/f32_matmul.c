@@ -13,8 +13,9 @@
  * the tile, and each sum runs over the columns in order in one lane, so a token's result is
  * the same bits at any batch and in any tile (tests hold the kernel to it).
  *
- * Three levels, each built with `#pragma GCC target` whatever -march says, as
- * bf16_matmul.c's are, so one library serves every level the CPU has:
+ * Three levels (f32_levels, cpu_levels.h's scheme), each built with `#pragma GCC target`
+ * whatever -march says, as bf16_matmul.c's are, so one library serves every level the CPU
+ * has:
  * - portable C, one FMA (fmaf) a product in the same order, which the compiler vectorizes
  *   where it can;
  * - AVX2 with FMA: a line is two 256-bit loads, a token's column one broadcast, two FMAs;
@@ -23,10 +24,11 @@
  * their results are the same bits. */
 #include <stdlib.h>
 
+#include "cpu_levels.h"
 #include "cpu_math.h"
 #include "pagedkv_kernels.h"
 #include "panel_driver.h"
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #include <immintrin.h>
 #endif
 
@@ -82,7 +84,7 @@ static void tile_portable(const void *panel_v, int64_t panel_elems, int np, cons
 
 /* ---- AVX2 ---- */
 
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
@@ -141,7 +143,7 @@ static void tile_avx2(const void *panel_v, int64_t panel_elems, int np, const vo
 
 /* ---- AVX-512F ---- */
 
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 
@@ -197,15 +199,18 @@ static void tile_avx512(const void *panel_v, int64_t panel_elems, int np, const 
 #pragma GCC pop_options
 #endif
 
-/* The highest level this CPU runs (FLEVEL_*). */
-int f32_cpu_level(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return FLEVEL_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return FLEVEL_AVX2;
+/* Each level's tile, as panel_driver.h plans it. */
+static const panel_level f32_levels[] = {
+    [FLEVEL_PORTABLE] = {tile_portable, 0, 1, 1, F32_PORTABLE_TOKEN_TILE, sizeof(float)},
+#if CPU_LEVELS_X86
+    [FLEVEL_AVX2] = {tile_avx2, 1, 4, 2, F32_AVX2_TOKEN_TILE, sizeof(float)},
+    [FLEVEL_AVX512] = {tile_avx512, 2, 4, 2, F32_AVX512_TOKEN_TILE, sizeof(float)},
 #endif
-    return FLEVEL_PORTABLE;
-}
+};
+static const cpu_check_fn f32_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512f)};
+
+/* The highest level this CPU runs (FLEVEL_*). */
+int f32_cpu_level(void) { return best_level(f32_checks); }
 
 /* x: [tokens, cols] float32, rows x_stride apart; panels: f32_pack_panels' of a [rows,
  * cols] weight; y: [tokens, rows] float32, y_stride apart. Returns 0, or -1 for a shape
@@ -214,20 +219,8 @@ int f32_linear(const float *x, int64_t x_stride, int tokens, int cols, int rows,
                int64_t y_stride, int level, int num_threads) {
     if (tokens < 0 || rows <= 0 || cols <= 0 || level < 0 || level > f32_cpu_level()) return -1;
     if (tokens == 0) return 0;
-    panel_plan plan = {tile_portable, 1, F32_PORTABLE_TOKEN_TILE, sizeof(float), sizeof(float), sizeof(float),
-                       F32_MIN_PARALLEL_MACS};
-#if defined(__x86_64__)
-    if (level == FLEVEL_AVX2) {
-        plan.tile = tile_avx2;
-        plan.group = tokens == 1 ? 4 : 2;
-        plan.token_tile = F32_AVX2_TOKEN_TILE;
-    }
-    if (level == FLEVEL_AVX512) {
-        plan.tile = tile_avx512;
-        plan.group = tokens <= 2 ? 4 : 2;
-        plan.token_tile = F32_AVX512_TOKEN_TILE;
-    }
-#endif
+    const panel_plan plan = panel_plan_at(&LEVEL_PICK(f32_levels, level), tokens, sizeof(float), sizeof(float),
+                                          F32_MIN_PARALLEL_MACS);
     panel_drive(&plan, panels, (int64_t)cols * PANEL_ROWS, cols, rows, x, x_stride, tokens, y, y_stride,
                 num_threads);
     return 0;

@@ -15,6 +15,7 @@
  * resolves to the libgomp torch has already loaded, so this shares torch's thread pool,
  * and the caller passes torch's thread count (libgomp keeps that count per thread).
  */
+#include "cpu_levels.h"
 #include "cpu_math.h"
 #include "pagedkv_kernels.h"
 
@@ -25,21 +26,27 @@
 #include "paged_decode_avx2.h"
 #include "paged_decode_avx512.h"
 
-/* The levels, as paged_decode.py's LEVELS: the portable C of attend_one (vectorized by the
- * compiler for whatever -march gives), the AVX2 case (chosen at run time), the AVX-512
- * case (built where -march has AVX-512F). */
+/* The levels, as paged_decode.py's LEVELS (cpu_levels.h's scheme): the portable C of
+ * attend_one (vectorized by the compiler for whatever -march gives), the AVX2 case, the
+ * AVX-512 case, each SIMD case built with its own target and chosen at run time. A level's
+ * case that does not take a shape leaves it to the level below (attend_specialized). */
 enum { DECODE_PORTABLE = 0, DECODE_AVX2 = 1, DECODE_AVX512 = 2 };
 
-/* The highest level this CPU runs with this build. */
-int paged_decode_best_level(void) {
-#ifdef HAVE_ATTEND_AVX512
-    return DECODE_AVX512; /* built only where -march=native has AVX-512F: this CPU's */
-#elif defined(HAVE_ATTEND_AVX2)
-    return avx2_supported() ? DECODE_AVX2 : DECODE_PORTABLE;
-#else
-    return DECODE_PORTABLE;
-#endif
-}
+/* Attends one (sequence, kv head) and returns 1 where the level's case covers the shape. */
+typedef int (*attend_case_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                              int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
+                              int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
+                              int64_t out_offset, int64_t q_offset);
+
+static const attend_case_fn decode_cases[] = {
+    [DECODE_PORTABLE] = 0, /* attend_one's cases, below */
+    [DECODE_AVX2] = X86_LEVEL(attend_avx2_case),
+    [DECODE_AVX512] = X86_LEVEL(attend_avx512_case),
+};
+static const cpu_check_fn decode_checks[] = {0, X86_LEVEL(cpu_avx2_fma_f16c), X86_LEVEL(cpu_avx512f_avx2)};
+
+/* The highest level this CPU runs. */
+int paged_decode_best_level(void) { return best_level(decode_checks); }
 
 /* One (sequence, kv head): its `group` query heads against its visible keys. Always
  * inlined into attend_specialized's cases, so head_dim and dtype are constants there and
@@ -123,19 +130,12 @@ static void attend_specialized(const void *q, const void *k_cache, const void *v
                                int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
                                int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
                                int64_t out_offset, int64_t q_offset, int level) {
-#ifdef HAVE_ATTEND_AVX512
-    if (level >= DECODE_AVX512
-        && attend_avx512_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
-                              block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
-        return;
-#endif
-#ifdef HAVE_ATTEND_AVX2
-    /* also what the AVX-512 level takes for the shapes its case leaves */
-    if (level >= DECODE_AVX2
-        && attend_avx2_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
-                            block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
-        return;
-#endif
+    /* the level's case, then each below it (the AVX-512 level's shapes its case leaves go to AVX2's) */
+    for (int at = level_index(level, (int)(sizeof decode_cases / sizeof decode_cases[0])); at > DECODE_PORTABLE; at--)
+        if (decode_cases[at] != 0
+            && decode_cases[at](q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
+                                block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
+            return;
     switch (kv_dtype) {
     case DTYPE_F32: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32, DTYPE_F32) }
     case DTYPE_BF16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_BF16, DTYPE_BF16) }
@@ -145,15 +145,9 @@ static void attend_specialized(const void *q, const void *k_cache, const void *v
     }
 }
 
-/* 1 where the AVX-512 case (paged_decode_avx512.h) was built in, else 0: for the log
+/* 1 where the AVX-512 case (paged_decode_avx512.h) runs on this CPU, else 0: for the log
  * line and the tests. */
-int paged_decode_avx512(void) {
-#ifdef HAVE_ATTEND_AVX512
-    return 1;
-#else
-    return 0;
-#endif
-}
+int paged_decode_avx512(void) { return paged_decode_best_level() >= DECODE_AVX512; }
 
 /* Returns 0, or a nonzero code for shapes past the fixed limits (checked by the caller
  * first; kept here so a wrong call cannot write past a stack buffer) or a level above

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_levels.h"
 #include "cpu_math.h"
 #include "pagedkv_kernels.h"
 
@@ -41,18 +42,10 @@
 
 enum { PREFILL_PORTABLE = 0, PREFILL_AVX2 = 1, PREFILL_AVX512_BF16 = 2 };
 
+static const cpu_check_fn prefill_checks[] = {0, X86_LEVEL(cpu_avx2_fma_f16c), X86_LEVEL(cpu_avx512f_bf16)};
+
 /* The highest level this CPU runs. */
-int prefill_best_level(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
-        && __builtin_cpu_supports("avx512bf16"))
-        return PREFILL_AVX512_BF16;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return PREFILL_AVX2;
-#endif
-    return PREFILL_PORTABLE;
-}
+int prefill_best_level(void) { return best_level(prefill_checks); }
 
 /* What every sequence of the call shares. */
 typedef struct {
@@ -195,7 +188,7 @@ static void tile8_portable(const prefill_call *c, const prefill_seq *seq, int h,
     TILE8_CASES(DTYPE_F32)
 }
 
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 static void tile8_avx2(const prefill_call *c, const prefill_seq *seq, int h, int t0) {
@@ -323,6 +316,21 @@ static void tile16_avx512_bf16(const prefill_call *c, const prefill_seq *seq, in
 #pragma GCC pop_options
 #endif
 
+/* Each level's tile (cpu_levels.h's scheme): a call takes the highest at or below its level
+ * that takes its dtype (a float32 pool takes the AVX2 tile at the AVX-512 BF16 level). */
+typedef struct {
+    tile_fn tile;
+    int lanes, bf16_only;
+} prefill_level;
+
+static const prefill_level prefill_levels[] = {
+    [PREFILL_PORTABLE] = {tile8_portable, TILE8, 0},
+#if CPU_LEVELS_X86
+    [PREFILL_AVX2] = {tile8_avx2, TILE8, 0},
+    [PREFILL_AVX512_BF16] = {tile16_avx512_bf16, PREFILL_LANES, 1},
+#endif
+};
+
 /* Every (sequence, tile of `lanes` queries, head) of the call, in one parallel region. */
 static void attend_all(const prefill_call *c, const prefill_seq *seqs, const int32_t *first_item, int items,
                        tile_fn tile, int lanes, int num_threads) {
@@ -354,16 +362,11 @@ int prefill_attention(const void *q, int64_t q_row_stride, const void *k_cache, 
         return -1;
     for (int s = 0; s < num_seqs; s++)
         if (query_lens[s] < 0 || query_lens[s] > context_lens[s]) return -1;
-    tile_fn tile = tile8_portable;
-    int lanes = TILE8;
-#if defined(__x86_64__)
-    if (level >= PREFILL_AVX512_BF16 && dtype == DTYPE_BF16) {
-        tile = tile16_avx512_bf16;
-        lanes = PREFILL_LANES;
-    } else if (level >= PREFILL_AVX2) {
-        tile = tile8_avx2;
-    }
-#endif
+    const int count = (int)(sizeof prefill_levels / sizeof prefill_levels[0]);
+    int at = level_index(level, count);
+    while (prefill_levels[at].bf16_only && dtype != DTYPE_BF16) at--;
+    const tile_fn tile = prefill_levels[at].tile;
+    const int lanes = prefill_levels[at].lanes;
     prefill_seq *seqs = malloc(sizeof *seqs * (size_t)(num_seqs + 1));
     int32_t *first_item = malloc(sizeof *first_item * (size_t)(num_seqs + 1));
     if (seqs == NULL || first_item == NULL) {
