@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +81,15 @@ def test_the_build_refuses_a_definition_the_header_does_not_match(tmp_path, sour
     result = subprocess.run([COMPILER, *flags, f"-I{build.CSRC}", "-c", "-o", str(tmp_path / "bad.o"), str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and error in result.stderr
+
+
+def test_every_kernel_source_ships_with_the_package():
+    """The library is compiled where it runs, from the installed sources: each .c and .h
+    under csrc/ (its x86/ folder included) must match pyproject's package data."""
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["model_service.cpu_kernels"]
+    package = build.CSRC.parent
+    shipped = {path for pattern in patterns for path in package.glob(pattern)}  # as setuptools globs them
+    sources = {path for path in build.CSRC.rglob("*") if path.suffix in (".c", ".h")}
+    assert any(path.parent.name == "x86" for path in sources)
+    assert sources - shipped == set()

@@ -11,9 +11,15 @@
  * The Python side chooses the level once per process (levels.py) and passes it with each
  * call; a level above the CPU's best is refused where the family's entry points say so.
  *
- * The SIMD levels are built with `#pragma GCC target` (or their file's flags) whatever
- * -march says, so one library serves every level this CPU has and a test can force each;
- * on a CPU without x86 every x86 entry reads 0 (X86_LEVEL). */
+ * The SIMD levels are built with `#pragma GCC target` whatever -march says, so one library
+ * serves every level this CPU has and a test can force each; on a CPU without x86 every
+ * x86 entry reads 0 (X86_LEVEL).
+ *
+ * Where the code lies: a family's .c (csrc/) holds its entry points and these tables;
+ * generic/ its portable level's code, x86/ each x86 level's (FAMILY_LEVEL.h, under that
+ * level's target pragma), each included by the family's .c at one place. A new level (or
+ * another architecture's folder) is a new file there, an #include, and a row in the
+ * family's tables. */
 #ifndef PAGEDKV_CPU_LEVELS_H
 #define PAGEDKV_CPU_LEVELS_H
 

@@ -24,11 +24,11 @@
 #include "quant_x8.h"
 
 #define QUANT_TOKEN_TILE 4
-/* Tokens an interleaved group's unpacked sub-block serves at a time (quant_simd.h's
+/* Tokens an interleaved group's unpacked sub-block serves at a time (x86/quant_simd.h's
  * x8_group): eight float accumulators and the eight weight vectors stay in registers
  * (AVX-512 has 32 vector registers; at the AVX2 level some spill). */
 #define QUANT_X8_TOKENS 4
-/* The same for two groups a 512-bit vector (quant_simd.h's x16_group, the AVX-512 level):
+/* The same for two groups a 512-bit vector (x86/quant_simd.h's x16_group, the AVX-512 level):
  * 16 float accumulators, 8 weight vectors and the integer sums fill its 32 registers. */
 #define QUANT_X16_TOKENS 8
 #define QUANT_ROW_TILE 16
@@ -47,60 +47,10 @@ typedef void (*x8_fn)(const uint8_t *group, const quant_acts *acts, int64_t t0, 
 typedef void (*x16_fn)(const uint8_t *group, int64_t group_bytes, const quant_acts *acts, int64_t t0, int nt,
                        int subs, float *out);
 
-/* ---- portable ---- */
-
-static void dot_portable(int type, const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs,
-                         float *out) {
-    float acc[QUANT_TOKEN_TILE] = {0};
-    int8_t v[32];
-    float scale[2], min;
-    for (int s = 0; s < subs; s++) {
-        unpack_sub(type, row, s, v, scale, &min);
-        for (int t = 0; t < nt; t++) {
-            const int64_t token = t0 + t;
-            const int8_t *q = acts->q + token * acts->cols + 32 * s;
-            int32_t first = 0, second = 0;
-            for (int i = 0; i < 16; i++) first += v[i] * q[i];
-            for (int i = 16; i < 32; i++) second += v[i] * q[i];
-            const float *sums = acts->scaled_sums + (token * subs + s) * 2;
-            acc[t] += acts->d[token * subs + s] * (scale[0] * (float)first + scale[1] * (float)second)
-                      + min * (sums[0] + sums[1]);
-        }
-    }
-    for (int t = 0; t < nt; t++) out[t] = acc[t];
-}
-
-#define PORTABLE_FN(TYPE_NAME, TYPE_CODE)                                                                   \
-    static void portable_##TYPE_NAME(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
-                                     float *out) {                                                          \
-        dot_portable(TYPE_CODE, row, acts, t0, nt, subs, out);                                              \
-    }
-PORTABLE_FN(q4_0, QTYPE_Q4_0)
-PORTABLE_FN(q4_1, QTYPE_Q4_1)
-PORTABLE_FN(q5_0, QTYPE_Q5_0)
-PORTABLE_FN(q5_1, QTYPE_Q5_1)
-PORTABLE_FN(q8_0, QTYPE_Q8_0)
-PORTABLE_FN(q4_k, QTYPE_Q4_K)
-PORTABLE_FN(q5_k, QTYPE_Q5_K)
-PORTABLE_FN(q6_k, QTYPE_Q6_K)
-#undef PORTABLE_FN
-
-static dot_fn portable_select(int type) {
-    switch (type) {
-    case QTYPE_Q4_0: return portable_q4_0;
-    case QTYPE_Q4_1: return portable_q4_1;
-    case QTYPE_Q5_0: return portable_q5_0;
-    case QTYPE_Q5_1: return portable_q5_1;
-    case QTYPE_Q8_0: return portable_q8_0;
-    case QTYPE_Q4_K: return portable_q4_k;
-    case QTYPE_Q5_K: return portable_q5_k;
-    case QTYPE_Q6_K: return portable_q6_k;
-    default: return 0;
-    }
-}
+#include "generic/quant_matmul_portable.h"
 
 /* Every float16 value as float32 (256 KiB, filled when the library loads): the SIMD
- * levels read block scales through it (quant_simd.h's half). */
+ * levels read block scales through it (x86/quant_simd.h's half). */
 static float half_table[65536];
 
 __attribute__((constructor)) static void fill_half_table(void) {
@@ -115,35 +65,8 @@ __attribute__((constructor)) static void fill_half_table(void) {
 #if CPU_LEVELS_X86
 #include <immintrin.h>
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define QS(name) name##_avx2
-#define QS_DOT32(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
-#define QS_DOT32_ACC(acc, u, s) _mm256_add_epi32((acc), QS_DOT32(u, s))
-#define QS_X8_FLIP_S8 0 /* maddubs's int16 pairs would saturate on 255 x 127 */
-#define QS_X16 0
-#include "quant_simd.h"
-#undef QS
-#undef QS_DOT32
-#undef QS_DOT32_ACC
-#undef QS_X8_FLIP_S8
-#undef QS_X16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-#define QS(name) name##_vnni
-#define QS_DOT32(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
-#define QS_DOT32_ACC(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
-#define QS_X8_FLIP_S8 1
-#define QS_X16 1
-#include "quant_simd.h"
-#undef QS
-#undef QS_DOT32
-#undef QS_DOT32_ACC
-#undef QS_X8_FLIP_S8
-#undef QS_X16
-#pragma GCC pop_options
+#include "x86/quant_matmul_avx2.h"
+#include "x86/quant_matmul_avx512_vnni.h"
 #endif
 
 /* What differs by level: the per-type kernels (0 where a level has none: the portable
@@ -181,7 +104,7 @@ int quant_best_level(void) { return best_level(quant_checks); }
 /* ---- activations ---- */
 
 /* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), scale
- * times sum per 16, and sum per 32. (quant_simd.h's quantize_row, the SIMD levels' copy
+ * times sum per 16, and sum per 32. (x86/quant_simd.h's quantize_row, the SIMD levels' copy
  * in vectors, must give the same bytes.) */
 static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
                          int32_t *isums) {

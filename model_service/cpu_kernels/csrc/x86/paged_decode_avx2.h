@@ -13,7 +13,6 @@
  *   3. p.v, 4 keys at a time per accumulator load and store (16 vector registers hold
  *      no head_dim 64 accumulator row beside its query, so acc lives in L1).
  * Scores are scaled after the dot product, as in the AVX-512 case. */
-#if CPU_LEVELS_X86
 #include <immintrin.h>
 
 #define AVX2_SPAN 128 /* keys scored before their softmax */
@@ -193,4 +192,3 @@ static int attend_avx2_case(const void *q, const void *k_cache, const void *v_ca
     return 1;
 }
 #pragma GCC pop_options
-#endif

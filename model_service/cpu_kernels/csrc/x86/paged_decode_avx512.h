@@ -21,7 +21,6 @@
  * Built with its own target whatever -march says (AVX-512F, with the AVX2, FMA and F16C
  * every AVX-512 CPU has) and run only where the CPU has them (paged_decode_best_level);
  * elsewhere the AVX2 case and attend_one serve every shape. */
-#if CPU_LEVELS_X86
 #include <immintrin.h>
 
 #define KEYS_A_CHUNK 16
@@ -237,4 +236,3 @@ static int attend_avx512_case(const void *q, const void *k_cache, const void *v_
     return 1;
 }
 #pragma GCC pop_options
-#endif
