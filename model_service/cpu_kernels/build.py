@@ -32,6 +32,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from model_service.cpu_kernels import header
+
 log = structlog.get_logger()
 
 CSRC = Path(__file__).parent / "csrc"
@@ -39,56 +41,13 @@ SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c", "quant_matmul.c", "decod
            "bf16_matmul.c", "f32_matmul.c", "prefill_attention.c")
 # Never -ffast-math: see csrc/cpu_math.h.
 BUILD_TIMEOUT_S = 300
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# -Werror=missing-prototypes: an exported function must be declared in csrc/pagedkv_kernels.h,
+# whose prototypes give the ctypes signatures (header.py).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Werror=missing-prototypes")
 # The storage types the kernels take (cpu_math.h's enum).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # And the 8-bit K/V paged decode attention reads besides.
 KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-
-_i32, _i64, _f32, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# name: argument types, in the order of the C signatures
-SIGNATURES = {
-    "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _i32,
-                               _f32, _i32, _i32, _ptr, _i32, _i32, _f32, _f32],
-    "paged_decode_attention_at": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32, _i32,
-                                  _f32, _i32, _i32, _ptr, _i32, _i32, _f32, _f32, _i32],
-    "paged_decode_best_level": [],
-    "rms_norm": [_ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
-    "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32, _i32],
-    "silu_mul": [_ptr, _ptr, _i32, _i32, _i32, _i32],
-    "rotary_in_place": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32],
-    "argmax_rows": [_ptr, _i64, _i32, _i32, _i32, _ptr, _i32],
-    "paged_decode_avx512": [],
-    "quant_best_level": [],
-    "quant_linear": [_ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32],
-    "quant_dequantize_rows": [_ptr, _i32, _i32, _ptr, _i32, _ptr, _i32, _i32],
-    "quant_dequantize_linear": [_i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _ptr, _i32, _i32, _i32],
-    "quant_repack_x8": [_ptr, _i32, _i32, _i32],
-    "quant_quantize_activations": [_ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr],
-    "decode_stack": [_ptr, _ptr, _ptr, _i32, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _i32],
-    "bf16_cpu_level": [],
-    "bf16_pack_panels": [_ptr, _i64, _i32, _i32, _ptr],
-    "bf16_linear": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32],
-    "f32_cpu_level": [],
-    "f32_pack_panels": [_ptr, _i64, _i32, _i32, _ptr],
-    "f32_linear": [_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32],
-    "prefill_best_level": [],
-    "prefill_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32,
-                          _i32, _ptr, _i64, _i32, _i32, _i32],
-    "write_kv": [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _f32, _f32, _i32],
-    "write_kv_at": [_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _f32, _f32, _i32, _i32],
-    "kv_write_best_level": [],
-}
-RETURNS = {"paged_decode_attention": ctypes.c_int, "paged_decode_avx512": ctypes.c_int,
-           "paged_decode_best_level": ctypes.c_int, "paged_decode_attention_at": ctypes.c_int,
-           "write_kv_at": ctypes.c_int,
-           "quant_best_level": ctypes.c_int, "quant_linear": ctypes.c_int, "quant_dequantize_rows": ctypes.c_int,
-           "quant_dequantize_linear": ctypes.c_int, "quant_repack_x8": ctypes.c_int,
-           "quant_quantize_activations": ctypes.c_int, "decode_stack": ctypes.c_int, "write_kv": ctypes.c_int,
-           "bf16_cpu_level": ctypes.c_int,
-           "bf16_pack_panels": ctypes.c_int, "bf16_linear": ctypes.c_int,
-           "f32_cpu_level": ctypes.c_int, "f32_pack_panels": ctypes.c_int, "f32_linear": ctypes.c_int,
-           "prefill_best_level": ctypes.c_int, "prefill_attention": ctypes.c_int, "kv_write_best_level": ctypes.c_int}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -112,7 +71,8 @@ def _cpu_flags() -> str:
 
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` from these sources is cached."""
-    sources = [path.read_bytes() for path in sorted(CSRC.iterdir()) if path.suffix in (".c", ".h")]
+    sources = [part for path in sorted(CSRC.rglob("*")) if path.suffix in (".c", ".h")
+               for part in (path.relative_to(CSRC).as_posix().encode(), path.read_bytes())]
     key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
     return cache_dir() / f"pagedkv-cpu-{key}.so"
@@ -190,6 +150,7 @@ def load() -> ctypes.CDLL | None:
         try:
             if compiler is None:
                 raise RuntimeError("no C compiler (cc or gcc) on PATH and CC unset")
+            signatures = header.signatures()
             path = _build(compiler)
             library = ctypes.CDLL(str(path))
         except Exception as error:  # a failed build must leave the service on the torch path
@@ -197,10 +158,10 @@ def load() -> ctypes.CDLL | None:
             log.warning("cpu kernels unavailable; decode attention and the layer ops take the slower torch path",
                         reason=_load_error)
             return None
-        for name, argtypes in SIGNATURES.items():
+        for name, (argtypes, restype) in signatures.items():
             function = getattr(library, name)
             function.argtypes = argtypes
-            function.restype = RETURNS.get(name)
+            function.restype = restype
         _library = library
         # Each family's level is logged where it is chosen (levels.py), once per process.
         log.info("cpu kernels loaded", path=str(path))

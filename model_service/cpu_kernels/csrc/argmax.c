@@ -13,6 +13,7 @@
  * keeps its first); the lanes are then merged by value, ties by index.
  */
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));

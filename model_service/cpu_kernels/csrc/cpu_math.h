@@ -39,7 +39,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* 8-bit floats, read as float32 in units of fp8_unit(dtype) (e4m3's values come out 2^8
  * too small; the caller folds the 2^8 into its scales, never a multiply per element).
  *
- * The AVX-512 case (paged_decode_avx512.h) widens a byte to float16 bits and converts in
+ * The AVX-512 case (x86/paged_decode_avx512.h) widens a byte to float16 bits and converts in
  * hardware: e5m2 is float16's top byte exactly (5 exponent bits, bias 15), and e4m3's
  * magnitude shifted by 7 is a float16 2^8 too small (bias 7 against 15), subnormals
  * included. Here, without a vector float16 conversion (GCC turned `(float)_Float16` into a

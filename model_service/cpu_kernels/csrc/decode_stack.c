@@ -25,6 +25,7 @@
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 #define STACK_MAX_SEGMENTS 4
 /* A linear's type when its one segment is bfloat16 panels (bf16_linear), not quantized
@@ -48,7 +49,7 @@ typedef struct {
     float k_scale, v_scale; /* an 8-bit pool's (attention/kv_quant.py); 1 otherwise */
 } stack_layer;
 
-typedef struct {
+struct stack_model { /* pagedkv_kernels.h names it */
     int32_t num_layers, hidden, q_heads, kv_heads, head_dim, intermediate;
     int32_t dtype, block_size, level;
     float eps, scale;
@@ -56,31 +57,7 @@ typedef struct {
     const stack_layer *layers;
     int32_t bf16_level; /* bf16_linear's, for bfloat16 panel linears */
     int32_t f32_level;  /* f32_linear's, for float32 panel linears */
-} stack_model;
-
-/* Declared by the other kernel sources of this library. */
-int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int segments,
-                 const int64_t *weights, const int32_t *types, const int32_t *rows, void *y, int64_t y_stride,
-                 int level, int num_threads);
-int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows, const void *panels, void *y,
-                int64_t y_stride, int level, int num_threads);
-int f32_linear(const float *x, int64_t x_stride, int tokens, int cols, int rows, const float *panels, float *y,
-               int64_t y_stride, int level, int num_threads);
-void rms_norm(const void *x, int64_t x_row_stride, const void *weight, void *out, int rows, int cols, float eps,
-              int dtype, int num_threads);
-void add_rms_norm(void *hidden, const void *delta, int64_t delta_row_stride, const void *weight, void *out,
-                  int rows, int cols, float eps, int dtype, int num_threads);
-void silu_mul(const void *gate_up, void *out, int rows, int inter, int dtype, int num_threads);
-void rotary_in_place(void *x, int64_t x_row_stride, int rows, int heads, int head_dim, const void *cos_table,
-                     const void *sin_table, const int64_t *positions, int dtype, int num_threads);
-int write_kv(const void *k, int64_t k_row_stride, const void *v, int64_t v_row_stride, int tokens, int kv_size,
-             int dtype, const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, float k_scale,
-             float v_scale, int num_threads);
-int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, int64_t table_row_stride, const int32_t *context_lens,
-                           int num_seqs, int q_heads, int kv_heads, int head_dim, int block_size, float scale,
-                           int sliding_window, int dtype, void *out, int num_threads, int kv_dtype, float k_scale,
-                           float v_scale);
+};
 
 static size_t dtype_bytes(int dtype) {
     return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2 ? 1 : 2;

@@ -13,8 +13,9 @@
  * the tile, and each sum runs over the columns in order in one lane, so a token's result is
  * the same bits at any batch and in any tile (tests hold the kernel to it).
  *
- * Three levels, each built with `#pragma GCC target` whatever -march says, as
- * bf16_matmul.c's are, so one library serves every level the CPU has:
+ * Three levels (f32_levels, cpu_levels.h's scheme), each built with `#pragma GCC target`
+ * whatever -march says, as bf16_matmul.c's are, so one library serves every level the CPU
+ * has:
  * - portable C, one FMA (fmaf) a product in the same order, which the compiler vectorizes
  *   where it can;
  * - AVX2 with FMA: a line is two 256-bit loads, a token's column one broadcast, two FMAs;
@@ -23,9 +24,11 @@
  * their results are the same bits. */
 #include <stdlib.h>
 
+#include "cpu_levels.h"
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 #include "panel_driver.h"
-#if defined(__x86_64__)
+#if CPU_LEVELS_X86
 #include <immintrin.h>
 #endif
 
@@ -61,150 +64,26 @@ static inline void store_rows(float *y, const float *sums, int first, int rows) 
     memcpy(y + first, sums, (size_t)valid * sizeof(float));
 }
 
-/* ---- portable ---- */
+/* ---- the levels' code: generic/ (portable), x86/ (each x86 level under its own target) ---- */
 
-static void tile_portable(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride, int nt,
-                          int cols, void *y_v, int64_t y_stride, int row0, int rows) {
-    const float *x = xv, *panel = panel_v;
-    float *y = y_v;
-    for (int p = 0; p < np; p++) {
-        const float *w = panel + p * panel_elems;
-        for (int t = 0; t < nt; t++) {
-            const float *xt = x + t * x_stride;
-            float acc[PANEL_ROWS] = {0};
-            for (int k = 0; k < cols; k++)
-                for (int r = 0; r < PANEL_ROWS; r++) acc[r] = fmaf(w[(int64_t)k * PANEL_ROWS + r], xt[k], acc[r]);
-            store_rows(y + t * y_stride, acc, row0 + p * PANEL_ROWS, rows);
-        }
-    }
-}
-
-/* ---- AVX2 ---- */
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-
-/* NP panels times NT tokens, 2 * NP * NT sums of eight rows in registers (NP and NT are
- * constants where it is inlined). */
-static inline __attribute__((always_inline)) void tile_avx2_n(const float *panel, int64_t panel_elems, const int NP,
-                                                              const float *x, int64_t x_stride, const int NT,
-                                                              int cols, float *y, int64_t y_stride, int row0,
-                                                              int rows) {
-    __m256 acc[4][2][F32_AVX2_TOKEN_TILE];
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
-    for (int k = 0; k < cols; k++) {
-        for (int p = 0; p < NP; p++)
-            _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + F32_PREFETCH) * PANEL_ROWS),
-                         _MM_HINT_T0);
-        for (int p = 0; p < NP; p++) {
-            const float *line = panel + p * panel_elems + (int64_t)k * PANEL_ROWS;
-            const __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);
-            for (int t = 0; t < NT; t++) {
-                const __m256 xs = _mm256_broadcast_ss(x + t * x_stride + k);
-                acc[p][0][t] = _mm256_fmadd_ps(w0, xs, acc[p][0][t]);
-                acc[p][1][t] = _mm256_fmadd_ps(w1, xs, acc[p][1][t]);
-            }
-        }
-    }
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) {
-            float sums[PANEL_ROWS];
-            _mm256_storeu_ps(sums, acc[p][0][t]);
-            _mm256_storeu_ps(sums + 8, acc[p][1][t]);
-            store_rows(y + t * y_stride, sums, row0 + p * PANEL_ROWS, rows);
-        }
-}
-
-#define F32_AVX2_CASE(NP, NT)                                                                           \
-    case NT:                                                                                            \
-        tile_avx2_n(panel, panel_elems, NP, x, x_stride, NT, cols, y, y_stride, row0, rows);            \
-        break;
-
-static void tile_avx2(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride, int nt,
-                      int cols, void *y_v, int64_t y_stride, int row0, int rows) {
-    const float *x = xv, *panel = panel_v;
-    float *y = y_v;
-    if (np == 4) {
-        switch (nt) { F32_AVX2_CASE(4, 1) }
-    } else if (np == 2) {
-        switch (nt) { F32_AVX2_CASE(2, 1) F32_AVX2_CASE(2, 2) F32_AVX2_CASE(2, 3) }
-    } else {
-        switch (nt) { F32_AVX2_CASE(1, 1) F32_AVX2_CASE(1, 2) F32_AVX2_CASE(1, 3) }
-    }
-}
-#undef F32_AVX2_CASE
-#pragma GCC pop_options
+#include "generic/f32_matmul_portable.h"
+#if CPU_LEVELS_X86
+#include "x86/f32_matmul_avx2.h"
+#include "x86/f32_matmul_avx512.h"
 #endif
 
-/* ---- AVX-512F ---- */
-
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-
-static inline __attribute__((always_inline)) void tile_avx512_n(const float *panel, int64_t panel_elems,
-                                                                const int NP, const float *x, int64_t x_stride,
-                                                                const int NT, int cols, float *y, int64_t y_stride,
-                                                                int row0, int rows) {
-    __m512 acc[4][F32_AVX512_TOKEN_TILE];
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) acc[p][t] = _mm512_setzero_ps();
-    for (int k = 0; k < cols; k++) {
-        __m512 lines[4];
-        for (int p = 0; p < NP; p++)
-            _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + F32_PREFETCH) * PANEL_ROWS),
-                         _MM_HINT_T0);
-        for (int p = 0; p < NP; p++) lines[p] = _mm512_loadu_ps(panel + p * panel_elems + (int64_t)k * PANEL_ROWS);
-        for (int t = 0; t < NT; t++) {
-            const __m512 xs = _mm512_set1_ps(x[t * x_stride + k]);
-            for (int p = 0; p < NP; p++) acc[p][t] = _mm512_fmadd_ps(lines[p], xs, acc[p][t]);
-        }
-    }
-    for (int p = 0; p < NP; p++) {
-        const int first = row0 + p * PANEL_ROWS, valid = rows - first;
-        const __mmask16 mask = valid >= PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-        for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * y_stride + first, mask, acc[p][t]);
-    }
-}
-
-#define F32_AVX512_CASE(NP, NT)                                                                         \
-    case NT:                                                                                            \
-        tile_avx512_n(panel, panel_elems, NP, x, x_stride, NT, cols, y, y_stride, row0, rows);          \
-        break;
-#define F32_AVX512_SWITCH(NP)                                                                           \
-    switch (nt) {                                                                                       \
-        F32_AVX512_CASE(NP, 1) F32_AVX512_CASE(NP, 2) F32_AVX512_CASE(NP, 3) F32_AVX512_CASE(NP, 4)     \
-        F32_AVX512_CASE(NP, 5) F32_AVX512_CASE(NP, 6)                                                   \
-    }
-
-static void tile_avx512(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride, int nt,
-                        int cols, void *y_v, int64_t y_stride, int row0, int rows) {
-    const float *x = xv, *panel = panel_v;
-    float *y = y_v;
-    if (np == 4) {
-        F32_AVX512_SWITCH(4)
-    } else if (np == 2) {
-        F32_AVX512_SWITCH(2)
-    } else {
-        F32_AVX512_SWITCH(1)
-    }
-}
-#undef F32_AVX512_SWITCH
-#undef F32_AVX512_CASE
-#pragma GCC pop_options
+/* Each level's tile, as panel_driver.h plans it. */
+static const panel_level f32_levels[] = {
+    [FLEVEL_PORTABLE] = {tile_portable, 0, 1, 1, F32_PORTABLE_TOKEN_TILE, sizeof(float)},
+#if CPU_LEVELS_X86
+    [FLEVEL_AVX2] = {tile_avx2, 1, 4, 2, F32_AVX2_TOKEN_TILE, sizeof(float)},
+    [FLEVEL_AVX512] = {tile_avx512, 2, 4, 2, F32_AVX512_TOKEN_TILE, sizeof(float)},
 #endif
+};
+static const cpu_check_fn f32_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512f)};
 
 /* The highest level this CPU runs (FLEVEL_*). */
-int f32_cpu_level(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return FLEVEL_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return FLEVEL_AVX2;
-#endif
-    return FLEVEL_PORTABLE;
-}
+int f32_cpu_level(void) { return best_level(f32_checks); }
 
 /* x: [tokens, cols] float32, rows x_stride apart; panels: f32_pack_panels' of a [rows,
  * cols] weight; y: [tokens, rows] float32, y_stride apart. Returns 0, or -1 for a shape
@@ -213,20 +92,8 @@ int f32_linear(const float *x, int64_t x_stride, int tokens, int cols, int rows,
                int64_t y_stride, int level, int num_threads) {
     if (tokens < 0 || rows <= 0 || cols <= 0 || level < 0 || level > f32_cpu_level()) return -1;
     if (tokens == 0) return 0;
-    panel_plan plan = {tile_portable, 1, F32_PORTABLE_TOKEN_TILE, sizeof(float), sizeof(float), sizeof(float),
-                       F32_MIN_PARALLEL_MACS};
-#if defined(__x86_64__)
-    if (level == FLEVEL_AVX2) {
-        plan.tile = tile_avx2;
-        plan.group = tokens == 1 ? 4 : 2;
-        plan.token_tile = F32_AVX2_TOKEN_TILE;
-    }
-    if (level == FLEVEL_AVX512) {
-        plan.tile = tile_avx512;
-        plan.group = tokens <= 2 ? 4 : 2;
-        plan.token_tile = F32_AVX512_TOKEN_TILE;
-    }
-#endif
+    const panel_plan plan = panel_plan_at(&LEVEL_PICK(f32_levels, level), tokens, sizeof(float), sizeof(float),
+                                          F32_MIN_PARALLEL_MACS);
     panel_drive(&plan, panels, (int64_t)cols * PANEL_ROWS, cols, rows, x, x_stride, tokens, y, y_stride,
                 num_threads);
     return 0;

@@ -13,6 +13,7 @@
  * Every function takes the thread count to use (see paged_decode.c) and splits rows.
  */
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 /* A value as the storage type holds it (a 16-bit torch op rounds its output). */
 static inline __attribute__((always_inline)) float round_to(float x, int dtype) {

@@ -15,126 +15,54 @@
  * resolves to the libgomp torch has already loaded, so this shares torch's thread pool,
  * and the caller passes torch's thread count (libgomp keeps that count per thread).
  */
+#include "cpu_levels.h"
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 64
 #define MAX_BLOCK_SIZE 256
 
-#include "paged_decode_avx2.h"
-#include "paged_decode_avx512.h"
+#if CPU_LEVELS_X86
+#include "x86/paged_decode_avx2.h"
+#include "x86/paged_decode_avx512.h"
+#endif
 
-/* The levels, as paged_decode.py's LEVELS: the portable C of attend_one (vectorized by the
- * compiler for whatever -march gives), the AVX2 case (chosen at run time), the AVX-512
- * case (built where -march has AVX-512F). */
+/* The levels, as paged_decode.py's LEVELS (cpu_levels.h's scheme): the portable C of
+ * attend_one (vectorized by the compiler for whatever -march gives), the AVX2 case, the
+ * AVX-512 case, each SIMD case built with its own target and chosen at run time. A level's
+ * case that does not take a shape leaves it to the level below (attend_specialized). */
 enum { DECODE_PORTABLE = 0, DECODE_AVX2 = 1, DECODE_AVX512 = 2 };
 
-/* The highest level this CPU runs with this build. */
-int paged_decode_best_level(void) {
-#ifdef HAVE_ATTEND_AVX512
-    return DECODE_AVX512; /* built only where -march=native has AVX-512F: this CPU's */
-#elif defined(HAVE_ATTEND_AVX2)
-    return avx2_supported() ? DECODE_AVX2 : DECODE_PORTABLE;
-#else
-    return DECODE_PORTABLE;
-#endif
-}
+/* Attends one (sequence, kv head) and returns 1 where the level's case covers the shape. */
+typedef int (*attend_case_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                              int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
+                              int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
+                              int64_t out_offset, int64_t q_offset);
 
-/* One (sequence, kv head): its `group` query heads against its visible keys. Always
- * inlined into attend_specialized's cases, so head_dim and dtype are constants there and
- * the row loops unroll into straight vector code. */
-static inline __attribute__((always_inline)) void attend_one(const void *q, const void *k_cache, const void *v_cache,
-                       const int32_t *table, int first_key, int end_key, int kv_head, int kv_heads,
-                       int group, int head_dim, int block_size, float scale, int dtype, int kv_dtype,
-                       float out_scale, void *out, int64_t out_offset, int64_t q_offset) {
-    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
-    float scores[MAX_GROUP][MAX_BLOCK_SIZE];
-    float row_max[MAX_GROUP], row_sum[MAX_GROUP];
-    float kf[MAX_HEAD_DIM], vf[MAX_HEAD_DIM];
+static const attend_case_fn decode_cases[] = {
+    [DECODE_PORTABLE] = 0, /* attend_one's cases, below */
+    [DECODE_AVX2] = X86_LEVEL(attend_avx2_case),
+    [DECODE_AVX512] = X86_LEVEL(attend_avx512_case),
+};
+static const cpu_check_fn decode_checks[] = {0, X86_LEVEL(cpu_avx2_fma_f16c), X86_LEVEL(cpu_avx512f_avx2)};
 
-    for (int g = 0; g < group; g++) {
-        load_row(qf[g], q, q_offset + (int64_t)g * head_dim, head_dim, dtype);
-        for (int d = 0; d < head_dim; d++) { qf[g][d] *= scale; acc[g][d] = 0.0f; }
-        row_max[g] = -INFINITY;
-        row_sum[g] = 0.0f;
-    }
-    if (end_key <= first_key) { /* nothing visible: zeros, not 0/0 */
-        for (int g = 0; g < group; g++) store_row(out, out_offset + (int64_t)g * head_dim, acc[g], head_dim, dtype);
-        return;
-    }
-    const int64_t token_stride = (int64_t)kv_heads * head_dim;
-    for (int block_start = first_key - first_key % block_size; block_start < end_key; block_start += block_size) {
-        const int64_t block = table[block_start / block_size];
-        const int lo = block_start < first_key ? first_key - block_start : 0;
-        const int hi = block_start + block_size > end_key ? end_key - block_start : block_size;
-        const int64_t base = (block * block_size) * token_stride + (int64_t)kv_head * head_dim;
+/* The highest level this CPU runs. */
+int paged_decode_best_level(void) { return best_level(decode_checks); }
 
-        for (int t = lo; t < hi; t++) {
-            load_row(kf, k_cache, base + t * token_stride, head_dim, kv_dtype);
-            for (int g = 0; g < group; g++) scores[g][t] = dot(qf[g], kf, head_dim);
-        }
-        for (int g = 0; g < group; g++) {
-            float block_max = row_max[g];
-            for (int t = lo; t < hi; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
-            const float correction = exp_f32(row_max[g] - block_max); /* ~0 on the first block: -inf clamps to -87 */
-            row_max[g] = block_max;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int t = lo; t < hi; t++) {
-                const float p = exp_f32(scores[g][t] - block_max);
-                scores[g][t] = p;
-                sum += p;
-            }
-            row_sum[g] = row_sum[g] * correction + sum;
-#pragma omp simd
-            for (int d = 0; d < head_dim; d++) acc[g][d] *= correction;
-        }
-        for (int t = lo; t < hi; t++) {
-            load_row(vf, v_cache, base + t * token_stride, head_dim, kv_dtype);
-            for (int g = 0; g < group; g++) {
-                const float p = scores[g][t];
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) acc[g][d] += p * vf[d];
-            }
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        const float inv = out_scale / row_sum[g];
-        for (int d = 0; d < head_dim; d++) acc[g][d] *= inv;
-        store_row(out, out_offset + (int64_t)g * head_dim, acc[g], head_dim, dtype);
-    }
-}
-
-#define ATTEND(HEAD_DIM, DTYPE, KV_DTYPE)                                                        \
-    attend_one(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, HEAD_DIM, \
-               block_size, scale, DTYPE, KV_DTYPE, out_scale, out, out_offset, q_offset)
-#define HEAD_DIM_CASES(DTYPE, KV_DTYPE)                        \
-    case 32: ATTEND(32, DTYPE, KV_DTYPE); return;              \
-    case 64: ATTEND(64, DTYPE, KV_DTYPE); return;              \
-    case 80: ATTEND(80, DTYPE, KV_DTYPE); return;              \
-    case 96: ATTEND(96, DTYPE, KV_DTYPE); return;              \
-    case 128: ATTEND(128, DTYPE, KV_DTYPE); return;            \
-    case 256: ATTEND(256, DTYPE, KV_DTYPE); return;            \
-    default: ATTEND(head_dim, DTYPE, KV_DTYPE); return;
+#include "generic/paged_decode_portable.h"
 
 /* kv_dtype is dtype, or one of the 8-bit types with dtype DTYPE_F32 (q and out). */
 static void attend_specialized(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                                int first_key, int end_key, int kv_head, int kv_heads, int group, int head_dim,
                                int block_size, float scale, int dtype, int kv_dtype, float out_scale, void *out,
                                int64_t out_offset, int64_t q_offset, int level) {
-#ifdef HAVE_ATTEND_AVX512
-    if (level >= DECODE_AVX512
-        && attend_avx512_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
-                              block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
-        return;
-#endif
-#ifdef HAVE_ATTEND_AVX2
-    /* also what the AVX-512 level takes for the shapes its case leaves */
-    if (level >= DECODE_AVX2
-        && attend_avx2_case(q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
-                            block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
-        return;
-#endif
+    /* the level's case, then each below it (the AVX-512 level's shapes its case leaves go to AVX2's) */
+    for (int at = level_index(level, (int)(sizeof decode_cases / sizeof decode_cases[0])); at > DECODE_PORTABLE; at--)
+        if (decode_cases[at] != 0
+            && decode_cases[at](q, k_cache, v_cache, table, first_key, end_key, kv_head, kv_heads, group, head_dim,
+                                block_size, scale, dtype, kv_dtype, out_scale, out, out_offset, q_offset))
+            return;
     switch (kv_dtype) {
     case DTYPE_F32: switch (head_dim) { HEAD_DIM_CASES(DTYPE_F32, DTYPE_F32) }
     case DTYPE_BF16: switch (head_dim) { HEAD_DIM_CASES(DTYPE_BF16, DTYPE_BF16) }
@@ -144,15 +72,9 @@ static void attend_specialized(const void *q, const void *k_cache, const void *v
     }
 }
 
-/* 1 where the AVX-512 case (paged_decode_avx512.h) was built in, else 0: for the log
+/* 1 where the AVX-512 case (x86/paged_decode_avx512.h) runs on this CPU, else 0: for the log
  * line and the tests. */
-int paged_decode_avx512(void) {
-#ifdef HAVE_ATTEND_AVX512
-    return 1;
-#else
-    return 0;
-#endif
-}
+int paged_decode_avx512(void) { return paged_decode_best_level() >= DECODE_AVX512; }
 
 /* Returns 0, or a nonzero code for shapes past the fixed limits (checked by the caller
  * first; kept here so a wrong call cannot write past a stack buffer) or a level above

@@ -36,6 +36,22 @@ typedef struct {
     int64_t min_parallel_macs;
 } panel_plan;
 
+/* What a level of a panel product brings to its plan (a row of the kernel's table of levels,
+ * cpu_levels.h): its tile; `few_group` panels a group up to `few_tokens` tokens, `group`
+ * past them; its tile's tokens; the bytes of an element of x as the tile reads it. */
+typedef struct {
+    panel_tile_fn tile;
+    int few_tokens, few_group, group, token_tile;
+    size_t x_bytes;
+} panel_level;
+
+static inline panel_plan panel_plan_at(const panel_level *level, int tokens, size_t weight_bytes, size_t y_bytes,
+                                       int64_t min_parallel_macs) {
+    const panel_plan plan = {level->tile, tokens <= level->few_tokens ? level->few_group : level->group,
+                             level->token_tile, weight_bytes, level->x_bytes, y_bytes, min_parallel_macs};
+    return plan;
+}
+
 static inline void panel_drive(const panel_plan *plan, const void *panels, int64_t panel_elems, int depth, int rows,
                                const void *x, int64_t x_stride, int tokens, void *y, int64_t y_stride,
                                int num_threads) {

@@ -4,7 +4,7 @@
  * Every supported type is a run of 32-weight sub-blocks, each of which dequantizes as
  *     w[i] = scale[i / 16] * v[i] + min
  * with v[i] small integers (int8): unpack_sub gives v, the two scales (equal but for
- * Q6_K, whose scales cover 16 weights) and min. The SIMD levels (quant_simd.h) read the
+ * Q6_K, whose scales cover 16 weights) and min. The SIMD levels (x86/quant_simd.h) read the
  * same bits their own way; this is the portable reference they are tested against, and
  * what dequantize_rows uses.
  *

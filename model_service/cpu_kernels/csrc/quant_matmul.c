@@ -3,9 +3,9 @@
  * multiplied by them with integer dot products, as llama.cpp does; no float copy of W.
  *
  * Three levels, picked by the caller (`level`, see quant_best_level): portable C,
- * AVX2 (maddubs), AVX-512 VNNI (dpbusd on 256-bit vectors). The SIMD levels are built
- * with `#pragma GCC target` whatever -march says, so one library serves every level the
- * CPU has, and a test can run each.
+ * AVX2 (maddubs), AVX-512 VNNI (dpbusd on 256-bit vectors), each a row of quant_levels
+ * (cpu_levels.h's scheme). The SIMD levels are built with `#pragma GCC target` whatever
+ * -march says, so one library serves every level the CPU has, and a test can run each.
  *
  * A linear may hold several segments of rows, each of its own type (a fused QKV whose V
  * rows are Q6_K and Q and K rows Q4_K, as Q4_K_M files have): one call quantizes x once
@@ -17,16 +17,18 @@
  */
 #include <stdlib.h>
 
+#include "cpu_levels.h"
 #include "cpu_math.h"
+#include "pagedkv_kernels.h"
 #include "quant_blocks.h"
 #include "quant_x8.h"
 
 #define QUANT_TOKEN_TILE 4
-/* Tokens an interleaved group's unpacked sub-block serves at a time (quant_simd.h's
+/* Tokens an interleaved group's unpacked sub-block serves at a time (x86/quant_simd.h's
  * x8_group): eight float accumulators and the eight weight vectors stay in registers
  * (AVX-512 has 32 vector registers; at the AVX2 level some spill). */
 #define QUANT_X8_TOKENS 4
-/* The same for two groups a 512-bit vector (quant_simd.h's x16_group, the AVX-512 level):
+/* The same for two groups a 512-bit vector (x86/quant_simd.h's x16_group, the AVX-512 level):
  * 16 float accumulators, 8 weight vectors and the integer sums fill its 32 registers. */
 #define QUANT_X16_TOKENS 8
 #define QUANT_ROW_TILE 16
@@ -45,60 +47,10 @@ typedef void (*x8_fn)(const uint8_t *group, const quant_acts *acts, int64_t t0, 
 typedef void (*x16_fn)(const uint8_t *group, int64_t group_bytes, const quant_acts *acts, int64_t t0, int nt,
                        int subs, float *out);
 
-/* ---- portable ---- */
-
-static void dot_portable(int type, const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs,
-                         float *out) {
-    float acc[QUANT_TOKEN_TILE] = {0};
-    int8_t v[32];
-    float scale[2], min;
-    for (int s = 0; s < subs; s++) {
-        unpack_sub(type, row, s, v, scale, &min);
-        for (int t = 0; t < nt; t++) {
-            const int64_t token = t0 + t;
-            const int8_t *q = acts->q + token * acts->cols + 32 * s;
-            int32_t first = 0, second = 0;
-            for (int i = 0; i < 16; i++) first += v[i] * q[i];
-            for (int i = 16; i < 32; i++) second += v[i] * q[i];
-            const float *sums = acts->scaled_sums + (token * subs + s) * 2;
-            acc[t] += acts->d[token * subs + s] * (scale[0] * (float)first + scale[1] * (float)second)
-                      + min * (sums[0] + sums[1]);
-        }
-    }
-    for (int t = 0; t < nt; t++) out[t] = acc[t];
-}
-
-#define PORTABLE_FN(TYPE_NAME, TYPE_CODE)                                                                   \
-    static void portable_##TYPE_NAME(const uint8_t *row, const quant_acts *acts, int64_t t0, int nt, int subs, \
-                                     float *out) {                                                          \
-        dot_portable(TYPE_CODE, row, acts, t0, nt, subs, out);                                              \
-    }
-PORTABLE_FN(q4_0, QTYPE_Q4_0)
-PORTABLE_FN(q4_1, QTYPE_Q4_1)
-PORTABLE_FN(q5_0, QTYPE_Q5_0)
-PORTABLE_FN(q5_1, QTYPE_Q5_1)
-PORTABLE_FN(q8_0, QTYPE_Q8_0)
-PORTABLE_FN(q4_k, QTYPE_Q4_K)
-PORTABLE_FN(q5_k, QTYPE_Q5_K)
-PORTABLE_FN(q6_k, QTYPE_Q6_K)
-#undef PORTABLE_FN
-
-static dot_fn portable_select(int type) {
-    switch (type) {
-    case QTYPE_Q4_0: return portable_q4_0;
-    case QTYPE_Q4_1: return portable_q4_1;
-    case QTYPE_Q5_0: return portable_q5_0;
-    case QTYPE_Q5_1: return portable_q5_1;
-    case QTYPE_Q8_0: return portable_q8_0;
-    case QTYPE_Q4_K: return portable_q4_k;
-    case QTYPE_Q5_K: return portable_q5_k;
-    case QTYPE_Q6_K: return portable_q6_k;
-    default: return 0;
-    }
-}
+#include "generic/quant_matmul_portable.h"
 
 /* Every float16 value as float32 (256 KiB, filled when the library loads): the SIMD
- * levels read block scales through it (quant_simd.h's half). */
+ * levels read block scales through it (x86/quant_simd.h's half). */
 static float half_table[65536];
 
 __attribute__((constructor)) static void fill_half_table(void) {
@@ -110,110 +62,49 @@ __attribute__((constructor)) static void fill_half_table(void) {
 
 /* ---- x86 SIMD levels ---- */
 
-#if defined(__x86_64__) || defined(__i386__)
+#if CPU_LEVELS_X86
 #include <immintrin.h>
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define QS(name) name##_avx2
-#define QS_DOT32(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
-#define QS_DOT32_ACC(acc, u, s) _mm256_add_epi32((acc), QS_DOT32(u, s))
-#define QS_X8_FLIP_S8 0 /* maddubs's int16 pairs would saturate on 255 x 127 */
-#define QS_X16 0
-#include "quant_simd.h"
-#undef QS
-#undef QS_DOT32
-#undef QS_DOT32_ACC
-#undef QS_X8_FLIP_S8
-#undef QS_X16
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-#define QS(name) name##_vnni
-#define QS_DOT32(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
-#define QS_DOT32_ACC(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
-#define QS_X8_FLIP_S8 1
-#define QS_X16 1
-#include "quant_simd.h"
-#undef QS
-#undef QS_DOT32
-#undef QS_DOT32_ACC
-#undef QS_X8_FLIP_S8
-#undef QS_X16
-#pragma GCC pop_options
+#include "x86/quant_matmul_avx2.h"
+#include "x86/quant_matmul_avx512_vnni.h"
 #endif
 
-/* The highest level this CPU runs. */
-int quant_best_level(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
-            && __builtin_cpu_supports("avx512bw"))
-            return QLEVEL_AVX512_VNNI;
-        return QLEVEL_AVX2;
-    }
-#endif
-    return QLEVEL_PORTABLE;
-}
-
-static dot_fn select_dot(int level, int type) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level >= QLEVEL_AVX512_VNNI) return select_vnni(type);
-    if (level == QLEVEL_AVX2) return select_avx2(type);
-#endif
-    (void)level;
-    return portable_select(type);
-}
-
-static x8_fn select_x8(int level, int type) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level >= QLEVEL_AVX512_VNNI) return select_x8_vnni(qtype_base(type));
-    if (level == QLEVEL_AVX2) return select_x8_avx2(qtype_base(type));
-#endif
-    (void)level;
-    (void)type;
-    return 0;
-}
-
-static x16_fn select_x16(int level, int type) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level >= QLEVEL_AVX512_VNNI) return select_x16_vnni(qtype_base(type));
-#endif
-    (void)level;
-    (void)type;
-    return 0;
-}
-
+/* What differs by level: the per-type kernels (0 where a level has none: the portable
+ * level's pair, x8 and x16; the AVX2 level's x16), the activations' quantization, and the
+ * SIMD levels' dequantization for the float product. */
 typedef void (*quantize_fn)(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
                             int32_t *isums);
+typedef void (*dequantize_fn)(int type, const uint8_t *blocks, int subs, void *out, int64_t out_offset, int dtype);
+typedef struct {
+    dot_fn (*dot)(int type);
+    pair_fn (*pair)(int type);
+    x8_fn (*x8)(int base);
+    x16_fn (*x16)(int base);
+    quantize_fn quantize;
+    dequantize_fn dequantize_row, dequantize_group_x8;
+} quant_level;
+
 static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
                          int32_t *isums);
 
-static quantize_fn select_quantize(int level) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level >= QLEVEL_AVX512_VNNI) return quantize_row_vnni;
-    if (level == QLEVEL_AVX2) return quantize_row_avx2;
+static const quant_level quant_levels[] = {
+    [QLEVEL_PORTABLE] = {portable_select, 0, 0, 0, quantize_row, 0, 0},
+#if CPU_LEVELS_X86
+    [QLEVEL_AVX2] = {select_avx2, select_pair_avx2, select_x8_avx2, 0, quantize_row_avx2, dequantize_row_avx2,
+                     dequantize_group_x8_avx2},
+    [QLEVEL_AVX512_VNNI] = {select_vnni, select_pair_vnni, select_x8_vnni, select_x16_vnni, quantize_row_vnni,
+                            dequantize_row_vnni, dequantize_group_x8_vnni},
 #endif
-    (void)level;
-    return quantize_row;
-}
+};
+static const cpu_check_fn quant_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512_vnni)};
 
-static pair_fn select_pair(int level, int type) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (level >= QLEVEL_AVX512_VNNI) return select_pair_vnni(type);
-    if (level == QLEVEL_AVX2) return select_pair_avx2(type);
-#endif
-    (void)level;
-    (void)type;
-    return 0;
-}
+/* The highest level this CPU runs. */
+int quant_best_level(void) { return best_level(quant_checks); }
 
 /* ---- activations ---- */
 
 /* Row `offset` of x (cols values) -> 8-bit values, a scale per 32 (amax / 127), scale
- * times sum per 16, and sum per 32. (quant_simd.h's quantize_row, the SIMD levels' copy
+ * times sum per 16, and sum per 32. (x86/quant_simd.h's quantize_row, the SIMD levels' copy
  * in vectors, must give the same bytes.) */
 static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int8_t *q, float *d, float *sums,
                          int32_t *isums) {
@@ -263,11 +154,11 @@ static void x8_portable(int base, const uint8_t *group, const quant_acts *acts, 
  * time, QUANT_X8_TOKENS tokens a tile, or at the AVX-512 level two groups at a time,
  * QUANT_X16_TOKENS tokens a tile (the groups' bytes stay in L1 between token tiles), the
  * next rows asked for before they are read. */
-static void x8_segment(int level, int type, const uint8_t *weights, int count, int cols, const quant_acts *acts,
-                       int tokens, void *y, int64_t y_stride, int64_t row0, int dtype) {
-    const x8_fn x8 = select_x8(level, type);
-    const x16_fn x16 = select_x16(level, type);
+static void x8_segment(const quant_level *at, int type, const uint8_t *weights, int count, int cols,
+                       const quant_acts *acts, int tokens, void *y, int64_t y_stride, int64_t row0, int dtype) {
     const int base = qtype_base(type), subs = cols / 32;
+    const x8_fn x8 = at->x8 ? at->x8(base) : 0;
+    const x16_fn x16 = at->x16 ? at->x16(base) : 0;
     const int64_t group_bytes = 8 * qtype_row_bytes(base, cols);
     const int tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
 #pragma omp for schedule(static) nowait
@@ -317,7 +208,8 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
         return -2;
     }
     const quant_acts acts = {q, d, sums, isums, cols};
-    const quantize_fn quantize = select_quantize(level);
+    const quant_level *at = &LEVEL_PICK(quant_levels, level);
+    const quantize_fn quantize = at->quantize;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -327,13 +219,13 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
         int64_t row0 = 0;
         for (int i = 0; i < segments; i++) {
             if (qtype_is_x8(types[i])) {
-                x8_segment(level, types[i], (const uint8_t *)(intptr_t)weights[i], rows[i], cols, &acts, tokens, y,
+                x8_segment(at, types[i], (const uint8_t *)(intptr_t)weights[i], rows[i], cols, &acts, tokens, y,
                            y_stride, row0, dtype);
                 row0 += rows[i];
                 continue;
             }
-            const dot_fn dot = select_dot(level, types[i]);
-            const pair_fn pair = tokens == 1 ? select_pair(level, types[i]) : 0;
+            const dot_fn dot = at->dot(types[i]);
+            const pair_fn pair = tokens == 1 && at->pair ? at->pair(types[i]) : 0;
             const uint8_t *base = (const uint8_t *)(intptr_t)weights[i];
             const int64_t row_bytes = qtype_row_bytes(types[i], cols);
             const int count = rows[i], tiles = (count + QUANT_ROW_TILE - 1) / QUANT_ROW_TILE;
@@ -382,7 +274,7 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
 int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int level,
                                int8_t *q, float *d, float *sums, int32_t *isums) {
     if (cols % 32 != 0) return -1;
-    const quantize_fn quantize = select_quantize(level);
+    const quantize_fn quantize = LEVEL_PICK(quant_levels, level).quantize;
     const int subs = cols / 32;
     for (int t = 0; t < tokens; t++)
         quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
@@ -399,7 +291,8 @@ int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t 
     if ((dtype != DTYPE_F32 && dtype != DTYPE_BF16) || level < QLEVEL_AVX2 || cols % 32 != 0
         || !qtype_segments_fit(segments, types, rows, cols))
         return -1;
-#if defined(__x86_64__) || defined(__i386__)
+    const quant_level *at = &LEVEL_PICK(quant_levels, level);
+    if (at->dequantize_row == 0) return -1; /* a build without the SIMD levels */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int r = row_begin; r < row_end; r++) {
         int segment = 0, first = 0;
@@ -417,21 +310,16 @@ int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t 
                 if (r != group_start) continue;
                 const uint8_t *group = segment_blocks + (int64_t)(r - first) * row_bytes;
                 const int64_t out_offset = (int64_t)(r - row_begin) * cols;
-                if (level >= QLEVEL_AVX512_VNNI) dequantize_group_x8_vnni(type, group, cols / 32, out, out_offset, dtype);
-                else dequantize_group_x8_avx2(type, group, cols / 32, out, out_offset, dtype);
+                at->dequantize_group_x8(type, group, cols / 32, out, out_offset, dtype);
                 continue;
             }
             x8_gather_row(types[segment], segment_blocks, r - first, cols, gathered);
             row = gathered;
         }
         const int64_t out_offset = (int64_t)(r - row_begin) * cols;
-        if (level >= QLEVEL_AVX512_VNNI) dequantize_row_vnni(type, row, cols / 32, out, out_offset, dtype);
-        else dequantize_row_avx2(type, row, cols / 32, out, out_offset, dtype);
+        at->dequantize_row(type, row, cols / 32, out, out_offset, dtype);
     }
     return 0;
-#else
-    return -1;
-#endif
 }
 
 /* out[i] = row indices[i] of W dequantized (cols values, dtype), indices NULL: rows 0..n-1.

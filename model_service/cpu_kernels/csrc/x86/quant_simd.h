@@ -1,7 +1,8 @@
 /* One weight row of a quantized type times up to QUANT_TOKEN_TILE tokens' 8-bit
  * activations, with 256-bit integer dot products (and, for the interleaved layout of
  * quant_x8.h, eight rows times one token, x8_group; and rows dequantized for the float
- * product): included once per instruction-set level by quant_matmul.c, which defines
+ * product): included once per instruction-set level (x86/quant_matmul_avx2.h,
+ * x86/quant_matmul_avx512_vnni.h, both included by quant_matmul.c), each of which defines
  *     QS(name)        the level's name for a function (a suffix),
  *     QS_DOT32(u, s)  32 unsigned bytes u times 32 signed bytes s, summed in fours into
  *                     8 int32 lanes (lane i holds bytes 4i..4i+3): AVX2's maddubs +

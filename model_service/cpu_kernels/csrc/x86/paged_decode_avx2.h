@@ -13,10 +13,8 @@
  *   3. p.v, 4 keys at a time per accumulator load and store (16 vector registers hold
  *      no head_dim 64 accumulator row beside its query, so acc lives in L1).
  * Scores are scaled after the dot product, as in the AVX-512 case. */
-#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-#define HAVE_ATTEND_AVX2 1
 #define AVX2_SPAN 128 /* keys scored before their softmax */
 #define AVX2_MAX_HEADS 8 /* query heads a pass */
 #define AVX2_KEYS 8 /* keys a scoring step */
@@ -193,11 +191,4 @@ static int attend_avx2_case(const void *q, const void *k_cache, const void *v_ca
     }
     return 1;
 }
-
-/* 1 where the CPU runs this level. */
-static int avx2_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
 #pragma GCC pop_options
-#endif

@@ -18,12 +18,11 @@
  * Scores are scaled after the dot product (attend_one scales q first): the two differ by
  * float32 rounding.
  *
- * Built where the compiler targets AVX-512F (-march=native on such a CPU); elsewhere
- * attend_one serves every shape. */
-#if defined(__AVX512F__)
+ * Built with its own target whatever -march says (AVX-512F, with the AVX2, FMA and F16C
+ * every AVX-512 CPU has) and run only where the CPU has them (paged_decode_best_level);
+ * elsewhere the AVX2 case and attend_one serve every shape. */
 #include <immintrin.h>
 
-#define HAVE_ATTEND_AVX512 1
 #define KEYS_A_CHUNK 16
 #define SPAN 256 /* keys scored before their softmax: scores[heads][SPAN], 4 KB at most */
 #define AVX512_MAX_GROUP 4 /* query heads a pass (attend_avx512_case) */
@@ -34,6 +33,7 @@
 /* At -O3 (the library's level) GCC took twice as long to build these cases, and they ran
  * slower (30.5 against 24.2 ns a key and kv head at head_dim 64, group 3). */
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
 #pragma GCC optimize("O2")
 
 /* Lane t of the result is the sum of v[t]'s 16 lanes: a transpose-and-add tree (45
@@ -236,4 +236,3 @@ static int attend_avx512_case(const void *q, const void *k_cache, const void *v_
     return 1;
 }
 #pragma GCC pop_options
-#endif
