@@ -11,15 +11,19 @@ garbage; values forged, cut, huge or moved) cost recomputation, never a failed c
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
 import time
+import urllib.request
 import zlib
 
+import grpc
 import pytest
 import redis
 import torch
+from grpc_generate import greedy
 
 from cache_service.core.ledger import Ledger
 from cache_service.tiers.disk_tier import DiskGeometry
@@ -29,9 +33,10 @@ from cache_service.tiers.remote_store import RemoteKvRefused, load_remote_key
 from cache_service.tiers.remote_tier import REMOTE
 from cache_service.tiers.settings import TierSettings
 from harness.cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
-from harness.processes import free_port, start_cache_service
+from harness.processes import free_port, start_cache_service, start_model_service
 from harness.valkey_server import ValkeyServer
 from pagedkv.cache.v1 import cache_pb2
+from pagedkv.model.v1 import model_pb2_grpc
 from scrape import metric
 
 pytestmark = pytest.mark.timeout(120)
@@ -482,3 +487,34 @@ def test_a_service_refuses_a_key_others_can_read_at_start(tmp_path, store):
 def test_a_service_refuses_a_url_it_does_not_understand_at_start(tmp_path, key_file):
     with pytest.raises(RuntimeError, match="scheme must be one of"):
         remote_service(tmp_path, f"http://127.0.0.1:{free_port()}", key_file)
+
+
+# -- two replicas of the tiny model ----------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_serves_a_prefix_another_computed_with_the_same_greedy_output(tmp_path, store, key_file):
+    prompt = [4 + (index * 37) % 240 for index in range(100)]  # six full blocks a second request may reuse
+    with remote_service(tmp_path, store.url, key_file) as cache_a, \
+            remote_service(tmp_path, store.url, key_file) as cache_b, \
+            start_model_service(tmp_path, cache_a.address, "--max-model-len", "128") as model_a, \
+            start_model_service(tmp_path, cache_b.address, "--max-model-len", "128") as model_b:
+        stub_a = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_a.address))
+        stub_b = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_b.address))
+        want, last = greedy(stub_a, prompt, 8)
+        assert last.usage.cached_tokens == 0
+        wait_for(lambda: remote_row(cache_stub(cache_a.address)).demotions >= 6, WAIT_S, "a's prefix in the store")
+        got, last = greedy(stub_b, prompt, 8)
+        assert got == want
+        assert (last.usage.cached_tokens, last.usage.cached_tokens_remote) == (96, 96)
+        # OpenAI's usage says the same, for a prompt a computed and b has not seen.
+        other = [token + 1 for token in prompt]
+        greedy(stub_a, other, 8)
+        wait_for(lambda: remote_row(cache_stub(cache_a.address)).demotions >= 12, WAIT_S, "the second prefix")
+        body = json.dumps({"model": "tiny", "prompt": other, "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{model_b.http_url}/completions", data=body, method="POST",
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            details = json.loads(response.read())["usage"]["prompt_tokens_details"]
+        assert (details["cached_tokens"], details["cached_tokens_remote"]) == (96, 96)
