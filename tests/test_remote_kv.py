@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 import urllib.request
-import zlib
 
 import grpc
 import pytest
@@ -25,26 +24,20 @@ import redis
 import torch
 from grpc_generate import greedy
 
-from cache_service.core.ledger import Ledger
 from cache_service.tiers.disk_tier import DiskGeometry
-from cache_service.tiers.kv_tiers import KvTiers
 from cache_service.tiers.remote_backends import parse_remote_url
 from cache_service.tiers.remote_store import RemoteKvRefused, load_remote_key
-from cache_service.tiers.remote_tier import REMOTE
 from cache_service.tiers.settings import TierSettings
-from harness.cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
+from harness.cache_helpers import attach, cache_stub, lease, release, stats, wait_for
 from harness.processes import free_port, start_cache_service, start_model_service
 from harness.valkey_server import ValkeyServer
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.model.v1 import model_pb2_grpc
 from scrape import metric
+from test_kv_tiers import BS, GEOMETRY, MODEL, Stack
 
 pytestmark = pytest.mark.timeout(120)
 
-BS = 4
-NUM_BLOCKS = 8
-GEOMETRY = DiskGeometry(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
-MODEL = ("model-1", "")
 PROMPT = list(range(100, 113))  # three full blocks a second allocate may reuse, and one token
 FULL = 3 * BS
 WAIT_S = 60  # bounded waits: they fail only on a hang
@@ -73,39 +66,20 @@ def key_file(tmp_path):
     return write_key(tmp_path / "remote.key")
 
 
-class Replica:
+class Replica(Stack):
     """A ledger with a remote tier (and no other) over a pool tensor: one cache service's worth."""
 
     def __init__(self, url: str, key_file, geometry: DiskGeometry = GEOMETRY, timeout_ms: int = 10_000,
-                 queue_blocks: int = 64, clock=time.monotonic) -> None:
-        self.pool_tensor = torch.zeros(geometry.num_layers, 2, NUM_BLOCKS, geometry.block_size,
-                                       geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype)
-        self.ledger = Ledger(NUM_BLOCKS, BS)
-        settings = TierSettings(remote_kv=url, remote_kv_key_file=str(key_file), remote_kv_timeout_ms=timeout_ms,
-                                remote_kv_queue_blocks=queue_blocks)
-        self.tiers = KvTiers(self.ledger.pool, self.pool_tensor, settings, geometry.payload_bytes, geometry, clock)
-        self.ledger.tiers = self.tiers
+                 queue_blocks: int = 64, clock=time.monotonic, device=lambda tensor: tensor) -> None:
+        super().__init__(TierSettings(remote_kv=url, remote_kv_key_file=str(key_file), remote_kv_timeout_ms=timeout_ms,
+                                      remote_kv_queue_blocks=queue_blocks), geometry, clock=clock, device=device)
         self.remote = self.tiers.remote
 
-    def expected(self, tokens: list[int], index: int, namespace) -> torch.Tensor:
-        value = float(zlib.crc32(repr((namespace, tokens[: (index + 1) * BS])).encode()) % 100_003)
-        return torch.full_like(self.pool_tensor[:, :, 0], value)
-
     async def run(self, tokens: list[int], namespace=MODEL):
-        """A Lease call's read-ahead and allocate; checks the hits' bytes, writes the rest, releases."""
+        """``Stack.run`` as a Lease call makes it: after the read-ahead, with its blocks."""
         ahead = await self.tiers.read_ahead([(tokens, namespace)])
         with self.tiers.reading_ahead(ahead):
-            allocation = self.ledger.allocate("owner", len(tokens), tokens, namespace)
-        cached_blocks = allocation.cached_tokens // BS
-        for index, block_id in enumerate(allocation.block_ids):
-            if index < cached_blocks:
-                assert torch.equal(self.pool_tensor[:, :, block_id], self.expected(tokens, index, namespace)), \
-                    f"block {index} of a hit does not hold this prefix's K/V"
-            elif (index + 1) * BS <= len(tokens):
-                self.pool_tensor[:, :, block_id] = self.expected(tokens, index, namespace)
-        self.ledger.release("owner", allocation.sequence_id, cache_prefix=True, token_ids=tokens)
-        self.ledger.check_invariants()
-        return allocation
+            return super().run(tokens, namespace)
 
     async def flush(self) -> None:
         """Runs the writer until every offered block is written or dropped."""
@@ -118,10 +92,6 @@ class Replica:
                 await asyncio.sleep(0.01)
         finally:
             writer.cancel()
-
-    def evict_everything(self) -> None:
-        allocation = self.ledger.allocate("owner", NUM_BLOCKS * BS)
-        self.ledger.release("owner", allocation.sequence_id)
 
     def close(self) -> None:
         self.tiers.close()
@@ -152,6 +122,26 @@ def test_a_prefix_one_replica_committed_is_promoted_by_another_with_its_bytes(st
         b.close()
 
     asyncio.run(body())
+
+
+def test_a_cuda_pools_blocks_go_to_the_store_and_back_through_host_memory(store, key_file, monkeypatch):
+    from cuda_tier_fakes import FakeCuda, on_fake_cuda
+
+    fake_cuda = FakeCuda(monkeypatch)
+
+    async def body():
+        a = Replica(store.url, key_file, device=on_fake_cuda)
+        b = Replica(store.url, key_file, device=on_fake_cuda)
+        await a.run(PROMPT)
+        await a.flush()
+        assert a.remote.counters.demotions == 3 and a.remote.counters.errors == 0
+        got = await b.run(PROMPT)  # Stack.run settles the promotion's copy, then checks the bytes
+        assert (got.cached_tokens, got.cached_tokens_remote) == (FULL, FULL)
+        a.close()
+        b.close()
+
+    asyncio.run(body())
+    assert "sync" in fake_cuda.log
 
 
 @pytest.mark.parametrize("other", ["model", "salt", "dtype", "heads", "key"])

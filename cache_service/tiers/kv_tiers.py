@@ -234,7 +234,8 @@ class KvTiers:
                     if entry.host_slot is None and entry.digest in self.disk.sizes:
                         records[entry.digest] = self._record(entry)
             if self.remote is not None and len(hits) < max_blocks and remote_budget > 0:
-                chain = chain_digests(prompt, block_size, max_blocks, namespace)[len(hits):][:remote_budget]
+                last = min(max_blocks, len(hits) + remote_budget)
+                chain = chain_digests(prompt, block_size, last, namespace)[len(hits):]
                 chains.append(chain)
                 remote_budget -= len(chain)
         loop = asyncio.get_running_loop()
@@ -619,6 +620,7 @@ class KvTiers:
         tier, as entries in no tier (``block_hash``: block ``start``'s hash)."""
         pool = self.pool
         block_size = pool.block_size
+        max_blocks = min(max_blocks, start + PROMOTE_MAX_BLOCKS)
         digests = chain_digests(tokens, block_size, max_blocks, namespace)
         remote = self._read_ahead.remote
         out: list[TierEntry] = []
