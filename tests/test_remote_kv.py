@@ -124,6 +124,45 @@ def test_a_prefix_one_replica_committed_is_promoted_by_another_with_its_bytes(st
     asyncio.run(body())
 
 
+def test_kv_events_say_remote_for_the_blocks_written_and_take_them_back_when_the_store_fails(
+        tmp_path, key_file, monkeypatch):
+    from cache_service.events.block_event_log import BlockEventLog
+    from cache_service.events.kv_events import BlockRemoved, BlockStored
+    from cache_service.tiers import remote_tier
+
+    monkeypatch.setattr(remote_tier, "KNOWN_DIGESTS", 5)  # the blocks this service vouches for
+    server = ValkeyServer(tmp_path).start()
+
+    async def body():
+        replica = Replica(server.url, key_file)
+        events = BlockEventLog(BS)
+        replica.ledger.events = replica.tiers.events = events
+        await replica.run(PROMPT)
+        [gpu_stored] = events.drain()
+        await replica.flush()
+        stored = events.drain()
+        assert [type(event) for event in stored] == [BlockStored] * 3
+        assert [event.medium for event in stored] == ["REMOTE"] * 3
+        assert [event.block_hashes[0] for event in stored] == gpu_stored.block_hashes
+        # Three more blocks: past what it vouches for, the oldest are told removed.
+        await replica.run(list(range(500, 513)))
+        await replica.flush()
+        moved = events.drain()
+        removed = [event.block_hashes[0] for event in moved if isinstance(event, BlockRemoved)]
+        assert removed == gpu_stored.block_hashes[:1]
+        assert [event.medium for event in moved if isinstance(event, BlockStored)] == ["GPU"] + ["REMOTE"] * 3
+        server.kill()  # a store that fails may come back empty: every block it held is told removed
+        await replica.run(list(range(600, 613)))
+        removed = [event for event in events.drain() if isinstance(event, BlockRemoved) and event.medium == "REMOTE"]
+        assert len(removed) == 5
+        replica.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        server.kill()
+
+
 def test_a_cuda_pools_blocks_go_to_the_store_and_back_through_host_memory(store, key_file, monkeypatch):
     from cuda_tier_fakes import FakeCuda, on_fake_cuda
 

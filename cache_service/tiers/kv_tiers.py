@@ -46,7 +46,7 @@ import torch
 
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.blocks.block_pool import Block, BlockPool
-from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_REMOTE, MEDIUM_STORAGE
 from cache_service.blocks.prefix_hash import Namespace, namespace_root
 from cache_service.tiers.copy_queue import CopyQueue
 from cache_service.tiers.counters import TierCounters
@@ -145,7 +145,7 @@ class KvTiers:
                 key = remote_key if remote_key is not None else load_remote_key(settings.remote_kv_key_file)
                 store = open_store(parse_remote_url(settings.remote_kv), settings.remote_kv_timeout_ms / 1000)
                 self.remote = RemoteTier(store, key, geometry, settings.remote_kv_queue_blocks,
-                                         settings.remote_kv_timeout_ms / 1000, clock)
+                                         settings.remote_kv_timeout_ms / 1000, clock, self._tell_remote)
         except BaseException:
             if self.mover is not None:
                 self.mover.close()
@@ -375,7 +375,7 @@ class KvTiers:
         """A release left ``blocks`` (a sequence's full blocks) in the prefix cache: queue the
         registered ones for demotion, parents before children."""
         if self.remote is not None:
-            self.remote.offer(blocks)
+            self.remote.offer(blocks, self.events.key_of if self.events is not None else None)
         if self.host is None and self.disk is None:
             return
         queue = self.queue
@@ -396,7 +396,8 @@ class KvTiers:
         """
         writer = None
         if self.remote is not None:
-            writer = asyncio.get_running_loop().create_task(self.remote.run(self._copy_out, self._still_registered))
+            writer = asyncio.get_running_loop().create_task(
+                self.remote.run(self._copy_out, self._still_registered, after_step))
         try:
             await self._run_local(after_step)
         finally:
@@ -731,12 +732,18 @@ class KvTiers:
             self._event(entry, MEDIUM_STORAGE, stored=True)
 
     def _event(self, entry: TierEntry, medium: str, stored: bool) -> None:
-        if self.events is None or entry.event_key is None:
+        self._tell(entry.event_key, entry.token_ids, medium, stored)
+
+    def _tell_remote(self, key, token_ids: tuple[int, ...], stored: bool) -> None:
+        self._tell(key, token_ids, MEDIUM_REMOTE, stored)
+
+    def _tell(self, key, token_ids: tuple[int, ...], medium: str, stored: bool) -> None:
+        if self.events is None or key is None:
             return  # events off, or a copy of a block whose registration events never saw
         if stored:
-            self.events.tier_stored(entry.event_key, entry.token_ids, medium)
+            self.events.tier_stored(key, token_ids, medium)
         else:
-            self.events.tier_removed(entry.event_key, medium)
+            self.events.tier_removed(key, medium)
 
     def _record(self, entry: TierEntry) -> BlockRecord:
         return BlockRecord(entry.digest, entry.parent_digest, entry.namespace, entry.token_ids,

@@ -17,6 +17,10 @@ thread, awaited at most ``--remote-kv-timeout-ms``, after which the call goes on
 them (its prompts' blocks are recomputed). A failed call to the store marks it down for a
 backoff that doubles up to BACKOFF_MAX_S; meanwhile nothing is asked of it, and the next
 call after the backoff is the reconnection.
+
+The store never says what it evicts, so the blocks this service vouches for (told as KV
+events of medium "REMOTE" through ``tell``) are the ones it wrote lately: the last
+KNOWN_DIGESTS, all forgotten (told removed) when the store fails, as it may come back empty.
 """
 
 from __future__ import annotations
@@ -51,8 +55,13 @@ WRITE_BATCH_BLOCKS = 16
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 # Digests this service wrote or read lately: a block promoted from the store, or written
-# once, is not sent again when its sequence is released.
+# once, is not sent again when its sequence is released; those it wrote are its KV events.
 KNOWN_DIGESTS = 65536
+
+# A block written (True) or forgotten (False): its KV-event key (None: events never saw
+# it) and token ids; KvTiers makes it a "REMOTE" KV event.
+Tell = Callable[[object, tuple[int, ...], bool], None]
+EventKeyOf = Callable[[int], object]
 
 
 @dataclass(slots=True)
@@ -67,6 +76,16 @@ class RemoteCounters:
     reconnects: int = 0  # calls that succeeded after the store had failed
 
 
+@dataclass(slots=True)
+class _Write:
+    """A block on its way to the store, copied out of the pool."""
+
+    digest: bytes
+    payload: torch.Tensor
+    event_key: object
+    token_ids: tuple[int, ...]
+
+
 def chain_digests(token_ids: Sequence[int], block_size: int, num_blocks: int, namespace) -> list[bytes]:
     """The chain digests of ``token_ids``'s first ``num_blocks`` full blocks in ``namespace``."""
     out: list[bytes] = []
@@ -79,7 +98,7 @@ def chain_digests(token_ids: Sequence[int], block_size: int, num_blocks: int, na
 
 class RemoteTier:
     def __init__(self, store: RemoteStore, key: bytes, geometry: DiskGeometry, queue_blocks: int, timeout_s: float,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, tell: Tell | None = None) -> None:
         self.store = store
         self.geometry = geometry
         self.timeout_s = timeout_s
@@ -87,12 +106,15 @@ class RemoteTier:
         self.counters = TierCounters()
         self.remote = RemoteCounters()
         self.value_bytes = len(MAGIC) + geometry.payload_bytes + MAC_BYTES
-        self.queue: deque[tuple[int, int, bytes]] = deque()  # (block id, reg_id, digest)
+        self.tell = tell
+        # (block id, reg_id, digest, KV-event key, token ids)
+        self.queue: deque[tuple[int, int, bytes, object, tuple[int, ...]]] = deque()
         self.queue_blocks = queue_blocks
         self.writing = 0
         self._key = key
         self._prefix = f"{KEY_PREFIX}:{geometry.tag}:"
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        # digest -> (KV-event key, token ids) of a block this service wrote, None for one read or queued
+        self._known: OrderedDict[bytes, tuple[object, tuple[int, ...]] | None] = OrderedDict()
         self._down_until = 0.0
         self._backoff = 0.0  # 0: the last call succeeded
         self._wake = asyncio.Event()
@@ -130,6 +152,9 @@ class RemoteTier:
         return self.clock() < self._down_until
 
     def _failed(self, error: Exception, doing: str) -> None:
+        if not self._backoff:
+            for digest in list(self._known):
+                self._forget(digest)  # a store that fails may come back empty
         self._backoff = min(max(self._backoff * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
         self._down_until = self.clock() + self._backoff
         self.counters.errors += 1
@@ -139,15 +164,21 @@ class RemoteTier:
     def _answered(self) -> None:
         if self._backoff:
             self.remote.reconnects += 1
-            self._known.clear()  # a store that was down may have come back empty
             log.info("remote_kv_reconnected", after_backoff_s=self._backoff)
         self._backoff = 0.0
 
-    def _know(self, digest: bytes) -> None:
-        self._known[digest] = None
+    def _know(self, digest: bytes, written: tuple[object, tuple[int, ...]] | None = None) -> None:
+        if written is not None and written[0] is not None and self.tell is not None:
+            self.tell(written[0], written[1], True)
+        self._known[digest] = written or self._known.get(digest)
         self._known.move_to_end(digest)
         if len(self._known) > KNOWN_DIGESTS:
-            self._known.popitem(last=False)
+            self._forget(next(iter(self._known)))
+
+    def _forget(self, digest: bytes) -> None:
+        written = self._known.pop(digest, None)
+        if written is not None and written[0] is not None and self.tell is not None:
+            self.tell(written[0], written[1], False)
 
     # -- reads ------------------------------------------------------------------------
 
@@ -206,9 +237,10 @@ class RemoteTier:
 
     # -- writes -----------------------------------------------------------------------
 
-    def offer(self, blocks: Sequence[Block]) -> None:
+    def offer(self, blocks: Sequence[Block], event_key_of: EventKeyOf | None = None) -> None:
         """A release left ``blocks`` (a sequence's full blocks from its first) in the prefix
-        cache: queue those the store may lack for writing, or count them dropped."""
+        cache: queue those the store may lack for writing, or count them dropped.
+        ``event_key_of``: a block id's KV-event key (None: events are off)."""
         parent = ROOT_PARENT
         for block in blocks:
             if block.block_hash is None or block.token_ids is None:
@@ -222,13 +254,15 @@ class RemoteTier:
                 self.remote.dropped_queue_full += 1
             else:
                 self._know(parent)  # queued once; forgotten again if its write is dropped
-                self.queue.append((block.block_id, block.reg_id, parent))
+                key = event_key_of(block.block_id) if event_key_of is not None else None
+                self.queue.append((block.block_id, block.reg_id, parent, key, block.token_ids))
         self._wake.set()
 
     async def run(self, copy_out: Callable[[list[int]], list[torch.Tensor]],
-                  still_registered: Callable[[int, int], bool]) -> None:
+                  still_registered: Callable[[int, int], bool], after_step: Callable[[], None] | None = None) -> None:
         """The writer: takes a batch off the queue, copies it out of the pool (a worker
-        thread; ``copy_out``), keeps what is still registered as it was queued, writes it."""
+        thread; ``copy_out``), keeps what is still registered as it was queued, writes it;
+        then ``after_step`` (the pool's KV-event publishing)."""
         loop = asyncio.get_running_loop()
         while True:
             if not self.queue:
@@ -240,24 +274,30 @@ class RemoteTier:
                 if still_registered(item[0], item[1]):
                     batch.append(item)
                 else:
-                    self._known.pop(item[2], None)
+                    self._forget(item[2])
             if not batch:
                 continue
             self.writing = len(batch)
             try:
                 payloads = await loop.run_in_executor(self._writer, copy_out, [item[0] for item in batch])
-                kept = [(digest, payload) for (block_id, reg_id, digest), payload in zip(batch, payloads)
-                        if still_registered(block_id, reg_id)]
+                kept = []
+                for (block_id, reg_id, digest, key, token_ids), payload in zip(batch, payloads):
+                    if still_registered(block_id, reg_id):
+                        kept.append(_Write(digest, payload, key, token_ids))
+                    else:
+                        self._forget(digest)
                 await self._write(kept)
             except Exception:
                 self.counters.errors += 1
-                for _, _, digest in batch:
-                    self._known.pop(digest, None)
+                for item in batch:
+                    self._forget(item[2])
                 log.exception("remote_kv_write_step_failed")
             finally:
                 self.writing = 0
+            if after_step is not None:
+                after_step()
 
-    async def _write(self, kept: list[tuple[bytes, torch.Tensor]]) -> None:
+    async def _write(self, kept: list[_Write]) -> None:
         if not kept:
             return
         if self.down():
@@ -280,15 +320,17 @@ class RemoteTier:
         self.counters.seconds_in += self.clock() - started
         self.counters.demotions += len(kept)
         self.counters.bytes_in += len(kept) * self.geometry.payload_bytes
+        for write in kept:
+            self._know(write.digest, (write.event_key, write.token_ids))
 
-    def _put(self, kept: list[tuple[bytes, torch.Tensor]]) -> None:
+    def _put(self, kept: list[_Write]) -> None:
         """(the writer thread) Encodes and sends one batch."""
-        self.store.put_many([(self.key_of(digest), self.encode(digest, payload)) for digest, payload in kept])
+        self.store.put_many([(self.key_of(write.digest), self.encode(write.digest, write.payload)) for write in kept])
 
-    def _dropped(self, kept: list[tuple[bytes, torch.Tensor]], why: str) -> None:
+    def _dropped(self, kept: list[_Write], why: str) -> None:
         setattr(self.remote, why, getattr(self.remote, why) + len(kept))
-        for digest, _ in kept:
-            self._known.pop(digest, None)
+        for write in kept:
+            self._forget(write.digest)
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
