@@ -27,6 +27,7 @@ from grpc_generate import greedy
 from cache_service.tiers.disk_tier import DiskGeometry
 from cache_service.tiers.remote_backends import parse_remote_url
 from cache_service.tiers.remote_store import RemoteKvRefused, load_remote_key
+from cache_service.tiers.remote_values import chain_digests
 from cache_service.tiers.settings import TierSettings
 from harness.cache_helpers import attach, cache_stub, lease, release, stats, wait_for
 from harness.processes import free_port, start_cache_service, start_model_service
@@ -222,7 +223,7 @@ def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
         await a.flush()
         client = store.client()
         # The second block's value: the first one stays, so the hit stops after it.
-        keys = [a.remote.key_of(digest).encode() for digest in _digests(PROMPT)]
+        keys = [a.remote.values.key_of(digest).encode() for digest in _digests(PROMPT)]
         value = client.get(keys[1])
         bad = {
             "flipped": value[:20] + bytes([value[20] ^ 1]) + value[21:],
@@ -245,8 +246,6 @@ def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
 
 
 def _digests(tokens, namespace=MODEL):
-    from cache_service.tiers.remote_tier import chain_digests
-
     return chain_digests(tokens, BS, (len(tokens) - 1) // BS, namespace)
 
 

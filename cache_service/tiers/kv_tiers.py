@@ -56,7 +56,8 @@ from cache_service.tiers.disk_tier import BadBlockFile, BlockRecord, DiskFull, D
 from cache_service.tiers.host_tier import HostTier
 from cache_service.tiers.remote_backends import open_store, parse_remote_url
 from cache_service.tiers.remote_store import load_remote_key
-from cache_service.tiers.remote_tier import REMOTE, RemoteTier, chain_digests
+from cache_service.tiers.remote_tier import REMOTE, RemoteTier
+from cache_service.tiers.remote_values import chain_digests
 from cache_service.tiers.restore import restore_disk_index
 from cache_service.tiers.settings import TierSettings
 from cache_service.tiers.tier_index import DISK, HOST, ROOT_PARENT, TierEntry, TierIndex, chain_digest

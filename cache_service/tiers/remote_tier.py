@@ -1,12 +1,9 @@
 """The remote KV tier: a store every replica's cache service reads and writes (``--remote-kv``).
 
-Keys are a block's chain digest (``tier_index.chain_digest``: rooted in the model
-fingerprint and the tenant's cache salt, so it names the whole prefix in its namespace)
-under the pool geometry's tag (layers, KV heads, head size, block size, KV dtype), so two
-models, tenants or layouts never meet. A value is ``MAGIC | the block's K/V | HMAC-SHA256``
-under the key the cluster's cache services share (``--remote-kv-key-file``), over the
-store key and everything before the MAC: a value of the wrong length, forged, or copied
-under another key is dropped and counted (``rejected``), never promoted.
+Blocks are keyed by chain digest and pool geometry and sealed with an HMAC under the
+key the cluster's cache services share (``remote_values.py``), so two models, tenants
+or layouts never meet: a value of the wrong length, forged, or copied under another key
+is dropped and counted (``rejected``), never promoted.
 
 Writes are write-behind: a release's committed blocks are offered (``offer``) to a
 bounded queue, copied out of the pool and checked to be still registered (as demotions
@@ -26,8 +23,6 @@ KNOWN_DIGESTS, all forgotten (told removed) when the store fails, as it may come
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -41,14 +36,12 @@ from cache_service.blocks.block_pool import Block
 from cache_service.tiers.counters import TierCounters
 from cache_service.tiers.disk_tier import DiskGeometry
 from cache_service.tiers.remote_store import RemoteStore, StoreDown, StoreFull
+from cache_service.tiers.remote_values import RemoteValues
 from cache_service.tiers.tier_index import ROOT_PARENT, chain_digest
 
 log = structlog.get_logger()
 
 REMOTE = "remote"
-MAGIC = b"PKVRMT01"
-MAC_BYTES = 32
-KEY_PREFIX = "pagedkv:kv:1"
 # Blocks sent to the store in one round trip.
 WRITE_BATCH_BLOCKS = 16
 # The first wait before asking a store that failed again, doubled per failure up to the most.
@@ -86,16 +79,6 @@ class _Write:
     token_ids: tuple[int, ...]
 
 
-def chain_digests(token_ids: Sequence[int], block_size: int, num_blocks: int, namespace) -> list[bytes]:
-    """The chain digests of ``token_ids``'s first ``num_blocks`` full blocks in ``namespace``."""
-    out: list[bytes] = []
-    parent = ROOT_PARENT
-    for index in range(num_blocks):
-        parent = chain_digest(parent, namespace, tuple(token_ids[index * block_size : (index + 1) * block_size]))
-        out.append(parent)
-    return out
-
-
 class RemoteTier:
     def __init__(self, store: RemoteStore, key: bytes, geometry: DiskGeometry, queue_blocks: int, timeout_s: float,
                  clock=time.monotonic, tell: Tell | None = None) -> None:
@@ -105,14 +88,12 @@ class RemoteTier:
         self.clock = clock
         self.counters = TierCounters()
         self.remote = RemoteCounters()
-        self.value_bytes = len(MAGIC) + geometry.payload_bytes + MAC_BYTES
+        self.values = RemoteValues(key, geometry)
         self.tell = tell
         # (block id, reg_id, digest, KV-event key, token ids)
         self.queue: deque[tuple[int, int, bytes, object, tuple[int, ...]]] = deque()
         self.queue_blocks = queue_blocks
         self.writing = 0
-        self._key = key
-        self._prefix = f"{KEY_PREFIX}:{geometry.tag}:"
         # digest -> (KV-event key, token ids) of a block this service wrote, None for one read or queued
         self._known: OrderedDict[bytes, tuple[object, tuple[int, ...]] | None] = OrderedDict()
         self._down_until = 0.0
@@ -121,30 +102,6 @@ class RemoteTier:
         # Reads and writes in threads of their own: a slow write never holds up a Lease call's read.
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-remote-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-remote-write")
-
-    # -- values -----------------------------------------------------------------------
-
-    def key_of(self, digest: bytes) -> str:
-        return self._prefix + digest.hex()
-
-    def encode(self, digest: bytes, payload: torch.Tensor) -> bytes:
-        body = MAGIC + payload.contiguous().view(torch.uint8).numpy().tobytes()
-        return body + self._mac(digest, body)
-
-    def decode(self, digest: bytes, value: bytes) -> torch.Tensor | None:
-        """The block's K/V in ``value`` if it passes every check, else None."""
-        if len(value) != self.value_bytes or not value.startswith(MAGIC):
-            return None
-        body = memoryview(value)[:-MAC_BYTES]
-        if not hmac.compare_digest(self._mac(digest, body), value[-MAC_BYTES:]):
-            return None
-        payload = bytearray(body[len(MAGIC):])
-        return torch.frombuffer(payload, dtype=torch.uint8).view(self.geometry.dtype).reshape(self.geometry.block_shape)
-
-    def _mac(self, digest: bytes, body) -> bytes:
-        mac = hmac.new(self._key, self.key_of(digest).encode() + b"\0", hashlib.sha256)
-        mac.update(body)
-        return mac.digest()
 
     # -- health -----------------------------------------------------------------------
 
@@ -217,7 +174,8 @@ class RemoteTier:
     def _read(self, chains: list[list[bytes]]) -> tuple[dict[bytes, torch.Tensor], int]:
         """(a reader thread) The chains' blocks, and how many values were rejected."""
         digests = list(dict.fromkeys(digest for chain in chains for digest in chain))
-        values = dict(zip(digests, self.store.get_many([self.key_of(d) for d in digests], self.value_bytes)))
+        codec = self.values
+        values = dict(zip(digests, self.store.get_many([codec.key_of(d) for d in digests], codec.value_bytes)))
         blocks: dict[bytes, torch.Tensor] = {}
         rejected = 0
         for chain in chains:
@@ -227,7 +185,7 @@ class RemoteTier:
                 value = values[digest]
                 if value is None:
                     break
-                block = self.decode(digest, value)
+                block = codec.decode(digest, value)
                 if block is None:
                     rejected += 1
                     values[digest] = None  # another chain through it stops there too, counted once
@@ -325,7 +283,8 @@ class RemoteTier:
 
     def _put(self, kept: list[_Write]) -> None:
         """(the writer thread) Encodes and sends one batch."""
-        self.store.put_many([(self.key_of(write.digest), self.encode(write.digest, write.payload)) for write in kept])
+        codec = self.values
+        self.store.put_many([(codec.key_of(write.digest), codec.encode(write.digest, write.payload)) for write in kept])
 
     def _dropped(self, kept: list[_Write], why: str) -> None:
         setattr(self.remote, why, getattr(self.remote, why) + len(kept))
