@@ -215,7 +215,7 @@ def _values(client) -> dict[bytes, bytes]:
     return {key: client.get(key) for key in sorted(client.keys("*"))}
 
 
-@pytest.mark.parametrize("damage", ["flipped", "cut", "longer", "huge", "garbage", "moved", "empty"])
+@pytest.mark.parametrize("damage", ["flipped", "cut", "longer", "huge", "garbage", "moved", "empty", "evicted"])
 def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
     async def body():
         a, b = Replica(store.url, key_file), Replica(store.url, key_file)
@@ -233,12 +233,16 @@ def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
             "garbage": b"not a block",
             "moved": client.get(keys[2]),  # a real block, under another block's key
             "empty": b"",
+            "evicted": None,  # what a store under maxmemory does to a key
         }[damage]
-        client.set(keys[1], bad)
+        if bad is None:
+            client.delete(keys[1])
+        else:
+            client.set(keys[1], bad)
         got = await b.run(PROMPT)
         assert (got.cached_tokens, got.cached_tokens_remote) == (BS, BS)
         # An empty value reads as an absent one; every other is counted.
-        assert b.remote.remote.rejected == (0 if damage == "empty" else 1)
+        assert b.remote.remote.rejected == (0 if damage in ("empty", "evicted") else 1)
         a.close()
         b.close()
 

@@ -249,9 +249,9 @@ class KvPool:
 
     async def lease(self, session: Session, ops: Sequence[LeaseOp]) -> tuple[list[LeaseOutcome], int]:
         """Applies one Lease call's ops of ``session``'s in order; returns an outcome per op
-        and the blocks available after them. The disk blocks the allocations would promote
-        (and the remote tier's blocks) are read first, off the event loop; raises UnknownSession if the session ended
-        meanwhile, and NoPool before anything has attached."""
+        and the blocks available after them. The disk and remote blocks the allocations
+        would promote are read first, off the event loop; raises UnknownSession if the
+        session ended meanwhile, and NoPool before anything has attached."""
         ledger, _ = self.require_pool()
         fingerprint = session.model_fingerprint
         prompts = [(op.prompt_token_ids, (fingerprint, op.cache_salt)) for op in ops if type(op) is AllocateOp]

@@ -27,6 +27,12 @@ the reads, then applies its ops with the blocks in hand (``reading_ahead``); a d
 a call did not read ahead ends its hit there (recomputed), so the loop never reads a
 file. Reads are checked (MACs, header) before the ledger changes anything, so a bad file
 shortens the hit and never fails the call.
+
+The remote tier shared by replicas (``remote_tier.py``, with --remote-kv) indexes
+nothing here: a release offers its blocks to the remote writer (``registered``), and
+``read_ahead`` asks the store for the rest of each prompt's chain past its local hit,
+beside the disk reads. ``lookup`` continues a chain with the blocks read that way
+(``_remote_hits``: entries in no tier, promoted as disk blocks are, or forgotten).
 """
 
 from __future__ import annotations
