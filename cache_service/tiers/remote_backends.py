@@ -17,6 +17,9 @@ BACKENDS: dict[str, type[RemoteStore]] = {"valkey": ValkeyStore, "redis": Valkey
 def parse_remote_url(url: str) -> StoreAddress:
     """``valkey://HOST:PORT[/DB]`` or ``redis://HOST:PORT[/DB]``; RemoteKvRefused otherwise."""
     parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "mooncake":
+        raise RemoteKvRefused(f"--remote-kv {url!r}: the Mooncake Store backend is not built yet; "
+                              "use a Valkey server (valkey://HOST:PORT)")
     if parts.scheme not in BACKENDS:
         raise RemoteKvRefused(f"--remote-kv {url!r}: the scheme must be one of {', '.join(sorted(BACKENDS))} "
                               "(e.g. valkey://127.0.0.1:6379)")
