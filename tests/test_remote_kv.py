@@ -184,6 +184,26 @@ def test_a_cuda_pools_blocks_go_to_the_store_and_back_through_host_memory(store,
     assert "sync" in fake_cuda.log
 
 
+def test_blocks_committed_by_a_live_sequence_reach_the_store_before_its_release(store, key_file):
+    async def body():
+        a, b = Replica(store.url, key_file), Replica(store.url, key_file)
+        allocation = a.ledger.allocate("owner", len(PROMPT) + 8, PROMPT, MODEL)
+        for index, block_id in enumerate(allocation.block_ids[:3]):
+            a.pool_tensor[:, :, block_id] = a.expected(PROMPT, index, MODEL)
+        a.ledger.commit("owner", allocation.sequence_id, PROMPT)  # as a model service does after prefill
+        await a.flush()
+        assert a.remote.counters.demotions == 3
+        got = await b.run(PROMPT)  # a still holds the sequence, decoding
+        assert (got.cached_tokens, got.cached_tokens_remote) == (FULL, FULL)
+        a.ledger.release("owner", allocation.sequence_id, cache_prefix=True, token_ids=PROMPT)
+        await a.flush()
+        assert a.remote.counters.demotions == 3, "the release offers nothing it offered before"
+        a.close()
+        b.close()
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("other", ["model", "salt", "dtype", "heads", "key"])
 def test_models_tenants_layouts_and_keys_never_meet(store, key_file, tmp_path, other):
     async def body():

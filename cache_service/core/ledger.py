@@ -330,7 +330,10 @@ class Ledger:
                 f"commit of sequence {sequence_id}: {len(token_ids)} token ids given but its "
                 f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
             )
-        return self._register(sequence, token_ids)
+        registered = self._register(sequence, token_ids)
+        if self.tiers is not None:
+            self.tiers.committed(sequence.blocks[:len(token_ids) // self.block_size])
+        return registered
 
     def _register(self, sequence: _Sequence, token_ids: Sequence[int]) -> int:
         tiers = self.tiers

@@ -378,11 +378,17 @@ class KvTiers:
         if self.copies is not None:
             self.copies.settle()
 
+    def committed(self, blocks: list[Block]) -> None:
+        """A live sequence registered ``blocks`` (its full blocks from its first) in the
+        prefix cache: offer them to the remote tier now, so that another replica finds them
+        while this one still decodes (the local tiers take blocks only once released)."""
+        if self.remote is not None:
+            self.remote.offer(blocks, self.events.key_of if self.events is not None else None)
+
     def registered(self, blocks: list[Block]) -> None:
         """A release left ``blocks`` (a sequence's full blocks) in the prefix cache: queue the
         registered ones for demotion, parents before children."""
-        if self.remote is not None:
-            self.remote.offer(blocks, self.events.key_of if self.events is not None else None)
+        self.committed(blocks)  # the remote tier skips the blocks it was offered before
         if self.host is None and self.disk is None:
             return
         queue = self.queue

@@ -5,8 +5,8 @@ key the cluster's cache services share (``remote_values.py``), so two models, te
 or layouts never meet: a value of the wrong length, forged, or copied under another key
 is dropped and counted (``rejected``), never promoted.
 
-Writes are write-behind: a release's committed blocks are offered (``offer``) to a
-bounded queue, copied out of the pool and checked to be still registered (as demotions
+Writes are write-behind: a sequence's committed blocks (at commit, while it decodes, and
+at release) are offered (``offer``) to a bounded queue, copied out of the pool and checked to be still registered (as demotions
 are, ``kv_tiers.py``), then sent in batches from a worker thread; a full queue, a full
 store or a store that is down drops them, counted. Reads happen before a Lease call
 applies its ops (``fetch``, from ``KvTiers.read_ahead``): one batch per call, in a worker
