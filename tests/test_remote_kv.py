@@ -514,7 +514,12 @@ def test_a_store_killed_mid_run_fails_no_lease_and_is_used_again_when_back(tmp_p
                 commit(a, session_a, list(range(seed, seed + len(SERVICE_PROMPT))))
                 seed += 1000
                 time.sleep(0.05)
-            written = list(range(seed - 1000, seed - 1000 + len(SERVICE_PROMPT)))
+            # One more prefix, written once everything a queued before it is out of the queue.
+            wait_for(lambda: remote_row(a).blocks_queued == 0, WAIT_S, "a's writes done")
+            before = remote_row(a).demotions
+            written = list(range(90_000, 90_000 + len(SERVICE_PROMPT)))
+            commit(a, session_a, written)
+            wait_for(lambda: remote_row(a).demotions == before + 4, WAIT_S, "the last prefix written")
             # b asks the store again once its backoff is over (each fresh prompt is a read).
             fresh = iter(range(20_000, 10**6, 1000))
 
