@@ -11,6 +11,7 @@ garbage; values forged, cut, huge or moved) cost recomputation, never a failed c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -303,14 +304,21 @@ def test_a_store_that_is_down_costs_a_recompute_and_is_reconnected_when_back(tmp
     asyncio.run(body())
 
 
-def test_a_full_store_drops_writes_and_counts_them(tmp_path, key_file):
+@contextlib.contextmanager
+def full_store(tmp_path):
+    """A valkey-server at maxmemory with noeviction: it refuses every write (OOM)."""
     with ValkeyServer(tmp_path, "--maxmemory-policy", "noeviction") as server:
         client = server.client()
         for index in range(32):
             client.set(f"filler-{index}", b"x" * 65536)
-        client.config_set("maxmemory", "1mb")  # below what it holds: every write is refused
+        client.config_set("maxmemory", "1mb")  # below what it holds
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             client.set("one-more", b"x")
+        yield server
+
+
+def test_a_full_store_drops_writes_and_counts_them(tmp_path, key_file):
+    with full_store(tmp_path) as server:
 
         async def body():
             replica = Replica(server.url, key_file)
@@ -534,6 +542,18 @@ def test_a_store_killed_mid_run_fails_no_lease_and_is_used_again_when_back(tmp_p
             assert "invariant_broken" not in first.logs() + second.logs()
     finally:
         server.kill()
+
+
+def test_a_full_store_drops_a_services_writes_counts_them_and_fails_no_lease(tmp_path, key_file):
+    with full_store(tmp_path) as server, remote_service(tmp_path, server.url, key_file) as service:
+        stub = cache_stub(service.address)
+        session = attach(stub).session_id
+        commit(stub, session, SERVICE_PROMPT)
+        wait_for(lambda: metric(service, "pagedkv_cache_remote_kv_total", outcome="dropped_store_full") == 4,
+                 WAIT_S, "the writes refused and counted")
+        assert commit(stub, session, SERVICE_PROMPT).cached_tokens == SERVICE_FULL  # its pool, as ever
+        row = remote_row(stub)
+        assert (row.demotions, row.errors) == (0, 1)
 
 
 def test_a_service_refuses_a_key_others_can_read_at_start(tmp_path, store):
