@@ -123,7 +123,7 @@ class _FakeLedger:
 
 
 def _tiers():
-    """A one-block host tier, so the collector yields the tier series too."""
+    """A one-block host tier and a remote tier (never asked anything), so the collector yields the tier series too."""
     import torch
 
     from cache_service.blocks.block_pool import BlockPool
@@ -132,8 +132,10 @@ def _tiers():
     from cache_service.tiers.settings import TierSettings
 
     geometry = DiskGeometry(1, 1, 1, 1, torch.float32)
-    return KvTiers(BlockPool(1, 1), torch.zeros(1, 2, 1, 1, 1, 1), TierSettings(host_cache_bytes=geometry.payload_bytes),
-                   geometry.payload_bytes, geometry)
+    settings = TierSettings(host_cache_bytes=geometry.payload_bytes, remote_kv="valkey://127.0.0.1:6379",
+                            remote_kv_key_file="unread")
+    return KvTiers(BlockPool(1, 1), torch.zeros(1, 2, 1, 1, 1, 1), settings, geometry.payload_bytes, geometry,
+                   remote_key=bytes(32))
 
 
 def _pool_collector_families() -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 import zlib
 
 import pytest
@@ -33,13 +34,13 @@ class Stack:
     """A ledger with tiers over a pool tensor, and what each sequence wrote."""
 
     def __init__(self, settings: TierSettings, geometry: DiskGeometry = GEOMETRY, hash_fn=hash, events=None,
-                 device=lambda tensor: tensor) -> None:
+                 device=lambda tensor: tensor, clock=time.monotonic) -> None:
         """``device``: puts the pool tensor on its device (tests/cuda_tier_fakes.py's stand-in for CUDA)."""
         self.pool_tensor = device(torch.zeros(geometry.num_layers, 2, NUM_BLOCKS, geometry.block_size,
                                               geometry.num_kv_heads, geometry.head_dim, dtype=geometry.dtype))
         self.ledger = Ledger(NUM_BLOCKS, BS, hash_fn=hash_fn, events=events)
         self.tiers = KvTiers(self.ledger.pool, self.pool_tensor, settings, geometry.payload_bytes, geometry,
-                             events=events)
+                             clock=clock, events=events)
         self.ledger.tiers = self.tiers
 
     def expected(self, tokens: list[int], index: int, namespace=MODEL) -> torch.Tensor:

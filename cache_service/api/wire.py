@@ -67,7 +67,7 @@ def lease_result(outcome: lease_ops.LeaseOutcome) -> cache_pb2.LeaseResult:
         return cache_pb2.LeaseResult(
             status=OK, sequence_id=outcome.sequence_id, block_ids=outcome.block_ids,
             cached_tokens=outcome.cached_tokens, cached_tokens_host=outcome.cached_tokens_host,
-            cached_tokens_disk=outcome.cached_tokens_disk,
+            cached_tokens_disk=outcome.cached_tokens_disk, cached_tokens_remote=outcome.cached_tokens_remote,
         )
     if kind is lease_ops.Extended:
         return cache_pb2.LeaseResult(status=OK, sequence_id=outcome.sequence_id, block_ids=outcome.block_ids)

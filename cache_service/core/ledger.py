@@ -81,9 +81,10 @@ class Allocation:
     sequence_id: int
     block_ids: list[int]
     cached_tokens: int  # leading prompt tokens whose K/V the reused blocks already hold
-    # The parts of cached_tokens promoted from the host and disk tiers (copied in before the reply).
+    # The parts of cached_tokens promoted from the host, disk and remote tiers (copied in before the reply).
     cached_tokens_host: int = 0
     cached_tokens_disk: int = 0
+    cached_tokens_remote: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,7 @@ class Ledger:
         # After the pool's own check: what the pool cannot hold is NO_FREE_BLOCKS (the
         # engine waits), whatever the session holds.
         self._check_limits(owner, 1, needed, f"a sequence of {num_tokens} tokens")
-        cached_host = cached_disk = 0
+        cached_host = cached_disk = cached_remote = 0
         if entries:
             # The chain interleaves pool blocks and tier entries: each entry gets a fresh
             # block in its place, with its K/V copied in before anyone can see it.
@@ -203,7 +204,7 @@ class Ledger:
             promoted = taken[:len(entries)]
             fresh_blocks = iter(promoted)
             blocks = [hit if type(hit) is Block else next(fresh_blocks) for hit in chain] + taken[len(entries):]
-            cached_host, cached_disk = tiers.promote(entries, payloads, promoted)
+            cached_host, cached_disk, cached_remote = tiers.promote(entries, payloads, promoted)
             if self.events is not None:
                 keys = self.events.adopted(namespace[0], namespace[1], prompt_token_ids, blocks[:len(chain)], promoted)
                 for entry, key in zip(entries, keys):
@@ -224,7 +225,8 @@ class Ledger:
         self._last_sequence_id += 1
         sequence_id = self._last_sequence_id
         self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace))
-        return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens, cached_host, cached_disk)
+        return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens, cached_host, cached_disk,
+                          cached_remote)
 
     def extend(self, owner: str, sequence_id: int, num_tokens: int) -> list[int]:
         """Grow a sequence to ``num_tokens`` tokens; returns only the newly appended block ids."""
@@ -328,7 +330,10 @@ class Ledger:
                 f"commit of sequence {sequence_id}: {len(token_ids)} token ids given but its "
                 f"{len(sequence.blocks)} blocks hold at most {capacity} tokens"
             )
-        return self._register(sequence, token_ids)
+        registered = self._register(sequence, token_ids)
+        if self.tiers is not None:
+            self.tiers.committed(sequence.blocks[:len(token_ids) // self.block_size])
+        return registered
 
     def _register(self, sequence: _Sequence, token_ids: Sequence[int]) -> int:
         tiers = self.tiers

@@ -29,7 +29,7 @@ from cache_service.core.sizing import SizingError, SizingReport, measure_device_
 from cache_service.core.stats import PoolStats, pool_stats
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
-from cache_service.tiers.kv_tiers import KvTiers
+from cache_service.tiers.kv_tiers import KvTiers, ReadAhead
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.kv_geometry import KvGeometry
@@ -125,10 +125,13 @@ RELEASE_CHUNK_BLOCKS = 8192
 
 class KvPool:
     def __init__(self, settings: PoolSettings, clock=time.monotonic,
-                 kv_events: Sequence[KvEventPublisher] = (), disk_folder: DiskFolder | None = None) -> None:
-        """``disk_folder``: --disk-cache-dir, opened (checked and locked) at start-up."""
+                 kv_events: Sequence[KvEventPublisher] = (), disk_folder: DiskFolder | None = None,
+                 remote_key: bytes | None = None) -> None:
+        """``disk_folder``: --disk-cache-dir, opened (checked and locked) at start-up;
+        ``remote_key``: --remote-kv-key-file's key, read at start-up."""
         self.settings = settings
         self.disk_folder = disk_folder
+        self.remote_key = remote_key
         # One publisher per KV events endpoint, each for one served model name or (None) every model.
         self.kv_events = list(kv_events)
         self._clock = clock
@@ -246,9 +249,9 @@ class KvPool:
 
     async def lease(self, session: Session, ops: Sequence[LeaseOp]) -> tuple[list[LeaseOutcome], int]:
         """Applies one Lease call's ops of ``session``'s in order; returns an outcome per op
-        and the blocks available after them. The disk blocks the allocations would promote
-        are read first, off the event loop; raises UnknownSession if the session ended
-        meanwhile, and NoPool before anything has attached."""
+        and the blocks available after them. The disk and remote blocks the allocations
+        would promote are read first, off the event loop; raises UnknownSession if the
+        session ended meanwhile, and NoPool before anything has attached."""
         ledger, _ = self.require_pool()
         fingerprint = session.model_fingerprint
         prompts = [(op.prompt_token_ids, (fingerprint, op.cache_salt)) for op in ops if type(op) is AllocateOp]
@@ -352,7 +355,7 @@ class KvPool:
                          file_bytes(disk_geometry, ("", "")) if tier_settings.disk_cache_dir else 0)
         tensor = self._memory.tensor if isinstance(self._memory, pool_memory.SharedPool) else self._memory
         self.tiers = KvTiers(self.ledger.pool, tensor, tier_settings, sizing.bytes_per_block, disk_geometry,
-                             events=self.ledger.events, disk_folder=self.disk_folder)
+                             events=self.ledger.events, disk_folder=self.disk_folder, remote_key=self.remote_key)
         self.ledger.tiers = self.tiers
         try:
             self._tier_task = asyncio.get_running_loop().create_task(self.tiers.run(self._after_tier_step))
@@ -360,19 +363,19 @@ class KvPool:
             self._tier_task = None  # no event loop (unit tests): the caller runs demotions itself
         log.info("kv_tiers_created", host_blocks=sizing.host_blocks, host_cache_bytes=sizing.host_cache_bytes,
                  disk_blocks=sizing.disk_blocks, disk_cache_dir=tier_settings.disk_cache_dir,
-                 disk_blocks_restored=self.tiers.index.count("disk"))
+                 disk_blocks_restored=self.tiers.index.count("disk"), remote_kv=tier_settings.remote_kv)
 
     def _unmake(self) -> None:
         if isinstance(self._memory, pool_memory.SharedPool):
             self._memory.close()
         self._memory = self.geometry = self.sizing = self.ledger = None
 
-    async def read_ahead(self, prompts) -> dict:
-        """The disk blocks that allocating ``prompts`` ((token ids, namespace) pairs) would
-        promote, read in a worker thread (``KvTiers.read_ahead``)."""
-        return await self.tiers.read_ahead(prompts) if self.tiers is not None else {}
+    async def read_ahead(self, prompts) -> ReadAhead:
+        """The disk and remote blocks that allocating ``prompts`` ((token ids, namespace)
+        pairs) would promote, read in worker threads (``KvTiers.read_ahead``)."""
+        return await self.tiers.read_ahead(prompts) if self.tiers is not None else ReadAhead()
 
-    def reading_ahead(self, blocks: dict):
+    def reading_ahead(self, blocks: ReadAhead):
         return self.tiers.reading_ahead(blocks) if self.tiers is not None else contextlib.nullcontext()
 
     async def promoted(self) -> None:

@@ -66,12 +66,13 @@ def tier_stats(tiers: KvTiers | None) -> list[dict]:
     if tiers is None:
         return []
     out = []
-    for tier, configured in (("host", tiers.host is not None), ("disk", tiers.disk is not None)):
+    for tier, configured in (("host", tiers.host is not None), ("disk", tiers.disk is not None),
+                             ("remote", tiers.remote is not None)):
         if not configured:
             continue
         counters = tiers.counters[tier]
         total = tiers.blocks_total(tier)
-        cached = tiers.index.count(tier)
+        cached = tiers.index.count(tier) if tier != "remote" else 0  # the store's blocks are not indexed here
         out.append(dict(
             tier=tier, blocks_total=total, blocks_cached=cached, blocks_free=max(total - cached, 0),
             hit_tokens=counters.hit_tokens, demotions=counters.demotions, promotions=counters.promotions,

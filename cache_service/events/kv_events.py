@@ -14,10 +14,12 @@ from typing import Any
 import msgspec
 
 # vLLM's names for where a block lives: the device pool is "GPU" on any device; the
-# host and disk tiers will be "CPU" and "STORAGE".
+# host and disk tiers will be "CPU" and "STORAGE". "REMOTE" is pagedkv's: the store shared
+# by replicas (--remote-kv), holding a block this service wrote there.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+MEDIUM_REMOTE = "REMOTE"
 # pagedkv's pool is one KV cache group of full attention (vLLM's spec kind for it).
 FULL_ATTENTION = "full_attention"
 

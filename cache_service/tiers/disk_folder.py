@@ -119,21 +119,31 @@ def load_key(path: Path) -> bytes:
     else:
         with os.fdopen(fd, "wb") as handle:
             handle.write(secrets.token_bytes(KEY_BYTES))
+    return read_key(path, "the disk tier's key", DiskFolderRefused,
+                    "remove it (and the block files, which it signed) to make a new one")
+
+
+def read_key(path: Path, what: str, refused: type[ValueError], remedy: str) -> bytes:
+    """The KEY_BYTES key at ``path``: a regular file (no symlink) of this user's that no one
+    else may read or write; ``refused`` (with ``what`` and, for a wrong size, ``remedy``) otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in its place must not hang the start-up.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as error:
-        raise DiskFolderRefused(f"cannot open the disk tier's key {path}: {error.strerror} "
-                                "(a symlink is never followed)") from None
+        raise refused(f"cannot open {what} {path}: {error.strerror} (a symlink is never followed)") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)  # before fdopen, which refuses a folder with an error of its own
+        raise refused(f"{what} {path} is not a regular file")
     with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise DiskFolderRefused(f"the disk tier's key {path} is not a regular file")
-        refuse_shared(path, info, "key file")
+        try:
+            refuse_shared(path, info, "key file")
+        except DiskFolderRefused as error:
+            raise refused(str(error)) from None
         if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise DiskFolderRefused(f"the disk tier's key {path} may be read by group or others (mode "
-                                    f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+            raise refused(f"{what} {path} may be read by group or others (mode "
+                          f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
         key = handle.read(KEY_BYTES + 1)
     if len(key) != KEY_BYTES:
-        raise DiskFolderRefused(f"the disk tier's key {path} holds {len(key)} bytes, not {KEY_BYTES}; "
-                                "remove it (and the block files, which it signed) to make a new one")
+        raise refused(f"{what} {path} holds {len(key)} bytes, not {KEY_BYTES}; {remedy}")
     return key

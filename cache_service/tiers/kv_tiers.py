@@ -27,6 +27,12 @@ the reads, then applies its ops with the blocks in hand (``reading_ahead``); a d
 a call did not read ahead ends its hit there (recomputed), so the loop never reads a
 file. Reads are checked (MACs, header) before the ledger changes anything, so a bad file
 shortens the hit and never fails the call.
+
+The remote tier shared by replicas (``remote_tier.py``, with --remote-kv) indexes
+nothing here: a release offers its blocks to the remote writer (``registered``), and
+``read_ahead`` asks the store for the rest of each prompt's chain past its local hit,
+beside the disk reads. ``lookup`` continues a chain with the blocks read that way
+(``_remote_hits``: entries in no tier, promoted as disk blocks are, or forgotten).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch
 
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.blocks.block_pool import Block, BlockPool
-from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_REMOTE, MEDIUM_STORAGE
 from cache_service.blocks.prefix_hash import Namespace, namespace_root
 from cache_service.tiers.copy_queue import CopyQueue
 from cache_service.tiers.counters import TierCounters
@@ -54,6 +60,10 @@ from cache_service.tiers.device_copies import BlockMover
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import BadBlockFile, BlockRecord, DiskFull, DiskGeometry, DiskTier, file_bytes
 from cache_service.tiers.host_tier import HostTier
+from cache_service.tiers.remote_backends import open_store, parse_remote_url
+from cache_service.tiers.remote_store import load_remote_key
+from cache_service.tiers.remote_tier import REMOTE, RemoteTier
+from cache_service.tiers.remote_values import chain_digests
 from cache_service.tiers.restore import restore_disk_index
 from cache_service.tiers.settings import TierSettings
 from cache_service.tiers.tier_index import DISK, HOST, ROOT_PARENT, TierEntry, TierIndex, chain_digest
@@ -84,6 +94,18 @@ def _lower_priority() -> None:
         pass  # not Linux, or not allowed: the copies run at the service's priority
 
 
+@dataclass(slots=True)
+class ReadAhead:
+    """The blocks one Lease call read before applying its ops, by chain digest: from disk
+    (a BadBlockFile for a bad file) and from the remote tier (checked already)."""
+
+    disk: dict[bytes, torch.Tensor | BadBlockFile] = field(default_factory=dict)
+    remote: dict[bytes, torch.Tensor] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.disk or self.remote)
+
+
 @dataclass(slots=True, eq=False)
 class _Demotion:
     """One chunk of demotions, between choosing it on the event loop and indexing it there."""
@@ -100,9 +122,11 @@ class _Demotion:
 class KvTiers:
     def __init__(self, pool: BlockPool, pool_tensor: torch.Tensor, settings: TierSettings,
                  bytes_per_block: int, geometry: DiskGeometry, clock=time.monotonic,
-                 events: BlockEventLog | None = None, disk_folder: DiskFolder | None = None) -> None:
+                 events: BlockEventLog | None = None, disk_folder: DiskFolder | None = None,
+                 remote_key: bytes | None = None) -> None:
         """``disk_folder``: the opened --disk-cache-dir (the service opens it at start-up);
-        None with a disk tier: opened here, and closed by ``close``."""
+        None with a disk tier: opened here, and closed by ``close``. ``remote_key``: the
+        --remote-kv-key-file's key (the service reads it at start-up); None: read here."""
         self.pool = pool
         self.pool_tensor = pool_tensor
         self.settings = settings
@@ -112,7 +136,7 @@ class KvTiers:
         self.index = TierIndex()
         self._own_folder = None
         self.disk = None
-        self.mover = self.copies = self.host = None
+        self.mover = self.copies = self.host = self.remote = None
         try:
             if settings.disk_cache_dir:
                 if disk_folder is None:
@@ -124,6 +148,11 @@ class KvTiers:
                 self.copies = CopyQueue(pool_tensor.device)
             host_slots = settings.host_cache_bytes // bytes_per_block
             self.host = HostTier(pool_tensor, host_slots, self.mover) if host_slots else None
+            if settings.remote_kv:
+                key = remote_key if remote_key is not None else load_remote_key(settings.remote_kv_key_file)
+                store = open_store(parse_remote_url(settings.remote_kv), settings.remote_kv_timeout_ms / 1000)
+                self.remote = RemoteTier(store, key, geometry, settings.remote_kv_queue_blocks,
+                                         settings.remote_kv_timeout_ms / 1000, clock, self._tell_remote)
         except BaseException:
             if self.mover is not None:
                 self.mover.close()
@@ -134,7 +163,8 @@ class KvTiers:
             device_bytes, pinned_bytes = self.mover.staging_bytes
             log.info("kv_tiers_cuda_staging", device_bytes=device_bytes, pinned_host_bytes=pinned_bytes,
                      pinned_host_tier_bytes=self.host.tensor.nbytes if self.host is not None else 0)
-        self.counters = {HOST: TierCounters(), DISK: TierCounters()}
+        self.counters = {HOST: TierCounters(), DISK: TierCounters(),
+                         REMOTE: self.remote.counters if self.remote is not None else TierCounters()}
         self.failed_steps = 0  # steps of the background task that raised (logged, counted in errors too)
         self.missed_demotions = 0  # queued blocks evicted (or re-registered) before their copy
         self.queue: deque[tuple[int, int]] = deque(maxlen=max(pool.num_blocks, 1024))  # (block id, reg_id)
@@ -151,8 +181,8 @@ class KvTiers:
         # Promotions' disk reads, at the service's priority: a Lease call waits on them.
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers-read")
         # The blocks the Lease call applying its ops read ahead (None: no call is; a
-        # direct user of the ledger, whose disk reads happen inline).
-        self._read_ahead: dict[bytes, torch.Tensor | BadBlockFile] | None = None
+        # direct user of the ledger, whose disk reads happen inline and who gets no remote block).
+        self._read_ahead: ReadAhead | None = None
         if self.disk is not None:
             restore_disk_index(self.disk, self.index, pool)
             if events is not None:
@@ -180,34 +210,45 @@ class KvTiers:
                     parent_reg == 0 and hit.namespace != namespace):
                 hit = tier_get(parent_hash)
                 if hit is None or not hit.matches(parent_reg, chunk, namespace):
+                    if self._read_ahead is not None and self._read_ahead.remote:
+                        hits.extend(self._remote_hits(tokens, index, max_blocks, parent_hash, parent_reg, namespace))
                     break
             hits.append(hit)
             parent_reg = hit.reg_id
         return hits
 
-    async def read_ahead(self, prompts: Sequence[tuple[Sequence[int], Namespace]]
-                         ) -> dict[bytes, torch.Tensor | BadBlockFile]:
-        """Reads, in the reader thread, the disk blocks that allocating each (prompt,
-        namespace) of ``prompts`` now would promote; by digest (a BadBlockFile for a bad one).
-        At most PROMOTE_MAX_BLOCKS in all, as one allocate's promotion held before: the
-        allocates of a call past it promote less from disk and recompute the rest."""
-        if self.disk is None:
-            return {}
+    async def read_ahead(self, prompts: Sequence[tuple[Sequence[int], Namespace]]) -> ReadAhead:
+        """Reads, in worker threads, the blocks that allocating each (prompt, namespace) of
+        ``prompts`` now would promote from disk, and those of the rest of each chain the
+        remote tier has (its wait bounded by --remote-kv-timeout-ms). At most
+        PROMOTE_MAX_BLOCKS of each, as one allocate's promotion held before: the allocates
+        of a call past it promote less and recompute the rest."""
+        if self.disk is None and self.remote is None:
+            return ReadAhead()
         block_size = self.pool.block_size
         records: dict[bytes, BlockRecord] = {}
+        chains: list[list[bytes]] = []
+        remote_budget = PROMOTE_MAX_BLOCKS
         for prompt, namespace in prompts:
             if len(prompt) <= block_size:
                 continue
-            entries = [hit for hit in self.lookup(prompt, (len(prompt) - 1) // block_size, namespace)
-                       if type(hit) is TierEntry][:PROMOTE_MAX_BLOCKS]
-            for entry in entries:
-                if len(records) == PROMOTE_MAX_BLOCKS:
-                    break
-                if entry.host_slot is None and entry.digest in self.disk.sizes:
-                    records[entry.digest] = self._record(entry)
-        if not records:
-            return {}
-        return await asyncio.get_running_loop().run_in_executor(self._reader, self._read_all, list(records.values()))
+            max_blocks = (len(prompt) - 1) // block_size
+            hits = self.lookup(prompt, max_blocks, namespace)
+            if self.disk is not None:
+                for entry in [hit for hit in hits if type(hit) is TierEntry][:PROMOTE_MAX_BLOCKS]:
+                    if len(records) == PROMOTE_MAX_BLOCKS:
+                        break
+                    if entry.host_slot is None and entry.digest in self.disk.sizes:
+                        records[entry.digest] = self._record(entry)
+            if self.remote is not None and len(hits) < max_blocks and remote_budget > 0:
+                last = min(max_blocks, len(hits) + remote_budget)
+                chain = chain_digests(prompt, block_size, last, namespace)[len(hits):]
+                chains.append(chain)
+                remote_budget -= len(chain)
+        loop = asyncio.get_running_loop()
+        disk = loop.run_in_executor(self._reader, self._read_all, list(records.values())) if records else None
+        remote = await self.remote.fetch(chains) if chains else {}
+        return ReadAhead(await disk if disk is not None else {}, remote)
 
     def _read_all(self, records: list[BlockRecord]) -> dict[bytes, torch.Tensor | BadBlockFile]:
         """(the reader thread) Each record's block, or why it cannot be served."""
@@ -220,9 +261,9 @@ class KvTiers:
         return out
 
     @contextlib.contextmanager
-    def reading_ahead(self, blocks: dict[bytes, torch.Tensor | BadBlockFile]) -> Iterator[None]:
+    def reading_ahead(self, blocks: ReadAhead) -> Iterator[None]:
         """While the ops of one Lease call are applied (no await in between): promotions take
-        their disk blocks from ``blocks`` and read none."""
+        their disk and remote blocks from ``blocks`` and read none."""
         self._read_ahead = blocks
         try:
             yield
@@ -243,6 +284,8 @@ class KvTiers:
                     break
                 if hit.host_slot is not None:
                     payloads.append(hit.host_slot)
+                elif hit.remote:
+                    payloads.append(self._read_ahead.remote[hit.digest])
                 else:
                     started = self.clock()
                     payload = self._disk_block(hit)
@@ -261,18 +304,20 @@ class KvTiers:
     def _disk_block(self, entry: TierEntry) -> torch.Tensor | BadBlockFile | None:
         """``entry``'s block as read ahead (None: not read ahead), or read now without a Lease call."""
         if self._read_ahead is not None:
-            return self._read_ahead.get(entry.digest)
+            return self._read_ahead.disk.get(entry.digest)
         try:
             return self.disk.read(self._record(entry))
         except BadBlockFile as error:
             return error
 
-    def promote(self, entries: list[TierEntry], payloads: list[int | torch.Tensor], blocks: list[Block]) -> tuple[int, int]:
+    def promote(self, entries: list[TierEntry], payloads: list[int | torch.Tensor], blocks: list[Block]
+                ) -> tuple[int, int, int]:
         """Copies promoted entries into their new device blocks and registers them under
-        the entries' identity; returns (host tokens, disk tokens) the allocate got."""
+        the entries' identity; returns (host, disk, remote tokens) the allocate got."""
         pool = self.pool
         host_count = sum(1 for payload in payloads if type(payload) is int)
-        disk_count = len(blocks) - host_count
+        remote_count = sum(1 for entry in entries if entry.remote)
+        disk_count = len(blocks) - host_count - remote_count
         block_ids = [block.block_id for block in blocks]
         if block_ids and self.copies is not None:
             # Queued, not done: the Lease call awaits ``settled`` before it replies.
@@ -284,13 +329,13 @@ class KvTiers:
                 pool.adopt(block, entry.block_hash, entry.token_ids, entry.parent_reg, entry.reg_id, entry.namespace)
             self.index.touch(entry)
         block_size = pool.block_size
-        for tier, count in ((HOST, host_count), (DISK, disk_count)):
+        for tier, count in ((HOST, host_count), (DISK, disk_count), (REMOTE, remote_count)):
             if count:
                 counters = self.counters[tier]
                 counters.promotions += count
                 counters.hit_tokens += count * block_size
                 counters.bytes_out += count * self.bytes_per_block
-        return host_count * block_size, disk_count * block_size
+        return host_count * block_size, disk_count * block_size, remote_count * block_size
 
     def _load(self, payloads: list[int | torch.Tensor], block_ids: list[int], host_count: int) -> None:
         """Copies promoted blocks (a host slot or a block read from disk each) into the pool
@@ -333,9 +378,19 @@ class KvTiers:
         if self.copies is not None:
             self.copies.settle()
 
+    def committed(self, blocks: list[Block]) -> None:
+        """A live sequence registered ``blocks`` (its full blocks from its first) in the
+        prefix cache: offer them to the remote tier now, so that another replica finds them
+        while this one still decodes (the local tiers take blocks only once released)."""
+        if self.remote is not None:
+            self.remote.offer(blocks, self.events.key_of if self.events is not None else None)
+
     def registered(self, blocks: list[Block]) -> None:
         """A release left ``blocks`` (a sequence's full blocks) in the prefix cache: queue the
         registered ones for demotion, parents before children."""
+        self.committed(blocks)  # the remote tier skips the blocks it was offered before
+        if self.host is None and self.disk is None:
+            return
         queue = self.queue
         for block in blocks:
             if block.block_hash is not None:
@@ -350,7 +405,19 @@ class KvTiers:
 
         ``after_step`` (the pool's KV-event publishing) runs after each step, so that the
         tier copies made between Lease calls reach subscribers without waiting for one.
+        The remote tier's writer runs beside it, as long as it does.
         """
+        writer = None
+        if self.remote is not None:
+            writer = asyncio.get_running_loop().create_task(
+                self.remote.run(self._copy_out, self._still_registered, after_step))
+        try:
+            await self._run_local(after_step)
+        finally:
+            if writer is not None:
+                writer.cancel()
+
+    async def _run_local(self, after_step: Callable[[], None] | None) -> None:
         while True:
             if not self.queue and not self.disk_queue:
                 self._wake.clear()
@@ -549,8 +616,44 @@ class KvTiers:
         disk.added(entry.digest, written)
         self._event(known, MEDIUM_STORAGE, stored=True)
 
+    def _still_registered(self, block_id: int, reg_id: int) -> bool:
+        block = self.pool.blocks[block_id]
+        return block.block_hash is not None and block.reg_id == reg_id
+
+    def _copy_out(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """(a worker thread) The blocks' bytes, copied into host memory, for the remote tier."""
+        if self.mover is None:
+            return [self.pool_tensor[:, :, block_id].clone() for block_id in block_ids]
+        out: list[torch.Tensor] = []
+        self.copies.submit(self.mover.to_host, block_ids, lambda _, block: out.append(block.clone())).result()
+        return out
+
+    def _remote_hits(self, tokens: tuple[int, ...], start: int, max_blocks: int, block_hash: int, parent_reg: int,
+                     namespace: Namespace) -> list[TierEntry]:
+        """The chain's blocks from ``start`` on that this Lease call read from the remote
+        tier, as entries in no tier (``block_hash``: block ``start``'s hash)."""
+        pool = self.pool
+        block_size = pool.block_size
+        max_blocks = min(max_blocks, start + PROMOTE_MAX_BLOCKS)
+        digests = chain_digests(tokens, block_size, max_blocks, namespace)
+        remote = self._read_ahead.remote
+        out: list[TierEntry] = []
+        for index in range(start, max_blocks):
+            chunk = tokens[index * block_size : (index + 1) * block_size]
+            if index > start:
+                block_hash = pool.hash_fn((block_hash, chunk))
+            if digests[index] not in remote or block_hash in pool.cached or self.index.get(block_hash) is not None:
+                break  # not read, or the hash has another identity here (a collision): recomputed
+            entry = TierEntry(block_hash, chunk, parent_reg, pool.new_reg_id(), namespace, digests[index],
+                              digests[index - 1] if index else ROOT_PARENT, remote=True)
+            out.append(entry)
+            parent_reg = entry.reg_id
+        return out
+
     def close(self) -> None:
         """Stops the worker threads (after what they are doing) and unlocks a folder opened here."""
+        if self.remote is not None:
+            self.remote.close()
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
         if self.copies is not None:
@@ -564,12 +667,16 @@ class KvTiers:
     # -- accounting ----------------------------------------------------------------------
 
     def blocks_total(self, tier: str) -> int:
+        if tier == REMOTE:
+            return 0  # the store's, shared with every replica: not known here
         if tier == HOST:
             return self.host.num_slots if self.host is not None else 0
         return self.disk.capacity_blocks if self.disk is not None else 0
 
     def blocks_queued(self, tier: str) -> int:
         """Blocks on their way into ``tier``: queued or being copied (or written)."""
+        if tier == REMOTE:
+            return len(self.remote.queue) + self.remote.writing if self.remote is not None else 0
         from_pool = len(self.queue) + self.copying
         if tier == HOST:
             return from_pool if self.host is not None else 0
@@ -638,12 +745,18 @@ class KvTiers:
             self._event(entry, MEDIUM_STORAGE, stored=True)
 
     def _event(self, entry: TierEntry, medium: str, stored: bool) -> None:
-        if self.events is None or entry.event_key is None:
+        self._tell(entry.event_key, entry.token_ids, medium, stored)
+
+    def _tell_remote(self, key, token_ids: tuple[int, ...], stored: bool) -> None:
+        self._tell(key, token_ids, MEDIUM_REMOTE, stored)
+
+    def _tell(self, key, token_ids: tuple[int, ...], medium: str, stored: bool) -> None:
+        if self.events is None or key is None:
             return  # events off, or a copy of a block whose registration events never saw
         if stored:
-            self.events.tier_stored(entry.event_key, entry.token_ids, medium)
+            self.events.tier_stored(key, token_ids, medium)
         else:
-            self.events.tier_removed(entry.event_key, medium)
+            self.events.tier_removed(key, medium)
 
     def _record(self, entry: TierEntry) -> BlockRecord:
         return BlockRecord(entry.digest, entry.parent_digest, entry.namespace, entry.token_ids,

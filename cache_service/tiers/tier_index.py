@@ -51,6 +51,8 @@ class TierEntry:
     host_slot: int | None = None
     on_disk: bool = False
     event_key: tuple[str, bytes] | None = None  # the pool block's KV-event key, when events are on
+    # A block read from the remote tier for one Lease call: in no tier of this index, promoted or forgotten.
+    remote: bool = False
 
     @property
     def tier(self) -> str:

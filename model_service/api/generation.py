@@ -320,7 +320,8 @@ def to_response(delta: Delta, request_id: str) -> model_pb2.GenerateResponse:
         response.usage.prompt_tokens = delta.prompt_tokens
         response.usage.completion_tokens = delta.completion_tokens
         response.usage.cached_tokens = delta.cached_tokens
-        response.usage.cached_tokens_host, response.usage.cached_tokens_disk = delta.cached_tokens_tiers
+        usage = response.usage
+        usage.cached_tokens_host, usage.cached_tokens_disk, usage.cached_tokens_remote = delta.cached_tokens_tiers
         response.usage.peak_kv_blocks = delta.peak_kv_blocks
         response.usage.peak_kv_bytes = delta.peak_kv_bytes
         response.usage.recomputed_tokens = delta.recomputed_tokens

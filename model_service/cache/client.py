@@ -210,7 +210,8 @@ def _committed(result: cache_pb2.LeaseResult) -> Committed | Refused:
 
 def _allocated(result: cache_pb2.LeaseResult) -> Allocated | Refused:
     return _refused(result) or Allocated(result.sequence_id, tuple(result.block_ids), result.cached_tokens,
-                                         (result.cached_tokens_host, result.cached_tokens_disk))
+                                         (result.cached_tokens_host, result.cached_tokens_disk,
+                                          result.cached_tokens_remote))
 
 
 _DECODE = {"fork": _forked, "release": _released, "extend": _extended, "commit": _committed, "allocate": _allocated}

@@ -26,7 +26,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: from the host, the disk tier
+    cached_tokens_tiers: tuple[int, int, int] = (0, 0, 0)  # of cached_tokens: from the host, disk, remote tier
     # This completion's own, in its last delta: the most blocks (and bytes) of the pool it
     # held at once, and the tokens it computed again after preemptions.
     peak_kv_blocks: int = 0

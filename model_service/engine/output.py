@@ -82,7 +82,7 @@ class RequestOutput:
     first_delta_sent: bool = False
     unfinished: int = 0
     cached_tokens: int = 0
-    cached_tokens_tiers: tuple[int, int] = (0, 0)
+    cached_tokens_tiers: tuple[int, int, int] = (0, 0, 0)
     bytes_per_block: int = 0  # of the pool it runs on: Usage.peak_kv_bytes
     tenant: str = ""  # whose (--api-keys; "": no tenant): its id is unique among that tenant's live ones
 

@@ -101,7 +101,8 @@ class Allocated:
     lease_id: int
     block_ids: tuple[int, ...]
     cached_tokens: int = 0  # leading prompt tokens the prefix cache already holds
-    cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: promoted from the host, the disk tier
+    # Of cached_tokens: promoted from the host, the disk, the remote tier.
+    cached_tokens_tiers: tuple[int, int, int] = (0, 0, 0)
 
 
 # What each kind of op is answered with when it succeeds (Refused when it does not).

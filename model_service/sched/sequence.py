@@ -53,7 +53,7 @@ class Sequence:
     committed_tokens: int = 0
     # Prompt tokens the prefix cache supplied at first admission (usage.cached_tokens).
     cached_tokens: int = 0
-    cached_tokens_tiers: tuple[int, int] = (0, 0)  # of cached_tokens: from the host, the disk tier
+    cached_tokens_tiers: tuple[int, int, int] = (0, 0, 0)  # of cached_tokens: from the host, disk, remote tier
     admitted_once: bool = False
     # The scheduler's step count when it last became RUNNING: its prompt could start then.
     ready_step: int = 0

@@ -46,8 +46,8 @@ class Usage:
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> tokens
     cached_tokens: dict[int, int] = field(default_factory=dict)
-    # Of cached_tokens, per prompt: promoted from the cache service's host and disk tiers.
-    cached_tiers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Of cached_tokens, per prompt: promoted from the cache service's host, disk and remote tiers.
+    cached_tiers: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     completion_tokens: int = 0
     peak_kv_blocks: int = 0
     peak_kv_bytes: int = 0
@@ -57,7 +57,8 @@ class Usage:
         usage = response.usage
         self.prompt_tokens[prompt_index] = max(self.prompt_tokens.get(prompt_index, 0), usage.prompt_tokens)
         if usage.cached_tokens >= self.cached_tokens.get(prompt_index, 0):
-            self.cached_tiers[prompt_index] = (usage.cached_tokens_host, usage.cached_tokens_disk)
+            self.cached_tiers[prompt_index] = (usage.cached_tokens_host, usage.cached_tokens_disk,
+                                               usage.cached_tokens_remote)
         self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), usage.cached_tokens)
         self.completion_tokens += usage.completion_tokens
         self.peak_kv_blocks += usage.peak_kv_blocks
@@ -72,8 +73,9 @@ class Usage:
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {
                 "cached_tokens": sum(self.cached_tokens.values()),
-                "cached_tokens_host": sum(host for host, _ in self.cached_tiers.values()),
-                "cached_tokens_disk": sum(disk for _, disk in self.cached_tiers.values()),
+                "cached_tokens_host": sum(tiers[0] for tiers in self.cached_tiers.values()),
+                "cached_tokens_disk": sum(tiers[1] for tiers in self.cached_tiers.values()),
+                "cached_tokens_remote": sum(tiers[2] for tiers in self.cached_tiers.values()),
             },
             "peak_kv_blocks": self.peak_kv_blocks,
             "peak_kv_bytes": self.peak_kv_bytes,

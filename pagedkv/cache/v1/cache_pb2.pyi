@@ -251,7 +251,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
 
 class LeaseResult(_message.Message):
-    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released", "blocks_committed", "cached_tokens_host", "cached_tokens_disk")
+    __slots__ = ("status", "message", "sequence_id", "block_ids", "cached_tokens", "copy", "blocks_released", "blocks_committed", "cached_tokens_host", "cached_tokens_disk", "cached_tokens_remote")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class LeaseResult(_message.Message):
     BLOCKS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_REMOTE_FIELD_NUMBER: _ClassVar[int]
     status: LeaseStatus
     message: str
     sequence_id: int
@@ -272,7 +273,8 @@ class LeaseResult(_message.Message):
     blocks_committed: int
     cached_tokens_host: int
     cached_tokens_disk: int
-    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
+    cached_tokens_remote: int
+    def __init__(self, status: _Optional[_Union[LeaseStatus, str]] = ..., message: _Optional[str] = ..., sequence_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., copy: _Optional[_Union[BlockCopy, _Mapping]] = ..., blocks_released: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ..., cached_tokens_remote: _Optional[int] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("results", "blocks_available")

@@ -141,7 +141,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., stream: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_host", "cached_tokens_disk", "peak_kv_blocks", "peak_kv_bytes", "recomputed_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_host", "cached_tokens_disk", "peak_kv_blocks", "peak_kv_bytes", "recomputed_tokens", "cached_tokens_remote")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class Usage(_message.Message):
     PEAK_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEAK_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_REMOTE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -158,7 +159,8 @@ class Usage(_message.Message):
     peak_kv_blocks: int
     peak_kv_bytes: int
     recomputed_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ..., peak_kv_blocks: _Optional[int] = ..., peak_kv_bytes: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens_remote: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ..., peak_kv_blocks: _Optional[int] = ..., peak_kv_bytes: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., cached_tokens_remote: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
