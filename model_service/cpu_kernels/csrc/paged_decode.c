@@ -5,7 +5,7 @@
  * decode step. Here each (sequence, kv head) pair walks its own block table: no copy, no
  * padding, and the group's query heads share each K/V row they read.
  *
- * Layout (README.md, "Pool layout"): one layer's K (and V) is [num_blocks, block_size,
+ * Layout (docs/architecture.md, "Pool layout"): one layer's K (and V) is [num_blocks, block_size,
  * kv_heads, head_dim], contiguous; q is [num_seqs, q_heads, head_dim] with heads and
  * dims contiguous and rows q_row_stride elements apart; out is contiguous like q.
  * Arithmetic is float32 whatever the storage type (as SDPA accumulates), with the online

@@ -11,10 +11,9 @@
  *   3. p.v over the span's keys into accumulators held in registers (group and head_dim
  *      are constants in each case, so acc[][] is a set of named vectors).
  * attend_one's block-at-a-time softmax puts a chain of dependent steps (max, exp, sum,
- * rescale, then the V accumulation) between one block's keys and the next. Measured one
- * thread, batch 48, contexts 100-200, in turns (BENCHMARKS.md, "Decode attention in
- * spans", bench/decode_attention_ab.c): 1.3-1.5x a key at the W48 Llama's and SmolLM2's
- * shapes.
+ * rescale, then the V accumulation) between one block's keys and the next; spans keep
+ * the vector units busy across blocks (docs/benchmark-log.md, "Decode attention in spans",
+ * measured with bench/kernels/decode_attention_ab.c).
  * Scores are scaled after the dot product (attend_one scales q first): the two differ by
  * float32 rounding.
  *
