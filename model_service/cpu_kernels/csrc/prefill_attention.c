@@ -66,6 +66,27 @@ typedef struct {
 /* Attends query head h's queries t0 .. t0 + lanes - 1 of one sequence. */
 typedef void (*tile_fn)(const prefill_call *c, const prefill_seq *seq, int h, int t0);
 
+/* The keys each of a tile's `width` lanes sees, [first_key, end_key) (causal, and from
+ * the window's start where there is one), and in *lo, *hi those the whole tile spans.
+ * Lanes past `lanes` see nothing and are never stored. */
+static inline __attribute__((always_inline)) void lane_key_ranges(const prefill_call *c, int first_position,
+                                                                   int lanes, int width, int32_t *first_key,
+                                                                   int32_t *end_key, int *lo, int *hi) {
+    *lo = INT32_MAX;
+    *hi = 0;
+    for (int lane = 0; lane < width; lane++) {
+        if (lane < lanes) {
+            const int position = first_position + lane;
+            first_key[lane] = c->window > 0 && position - c->window + 1 > 0 ? position - c->window + 1 : 0;
+            end_key[lane] = position + 1;
+            *lo = first_key[lane] < *lo ? first_key[lane] : *lo;
+            *hi = end_key[lane];
+        } else {
+            first_key[lane] = end_key[lane] = 0;
+        }
+    }
+}
+
 #include "generic/prefill_attention_tile8.h"
 
 #if CPU_LEVELS_X86

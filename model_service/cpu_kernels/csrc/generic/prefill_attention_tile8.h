@@ -46,18 +46,8 @@ static inline __attribute__((always_inline)) void tile8_body(const prefill_call 
         load_row(row, seq->q, (int64_t)(t0 + lane) * c->q_row_stride + (int64_t)h * hd, hd, dtype);
         for (int d = 0; d < hd; d++) panel[d][lane] = row[d];
     }
-    int lo = INT32_MAX, hi = 0;
-    for (int lane = 0; lane < TILE8; lane++) {
-        if (lane < lanes) {
-            const int position = first_position + lane;
-            first_key[lane] = c->window > 0 && position - c->window + 1 > 0 ? position - c->window + 1 : 0;
-            end_key[lane] = position + 1;
-            lo = first_key[lane] < lo ? first_key[lane] : lo;
-            hi = end_key[lane];
-        } else {
-            first_key[lane] = end_key[lane] = 0; /* sees nothing; never stored */
-        }
-    }
+    int lo, hi;
+    lane_key_ranges(c, first_position, lanes, TILE8, first_key, end_key, &lo, &hi);
     for (int d = 0; d < hd; d++) acc[d] = SPLAT8(0.0f);
     v8i lane_first, lane_end;
     memcpy(&lane_first, first_key, sizeof lane_first);

@@ -43,18 +43,8 @@ static void tile16_avx512_bf16(const prefill_call *c, const prefill_seq *seq, in
             panel[p][lane][1] = row[2 * p + 1];
         }
     }
-    int lo = INT32_MAX, hi = 0;
-    for (int lane = 0; lane < PREFILL_LANES; lane++) {
-        if (lane < lanes) {
-            const int position = first_position + lane;
-            first_key[lane] = c->window > 0 && position - c->window + 1 > 0 ? position - c->window + 1 : 0;
-            end_key[lane] = position + 1;
-            lo = first_key[lane] < lo ? first_key[lane] : lo;
-            hi = end_key[lane];
-        } else {
-            first_key[lane] = end_key[lane] = 0; /* sees nothing; never stored */
-        }
-    }
+    int lo, hi;
+    lane_key_ranges(c, first_position, lanes, PREFILL_LANES, first_key, end_key, &lo, &hi);
     memset(acc, 0, sizeof acc[0] * (size_t)hd);
     const __m512i lane_first = _mm512_loadu_si512(first_key), lane_end = _mm512_loadu_si512(end_key);
     const __m512 scale = _mm512_set1_ps(c->scale);
