@@ -125,23 +125,6 @@ def test_shapes_it_does_not_take_are_refused_with_the_reason():
         bf16_matmul.linear(torch.zeros(2, 32), panels, 16, 0)
 
 
-def test_the_level_is_chosen_by_the_environment(monkeypatch):
-    monkeypatch.setenv(bf16_matmul.ENV, "portable")
-    assert bf16_matmul.chosen_level() == 0
-    monkeypatch.setenv(bf16_matmul.ENV, "onednn")
-    assert bf16_matmul.chosen_level() is None
-    monkeypatch.delenv(bf16_matmul.ENV)
-    # auto: the C kernel at the CPU's best SIMD level; oneDNN only where it has none
-    assert bf16_matmul.chosen_level() == (BEST if BEST > 0 else None)
-    monkeypatch.setenv(bf16_matmul.ENV, "fastest")
-    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512_bf16, onednn"):
-        bf16_matmul.chosen_level()
-    for above in bf16_matmul.LEVELS[BEST + 1:]:
-        monkeypatch.setenv(bf16_matmul.ENV, above)
-        with pytest.raises(ValueError, match=f"this CPU runs {bf16_matmul.LEVELS[BEST]} at best"):
-            bf16_matmul.chosen_level()
-
-
 def test_an_x86_cpu_with_avx2_runs_the_avx2_level_at_least():
     """No AVX2 CPU falls to the portable C: its flags say AVX2 and FMA, the kernel's best
     level is AVX2 or above."""

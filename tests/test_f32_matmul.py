@@ -98,23 +98,6 @@ def test_inputs_it_does_not_take_are_refused_with_the_reason():
             f32_matmul.linear(torch.zeros(2, 32), panels, 16, above)
 
 
-def test_the_level_is_chosen_by_the_environment(monkeypatch):
-    monkeypatch.setenv(f32_matmul.ENV, "portable")
-    assert f32_matmul.chosen_level() == 0
-    monkeypatch.setenv(f32_matmul.ENV, "torch")
-    assert f32_matmul.chosen_level() is None
-    monkeypatch.delenv(f32_matmul.ENV)
-    # auto: the C kernel at the CPU's best SIMD level; torch's product only where it has none
-    assert f32_matmul.chosen_level() == (BEST if BEST > 0 else None)
-    monkeypatch.setenv(f32_matmul.ENV, "fastest")
-    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512, torch"):
-        f32_matmul.chosen_level()
-    for above in f32_matmul.LEVELS[BEST + 1:]:
-        monkeypatch.setenv(f32_matmul.ENV, above)
-        with pytest.raises(ValueError, match=f"this CPU runs {f32_matmul.LEVELS[BEST]} at best"):
-            f32_matmul.chosen_level()
-
-
 def test_an_x86_cpu_with_avx2_runs_the_avx2_level_at_least():
     try:
         flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())

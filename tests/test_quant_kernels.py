@@ -280,13 +280,3 @@ def test_a_wrong_row_width_is_refused():
         Segments([(8, torch.zeros(3, 33, dtype=torch.uint8))], 32)
 
 
-def test_the_environment_forces_a_lower_level_and_refuses_an_unknown_one(library, monkeypatch):
-    monkeypatch.setenv(quant_matmul.LEVEL_ENV, "portable")
-    assert quant_matmul.chosen_level(library) == 0
-    monkeypatch.setenv(quant_matmul.LEVEL_ENV, "avx512_vnni")  # never above what the CPU has
-    assert quant_matmul.chosen_level(library) == quant_matmul.best_level(library)
-    monkeypatch.delenv(quant_matmul.LEVEL_ENV)
-    assert quant_matmul.chosen_level(library) == quant_matmul.best_level(library)
-    monkeypatch.setenv(quant_matmul.LEVEL_ENV, "sse9")
-    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512_vnni"):
-        quant_matmul.chosen_level(library)

@@ -29,7 +29,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 FAMILY = levels.register(levels.Family(
     name="decode attention", env=ENV, levels=LEVELS, best="paged_decode_best_level",
-    requires={"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512F, AVX2, FMA and F16C"}))
+    requires={"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512F"}))
 
 
 def best_level(library: ctypes.CDLL | None = None) -> int:
