@@ -15,16 +15,13 @@ chooses once per process and logs why):
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from model_service.cpu_kernels import levels
-from model_service.cpu_kernels.build import load
+from model_service.cpu_kernels.panel_kernels import PANEL_ROWS, PanelKernel
 
 LEVELS = ("portable", "avx2", "avx512_bf16")  # bf16_matmul.c's BLEVEL_*
 ENV = "PAGEDKV_BF16_KERNELS"
-PANEL_ROWS = 16  # bf16_matmul.c's BF16_PANEL_ROWS
 
 FAMILY = levels.register(levels.Family(
     name="bf16 linears", env=ENV, levels=LEVELS, best="bf16_cpu_level",
@@ -44,47 +41,10 @@ def chosen_level() -> int | None:
     return levels.chosen_index(FAMILY.name)
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [rows, cols] (bfloat16, cols even) as the kernel reads it: panels of 16 rows,
-    [ceil(rows / 16), cols / 2, 16, 2], the last panel's missing rows zeros."""
-    rows, cols = weight.shape
-    if weight.dtype != torch.bfloat16 or cols % 2 or weight.stride(1) != 1:
-        raise ValueError(f"panels take bfloat16 [rows, even cols] with unit column stride, "
-                         f"got {weight.dtype} {tuple(weight.shape)}")
-    panels = torch.empty(((rows + PANEL_ROWS - 1) // PANEL_ROWS, cols // 2, PANEL_ROWS, 2), dtype=torch.bfloat16)
-    status = _library().bf16_pack_panels(weight.data_ptr(), weight.stride(0), rows, cols, panels.data_ptr())
-    if status != 0:
-        raise RuntimeError(f"bf16_pack_panels failed ({status}) for {tuple(weight.shape)}")
-    return panels
-
-
-def unpack_panels(panels: torch.Tensor, rows: int) -> torch.Tensor:
-    """The plain [rows, cols] weight that pack_panels rearranged (a new tensor)."""
-    count, pairs = panels.shape[:2]
-    return panels.permute(0, 2, 1, 3).reshape(count * PANEL_ROWS, 2 * pairs)[:rows].clone()
-
-
-def linear(x: torch.Tensor, panels: torch.Tensor, rows: int, level: int) -> torch.Tensor:
-    """x [T, cols] bfloat16 (rows any distance apart) times the panels' weight -> [T, rows]."""
-    tokens, cols = x.shape
-    if x.dtype != torch.bfloat16 or cols != 2 * panels.shape[1]:
-        raise ValueError(f"panels of {2 * panels.shape[1]} bfloat16 columns take x of that width in bfloat16, "
-                         f"got {x.dtype} {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((tokens, rows), dtype=torch.bfloat16)
-    status = _library().bf16_linear(x.data_ptr(), x.stride(0), tokens, cols, rows, panels.data_ptr(),
-                                    out.data_ptr(), out.stride(0), level, torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"bf16_linear failed ({status}) for {cols} columns at level {LEVELS[level]}")
-    return out
-
-
-def _library() -> ctypes.CDLL:
-    library = load()
-    if library is None:
-        raise RuntimeError("the bfloat16 kernels need the CPU kernel library, which did not build")
-    return library
+KERNEL = PanelKernel("bf16", torch.bfloat16, LEVELS, "the bfloat16 kernels")
+pack_panels = KERNEL.pack
+unpack_panels = KERNEL.unpack
+linear = KERNEL.linear
 
 
 __all__ = ["CHOICES", "ENV", "FAMILY", "LEVELS", "PANEL_ROWS", "chosen_level", "cpu_level", "linear", "pack_panels", "unpack_panels"]
