@@ -47,6 +47,23 @@ def smollm2_stack(tmp_path_factory):
         yield SmolLM2Stack(model_pb2_grpc.ModelServiceStub(channel), cache, model)
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' tokenizer and float32 model read from the same GGUF file the stack
+    serves (`gguf_file=`): the reference the SmolLM2 modules compare with. Reading it costs
+    about half a minute of the suite's two cores (the tokenizer alone a third of that), so
+    the modules share one; a test that needs another precision copies the model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model_service.loading.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_terminal_summary(terminalreporter):
     """One line a CPU kernel family (cpu_kernels/levels.py), after the other summaries: the

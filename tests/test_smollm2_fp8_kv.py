@@ -16,13 +16,13 @@ from 1: tests/test_kv_fp8_kernels.py.)
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 
 import grpc
 import pytest
 import torch
 
 from harness.processes import start_cache_service, start_model_service
-from model_service.loading.embedded import embedded_model_path
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 PROMPTS = [
@@ -100,13 +100,9 @@ def test_fp8_pool_reports_fp8_twice_the_tokens_and_a_namespace_of_its_own(bfloat
 
 
 @pytest.fixture(scope="module")
-def float64_reference():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return tokenizer, model.double().eval()
+def float64_reference(smollm2_reference):
+    tokenizer, model = smollm2_reference
+    return tokenizer, copy.deepcopy(model).double().eval()
 
 
 def against_float64(reference, run) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,6 @@ from google.protobuf import struct_pb2
 from test_smollm2_tokenizer import CONVERSATIONS
 
 from harness.cache_helpers import cache_stub, stats, wait_for
-from model_service.loading.embedded import embedded_model_path
 from pagedkv.stack import example_arguments
 from pagedkv.model.v1 import model_pb2
 
@@ -32,13 +31,8 @@ EIGHT_CONVERSATIONS = CONVERSATIONS + [
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return tokenizer, model
+def reference(smollm2_reference):
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")

@@ -76,11 +76,8 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoTokenizer
-
-    path = embedded_model_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def reference(smollm2_reference):
+    return smollm2_reference[0]
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
