@@ -553,7 +553,9 @@ def test_a_full_store_drops_a_services_writes_counts_them_and_fails_no_lease(tmp
                  WAIT_S, "the writes refused and counted")
         assert commit(stub, session, SERVICE_PROMPT).cached_tokens == SERVICE_FULL  # its pool, as ever
         row = remote_row(stub)
-        assert (row.demotions, row.errors) == (0, 1)
+        # One error a write call the store refused: the four blocks go in one call, or in
+        # more where the writer woke before the last of them was queued (a loaded machine).
+        assert row.demotions == 0 and 1 <= row.errors <= 4
 
 
 def test_a_service_refuses_a_key_others_can_read_at_start(tmp_path, store):
