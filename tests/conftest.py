@@ -64,25 +64,60 @@ def smollm2_reference():
     return tokenizer, model
 
 
+_WORKERS_LEVELS = pytest.StashKey[dict]()  # family -> levels forced in any xdist worker
+
+
+def _kernel_levels_here() -> dict | None:
+    """What this process ran of the CPU kernel families: per family, the levels a test
+    forced by its switch; None where the kernel library was never loaded here (asking the
+    library for the CPU's best levels would build it just to say so)."""
+    import sys
+
+    build = sys.modules.get("model_service.cpu_kernels.build")
+    if build is None or build._library is None:
+        return None
+    from model_service.cpu_kernels import levels
+
+    return {name: sorted(forced) for name, forced in levels.forced().items()}
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands what it ran to the controller, which writes the line."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["kernel_levels"] = _kernel_levels_here()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    ran = getattr(node, "workeroutput", {}).get("kernel_levels")
+    if ran is not None:
+        merged = node.config.stash.setdefault(_WORKERS_LEVELS, {})
+        for name, forced in ran.items():
+            merged.setdefault(name, set()).update(forced)
+
+
 @pytest.hookimpl(wrapper=True)
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     """One line a CPU kernel family (cpu_kernels/levels.py), after the other summaries: the
-    levels this run's tests forced by the family's switch, and the levels skipped because
-    this CPU lacks them. Only where the kernel library was loaded in this process: the line
-    asks it for the CPU's best levels, and a run that touched no kernel should not build it
-    to say so."""
+    levels this run's tests forced by the family's switch (in this process or in any
+    pytest-xdist worker), and the levels skipped because this CPU lacks them."""
     import sys
 
     result = yield
 
-    build = sys.modules.get("model_service.cpu_kernels.build")
-    if build is None or build._library is None:
+    here = _kernel_levels_here()
+    workers = config.stash.get(_WORKERS_LEVELS, None)
+    if here is None and workers is None:
+        build = sys.modules.get("model_service.cpu_kernels.build")
         reason = build.load_error() if build is not None else None
-        terminalreporter.write_line(f"cpu kernel levels: none run in this process{f' ({reason})' if reason else ''}")
+        terminalreporter.write_line(f"cpu kernel levels: none run in this run{f' ({reason})' if reason else ''}")
         return result
     from model_service.cpu_kernels import levels
 
-    forced = levels.forced()
+    forced: dict[str, set[str]] = {name: set(names) for name, names in (here or {}).items()}
+    for name, names in (workers or {}).items():
+        forced.setdefault(name, set()).update(names)
     for family in levels.families():
         tested = [name for name in family.levels if name in forced.get(family.name, ())]
         lacking = levels.missing(family)
