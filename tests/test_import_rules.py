@@ -46,6 +46,9 @@ def offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str,
     return found
 
 
+PEER_SCRIPTS = ("harness/peers/vllm_worker.py", "harness/peers/vllm_cli.py", "harness/peers/llamacpp_worker.py")
+
+
 RULES = [
     # (who, may not import, why)
     (("cache_service",), ("model_service",), "the two services meet only in proto/ and pagedkv/"),
@@ -86,7 +89,7 @@ RULES = [
      "the product never imports what tests, benchmarks and checks drive it with"),
     (("harness",), ("bench", "checks", "tests"), "harness/ is what the others share, so it needs none of them"),
     (("bench", "checks"), ("tests",), "what a benchmark shares with the tests lives in harness/"),
-    (("harness/peers/vllm_worker.py", "harness/peers/vllm_cli.py", "harness/peers/llamacpp_worker.py"),
+    (PEER_SCRIPTS,
      ("pagedkv", "cache_service", "model_service", "harness", "bench", "checks"),
      "the peers' scripts run by path in the peers' own venvs, where nothing of this project is installed"),
 ]
@@ -95,6 +98,16 @@ RULES = [
 @pytest.mark.parametrize("who, forbidden, why", RULES, ids=[f"{r[0][0]}-not-{r[1][0]}" for r in RULES])
 def test_import_rule(who, forbidden, why):
     assert offenders(who, forbidden) == {}, why
+
+
+def test_no_module_beside_a_peer_script_shadows_what_it_imports():
+    """A script run by path has its own folder first on sys.path: a module there named like
+    a package the script imports (vllm.py beside vllm_worker.py) is imported in its place."""
+    for script in PEER_SCRIPTS:
+        path = ROOT / script
+        beside = {sibling.stem for sibling in path.parent.glob("*.py")}
+        shadowed = {name.partition(".")[0] for name in imports_of(path)} & beside
+        assert not shadowed, f"{script} imports {sorted(shadowed)}, which its own folder's modules would shadow"
 
 
 def module_name(path: Path) -> str:

@@ -20,8 +20,8 @@ pool (--max-blocks blocks of 16 tokens):
                  same conversations again (greedy: the same histories) find them on disk
                  (needs host+disk before it)
   vllm           vLLM's CPU OpenAI server (`vllm serve` from the vLLM venv of
-                 harness.peers.vllm.ensure_vllm_venv, started by harness.peers.vllm.vllm_server) on the
-                 float32 Hugging Face copy of the same GGUF (harness.peers.vllm.smollm2_checkpoint),
+                 harness.peers.vllm_offline.ensure_vllm_venv, started by harness.peers.vllm_offline.vllm_server) on the
+                 float32 Hugging Face copy of the same GGUF (harness.peers.vllm_offline.smollm2_checkpoint),
                  in the same dtype, prefix caching on, --enable-prompt-tokens-details (so
                  usage.prompt_tokens_details.cached_tokens says its hits, as pagedkv's does),
                  and the pool's KV budget in bytes (--kv-cache-memory-bytes = max-blocks x
@@ -73,7 +73,7 @@ os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 import grpc
 
-from harness.peers.vllm import ensure_vllm_venv, smollm2_checkpoint, vllm_server
+from harness.peers.vllm_offline import ensure_vllm_venv, smollm2_checkpoint, vllm_server
 from bench.serve.bench_smollm2 import real_paragraphs
 from harness.processes import start_cache_service, start_model_service
 

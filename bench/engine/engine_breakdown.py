@@ -33,7 +33,7 @@ from torch import nn
 
 from bench.serve.bench_generate import workload, write_w48_checkpoint
 from bench.serve.bench_vs_vllm import single_stream
-from harness.peers.vllm import smollm2_checkpoint
+from harness.peers.vllm_offline import smollm2_checkpoint
 from bench.engine.inprocess_engine import engine_in_process, load_in_passing_thread
 
 from model_service.attention.backend import PagedAttention

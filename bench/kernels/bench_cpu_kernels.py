@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.serve.bench_generate import write_w48_checkpoint
-from harness.peers.vllm import smollm2_checkpoint
+from harness.peers.vllm_offline import smollm2_checkpoint
 
 from model_service import cpu_kernels
 from model_service.attention.torch_paged import decode_attention_torch

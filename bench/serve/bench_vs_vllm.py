@@ -53,7 +53,7 @@ import grpc
 
 from bench.serve.bench_generate import metric, workload, write_w48_checkpoint
 from harness.peers import vllm_cores
-from harness.peers.vllm import MAX_MODEL_LEN, VllmWorker, ensure_vllm_venv, smollm2_checkpoint
+from harness.peers.vllm_offline import MAX_MODEL_LEN, VllmWorker, ensure_vllm_venv, smollm2_checkpoint
 from harness.peers.vllm_grpc import VllmGrpcServer
 from harness.processes import start_cache_service, start_model_service
 

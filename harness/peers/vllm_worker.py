@@ -1,6 +1,6 @@
 """vLLM's CPU engine, offline, driven one job at a time over stdin/stdout (JSON lines).
 
-Runs in the vLLM venv (bench/.venv-vllm), never the project's: vllm.py's VllmWorker starts it
+Runs in the vLLM venv (bench/.venv-vllm), never the project's: vllm_offline.py's VllmWorker starts it
 as a child process, so the engine stays loaded across rounds and takes turns with pagedkv.
 
     argv: MODEL_DIR DTYPE MAX_MODEL_LEN [KV_CACHE_DTYPE]   (auto: the compute dtype; fp8_e4m3, ...)
