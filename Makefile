@@ -43,8 +43,12 @@ $(TEST_STAMP): $(RUN_STAMP) pyproject.toml $(CONSTRAINTS)
 run: $(RUN_STAMP)
 	$(PY) -m pagedkv.stack --model $(MODEL)
 
+# The suite's tests mostly wait on the service processes they start, so two pytest
+# processes keep two cores busy; a module's tests stay in one (its fixtures start once).
+# TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 protos: $(TEST_STAMP)
 	$(PY) scripts/gen_protos.py
