@@ -22,6 +22,7 @@ from model_service.errors import ModelLoadError
 from model_service.loading.dtype_choice import auto_dtype
 from model_service.loading.fingerprint import checkpoint_fingerprint
 from model_service.loading.loader import load_model
+from model_service.lora.registry import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RANK_CEILING, LoraRegistry
 from model_service.worker.runner import measure_workspace
 from model_service.worker.torch_threads import run_in_passing_thread
 from model_service.api.generation import GenerationService, deliver_on_loop
@@ -150,8 +151,28 @@ def build_parser() -> argparse.ArgumentParser:
              help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
     add_flag(parser, "--served-model-name", default=None,
              help="the model id the HTTP API lists and accepts (default: GetModelInfo's model_id)")
+    add_flag(parser, "--lora-modules", default=None, repeat=True,
+             help="NAME=PATH: a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
+                  "loaded at start under NAME; repeatable; every adapter is checked against the base model "
+                  "before any is kept, and a bad one stops the start with its reason")
+    add_flag(parser, "--max-loras", default=DEFAULT_MAX_LORAS, type=int,
+             help="LoRA adapters held at once (each slot is sized for --max-lora-rank)")
+    add_flag(parser, "--max-lora-rank", default=DEFAULT_MAX_LORA_RANK, type=int,
+             help=f"highest LoRA rank accepted (1 to {RANK_CEILING}); an adapter of a higher rank is refused")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
     return parser
+
+
+def load_lora_modules(args: argparse.Namespace, config, base_name: str) -> LoraRegistry:
+    """--lora-modules loaded and checked whole before the pool is attached (registry.py)."""
+    loras = LoraRegistry(config, max_loras=args.max_loras, max_rank=args.max_lora_rank, base_name=base_name)
+    started = time.perf_counter()
+    for adapter in loras.load_all(args.lora_modules or ()):
+        log.info("lora_loaded", name=adapter.name, path=adapter.path, rank=adapter.rank, scaling=adapter.scaling,
+                 targets=list(adapter.targets), bytes=adapter.nbytes, digest=adapter.digest[:16])
+    if len(loras):
+        log.info("lora_modules_loaded", adapters=len(loras), seconds=round(time.perf_counter() - started, 3))
+    return loras
 
 
 def resolve_device(name: str) -> torch.device:
@@ -231,6 +252,7 @@ async def serve(args: argparse.Namespace) -> int:
         fingerprint = f"{fingerprint}/{loaded.weights_tag}"
     log.info("model_fingerprinted", fingerprint=fingerprint, seconds=round(time.perf_counter() - fingerprint_started, 3))
     config = loaded.config
+    loras = load_lora_modules(args, config, args.served_model_name or loaded.model_id)
     max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
