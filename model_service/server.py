@@ -163,11 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_lora_modules(args: argparse.Namespace, config, base_name: str) -> LoraRegistry:
+def load_lora_modules(args: argparse.Namespace, config, base_name: str, dtype: torch.dtype,
+                      device: torch.device) -> LoraRegistry:
     """--lora-modules loaded and checked whole before the pool is attached (registry.py)."""
     loras = LoraRegistry(config, max_loras=args.max_loras, max_rank=args.max_lora_rank, base_name=base_name)
     started = time.perf_counter()
-    for adapter in loras.load_all(args.lora_modules or ()):
+    for adapter in loras.load_all(args.lora_modules or (), dtype, device):
         log.info("lora_loaded", name=adapter.name, path=adapter.path, rank=adapter.rank, scaling=adapter.scaling,
                  targets=list(adapter.targets), bytes=adapter.nbytes, digest=adapter.digest[:16])
     if len(loras):
@@ -252,7 +253,7 @@ async def serve(args: argparse.Namespace) -> int:
         fingerprint = f"{fingerprint}/{loaded.weights_tag}"
     log.info("model_fingerprinted", fingerprint=fingerprint, seconds=round(time.perf_counter() - fingerprint_started, 3))
     config = loaded.config
-    loras = load_lora_modules(args, config, args.served_model_name or loaded.model_id)
+    loras = load_lora_modules(args, config, args.served_model_name or loaded.model_id, dtype, device)
     max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
@@ -311,7 +312,7 @@ async def serve(args: argparse.Namespace) -> int:
     generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
                                    max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
                                    max_concurrent_streams=args.max_concurrent_streams,
-                                   stream_interval=args.stream_interval)
+                                   stream_interval=args.stream_interval, loras=loras)
     generation.grammars.limits = CompileLimits(
         threads=args.grammar_compile_threads, timeout_s=args.grammar_compile_timeout_s,
         max_json_depth=args.max_json_schema_depth, per_tenant=args.grammar_compiles_per_tenant,

@@ -160,10 +160,12 @@ class Engine:
     # -- the callers' side ------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
-               deadline: float | None = None, priority: int = 0, cache_salt: str = "", tenant: str = "") -> int:
+               deadline: float | None = None, priority: int = 0, cache_salt: str = "", tenant: str = "",
+               lora: object | None = None) -> int:
         """Queues a validated request; returns the key that cancel() takes. `deadline` is a
         time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise); `tenant` names
-        whose it is (--api-keys; "": no tenant)."""
+        whose it is (--api-keys; "": no tenant); `lora` the LoRA adapter it runs with (None:
+        the base; its namespace must be in cache_salt)."""
         if not self._accepting or self._stopping.is_set():
             raise EngineUnavailable("the model service is shutting down; retry elsewhere")
         if not self.connected.is_set():
@@ -171,7 +173,7 @@ class Engine:
         key = self._admission.admit(request_id, tenant)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
                               self.device, deadline, priority, arrival=key, cache_salt=cache_salt,
-                              bytes_per_block=self.bytes_per_block, tenant=tenant)
+                              bytes_per_block=self.bytes_per_block, tenant=tenant, lora=lora)
         self._inbox.put(Submit(request))
         return key
 

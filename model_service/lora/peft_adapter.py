@@ -85,7 +85,7 @@ class LoraAdapter:
 
 
 def load_adapter(name: str, path: str | os.PathLike, config: ModelConfig, *, max_rank: int,
-                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LoraAdapter:
     """Reads and checks the adapter at `path` for a base of `config`; raises AdapterError."""
     directory = Path(path)
     where = f"LoRA adapter {name!r} at {str(directory)!r}"
@@ -102,7 +102,7 @@ def load_adapter(name: str, path: str | os.PathLike, config: ModelConfig, *, max
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing{hint}")
     _check_header_size(weights_path, where, max_adapter_bytes(config, max_rank))
     shapes = target_shapes(config)
-    weights = _read_weights(weights_path, where, config, shapes, rank, settings["targets"], dtype)
+    weights = _read_weights(weights_path, where, config, shapes, rank, settings["targets"], dtype, device)
     digest = hashlib.sha256()
     with open(weights_path, "rb") as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):
@@ -181,7 +181,8 @@ def _check_header_size(path: Path, where: str, max_payload: int) -> None:
 
 
 def _read_weights(path: Path, where: str, config: ModelConfig, shapes: dict[str, tuple[int, int]], rank: int,
-                  targets: set[str], dtype: torch.dtype) -> dict[tuple[int, str], LoraWeights]:
+                  targets: set[str], dtype: torch.dtype, device: torch.device | str,
+                  ) -> dict[tuple[int, str], LoraWeights]:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(path), framework="pt") as tensors:
@@ -211,7 +212,7 @@ def _read_weights(path: Path, where: str, config: ModelConfig, shapes: dict[str,
                                        f"or bfloat16 are served")
                 if not torch.isfinite(tensor).all():
                     raise AdapterError(f"{where}: tensor {key!r} holds NaN or infinite values")
-                halves.setdefault((layer, target), {})[half] = tensor.to(dtype)
+                halves.setdefault((layer, target), {})[half] = tensor.to(device=device, dtype=dtype)
     except SafetensorError as error:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read ({error}); the file is truncated or "
                            f"corrupt, copy it again") from None

@@ -60,7 +60,8 @@ class LoraRegistry:
     def adapters(self) -> list[LoraAdapter]:
         return list(self._adapters.values())
 
-    def load_all(self, modules: Sequence[str], dtype: torch.dtype = torch.float32) -> list[LoraAdapter]:
+    def load_all(self, modules: Sequence[str], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> list[LoraAdapter]:
         """Loads every NAME=PATH of --lora-modules, registering them only once all passed."""
         pairs = [parse_lora_module(text) for text in modules]
         names = [name for name, _ in pairs]
@@ -68,7 +69,8 @@ class LoraRegistry:
         if duplicates:
             raise AdapterError(f"--lora-modules names {duplicates} more than once; each name picks one adapter")
         self._check_room(names)
-        loaded = [load_adapter(name, path, self.config, max_rank=self.max_rank, dtype=dtype) for name, path in pairs]
+        loaded = [load_adapter(name, path, self.config, max_rank=self.max_rank, dtype=dtype, device=device)
+                  for name, path in pairs]
         self._register(loaded)
         return loaded
 
