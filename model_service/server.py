@@ -288,6 +288,7 @@ async def serve(args: argparse.Namespace) -> int:
         prefix_hold_min_tokens=args.prefix_hold_min_tokens,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
+        lora_slot_bytes=loras.slot_bytes(dtype), lora_resident_bytes=sum(a.nbytes for a in loras.adapters()),
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
         tenant_kv_blocks=api_keys.kv_block_shares() if api_keys else (),

@@ -122,3 +122,20 @@ def test_each_adapter_caches_apart_and_a_copy_shares(stack):
     greedy(stub, prompt_ids(70, seed=98), 1, lora_name="team0")
     assert greedy(stub, prompt_ids(70, seed=98), 1, lora_name="copy-of-team0")[1].usage.cached_tokens > 0
     no_block_leased(cache)
+
+
+def test_adapter_slots_are_in_the_pool_sizing(setup, stack):
+    import torch
+
+    from model_service.loading.loader import load_model
+    from model_service.lora.peft_adapter import load_adapter, max_adapter_bytes
+
+    checkpoint, directories, _ = setup
+    _, model, _ = stack
+    config = load_model(str(checkpoint), torch.float32, "cpu").config
+    attached = next(event for event in model.log_events() if event.get("event") == "attached")
+    # --max-loras 4 (the default) slots of rank 64 in float32; the four loaded adapters are resident.
+    assert attached["lora_slot_bytes"] == 4 * max_adapter_bytes(config, 64, 4)
+    resident = sum(load_adapter(name, path, config, max_rank=64).nbytes for name, path in directories.items())
+    assert attached["lora_resident_bytes"] == resident + load_adapter("c", directories["team0"], config,
+                                                                     max_rank=64).nbytes

@@ -111,6 +111,7 @@ class Engine:
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
             served_model_name=settings.served_model_name,
             weights_bytes_by_type=tuple(loaded.weights_bytes_by_type.items()),
+            lora_slot_bytes=settings.lora_slot_bytes, lora_resident_bytes=settings.lora_resident_bytes,
         ), device)
         # Set while attached:
         self.sizing = None
@@ -252,7 +253,9 @@ class Engine:
         self._on_serving(True)
         log.info("attached", cache=self.cache.address, session=attachment.session_id[:8],
                  num_blocks=attachment.sizing.num_blocks, block_size=attachment.sizing.block_size,
-                 max_total_tokens=attachment.sizing.max_total_tokens)
+                 max_total_tokens=attachment.sizing.max_total_tokens,
+                 lora_slot_bytes=attachment.sizing.lora_slot_bytes,
+                 lora_resident_bytes=attachment.sizing.lora_resident_bytes)
 
     def _step(self) -> None:
         scheduler = self.scheduler

@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model_service.models.config import ModelConfig
+from pagedkv.lora_slots import largest_adapter_bytes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -52,8 +53,9 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def max_adapter_bytes(config: ModelConfig, max_rank: int, element_bytes: int = 4) -> int:
     """Bytes of the largest adapter allowed: rank max_rank on every target of every layer."""
-    per_layer = sum(max_rank * (fan_in + fan_out) for fan_in, fan_out in target_shapes(config).values())
-    return per_layer * config.num_layers * element_bytes
+    return largest_adapter_bytes(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                                 intermediate_size=config.intermediate_size, q_size=config.q_size,
+                                 kv_size=config.kv_size, max_rank=max_rank, element_bytes=element_bytes)
 
 
 @dataclass(frozen=True, slots=True)

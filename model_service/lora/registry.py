@@ -12,16 +12,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from model_service.lora.peft_adapter import AdapterError, LoraAdapter, load_adapter
+from model_service.lora.peft_adapter import AdapterError, LoraAdapter, load_adapter, max_adapter_bytes
 from model_service.models.config import ModelConfig
+from pagedkv.lora_slots import RANK_CEILING
 
 # Names travel in the OpenAI `model` field, URLs and metric labels.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK = 64
-# Larger ranks are not LoRA's use (a rank-1024 adapter over a 4096-wide projection is a
-# quarter of its weights); the cap keeps a typo in the flag from sizing away the pool.
-RANK_CEILING = 512
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -50,6 +48,13 @@ class LoraRegistry:
         self.max_rank = max_rank
         self.base_name = base_name
         self._adapters: dict[str, LoraAdapter] = {}
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        """What max_loras adapters of the largest allowed rank hold in `dtype` (the pool's
+        sizing); 0 while no adapter is loaded: LoRA is off and reserves nothing."""
+        if not self._adapters:
+            return 0
+        return self.max_loras * max_adapter_bytes(self.config, self.max_rank, dtype.itemsize)
 
     def __len__(self) -> int:
         return len(self._adapters)
