@@ -10,17 +10,17 @@ import copy
 import pytest
 import torch
 
-from harness.paged_runner import PagedRunner
+from harness.reference_generate import reference_greedy
 from model_service.loading.embedded import embedded_model_path
 from model_service.loading.loader import load_model
 from model_service.lora.peft_adapter import load_adapter
 from tests.lora_adapters import ALL_TARGETS, write_adapter
-from tests.test_lora_model import greedy_reference, run_paged
+from tests.test_lora_model import run_paged
 
 pytest.importorskip("peft")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Paged attention keeps", "LoRA adapters"]
 TARGET_SETS = [ALL_TARGETS, ["q_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]]
-STEPS = 5
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,13 @@ def test_adapters_alone_and_mixed_with_the_base(models, rank, tmp_path):
         directory = write_adapter(tmp_path / f"a{index}", reference, rank=rank, alpha=rank, targets=targets,
                                   seed=index, scale=0.5 / rank ** 0.5, use_rslora=index == 1)
         merged = PeftModel.from_pretrained(copy.deepcopy(reference), str(directory)).merge_and_unload().eval()
-        expected.append(greedy_reference(merged, prompts[index], STEPS)[0])
+        expected.append(reference_greedy(merged, prompts[index], STEPS))
         del merged
         adapters.append(load_adapter(f"a{index}", directory, loaded.config, max_rank=64))
-    expected.append(greedy_reference(reference, prompts[3], STEPS)[0])
+    expected.append(reference_greedy(reference, prompts[3], STEPS))
     alone = run_paged(loaded, {"a": (prompts[0], adapters[0])}, STEPS)["a"][0]
     assert alone == expected[0]
     mixed = run_paged(loaded, {f"s{i}": (prompts[i], ([*adapters, None])[i]) for i in (0, 3, 1, 2)}, STEPS)
     assert [mixed[f"s{i}"][0] for i in range(4)] == expected
     # The adapters change the tokens: not the base compared with itself.
-    assert greedy_reference(reference, prompts[0], STEPS)[0] != expected[0]
+    assert reference_greedy(reference, prompts[0], STEPS) != expected[0]
