@@ -14,6 +14,7 @@ import torch
 
 from model_service.attention.metadata import AttentionMetadata
 from model_service.models.config import ModelConfig
+from model_service.models.lora_delta import LoraStep
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
 
 BLOCK_SIZE = 4  # small, so short sequences still span several blocks
@@ -42,8 +43,10 @@ class PagedRunner:
         self.tables[target] = self.tables[source][: num_tokens // BLOCK_SIZE]
         self.lengths[target] = num_tokens
 
-    def step(self, chunks: list[tuple[str, list[int]]], num_decode_seqs: int) -> list[torch.Tensor]:
-        """Run one forward over `chunks` (decode sequences first); logits per chunk [len, vocab], on CPU."""
+    def step(self, chunks: list[tuple[str, list[int]]], num_decode_seqs: int,
+             adapters: dict | None = None) -> list[torch.Tensor]:
+        """Run one forward over `chunks` (decode sequences first); logits per chunk [len, vocab], on CPU.
+        `adapters` maps a sequence to the LoRA adapter it runs with (others: the base)."""
         input_ids, positions, slots, context_lens = [], [], [], []
         for seq, tokens in chunks:
             start = self.lengths.get(seq, 0)
@@ -72,10 +75,11 @@ class PagedRunner:
             num_decode_seqs=num_decode_seqs,
             block_size=BLOCK_SIZE,
         )
+        lora = LoraStep.of_sequences(query_lens, [(adapters or {}).get(seq) for seq, _ in chunks])
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device), self.pool, meta,
+                torch.tensor(positions, dtype=torch.int64, device=device), self.pool, meta, lora,
             )
             logits = self.model.compute_logits(hidden).cpu()
             # What the engine samples from: each sequence's last row.

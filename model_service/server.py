@@ -22,6 +22,7 @@ from model_service.errors import ModelLoadError
 from model_service.loading.dtype_choice import auto_dtype
 from model_service.loading.fingerprint import checkpoint_fingerprint
 from model_service.loading.loader import load_model
+from model_service.lora.registry import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RANK_CEILING, LoraRegistry
 from model_service.worker.runner import measure_workspace
 from model_service.worker.torch_threads import run_in_passing_thread
 from model_service.api.generation import GenerationService, deliver_on_loop
@@ -150,8 +151,29 @@ def build_parser() -> argparse.ArgumentParser:
              help="largest HTTP request body accepted (413 past it, before reading it; 16MiB, 64KiB, ...)")
     add_flag(parser, "--served-model-name", default=None,
              help="the model id the HTTP API lists and accepts (default: GetModelInfo's model_id)")
+    add_flag(parser, "--lora-modules", default=None, repeat=True,
+             help="NAME=PATH: a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
+                  "loaded at start under NAME; repeatable; every adapter is checked against the base model "
+                  "before any is kept, and a bad one stops the start with its reason")
+    add_flag(parser, "--max-loras", default=DEFAULT_MAX_LORAS, type=int,
+             help="LoRA adapters held at once (each slot is sized for --max-lora-rank)")
+    add_flag(parser, "--max-lora-rank", default=DEFAULT_MAX_LORA_RANK, type=int,
+             help=f"highest LoRA rank accepted (1 to {RANK_CEILING}); an adapter of a higher rank is refused")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
     return parser
+
+
+def load_lora_modules(args: argparse.Namespace, config, base_name: str, dtype: torch.dtype,
+                      device: torch.device) -> LoraRegistry:
+    """--lora-modules loaded and checked whole before the pool is attached (registry.py)."""
+    loras = LoraRegistry(config, max_loras=args.max_loras, max_rank=args.max_lora_rank, base_name=base_name)
+    started = time.perf_counter()
+    for adapter in loras.load_all(args.lora_modules or (), dtype, device):
+        log.info("lora_loaded", name=adapter.name, path=adapter.path, rank=adapter.rank, scaling=adapter.scaling,
+                 targets=list(adapter.targets), bytes=adapter.nbytes, digest=adapter.digest[:16])
+    if len(loras):
+        log.info("lora_modules_loaded", adapters=len(loras), seconds=round(time.perf_counter() - started, 3))
+    return loras
 
 
 def resolve_device(name: str) -> torch.device:
@@ -231,6 +253,7 @@ async def serve(args: argparse.Namespace) -> int:
         fingerprint = f"{fingerprint}/{loaded.weights_tag}"
     log.info("model_fingerprinted", fingerprint=fingerprint, seconds=round(time.perf_counter() - fingerprint_started, 3))
     config = loaded.config
+    loras = load_lora_modules(args, config, args.served_model_name or loaded.model_id, dtype, device)
     max_model_len = args.max_model_len or min(config.max_position_embeddings, 8192)
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
@@ -265,6 +288,7 @@ async def serve(args: argparse.Namespace) -> int:
         prefix_hold_min_tokens=args.prefix_hold_min_tokens,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
+        lora_slot_bytes=loras.slot_bytes(dtype), lora_resident_bytes=sum(a.nbytes for a in loras.adapters()),
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
         tenant_kv_blocks=api_keys.kv_block_shares() if api_keys else (),
@@ -289,7 +313,7 @@ async def serve(args: argparse.Namespace) -> int:
     generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
                                    max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
                                    max_concurrent_streams=args.max_concurrent_streams,
-                                   stream_interval=args.stream_interval)
+                                   stream_interval=args.stream_interval, loras=loras)
     generation.grammars.limits = CompileLimits(
         threads=args.grammar_compile_threads, timeout_s=args.grammar_compile_timeout_s,
         max_json_depth=args.max_json_schema_depth, per_tenant=args.grammar_compiles_per_tenant,

@@ -82,6 +82,8 @@ RULES = [
      "text in and out is a leaf the loaders and the engine use"),
     (("model_service/loading",), ("model_service.engine", "model_service.api", "model_service.sched"),
      "where a model comes from knows nothing of serving it"),
+    (("model_service/lora",), ("model_service.engine", "model_service.api", "model_service.sched", "grpc"),
+     "an adapter's files and slots know nothing of the loop or the front doors"),
     (("model_service/engine", "model_service/sched", "model_service/cache", "model_service/sample"),
      ("model_service.api", "fastapi", "starlette"), "nothing below the front doors imports them"),
     # What drives the product from outside: harness/ (shared), bench/, checks/, tests/.

@@ -489,3 +489,45 @@ def test_kv_cache_bytes_reaches_the_cuda_pool_through_the_cache_service(monkeypa
     report = received["report"]
     assert report.limited_by == "kv_cache_bytes" and report.pool_bytes <= 256 * MiB
     assert report.num_blocks == 121  # floor(256 MiB × 0.95 / 2 MiB)
+
+
+# ---- LoRA adapter slots -----------------------------------------------------------------
+
+# Llama-3-8B, rank 64 on all seven projections of 32 layers in bfloat16: 64 × 81,920 × 32 × 2 bytes.
+LORA_8B_RANK64 = 320 * MiB
+
+
+def test_lora_slots_not_loaded_leave_a_measured_budget():
+    report = size_pool(LLAMA3_8B, memory_total=80 * GiB, memory_free=64 * GiB, memory_fraction=0.9,
+                       max_model_len=8192, lora_slot_bytes=4 * LORA_8B_RANK64, lora_resident_bytes=LORA_8B_RANK64)
+    # The loaded adapter is in the 16 GiB in use already; the three slots still empty are kept out.
+    assert report.budget_bytes == 56 * GiB - 3 * LORA_8B_RANK64
+    assert (report.lora_slot_bytes, report.lora_resident_bytes) == (4 * LORA_8B_RANK64, LORA_8B_RANK64)
+    assert any("lora_slot_bytes = 1.25 GiB" in line for line in report.explanation)
+    assert "lora_slot_bytes" in report.format_table()
+    cpu = size_pool(TINY_CPU, memory_total=8 * GiB, memory_free=4 * GiB, memory_fraction=0.5, max_model_len=1024,
+                    lora_slot_bytes=MiB)
+    assert cpu.budget_bytes == 2 * GiB - MiB
+    given = size_pool(TINY_CPU, memory_total=8 * GiB, memory_free=4 * GiB, max_model_len=1024,
+                      kv_cache_bytes=64 * MiB, lora_slot_bytes=MiB)
+    assert given.budget_bytes == 64 * MiB  # --kv-cache-bytes is the pool's own budget
+    assert wire.sizing_from_proto(wire.sizing_to_proto(report)) == report
+
+
+def test_lora_resident_past_its_slots_refused():
+    with pytest.raises(ValueError, match="lora_resident_bytes"):
+        size_pool(TINY_CPU, memory_total=8 * GiB, memory_free=4 * GiB, max_model_len=1024,
+                  lora_slot_bytes=MiB, lora_resident_bytes=2 * MiB)
+
+
+def test_cli_lora_slots(llama_config, capsys):
+    assert sizing_cli.main(["--config", str(llama_config), "--memory", "80GiB", "--weights-bytes", "16GiB",
+                            "--max-model-len", "4096", "--max-loras", "4", "--max-lora-rank", "64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lora_slot_bytes"] == 4 * LORA_8B_RANK64
+    assert report["budget_bytes"] == 56 * GiB - 4 * LORA_8B_RANK64
+    assert sizing_cli.main(["--config", str(llama_config), "--memory", "80GiB", "--max-loras", "2"]) == 0
+    assert "lora_slot_bytes" in capsys.readouterr().out
+    assert sizing_cli.main(["--config", str(llama_config), "--memory", "80GiB", "--max-lora-rank", "100000",
+                            "--max-loras", "1"]) == 2
+    assert "--max-lora-rank" in capsys.readouterr().err

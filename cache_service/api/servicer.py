@@ -77,6 +77,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 request.client_name or "unnamed", geometry, request.workspace_bytes, request.max_model_len,
                 request.model_fingerprint, request.served_model_name, key,
                 weights_bytes=request.weights_bytes, weights_bytes_by_type=weights,
+                lora_slot_bytes=request.lora_slot_bytes, lora_resident_bytes=request.lora_resident_bytes,
             )
         except (ValueError, GeometryMismatch) as error:
             await abort_for(context, error)

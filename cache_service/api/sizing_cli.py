@@ -25,6 +25,7 @@ from cache_service.core.sizing import (
 )
 from pagedkv.kv_geometry import KvGeometry, dtype_from_name
 from pagedkv.kv_geometry import kv_cache_dtype as kv_cache_dtype_of
+from pagedkv.lora_slots import RANK_CEILING, largest_adapter_bytes
 from pagedkv.units import format_bytes, parse_bytes
 
 
@@ -110,6 +111,21 @@ def estimate_parameters(config: dict) -> int:
     return embedding + num_layers * per_layer + hidden + lm_head
 
 
+def lora_slots_of(config: dict, max_loras: int, max_rank: int, element_bytes: int) -> int:
+    """--max-loras adapters of rank --max-lora-rank on every projection (none loaded offline)."""
+    if max_loras < 0 or not 1 <= max_rank <= RANK_CEILING:
+        raise ValueError(f"--max-loras must be 0 or more and --max-lora-rank 1 to {RANK_CEILING}, "
+                         f"got {max_loras} and {max_rank}")
+    if not max_loras:
+        return 0
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return max_loras * largest_adapter_bytes(
+        num_layers=config["num_hidden_layers"], hidden_size=hidden, intermediate_size=config["intermediate_size"],
+        q_size=heads * head_dim, kv_size=kv_heads * head_dim, max_rank=max_rank, element_bytes=element_bytes)
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m cache_service sizing",
@@ -137,6 +153,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                         help="KV budget in bytes: the budget on cpu, a cap on cuda")
     parser.add_argument("--max-blocks", type=int, default=None, help="cap on the number of blocks")
+    parser.add_argument("--max-loras", type=int, default=0,
+                        help="LoRA adapter slots, as the model service's flag (default 0: no adapters)")
+    parser.add_argument("--max-lora-rank", type=int, default=64,
+                        help="the largest LoRA rank each slot is sized for (default 64)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser.parse_args(argv)
 
@@ -166,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             weights_bytes = parse_bytes(args.weights_bytes)
             weights_sentence = f"weights = {format_bytes(weights_bytes)} (--weights-bytes)"
+        lora_slot_bytes = lora_slots_of(config, args.max_loras, args.max_lora_rank, weight_dtype_bytes)
         memory_free = args.memory - weights_bytes - args.workspace_bytes
         if memory_free < 0:
             raise SizingError(
@@ -184,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_bytes=args.kv_cache_bytes,
             max_blocks=args.max_blocks,
             weights_bytes=weights_bytes,
+            lora_slot_bytes=lora_slot_bytes,
         )
     except (SizingError, ValueError) as error:  # ConfigError and bad flag values too
         print(f"sizing: error: {error}", file=sys.stderr)

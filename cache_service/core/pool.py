@@ -151,12 +151,14 @@ class KvPool:
 
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
                model_fingerprint: str = "", served_model_name: str = "", attach_key: str = "",
-               weights_bytes: int = 0, weights_bytes_by_type: Mapping[str, int] | None = None) -> Attachment:
+               weights_bytes: int = 0, weights_bytes_by_type: Mapping[str, int] | None = None,
+               lora_slot_bytes: int = 0, lora_resident_bytes: int = 0) -> Attachment:
         # 0: the client did not say (Attach's max_model_len is optional); the pool
         # must then hold at least one block.
         max_model_len = max_model_len or self.settings.block_size
         if self.geometry is None:
-            self._create(geometry, workspace_bytes, max_model_len, weights_bytes, weights_bytes_by_type or {})
+            self._create(geometry, workspace_bytes, max_model_len, weights_bytes, weights_bytes_by_type or {},
+                         lora_slot_bytes, lora_resident_bytes)
         elif geometry != self.geometry:
             raise GeometryMismatch(
                 f"the live pool was made for {describe(self.geometry)}, this model needs {describe(geometry)}; "
@@ -303,7 +305,8 @@ class KvPool:
     # -- the physical pool -----------------------------------------------------------
 
     def _create(self, geometry: KvGeometry, workspace_bytes: int, max_model_len: int,
-                weights_bytes: int, weights_bytes_by_type: Mapping[str, int]) -> None:
+                weights_bytes: int, weights_bytes_by_type: Mapping[str, int], lora_slot_bytes: int = 0,
+                lora_resident_bytes: int = 0) -> None:
         memory_total, memory_free = measure_device_memory(geometry.device)
         if geometry.device == "cpu":
             # A /dev/shm file larger than the tmpfs would fail with SIGBUS on first
@@ -322,6 +325,8 @@ class KvPool:
             max_blocks=self.settings.max_blocks,
             weights_bytes=weights_bytes,
             weights_bytes_by_type=weights_bytes_by_type,
+            lora_slot_bytes=lora_slot_bytes,
+            lora_resident_bytes=lora_resident_bytes,
         )
         shape = geometry.pool_shape(sizing.num_blocks, sizing.block_size)
         if geometry.device == "cpu":

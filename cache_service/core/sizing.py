@@ -77,6 +77,9 @@ class SizingReport:
     # block type: reported, never subtracted (they are out of the free memory measured).
     weights_bytes: int = 0
     weights_bytes_by_type: dict[str, int] = field(default_factory=dict)
+    # LoRA adapter slots (AttachRequest's), and what of them is loaded already.
+    lora_slot_bytes: int = 0
+    lora_resident_bytes: int = 0
 
     def add_tiers(self, host_cache_bytes: int, disk_cache_bytes: int, disk_file_bytes: int) -> None:
         """Sizes the host and disk tiers in whole blocks and says how, after the pool's terms."""
@@ -111,6 +114,9 @@ class SizingReport:
             ("memory_fraction", f"{self.memory_fraction:g}", ""),
             ("weights_bytes", f"{self.weights_bytes:,}", format_bytes(self.weights_bytes)),
             ("workspace_bytes", f"{self.workspace_bytes:,}", format_bytes(self.workspace_bytes)),
+            *([("lora_slot_bytes", f"{self.lora_slot_bytes:,}",
+                f"{format_bytes(self.lora_slot_bytes)}, {format_bytes(self.lora_resident_bytes)} loaded")]
+              if self.lora_slot_bytes else []),
             ("headroom", f"{self.headroom:g}", ""),
             ("budget_bytes", f"{self.budget_bytes:,}", format_bytes(self.budget_bytes)),
             ("num_blocks", f"{self.num_blocks:,}", ""),
@@ -181,13 +187,17 @@ def size_pool(
     max_blocks: int | None = None,
     weights_bytes: int = 0,
     weights_bytes_by_type: Mapping[str, int] | None = None,
+    lora_slot_bytes: int = 0,
+    lora_resident_bytes: int = 0,
 ) -> SizingReport:
     """Size the pool for `geometry` from measured memory; numbers in, report out.
 
     memory_total/memory_free: CUDA, the device's total and free bytes read after the
     model service's warmup (free already excludes weights and workspace); CPU, MemTotal
     and MemAvailable. workspace_bytes and weights_bytes (the model service's weights as
-    held, by type in weights_bytes_by_type) are reported, not subtracted again. On CUDA,
+    held, by type in weights_bytes_by_type) are reported, not subtracted again; LoRA adapter
+    slots not yet loaded (lora_slot_bytes − lora_resident_bytes) are, from a budget of
+    measured memory, so that adapters loaded later fit beside the pool. On CUDA,
     kv_cache_bytes, when given, caps the device budget; on CPU it is the budget.
     Raises SizingError when not one block, or not one max_model_len sequence, fits;
     ValueError for inputs out of range.
@@ -195,6 +205,10 @@ def size_pool(
     _check_inputs(block_size, memory_total, memory_free, memory_fraction, headroom,
                   workspace_bytes, max_model_len, kv_cache_bytes, max_blocks, weights_bytes)
     weights_bytes_by_type = dict(weights_bytes_by_type or {})
+    if lora_slot_bytes < 0 or not 0 <= lora_resident_bytes <= max(lora_slot_bytes, 0):
+        raise ValueError(f"lora_resident_bytes {lora_resident_bytes:,} must be between 0 and "
+                         f"lora_slot_bytes {lora_slot_bytes:,}")
+    lora_reserved = lora_slot_bytes - lora_resident_bytes
     bytes_per_block = geometry.bytes_per_block(block_size)
     fraction = _exact(memory_fraction)
     in_use = memory_total - memory_free
@@ -214,12 +228,18 @@ def size_pool(
             + ", ".join(f"{kind} {format_bytes(size)}" for kind, size in weights_bytes_by_type.items())
             + "): loaded before free memory was measured, so not subtracted again")
     weights_note = f" {format_bytes(weights_bytes)}" if weights_bytes else ""
+    if lora_slot_bytes:
+        explanation.append(
+            f"lora_slot_bytes = {format_bytes(lora_slot_bytes)} (--max-loras × the largest adapter --max-lora-rank "
+            f"allows), {format_bytes(lora_resident_bytes)} of it loaded already (in use, like the weights): "
+            f"{format_bytes(lora_reserved)} kept out of a budget of measured memory for adapters loaded later")
+    lora_note = f" − {format_bytes(lora_reserved)} LoRA slots not yet loaded" if lora_reserved else ""
     if geometry.is_cuda:
-        device_budget = math.floor(memory_total * fraction) - in_use
+        device_budget = math.floor(memory_total * fraction) - in_use - lora_reserved
         device_sentence = (
             f"{format_bytes(memory_total)} × {memory_fraction:g} memory_fraction − "
             f"{format_bytes(in_use)} in use after warmup (weights{weights_note}, "
-            f"{format_bytes(workspace_bytes)} workspace, CUDA contexts, other processes) "
+            f"{format_bytes(workspace_bytes)} workspace, CUDA contexts, other processes){lora_note} "
             f"= {format_bytes(device_budget)}"
         )
         if kv_cache_bytes is not None and kv_cache_bytes < device_budget:
@@ -239,10 +259,10 @@ def size_pool(
             )
         raise_flag = "--kv-cache-bytes"
     else:
-        budget, limited_by = math.floor(memory_free * fraction), LIMITED_BY_MEMORY_FRACTION
+        budget, limited_by = math.floor(memory_free * fraction) - lora_reserved, LIMITED_BY_MEMORY_FRACTION
         explanation.append(
             f"budget = {format_bytes(memory_free)} RAM available (MemAvailable, of "
-            f"{format_bytes(memory_total)}) × {memory_fraction:g} memory_fraction = {format_bytes(budget)}"
+            f"{format_bytes(memory_total)}) × {memory_fraction:g} memory_fraction{lora_note} = {format_bytes(budget)}"
         )
         raise_flag = "--kv-cache-bytes (or --memory-fraction)"
 
@@ -306,6 +326,8 @@ def size_pool(
         explanation=explanation,
         weights_bytes=weights_bytes,
         weights_bytes_by_type=weights_bytes_by_type,
+        lora_slot_bytes=lora_slot_bytes,
+        lora_resident_bytes=lora_resident_bytes,
     )
 
 

@@ -32,6 +32,9 @@ from model_service.sched.sequence import Finish
 from model_service.api.tenants import SINGLE, Tenant
 from model_service.sample.grammar import CompilerBusy, GrammarCompiler
 from model_service.api.validation import GenerateLimits, PoolTooSmall, tokenize_prompt, validate_generate_request
+from model_service.lora.namespace import adapter_salt
+from model_service.lora.peft_adapter import LoraAdapter
+from model_service.lora.registry import LoraRegistry
 from pagedkv.model.v1 import model_pb2
 
 FINISH_REASON = {
@@ -61,8 +64,11 @@ class GenerationService:
     """ModelService's calls as plain async code over one engine, shared by every front door."""
 
     def __init__(self, engine: Engine, *, default_max_new_tokens: int, max_prompt_tokens: int,
-                 max_concurrent_streams: int = 0, stream_interval: int = 1) -> None:
+                 max_concurrent_streams: int = 0, stream_interval: int = 1,
+                 loras: LoraRegistry | None = None) -> None:
         self.engine = engine
+        # The LoRA adapters requests may name (GenerateRequest.lora_name); None: none loaded.
+        self.loras = loras
         self.limits = GenerateLimits(
             vocab_size=engine.loaded.config.vocab_size,
             max_model_len=engine.settings.max_model_len,
@@ -214,11 +220,14 @@ class GenerationService:
         if tenant.min_priority is not None and priority < tenant.min_priority:
             priority = tenant.min_priority
         cache_salt = request.cache_salt or tenant.name
+        lora = self.adapter_of(request.lora_name) if request.lora_name else None
+        if lora is not None:
+            cache_salt = adapter_salt(lora.digest, cache_salt)
         try:
             # The engine calls sinks on this event loop (deliver_on_loop), so put_nowait is safe.
             key = self.engine.submit(request_id, prompt_token_ids, options, deltas.put_nowait,
                                      deadline=deadline, priority=priority, cache_salt=cache_salt,
-                                     tenant=tenant.name)
+                                     tenant=tenant.name, lora=lora)
         except QueueFull as error:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
         except EngineUnavailable as error:
@@ -226,6 +235,17 @@ class GenerationService:
         except DuplicateRequest as error:
             raise rejected(grpc.StatusCode.ALREADY_EXISTS, error) from None
         return key, options.n, deltas
+
+    def adapter_of(self, name: str) -> LoraAdapter:
+        """The loaded adapter of `name`; NOT_FOUND, listing what is served, for any other."""
+        adapter = self.loras.get(name) if self.loras is not None else None
+        if adapter is None:
+            served = [a.name for a in self.loras.adapters()] if self.loras is not None else []
+            shown = name if len(name) <= 128 else f"{name[:128]}..."
+            raise rejected(grpc.StatusCode.NOT_FOUND,
+                           f"no LoRA adapter {shown!r} is loaded here; loaded: {served or 'none'} "
+                           f"(--lora-modules NAME=PATH)")
+        return adapter
 
     def _limits(self) -> GenerateLimits:
         # max_total_tokens is known once attached, and may change on a re-attach.

@@ -44,6 +44,9 @@ class AttachSettings:
     served_model_name: str = ""
     # (dtype or GGUF block type, bytes) of the weights as held, for the sizing report.
     weights_bytes_by_type: tuple[tuple[str, int], ...] = ()
+    # LoRA adapter slots and the bytes of those loaded (AttachRequest's, for the sizing).
+    lora_slot_bytes: int = 0
+    lora_resident_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,8 @@ def attach(cache: CacheClient, asked: AttachSettings, device: torch.device, *, s
             reply = cache.attach(asked.client_name, asked.geometry, asked.workspace_bytes, asked.max_model_len,
                                  model_fingerprint=asked.model_fingerprint,
                                  served_model_name=asked.served_model_name, attach_key=attach_key,
-                                 weights_bytes_by_type=dict(asked.weights_bytes_by_type))
+                                 weights_bytes_by_type=dict(asked.weights_bytes_by_type),
+                                 lora_slot_bytes=asked.lora_slot_bytes, lora_resident_bytes=asked.lora_resident_bytes)
             break
         except grpc.RpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

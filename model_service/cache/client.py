@@ -72,13 +72,15 @@ class CacheClient:
     def attach(self, client_name: str, geometry: KvGeometry, workspace_bytes: int,
                max_model_len: int, model_fingerprint: str = "",
                served_model_name: str = "", attach_key: str = "",
-               weights_bytes_by_type: Mapping[str, int] | None = None) -> cache_pb2.AttachResponse:
+               weights_bytes_by_type: Mapping[str, int] | None = None, lora_slot_bytes: int = 0,
+               lora_resident_bytes: int = 0) -> cache_pb2.AttachResponse:
         weights = dict(weights_bytes_by_type or {})
         request = cache_pb2.AttachRequest(
             client_name=client_name, geometry=geometry.to_proto(),
             workspace_bytes=workspace_bytes, max_model_len=max_model_len, model_fingerprint=model_fingerprint,
             served_model_name=served_model_name, attach_key=attach_key,
             weights_bytes=sum(weights.values()), weights_bytes_by_type=weights,
+            lora_slot_bytes=lora_slot_bytes, lora_resident_bytes=lora_resident_bytes,
         )
         reply = self.stub.Attach(request, timeout=max(self.timeout_s, ATTACH_TIMEOUT_S), metadata=self.metadata)
         self.num_blocks = reply.sizing.num_blocks

@@ -111,6 +111,7 @@ class Engine:
             max_model_len=settings.max_model_len, model_fingerprint=settings.model_fingerprint,
             served_model_name=settings.served_model_name,
             weights_bytes_by_type=tuple(loaded.weights_bytes_by_type.items()),
+            lora_slot_bytes=settings.lora_slot_bytes, lora_resident_bytes=settings.lora_resident_bytes,
         ), device)
         # Set while attached:
         self.sizing = None
@@ -160,10 +161,12 @@ class Engine:
     # -- the callers' side ------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink, *,
-               deadline: float | None = None, priority: int = 0, cache_salt: str = "", tenant: str = "") -> int:
+               deadline: float | None = None, priority: int = 0, cache_salt: str = "", tenant: str = "",
+               lora: object | None = None) -> int:
         """Queues a validated request; returns the key that cancel() takes. `deadline` is a
         time.monotonic() by which it must end (DEADLINE_EXCEEDED otherwise); `tenant` names
-        whose it is (--api-keys; "": no tenant)."""
+        whose it is (--api-keys; "": no tenant); `lora` the LoRA adapter it runs with (None:
+        the base; its namespace must be in cache_salt)."""
         if not self._accepting or self._stopping.is_set():
             raise EngineUnavailable("the model service is shutting down; retry elsewhere")
         if not self.connected.is_set():
@@ -171,7 +174,7 @@ class Engine:
         key = self._admission.admit(request_id, tenant)
         request = new_request(key, request_id, prompt_token_ids, options, sink, self.loaded.tokenizer,
                               self.device, deadline, priority, arrival=key, cache_salt=cache_salt,
-                              bytes_per_block=self.bytes_per_block, tenant=tenant)
+                              bytes_per_block=self.bytes_per_block, tenant=tenant, lora=lora)
         self._inbox.put(Submit(request))
         return key
 
@@ -250,7 +253,9 @@ class Engine:
         self._on_serving(True)
         log.info("attached", cache=self.cache.address, session=attachment.session_id[:8],
                  num_blocks=attachment.sizing.num_blocks, block_size=attachment.sizing.block_size,
-                 max_total_tokens=attachment.sizing.max_total_tokens)
+                 max_total_tokens=attachment.sizing.max_total_tokens,
+                 lora_slot_bytes=attachment.sizing.lora_slot_bytes,
+                 lora_resident_bytes=attachment.sizing.lora_resident_bytes)
 
     def _step(self) -> None:
         scheduler = self.scheduler

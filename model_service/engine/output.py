@@ -130,7 +130,8 @@ class RequestOutput:
 
 def new_request(key: int, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, sink: Sink,
                 tokenizer, device: torch.device, deadline: float | None, priority: int,
-                arrival: int, cache_salt: str = "", bytes_per_block: int = 0, tenant: str = "") -> RequestOutput:
+                arrival: int, cache_salt: str = "", bytes_per_block: int = 0, tenant: str = "",
+                lora: object | None = None) -> RequestOutput:
     """A request and its n completions' sequences; completion 0's sequence prefills the
     prompt, the others wait to fork from it (Sequence.fork_children)."""
     request = RequestOutput(key=key, request_id=request_id, sink=sink, options=options,
@@ -141,7 +142,7 @@ def new_request(key: int, request_id: str, prompt_token_ids: list[int], options:
     def sequence(index: int, **more) -> Sequence:
         return Sequence(request_id=request_id, token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                         options=options, arrival=arrival, index=index, priority=priority,
-                        cache_salt=cache_salt, tenant=tenant, **more)  # forks inherit the salt at the cache service too
+                        cache_salt=cache_salt, tenant=tenant, lora=lora, **more)  # forks inherit the salt at the cache service too
 
     children = [sequence(index) for index in range(1, options.n)]
     # Prompt logprobs need every prompt position computed, not found in the prefix cache.

@@ -34,6 +34,10 @@ class EngineSettings:
     prefix_hold_min_tokens: int = DEFAULT_PREFIX_HOLD_MIN_TOKENS
     client_name: str = "model_service"
     workspace_bytes: int = 0
+    # LoRA adapter slots (--max-loras × the largest adapter --max-lora-rank allows) and the
+    # bytes of those loaded, told to the cache service at Attach for the pool's sizing.
+    lora_slot_bytes: int = 0
+    lora_resident_bytes: int = 0
     # Replay decode steps from CUDA graphs captured per batch-size bucket (CUDA only).
     cuda_graphs: bool = False
     # fcfs, or priority (GenerateRequest.priority, lower first).

@@ -21,6 +21,7 @@ from model_service.attention.metadata import AttentionMetadata
 from model_service.models import fused_ops
 from model_service.models.config import ModelConfig
 from model_service.models.fused_ops import RotaryStep
+from model_service.models.lora_delta import LoraStep
 from model_service.models.rope import RotaryEmbedding
 
 # (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], kv_layer [2, NB, BS, Hkv, D], meta, scale,
@@ -45,6 +46,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionFn, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.sliding_window = config.window_of(layer_index)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -60,9 +62,13 @@ class Attention(nn.Module):
         self.kv_scales: tuple[float, float] | None = None
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, kv_layer: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoraStep | None = None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        if lora is not None:
+            lora.add(qkv, hidden, self.layer_index, "q_proj")
+            lora.add(qkv, hidden, self.layer_index, "k_proj", self.q_size)
+            lora.add(qkv, hidden, self.layer_index, "v_proj", self.q_size + self.kv_size)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         # q and k heads rotated in one call (in place on the C path).
         qk = rotary.rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
@@ -73,18 +79,31 @@ class Attention(nn.Module):
         else:
             out = self.attention(q, k, v, kv_layer, meta, self.scale, sliding_window=self.sliding_window,
                                  kv_scales=self.kv_scales)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        out = out.reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)  # [T, hidden]
+        if lora is not None:
+            lora.add(projected, out, self.layer_index, "o_proj")
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, hidden]
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, hidden]
+        gate_up = self.gate_up_proj(x)
+        lora.add(gate_up, x, self.layer_index, "gate_proj")
+        lora.add(gate_up, x, self.layer_index, "up_proj", self.intermediate_size)
+        activated = fused_ops.silu_mul(gate_up)
+        out = self.down_proj(activated)
+        lora.add(out, activated, self.layer_index, "down_proj")
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -93,10 +112,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, attention, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_index)
 
     def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, rotary: RotaryStep,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                lora: LoraStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream, this layer's MLP output still to add to it): the add is
         left to the next norm, which fuses it (`pending`; None before the first layer)."""
         if pending is None:
@@ -104,8 +124,8 @@ class DecoderLayer(nn.Module):
         else:
             hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         hidden, normed = self.post_attention_layernorm.add_and_norm(
-            hidden, self.self_attn(normed, rotary, kv_layer, meta))
-        return hidden, self.mlp(normed)
+            hidden, self.self_attn(normed, rotary, kv_layer, meta, lora))
+        return hidden, self.mlp(normed, lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,10 +157,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         # input_ids, positions: [T] int64; kv_pool: [L, 2, NB, BS, Hkv, D] -> hidden [T, hidden]
+        # lora: the step's rows of LoRA adapters (lora_delta.py), None when all are the base's.
         hidden = self.embed_tokens(input_ids)  # [T, hidden], the residual stream (added to in place)
-        if self.decode_stack_enabled and meta.num_decode_seqs == hidden.shape[0] and hidden.device.type == "cpu":
+        # The one-call C decode stack applies base weights only: a step with adapter rows
+        # runs layer by layer, where the deltas are added.
+        if lora is None and self.decode_stack_enabled and meta.num_decode_seqs == hidden.shape[0] and hidden.device.type == "cpu":
             stack = self._current_decode_stack()
             normed = stack.run(hidden, positions, kv_pool, meta) if stack else None
             if normed is not None:
@@ -148,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryStep(self.rotary.cos_cache, self.rotary.sin_cache, positions)
         pending = None
         for layer_index, layer in enumerate(self.layers):
-            hidden, pending = layer(hidden, pending, rotary, kv_pool[layer_index], meta)
+            hidden, pending = layer(hidden, pending, rotary, kv_pool[layer_index], meta, lora)
         return self.norm.add_and_norm(hidden, pending)[1]
 
     def _current_decode_stack(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from model_service.sample.params import SamplingOptions
 
@@ -77,6 +78,9 @@ class Sequence:
     cache_salt: str = ""
     # Whose request it is (--api-keys), by name; "": no tenant.
     tenant: str = ""
+    # The LoRA adapter it runs with (model_service/lora/), opaque here; None: the base model.
+    # Its namespace is in cache_salt already.
+    lora: Any = None
 
     @property
     def num_output(self) -> int:

@@ -21,6 +21,7 @@ from model_service.attention.metadata import AttentionMetadata
 from model_service.device_copies import to_device
 from model_service.worker.decode_graphs import DecodeGraphs
 from model_service.models.llama import LlamaForCausalLM, last_token_indices
+from model_service.models.lora_delta import LoraStep
 from model_service.sample.params import SamplingOptions
 from model_service.sample.sampler import make_generator, sample
 from model_service.sched.sequence import Sequence
@@ -57,13 +58,16 @@ class ModelRunner:
         `prompt_logits`, when given, names sequences (its keys) whose prompt positions in
         this step need logits (prompt logprobs); each gets (first position, logits
         [k, vocab]) for the positions of its chunk that predict a prompt token."""
-        if not prompt_logits and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        lora = LoraStep.of_sequences([new_tokens for _, new_tokens in batch], [seq.lora for seq, _ in batch])
+        # Graphs replay base-model steps only.
+        if (lora is None and not prompt_logits and self.decode_graphs is not None
+                and self.decode_graphs.can_run(batch)):
             # One token a sequence: a captured graph of this batch's bucket replays the step.
             hidden = self.decode_graphs.run(batch)  # [len(batch), hidden]
             rows = list(range(len(batch)))
         else:
             input_ids, positions, meta = self.prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [T, hidden]
+            hidden = self.model(input_ids, positions, self.kv_pool, meta, lora)  # [T, hidden]
             rows = last_token_indices(meta.query_lens)
             if prompt_logits:
                 self._prompt_logits(batch, hidden, rows, prompt_logits)

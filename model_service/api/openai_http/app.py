@@ -65,14 +65,32 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
     token_ids_as_names = TokenNames(loaded.tokenizer, as_token_ids=True)
     template_source = loaded.chat_template.source if loaded.chat_template is not None else None
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "pagedkv",
-                "root": loaded.model_id, "parent": None, "max_model_len": generation.engine.settings.max_model_len}
+    def model_card(lora_name: str = "") -> dict[str, Any]:
+        # An adapter's card names the base as its parent and its directory as its root, as vLLM's.
+        adapter = generation.loras.get(lora_name) if lora_name and generation.loras is not None else None
+        return {"id": adapter.name if adapter else model_name, "object": "model", "created": created,
+                "owned_by": "pagedkv", "root": adapter.path if adapter else loaded.model_id,
+                "parent": model_name if adapter else None,
+                "max_model_len": generation.engine.settings.max_model_len}
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(404, f"the model {name!r} does not exist here; this server serves {model_name!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
+    def adapter_names() -> list[str]:
+        return [adapter.name for adapter in generation.loras.adapters()] if generation.loras is not None else []
+
+    def check_model(name: str) -> str:
+        """The LoRA adapter `name` picks ("" for the base model); 404 for any other name."""
+        if name == model_name:
+            return ""
+        if name in adapter_names():
+            return name
+        shown = name if len(name) <= 128 else f"{name[:128]}..."
+        raise ApiError(404, f"the model {shown!r} does not exist here; this server serves {model_name!r}"
+                       f"{' and the LoRA adapters ' + repr(adapter_names()) if adapter_names() else ''} "
+                       "(GET /v1/models)", param="model", code="model_not_found")
+
+    def pick_adapter(requests, lora_name: str) -> None:
+        for one in requests:
+            if lora_name:
+                one.lora_name = lora_name
 
     @app.get("/health")
     async def health() -> Response:
@@ -83,16 +101,15 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(name) for name in adapter_names())]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return model_card()
+        return model_card(check_model(model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        lora_name = check_model(body.model)
         refuse_unsupported(body)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         tools = plan_tools(body, template_source)
@@ -100,20 +117,23 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
         # however much JSON the client sent.
         requests = [await asyncio.to_thread(to_generate.chat_request, body, _request_id(body, request, response_id),
                                             tools)]
+        pick_adapter(requests, lora_name)
         if tools is None:
-            endpoint = ChatEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs)
+            endpoint = ChatEndpoint(response_id, lora_name or model_name, body.n, _names(body), logprobs=body.logprobs)
         else:
-            endpoint = ToolCallEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs,
-                                        plan=tools)
+            endpoint = ToolCallEndpoint(response_id, lora_name or model_name, body.n, _names(body),
+                                        logprobs=body.logprobs, plan=tools)
         return await run(body, requests, endpoint, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        lora_name = check_model(body.model)
         refuse_unsupported(body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         requests = to_generate.completion_requests(body, _request_id(body, request, response_id), max_prompts)
-        endpoint = CompletionEndpoint(response_id, model_name, body.n, _names(body), logprobs=body.logprobs is not None)
+        pick_adapter(requests, lora_name)
+        endpoint = CompletionEndpoint(response_id, lora_name or model_name, body.n, _names(body),
+                                      logprobs=body.logprobs is not None)
         return await run(body, requests, endpoint, request)
 
     # What routers ask before routing (render.py): the token ids a request would run with.

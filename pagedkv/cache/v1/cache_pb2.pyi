@@ -54,7 +54,7 @@ class Geometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len", "model_fingerprint", "served_model_name", "attach_key", "weights_bytes", "weights_bytes_by_type")
+    __slots__ = ("client_name", "geometry", "workspace_bytes", "max_model_len", "model_fingerprint", "served_model_name", "attach_key", "weights_bytes", "weights_bytes_by_type", "lora_slot_bytes", "lora_resident_bytes")
     class WeightsBytesByTypeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class AttachRequest(_message.Message):
     ATTACH_KEY_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_BY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     geometry: Geometry
     workspace_bytes: int
@@ -80,7 +82,9 @@ class AttachRequest(_message.Message):
     attach_key: str
     weights_bytes: int
     weights_bytes_by_type: _containers.ScalarMap[str, int]
-    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., attach_key: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., weights_bytes_by_type: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    lora_slot_bytes: int
+    lora_resident_bytes: int
+    def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., attach_key: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., weights_bytes_by_type: _Optional[_Mapping[str, int]] = ..., lora_slot_bytes: _Optional[int] = ..., lora_resident_bytes: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session_id", "lease_ttl_ms", "sizing", "pool")
@@ -289,7 +293,7 @@ class GetSizingRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SizingReport(_message.Message):
-    __slots__ = ("block_size", "bytes_per_block", "num_blocks", "max_total_tokens", "device", "dtype", "memory_total_bytes", "memory_free_bytes", "memory_fraction", "workspace_bytes", "headroom", "limited_by", "budget_bytes", "pool_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len", "max_full_length_sequences", "explanation", "host_cache_bytes", "host_blocks", "disk_cache_bytes", "disk_blocks", "weights_bytes", "weights_bytes_by_type")
+    __slots__ = ("block_size", "bytes_per_block", "num_blocks", "max_total_tokens", "device", "dtype", "memory_total_bytes", "memory_free_bytes", "memory_fraction", "workspace_bytes", "headroom", "limited_by", "budget_bytes", "pool_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len", "max_full_length_sequences", "explanation", "host_cache_bytes", "host_blocks", "disk_cache_bytes", "disk_blocks", "weights_bytes", "weights_bytes_by_type", "lora_slot_bytes", "lora_resident_bytes")
     class WeightsBytesByTypeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +328,8 @@ class SizingReport(_message.Message):
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_BY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     bytes_per_block: int
     num_blocks: int
@@ -351,7 +357,9 @@ class SizingReport(_message.Message):
     disk_blocks: int
     weights_bytes: int
     weights_bytes_by_type: _containers.ScalarMap[str, int]
-    def __init__(self, block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., workspace_bytes: _Optional[int] = ..., headroom: _Optional[float] = ..., limited_by: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_full_length_sequences: _Optional[float] = ..., explanation: _Optional[_Iterable[str]] = ..., host_cache_bytes: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_cache_bytes: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., weights_bytes_by_type: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    lora_slot_bytes: int
+    lora_resident_bytes: int
+    def __init__(self, block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., memory_fraction: _Optional[float] = ..., workspace_bytes: _Optional[int] = ..., headroom: _Optional[float] = ..., limited_by: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_full_length_sequences: _Optional[float] = ..., explanation: _Optional[_Iterable[str]] = ..., host_cache_bytes: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_cache_bytes: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., weights_bytes_by_type: _Optional[_Mapping[str, int]] = ..., lora_slot_bytes: _Optional[int] = ..., lora_resident_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

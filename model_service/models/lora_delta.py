@@ -1,0 +1,70 @@
+"""LoRA deltas added to a projection's output, batched per run of rows of one adapter.
+
+A step's rows (decode sequences first, then prefill chunks) are grouped into runs of
+consecutive rows whose sequences use the same adapter; each run's delta is one shrink
+(x · Aᵀ, [n, r]) and one expand (· Bᵀ, [n, out]) added in place into the base projection's
+output: the segmented product of Punica's SGMV, with the base weights never merged, so rows
+of different adapters and of the base share the one base matmul. Rows of the base model
+belong to no run and cost nothing here.
+
+The fused projections (qkv_proj, gate_up_proj) take each target's delta into its columns
+(`column` is where they start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class Factors(Protocol):
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+
+
+class Adapter(Protocol):
+    scaling: float
+    weights: dict[tuple[int, str], Factors]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRun:
+    start: int  # first row
+    end: int  # one past the last
+    adapter: Adapter
+
+
+@dataclass(frozen=True, slots=True)
+class LoraStep:
+    """The runs of one step; a step without adapter rows has none and is passed as None."""
+
+    runs: tuple[LoraRun, ...]
+
+    @classmethod
+    def of_sequences(cls, query_lens: Sequence[int], adapters: Sequence[Adapter | None]) -> LoraStep | None:
+        """Runs over the step's rows from each sequence's new-token count and adapter (None:
+        the base); neighbouring sequences of one adapter share a run."""
+        runs: list[LoraRun] = []
+        row = 0
+        for query_len, adapter in zip(query_lens, adapters, strict=True):
+            if adapter is not None:
+                if runs and runs[-1].adapter is adapter and runs[-1].end == row:
+                    runs[-1] = LoraRun(runs[-1].start, row + query_len, adapter)
+                else:
+                    runs.append(LoraRun(row, row + query_len, adapter))
+            row += query_len
+        return cls(tuple(runs)) if runs else None
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, column: int = 0) -> None:
+        """out[run rows, column:column + out_features] += scaling · (x[run rows] · Aᵀ) · Bᵀ
+        for every run whose adapter trains `target` on `layer`."""
+        for run in self.runs:
+            factors = run.adapter.weights.get((layer, target))
+            if factors is None:
+                continue
+            shrunk = x[run.start:run.end] @ factors.a.t()  # [n, r]
+            shrunk.mul_(run.adapter.scaling)
+            out[run.start:run.end, column:column + factors.b.shape[0]].addmm_(shrunk, factors.b.t())
