@@ -77,6 +77,10 @@ class Sequence:
     cache_salt: str = ""
     # Whose request it is (--api-keys), by name; "": no tenant.
     tenant: str = ""
+    # Speculative decoding: tokens proposed and accepted so far; spec_off once acceptance stays low.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_off: bool = False
 
     @property
     def num_output(self) -> int:
