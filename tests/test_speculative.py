@@ -33,11 +33,11 @@ def settled(monkeypatch):
     seen: list[tuple[int, int]] = []
     original = Speculator.settle
 
-    def record(seq, proposed, accepted):
+    def record(self, seq, proposed, accepted):
         seen.append((proposed, accepted))
-        original(seq, proposed, accepted)
+        original(self, seq, proposed, accepted)
 
-    monkeypatch.setattr(Speculator, "settle", staticmethod(record))
+    monkeypatch.setattr(Speculator, "settle", record)
     return seen
 
 

@@ -84,7 +84,9 @@ class LiveRequests:
             if completion.finished:
                 continue
             request = completion.request
-            delta = completion.on_token(token, logprob, finished.get(completion.seq))
+            # The scheduler's verdict belongs to the completion's last token of the step.
+            delta = completion.on_token(token, logprob,
+                                        finished.get(completion.seq) if not completion.still_to_emit else None)
             if completion.last_token_at:
                 metrics.INTER_TOKEN_SECONDS.observe(now - completion.last_token_at)
             elif completion.index == 0:

@@ -124,6 +124,8 @@ class RequestOutput:
         delta.peak_kv_blocks = seq.peak_blocks
         delta.peak_kv_bytes = seq.peak_blocks * self.bytes_per_block
         delta.recomputed_tokens = seq.recomputed_tokens
+        delta.spec_proposed_tokens = seq.spec_proposed
+        delta.spec_accepted_tokens = seq.spec_accepted
         if self.unfinished == 0:
             delta.prompt_tokens = self.prompt_len
             delta.cached_tokens = self.cached_tokens

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 
+from model_service import metrics
 from model_service.sched.sequence import Sequence
 from model_service.spec.ngram import NgramIndex
 from model_service.spec.settings import SpeculativeSettings
@@ -60,9 +61,10 @@ class Speculator:
         index.extend(seq.token_ids[len(index.tokens):])
         return index.propose(room)
 
-    @staticmethod
-    def settle(seq: Sequence, proposed: int, accepted: int) -> None:
+    def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Counts a verification; turns speculation off for a sequence that gains too little."""
+        metrics.SPEC_PROPOSED.labels(self.settings.method).inc(proposed)
+        metrics.SPEC_ACCEPTED.labels(self.settings.method).inc(accepted)
         seq.spec_proposed += proposed
         seq.spec_accepted += accepted
         if seq.spec_proposed >= LOW_ACCEPTANCE_AFTER and seq.spec_accepted < LOW_ACCEPTANCE * seq.spec_proposed:
