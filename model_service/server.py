@@ -11,7 +11,6 @@ import time
 import structlog
 import torch
 
-from model_service.spec.settings import MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, METHODS as SPECULATIVE_METHODS, SpeculativeSettings
 from model_service import allocator, cpu_kernels
 from model_service.attention.backend import BACKENDS, load_triton_kernels
 from model_service.attention.kv_quant import DEFAULT_SCALES, SCALE_KINDS, KvScales, namespace_tag
@@ -32,6 +31,8 @@ from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
 from model_service.api.tenants import ApiKeys
 from model_service.sample.grammar import CompileLimits
+from model_service.spec.settings import (MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, METHODS as SPECULATIVE_METHODS,
+                                        SpeculativeSettings)
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.kv_geometry import SUPPORTED_DTYPES, dtype_name, is_fp8, kv_cache_dtype
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
