@@ -3,6 +3,7 @@ acceptance rules (greedy token for token; sampled by the distribution it must fo
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -134,3 +135,41 @@ def test_sampled_acceptance_of_a_certain_token_always_keeps_it():
     assert accept_sampled([], probs[2:], generator) == [0]
     with pytest.raises(ValueError, match="need 3 probability rows"):
         accept_sampled([1, 2], probs[:2], generator)
+
+
+def speculating_sequence(tokens: list[int], blocks: int, max_new_tokens: int = 100):
+    from model_service.sample.params import SamplingOptions
+    from model_service.sched.sequence import Sequence
+
+    seq = Sequence("r", list(tokens), prompt_len=len(tokens) - 1, arrival=0,
+                   options=SamplingOptions(max_new_tokens=max_new_tokens))
+    seq.block_table = list(range(blocks))
+    seq.num_computed = len(tokens) - 1
+    return seq
+
+
+def test_a_proposal_fits_the_blocks_held_and_the_tokens_left():
+    from model_service.spec.speculator import Speculator
+
+    speculator = Speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=8, prompt_lookup_min=1),
+                            block_size=4, max_model_len=0)
+    looped = [1, 2, 3, 4, 5, 6] * 2 + [1]  # 13 tokens: 12 computed, the 13th runs this step
+    assert speculator.propose(speculating_sequence(looped, blocks=4), spare_tokens=99) == [2, 3, 4]  # 16 slots
+    assert speculator.propose(speculating_sequence(looped, blocks=5), spare_tokens=99) == [2, 3, 4, 5, 6, 1]  # all that followed
+    assert speculator.propose(speculating_sequence(looped, blocks=5), spare_tokens=2) == [2, 3]
+    assert speculator.propose(speculating_sequence(looped, blocks=5, max_new_tokens=3), spare_tokens=99) == [2]
+    seq = speculating_sequence(looped, blocks=5)
+    seq.options = dataclasses.replace(seq.options, speculate=False)  # the request turned it off
+    assert speculator.propose(seq, spare_tokens=99) == []
+
+
+def test_a_sequence_whose_proposals_are_rarely_kept_stops_speculating():
+    from model_service.spec.speculator import LOW_ACCEPTANCE_AFTER, Speculator
+
+    speculator = Speculator(SpeculativeSettings(method="ngram", prompt_lookup_min=1), block_size=4, max_model_len=0)
+    looped = [1, 2, 3, 4, 5, 6] * 2 + [1]
+    kept_often, kept_rarely = speculating_sequence(looped, 5), speculating_sequence(looped, 5)
+    speculator.settle(kept_often, LOW_ACCEPTANCE_AFTER, LOW_ACCEPTANCE_AFTER // 2)
+    speculator.settle(kept_rarely, LOW_ACCEPTANCE_AFTER, 1)
+    assert speculator.propose(kept_often, spare_tokens=99) != []
+    assert speculator.propose(kept_rarely, spare_tokens=99) == []
