@@ -33,6 +33,10 @@ PROMPT_TOKENS = Counter("pagedkv_model_prompt_tokens", "Prompt tokens of accepte
 GENERATED_TOKENS = Counter("pagedkv_model_generated_tokens", "Tokens generated")
 QUEUE_LENGTH = Gauge("pagedkv_model_queue_length", "Requests waiting for blocks or a batch slot")
 RUNNING = Gauge("pagedkv_model_running_sequences", "Sequences holding blocks and being computed")
+SPEC_PROPOSED = Counter("pagedkv_model_spec_proposed_tokens",
+                        "Tokens proposed by speculative decoding (--speculative-method), by proposer", ["method"])
+SPEC_ACCEPTED = Counter("pagedkv_model_spec_accepted_tokens",
+                        "Proposed tokens that verification kept (the model chose them too), by proposer", ["method"])
 PREEMPTIONS = Counter("pagedkv_model_preemptions", "Sequences preempted for recompute when the pool was full")
 TIME_TO_FIRST_TOKEN_SECONDS = Histogram(
     "pagedkv_model_time_to_first_token_seconds", "From request arrival to its first token", buckets=LATENCY_BUCKETS

@@ -32,6 +32,8 @@ from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
 from model_service.api.tenants import ApiKeys
 from model_service.sample.grammar import CompileLimits
+from model_service.spec.settings import (MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, METHODS as SPECULATIVE_METHODS,
+                                        SpeculativeSettings)
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.kv_geometry import SUPPORTED_DTYPES, dtype_name, is_fp8, kv_cache_dtype
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -99,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
              help="blocks a decoding sequence is leased ahead of its next token, in lease calls that go out "
                   "anyway, while the pool has room and nothing waits for it: one call every block_size steps "
                   "or so instead of nearly every step at many streams; 0 leases only what the next step needs")
+    add_flag(parser, "--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
+             help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence "
+                  "of the sequence's last few tokens (prompt and output so far), and one step verifies them "
+                  "beside the other sequences' decodes; greedy requests without logprobs, penalties or a "
+                  "grammar speculate, others decode as ever; default: off")
+    add_flag(parser, "--num-speculative-tokens", default=3, type=int,
+             help=f"tokens proposed per step for a speculating sequence (1 to {MAX_SPECULATIVE_TOKENS})")
+    add_flag(parser, "--prompt-lookup-min", default=2, type=int,
+             help="shortest suffix (in tokens) the ngram proposer looks up")
+    add_flag(parser, "--prompt-lookup-max", default=5, type=int,
+             help=f"longest suffix (in tokens) the ngram proposer looks up, tried first (at most {MAX_LOOKUP_N})")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
              help="queued plus running requests beyond which Generate answers RESOURCE_EXHAUSTED")
     add_flag(parser, "--max-concurrent-streams", default=1024, type=int,
@@ -219,6 +232,9 @@ async def serve(args: argparse.Namespace) -> int:
                         ("--grammar-compiles-per-tenant", args.grammar_compiles_per_tenant)):
         if value < 1:
             raise ValueError(f"{flag} must be 1 or more, got {value}")
+    speculative = SpeculativeSettings(  # checked here, before a model loads for minutes
+        method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
     if not args.grammar_compile_timeout_s > 0:
         raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
     # Before the model loads and the servers start their threads: a thread takes its arena
@@ -292,6 +308,7 @@ async def serve(args: argparse.Namespace) -> int:
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
         tenant_kv_blocks=api_keys.kv_block_shares() if api_keys else (),
+        speculative=speculative,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),
     )

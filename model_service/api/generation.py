@@ -345,6 +345,8 @@ def to_response(delta: Delta, request_id: str) -> model_pb2.GenerateResponse:
         response.usage.peak_kv_blocks = delta.peak_kv_blocks
         response.usage.peak_kv_bytes = delta.peak_kv_bytes
         response.usage.recomputed_tokens = delta.recomputed_tokens
+        response.usage.spec_proposed_tokens = delta.spec_proposed_tokens
+        response.usage.spec_accepted_tokens = delta.spec_accepted_tokens
         if isinstance(delta.matched_stop, str):
             response.matched_stop_str = delta.matched_stop
         elif delta.matched_stop is not None:

@@ -98,6 +98,7 @@ def options_from_proto(
         stream_interval=max(sampling.stream_interval, min_stream_interval),  # 0: the service's
         stream=stream,
         structured=structured,
+        speculate=sampling.speculate if sampling.HasField("speculate") else True,
     )
 
 

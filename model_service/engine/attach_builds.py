@@ -6,6 +6,7 @@ import structlog
 import torch
 from torch import nn
 
+from model_service.spec.speculator import Speculator
 from model_service.cache.attachment import Attachment
 from model_service.engine.settings import EngineSettings
 from model_service.sched.scheduler import Scheduler, SchedulerLimits
@@ -48,4 +49,6 @@ def build_scheduler(settings: EngineSettings, attachment: Attachment, eos_token_
                         release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),
         blocks_available=attachment.sizing.num_blocks, policy=settings.scheduling_policy,
         eos_token_ids=eos_token_ids, tenant_kv_blocks=dict(settings.tenant_kv_blocks),
+        speculator=Speculator(settings.speculative, block_size, settings.max_model_len)
+        if settings.speculative.enabled else None,
     )

@@ -32,6 +32,8 @@ class Delta:
     peak_kv_blocks: int = 0
     peak_kv_bytes: int = 0
     recomputed_tokens: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # (grpc.StatusCode, message) when the request ends with an error status.
     error: tuple[grpc.StatusCode, str] | None = None
     index: int = 0  # which of the n completions
@@ -62,6 +64,8 @@ def join_into(first: Delta, following: Delta) -> Delta:
     first.peak_kv_blocks = following.peak_kv_blocks
     first.peak_kv_bytes = following.peak_kv_bytes
     first.recomputed_tokens = following.recomputed_tokens
+    first.spec_proposed_tokens = following.spec_proposed_tokens
+    first.spec_accepted_tokens = following.spec_accepted_tokens
     first.error = following.error
     first.matched_stop = following.matched_stop
     return first

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -74,11 +75,18 @@ class LiveRequests:
         it, and `finished` says which it ended); a completion that ended, by the scheduler's
         verdict or a stop string, ends here."""
         now = time.perf_counter()
+        # A speculating completion has several tokens in a row (spec/verify.py).
+        to_come = Counter(map(id, completions)) if len(set(map(id, completions))) < len(completions) else None
         for completion, token, logprob in zip(completions, tokens, logprobs):
+            if to_come is not None:
+                to_come[id(completion)] -= 1
+                completion.still_to_emit = to_come[id(completion)]
             if completion.finished:
                 continue
             request = completion.request
-            delta = completion.on_token(token, logprob, finished.get(completion.seq))
+            # The scheduler's verdict belongs to the completion's last token of the step.
+            delta = completion.on_token(token, logprob,
+                                        finished.get(completion.seq) if not completion.still_to_emit else None)
             if completion.last_token_at:
                 metrics.INTER_TOKEN_SECONDS.observe(now - completion.last_token_at)
             elif completion.index == 0:

@@ -39,6 +39,7 @@ from model_service.engine.live_requests import Deliver, LiveRequests
 from model_service.engine.output import RequestOutput, new_request
 from model_service.engine.settings import EngineSettings
 from model_service.engine.step_sampler import StepSampler
+from model_service.spec.verify import keep_verified
 from model_service.engine.tenant_gauges import TenantBlockGauges
 from model_service.loading.loader import LoadedModel
 from model_service.sample.params import SamplingOptions
@@ -327,7 +328,7 @@ class Engine:
         completions = self._requests.completions
         output = StepOutput()
         prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
-        due, logits = self.runner.execute(step.batch, prompt_logits)
+        due, logits = self.runner.execute(step.batch, prompt_logits, step.proposals)
         if prompt_logits:
             output.prompt_logprobs_done = self._sampler.collect_prompt_logprobs(prompt_logits, completions,
                                                                              self.runner.model.compute_logits)
@@ -335,7 +336,8 @@ class Engine:
         if due:
             # At the first token of an n-request's completion 0, its other completions
             # sample theirs from the same row (and are forked by the scheduler).
-            sampled = self._sampler.sample(due, logits, completions)
+            sampled = keep_verified(*self._sampler.sample(due, logits, completions), step.proposals,
+                                    self.runner.verified)
             output.sampled = [(completion.seq, token) for completion, token in zip(sampled[0], sampled[1])]
         finished = self.scheduler.update_from_output(step, output)
         if due:

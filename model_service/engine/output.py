@@ -46,6 +46,9 @@ class Completion:
     finished: bool = False
     # Tokens not sent yet: fewer than the request's stream_interval since the last message, or all (no streaming).
     held: Delta | None = None
+    # Tokens of this step's verification still to come after the one being emitted: a stop
+    # string matched before them ends the completion, and they are not part of it.
+    still_to_emit: int = 0
 
     def on_token(self, token: int, logprob: TokenLogprob | None, ended: Finished | None) -> Delta:
         """The delta of a token the scheduler has appended (`ended`: whether and why that
@@ -117,10 +120,12 @@ class RequestOutput:
         delta.finish = finish
         delta.error = error
         seq = completion.seq
-        delta.completion_tokens = seq.num_output
+        delta.completion_tokens = seq.num_output - completion.still_to_emit
         delta.peak_kv_blocks = seq.peak_blocks
         delta.peak_kv_bytes = seq.peak_blocks * self.bytes_per_block
         delta.recomputed_tokens = seq.recomputed_tokens
+        delta.spec_proposed_tokens = seq.spec_proposed
+        delta.spec_accepted_tokens = seq.spec_accepted
         if self.unfinished == 0:
             delta.prompt_tokens = self.prompt_len
             delta.cached_tokens = self.cached_tokens

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from model_service.sched.scheduler import POLICIES
+from model_service.spec.settings import SpeculativeSettings
 
 # Every decoding stream waits for a step's whole prefill chunk, and once the decode stack
 # runs in C each chunk token costs a step more than the decode rows do
@@ -54,6 +55,8 @@ class EngineSettings:
     # (tenant, blocks): each tenant's share of the pool (--api-keys kv_blocks), which the
     # scheduler makes it give up first when the pool is short.
     tenant_kv_blocks: tuple[tuple[str, int], ...] = ()
+    # Speculative decoding (--speculative-method and its flags); off by default.
+    speculative: SpeculativeSettings = SpeculativeSettings()
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_batch_tokens", "max_queued_requests"):

@@ -67,6 +67,8 @@ class SamplingOptions:
     stream_interval: int = 1
     # False: no streaming, each completion whole in one message when it ends (GenerateRequest.stream).
     stream: bool = True
+    # False: this request never speculates (--speculative-method), whatever the server does.
+    speculate: bool = True
     # SamplingParams.structured, and its xgrammar CompiledGrammar once validation compiled it.
     structured: StructuredSpec | None = None
     grammar: object = field(default=None, compare=False)

@@ -59,6 +59,7 @@ from model_service.sched.lease_ops import (
 from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
 from model_service.sched.tenant_blocks import TenantBlocks
+from model_service.spec.speculator import Speculator
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +113,12 @@ RETRY_REFUSED_MAX_S = 0.5
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
                  clock=time.monotonic, eos_token_ids: Collection[int] = (),
-                 tenant_kv_blocks: Mapping[str, int] | None = None) -> None:
+                 tenant_kv_blocks: Mapping[str, int] | None = None, speculator: Speculator | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
         self.policy = policy
+        self.speculator = speculator
         self.eos_token_ids = frozenset(eos_token_ids)
         self._clock = clock
         self._retry_refused_at = 0.0
@@ -364,13 +366,19 @@ class Scheduler:
         Returns the sequences that ended."""
         for seq, new_tokens in step.batch:
             start = seq.num_computed
-            seq.num_computed = start + new_tokens
+            # A proposal's positions count as computed only as their tokens are kept (below).
+            seq.num_computed = start + new_tokens - len(step.proposals.get(seq, ()))
             if start < seq.ever_computed:  # back over what a preemption gave away
                 seq.recomputed_tokens += min(seq.num_computed, seq.ever_computed) - start
             seq.ever_computed = max(seq.ever_computed, seq.num_computed)
         for seq in output.prompt_logprobs_done:
             seq.reuse_prefix = True
         finished: list[Finished] = []
+        for seq, proposal in step.proposals.items():
+            if self.speculator is not None:
+                kept = sum(1 for s, _ in output.sampled if s is seq)
+                self.speculator.settle(seq, len(proposal), max(kept - 1, 0))
+        verified: set[Sequence] = set()
         for seq, token in output.sampled:
             if seq.status is Status.FINISHED:
                 continue
@@ -378,6 +386,13 @@ class Scheduler:
                 # Before its token is appended: the children fork the prompt's blocks,
                 # and each appends the first token it sampled from the same row.
                 self.fork(seq, seq.fork_children)
+            if seq in step.proposals:
+                if seq in verified:
+                    # A token after the first kept: the one before it was a proposal, whose
+                    # K/V this step computed.
+                    seq.num_computed += 1
+                    seq.ever_computed = max(seq.ever_computed, seq.num_computed)
+                verified.add(seq)
             ended = append_token(seq, token, self.eos_token_ids, self.limits.max_model_len)
             if ended is not None:
                 self.finish(seq, ended.reason)
@@ -394,9 +409,20 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         decodes = [s for s in self.running
                    if s.num_uncomputed == 1 and not s.starved and s.capacity(block_size) > s.num_computed]
-        for seq in decodes[:budget]:
-            batch.append((seq, 1))
-        budget -= len(batch)
+        proposals: dict[Sequence, list[int]] = {}
+        decodes = decodes[:budget]
+        budget -= len(decodes)
+        speculating: list[tuple[Sequence, int]] = []
+        for seq in decodes:
+            proposal = self.speculator.propose(seq, budget) if self.speculator else []
+            if proposal:
+                # After the plain decodes: the attention's decode rows lead the batch.
+                proposals[seq] = proposal
+                speculating.append((seq, 1 + len(proposal)))
+                budget -= len(proposal)
+            else:
+                batch.append((seq, 1))
+        batch.extend(speculating)
         if batch and self.limits.max_prefill_tokens_while_decoding:
             budget = min(budget, self.limits.max_prefill_tokens_while_decoding)
         for seq in self._prefill_order():
@@ -437,7 +463,7 @@ class Scheduler:
         if ops and self.limits.lookahead_tokens and not self.waiting:  # no blocks ahead while others wait
             ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
                                   self.limits.max_model_len)
-        return Step(batch=batch, lease_ops=ops, preempted=preempted)
+        return Step(batch=batch, lease_ops=ops, preempted=preempted, proposals=proposals)
 
     def _prefill_order(self) -> list[Sequence]:
         """Running sequences with prompt tokens to compute, in the order they get chunks:

@@ -81,6 +81,10 @@ class Sequence:
     # The LoRA adapter it runs with (model_service/lora/), opaque here; None: the base model.
     # Its namespace is in cache_salt already.
     lora: Any = None
+    # Speculative decoding: tokens proposed and accepted so far; spec_off once acceptance stays low.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_off: bool = False
 
     @property
     def num_output(self) -> int:

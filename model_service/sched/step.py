@@ -22,6 +22,9 @@ class Step:
     batch: list[tuple[Sequence, int]]
     lease_ops: LeaseOps
     preempted: list[Sequence]
+    # Speculating sequences' proposed tokens: each one's batch entry is 1 + len(proposal)
+    # tokens, its last token then the proposal (model_service/spec/speculator.py).
+    proposals: dict[Sequence, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -29,7 +32,8 @@ class StepOutput:
     """What executing and sampling a Step produced: all the scheduler is told back."""
 
     # (sequence, its sampled token) in row order; a completion that forks at this step
-    # comes right after its parent (they sample from the same row).
+    # comes right after its parent (they sample from the same row). A speculating sequence
+    # has one pair for each token its verification kept, in order.
     sampled: list[tuple[Sequence, int]] = field(default_factory=list)
     # Sequences whose prompt logprobs are now all collected (a recompute may reuse cached blocks).
     prompt_logprobs_done: list[Sequence] = field(default_factory=list)

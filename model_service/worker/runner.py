@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence as Seq
 from typing import Any
 
 import torch
@@ -45,10 +45,13 @@ class ModelRunner:
         # wait_for_writes before such a call (Engine._fence_writes).
         self.new_event: Callable[[], Any] | None = torch.cuda.Event if self.device.type == "cuda" else None
         self._writes: Any = None
+        # The logits of the proposed positions of the latest step's speculating sequences.
+        self.verified: dict[Sequence, torch.Tensor] = {}
 
     @torch.inference_mode()
     def execute(self, batch: Seq[tuple[Sequence, int]],
                 prompt_logits: dict[Sequence, tuple[int, torch.Tensor]] | None = None,
+                proposals: Mapping[Sequence, Seq[int]] | None = None,
                 ) -> tuple[list[Sequence], torch.Tensor]:
         """Runs one step. Returns the sequences whose next token is due and their logits
         [len(due), vocab], in batch order, in the lm_head's dtype: a greedy argmax needs
@@ -57,22 +60,37 @@ class ModelRunner:
 
         `prompt_logits`, when given, names sequences (its keys) whose prompt positions in
         this step need logits (prompt logprobs); each gets (first position, logits
-        [k, vocab]) for the positions of its chunk that predict a prompt token."""
+        [k, vocab]) for the positions of its chunk that predict a prompt token.
+
+        `proposals`, when given, names speculating sequences: each one's entry runs its last
+        token and then its proposed tokens. Its due row is its last token's (the token it
+        samples as ever), and `self.verified[seq]` gets the logits [k, vocab] of the
+        proposal's k positions, which the engine checks the proposal against."""
+        self.verified = {}
         lora = LoraStep.of_sequences([new_tokens for _, new_tokens in batch], [seq.lora for seq, _ in batch])
-        # Graphs replay base-model steps only.
-        if (lora is None and not prompt_logits and self.decode_graphs is not None
+        # Graphs replay base-model steps of one token a sequence only.
+        if (lora is None and not prompt_logits and not proposals and self.decode_graphs is not None
                 and self.decode_graphs.can_run(batch)):
             # One token a sequence: a captured graph of this batch's bucket replays the step.
             hidden = self.decode_graphs.run(batch)  # [len(batch), hidden]
             rows = list(range(len(batch)))
         else:
-            input_ids, positions, meta = self.prepare(batch)
+            input_ids, positions, meta = self.prepare(batch, proposals)
             hidden = self.model(input_ids, positions, self.kv_pool, meta, lora)  # [T, hidden]
             rows = last_token_indices(meta.query_lens)
             if prompt_logits:
                 self._prompt_logits(batch, hidden, rows, prompt_logits)
+            if proposals:
+                for i, (seq, _) in enumerate(batch):
+                    proposal = proposals.get(seq)
+                    if proposal:
+                        rows[i] -= len(proposal)
+                        self.verified[seq] = self.model.compute_logits(
+                            hidden[rows[i] + 1:rows[i] + 1 + len(proposal)], float32=False)
         self.record_writes()
-        due = [i for i, (seq, new_tokens) in enumerate(batch) if seq.num_computed + new_tokens == len(seq.token_ids)]
+        proposed = proposals or {}
+        due = [i for i, (seq, new_tokens) in enumerate(batch)
+               if seq.num_computed + new_tokens == len(seq.token_ids) + len(proposed.get(seq, ()))]
         if not due:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         selected_rows = [rows[i] for i in due]
@@ -133,7 +151,8 @@ class ModelRunner:
         pool = copyable(self.kv_pool)
         pool.index_copy_(2, dst, pool.index_select(2, src))
 
-    def prepare(self, batch: Seq[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: Seq[tuple[Sequence, int]], proposals: Mapping[Sequence, Seq[int]] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -151,6 +170,8 @@ class ModelRunner:
             if new_tokens == 1 and num_decode == len(query_lens):
                 num_decode += 1  # decodes lead the batch
             input_ids.extend(seq.token_ids[start:end])
+            if proposals and seq in proposals:  # the slice above ends at its last token
+                input_ids.extend(proposals[seq])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))

@@ -67,6 +67,8 @@ class GenerationFields(Body):
     min_tokens: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
+    # pagedkv's own: false keeps this request from speculating (--speculative-method).
+    speculate: bool | None = None
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None

@@ -38,7 +38,8 @@ def stop_reason(response: model_pb2.GenerateResponse) -> str | int | None:
 class Usage:
     """Token counts of one body: each prompt counted once, whatever its n.
 
-    pagedkv's own `peak_kv_blocks`, `peak_kv_bytes` and `recomputed_tokens` (at the top
+    pagedkv's own `peak_kv_blocks`, `peak_kv_bytes`, `recomputed_tokens` and the
+    speculative `spec_proposed_tokens` and `spec_accepted_tokens` (at the top
     level of `usage`, where the openai package keeps fields it does not know) are summed
     over the choices, as completion_tokens is: a body has one usage, and gRPC's are per
     completion. A prompt block the n completions of one prompt share counts in each, so
@@ -52,6 +53,8 @@ class Usage:
     peak_kv_blocks: int = 0
     peak_kv_bytes: int = 0
     recomputed_tokens: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def add(self, prompt_index: int, response: model_pb2.GenerateResponse) -> None:
         usage = response.usage
@@ -64,6 +67,8 @@ class Usage:
         self.peak_kv_blocks += usage.peak_kv_blocks
         self.peak_kv_bytes += usage.peak_kv_bytes
         self.recomputed_tokens += usage.recomputed_tokens
+        self.spec_proposed_tokens += usage.spec_proposed_tokens
+        self.spec_accepted_tokens += usage.spec_accepted_tokens
 
     def body(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
@@ -80,6 +85,8 @@ class Usage:
             "peak_kv_blocks": self.peak_kv_blocks,
             "peak_kv_bytes": self.peak_kv_bytes,
             "recomputed_tokens": self.recomputed_tokens,
+            "spec_proposed_tokens": self.spec_proposed_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
         }
 
 

@@ -194,7 +194,7 @@ def _fill(request: model_pb2.GenerateRequest, body: GenerationFields, max_tokens
     if body.seed is not None:
         _set(sampling, "seed", body.seed, "seed")
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                 "skip_special_tokens"):
+                 "skip_special_tokens", "speculate"):
         value = getattr(body, name)
         if value is not None:
             _set(sampling, name, value, name)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (no tensors) and the rules that accept their tokens."""

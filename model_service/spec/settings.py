@@ -1,0 +1,38 @@
+"""What speculative decoding runs with (--speculative-method, --num-speculative-tokens,
+--prompt-lookup-min/max), checked once so every front door gives the same message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+# A verified chunk is K + 1 query rows per sequence in a step that every other stream
+# waits for; past this many, a rejected tail costs more than the accepted head saves.
+MAX_SPECULATIVE_TOKENS = 16
+# Longer n-grams than this almost never recur verbatim where shorter ones do not, and
+# each length costs an index entry per token.
+MAX_LOOKUP_N = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeSettings:
+    method: str | None = None  # None: off
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens must be from 1 to {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= MAX_LOOKUP_N:
+            raise ValueError(f"--prompt-lookup-min must be from 1 to {MAX_LOOKUP_N}, got {self.prompt_lookup_min}")
+        if not self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_LOOKUP_N:
+            raise ValueError(f"--prompt-lookup-max must be from --prompt-lookup-min ({self.prompt_lookup_min}) "
+                             f"to {MAX_LOOKUP_N}, got {self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None

@@ -1,0 +1,71 @@
+"""Which decoding sequences speculate this step, and with what proposal.
+
+The scheduler asks `propose` for each decoding sequence; a sequence that gets tokens runs
+them as a short chunk (its last token plus the proposal) through the prefill path, in
+the blocks it already holds: a proposal never asks the cache service for a block, and a
+rejected tail is rolled back by the scheduler (num_computed), so its slots are written
+over later and never committed to the prefix cache nor released as cached tokens.
+
+Only plain greedy sequences speculate for now: the acceptance rule for sampled rows
+(accept.py's accept_sampled) needs each row's adjusted distribution, and a grammar would
+need its matcher advanced over each proposed position; such requests decode one token
+a step, with the same output as ever.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from model_service import metrics
+from model_service.sched.sequence import Sequence
+from model_service.spec.ngram import NgramIndex
+from model_service.spec.settings import SpeculativeSettings
+
+# A sequence whose proposals are accepted less often than this, once it has had
+# LOW_ACCEPTANCE_AFTER tokens proposed, stops speculating: each rejected token costs a
+# query row in every step it is proposed in.
+LOW_ACCEPTANCE = 0.2
+LOW_ACCEPTANCE_AFTER = 32
+
+
+class Speculator:
+    def __init__(self, settings: SpeculativeSettings, block_size: int, max_model_len: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        options = seq.options
+        return (options.speculate and options.greedy and options.grammar is None and options.logprobs is None
+                and not options.adjusts_logits and not seq.spec_off
+                and not (seq.fork_children and seq.num_output == 0))
+
+    def propose(self, seq: Sequence, spare_tokens: int) -> list[int]:
+        """Tokens for `seq` to verify beside its next one (at most `spare_tokens`); []: it decodes as ever."""
+        if not self.eligible(seq):
+            return []
+        room = min(self.settings.num_speculative_tokens, spare_tokens,
+                   # slots its table holds past this step's token: no block is asked for a guess
+                   seq.capacity(self.block_size) - seq.num_computed - 1,
+                   # tokens it may still append, less the one the verification always gives
+                   seq.options.max_new_tokens - seq.num_output - 1)
+        if self.max_model_len:
+            room = min(room, self.max_model_len - len(seq.token_ids) - 1)
+        if room <= 0:
+            return []
+        index = self._indexes.get(seq)
+        if index is None:
+            index = self._indexes[seq] = NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
+        index.extend(seq.token_ids[len(index.tokens):])
+        return index.propose(room)
+
+    def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Counts a verification; turns speculation off for a sequence that gains too little."""
+        metrics.SPEC_PROPOSED.labels(self.settings.method).inc(proposed)
+        metrics.SPEC_ACCEPTED.labels(self.settings.method).inc(accepted)
+        seq.spec_proposed += proposed
+        seq.spec_accepted += accepted
+        if seq.spec_proposed >= LOW_ACCEPTANCE_AFTER and seq.spec_accepted < LOW_ACCEPTANCE * seq.spec_proposed:
+            seq.spec_off = True

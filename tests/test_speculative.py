@@ -1,0 +1,80 @@
+"""Speculative decoding (ngram) in the engine against a real cache service: greedy output
+token for token as without it, kept proposals counted, the rejected tails' slots given
+back with the lease (the cache service checking its ledger after every call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.hf_checkpoints import write_checkpoint
+from harness.processes import start_cache_service
+from harness.reference_generate import prompt_ids, reference_greedy
+from model_service.loading.loader import load_model
+from model_service.spec.settings import SpeculativeSettings
+from model_service.spec.speculator import Speculator
+from test_engine_requests import Streams, greedy, start_engine
+
+NGRAM = SpeculativeSettings(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = write_checkpoint("llama", tmp_path_factory.mktemp("speculative") / "llama")
+    return load_model(str(path)), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def settled(monkeypatch):
+    """(proposed, accepted) of every verification the engine ran."""
+    seen: list[tuple[int, int]] = []
+    original = Speculator.settle
+
+    def record(self, seq, proposed, accepted):
+        seen.append((proposed, accepted))
+        original(self, seq, proposed, accepted)
+
+    monkeypatch.setattr(Speculator, "settle", record)
+    return seen
+
+
+def run(engine, streams, requests: dict[str, tuple[list[int], object]]) -> dict[str, list[list[int]]]:
+    for name, (prompt, options) in requests.items():
+        engine.submit(name, prompt, options, streams.sink(name))
+    for name, (_, options) in requests.items():
+        wait_for(lambda name=name, n=options.n: len(streams.finished(name)) == n, 120, f"{name} to finish")
+    return {name: [streams.tokens(name, i) for i in range(options.n)] for name, (_, options) in requests.items()}
+
+
+def test_greedy_output_is_token_identical_with_ngram_speculation(checkpoint, tmp_path, settled):
+    loaded, reference = checkpoint
+    # A prompt that repeats itself: the lookup finds its continuation in it.
+    looped = prompt_ids(12, seed=3) * 3
+    requests = {
+        "looped": (looped, greedy(40)),
+        "plain": (prompt_ids(20, seed=4), greedy(30)),
+        "n2": (looped[:30], greedy(24, n=2)),
+        "stop": (looped, greedy(40, stop_token_ids=frozenset({looped[5]}))),
+        "sampled": (looped, greedy(20, temperature=0.8, seed=5)),  # decodes one token a step
+    }
+    outputs = {}
+    for label, spec in (("plain", SpeculativeSettings()), ("ngram", NGRAM)):
+        streams = Streams()
+        (tmp_path / label).mkdir()
+        with start_cache_service(tmp_path / label, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache:
+            engine = start_engine(loaded, cache.address, streams, speculative=spec)
+            try:
+                outputs[label] = run(engine, streams, requests)
+                # Prefix-cache hits: the same prompts again, their blocks now cached.
+                outputs[label + "-again"] = run(engine, streams, {k + "2": v for k, v in requests.items()})
+                wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+            finally:
+                engine.stop(grace_s=0)
+    assert outputs["ngram"] == outputs["plain"]
+    assert list(outputs["ngram-again"].values()) == list(outputs["plain"].values())
+    assert outputs["ngram"]["looped"][0] == reference_greedy(reference, looped, 40)
+    # Speculation ran, and some of it was kept.
+    assert sum(p for p, _ in settled) > 0 and sum(a for _, a in settled) > 0

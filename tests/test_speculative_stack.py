@@ -1,0 +1,77 @@
+"""Speculative decoding through the front doors: gRPC and OpenAI usage carry the proposed
+and kept tokens, /metrics counts them by proposer, a request can turn it off, the cache
+service's ledger stays exact (--check-invariants), and bad flag values stop the start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import openai
+import pytest
+from scrape import metric
+from grpc_generate import GREEDY, generate
+
+from harness.cache_helpers import cache_stub, stats, wait_for
+from harness.processes import start_cache_service, start_model_service
+from harness.reference_generate import prompt_ids
+from model_service.server import build_parser
+from pagedkv.model.v1 import model_pb2_grpc
+
+LOOPED = prompt_ids(12, seed=3) * 3
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("speculative-stack")
+    with start_cache_service(tmp, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache, \
+            start_model_service(tmp, cache.address, "--speculative-method", "ngram", "--num-speculative-tokens", "4",
+                                "--prompt-lookup-min", "1", "--prompt-lookup-max", "3") as model, \
+            grpc.insecure_channel(model.address) as channel:
+        yield model, cache, model_pb2_grpc.ModelServiceStub(channel)
+
+
+def test_usage_and_metrics_count_proposed_and_kept_tokens(stack):
+    model, cache, stub = stack
+    before = (metric(model, "pagedkv_model_spec_proposed_tokens_total", method="ngram"),
+              metric(model, "pagedkv_model_spec_accepted_tokens_total", method="ngram"))
+    on = generate(stub, prompt_token_ids=LOOPED, sampling=dict(GREEDY, max_new_tokens=40)).usage
+    off = generate(stub, prompt_token_ids=LOOPED, sampling=dict(GREEDY, max_new_tokens=40, speculate=False))
+    assert on.spec_proposed_tokens > 0 and 0 < on.spec_accepted_tokens <= on.spec_proposed_tokens
+    assert (off.usage.spec_proposed_tokens, off.usage.spec_accepted_tokens) == (0, 0)
+    assert on.completion_tokens == off.usage.completion_tokens == 40
+    after = (metric(model, "pagedkv_model_spec_proposed_tokens_total", method="ngram"),
+             metric(model, "pagedkv_model_spec_accepted_tokens_total", method="ngram"))
+    assert (after[0] - before[0], after[1] - before[1]) == (on.spec_proposed_tokens, on.spec_accepted_tokens)
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+
+
+def test_openai_usage_carries_the_speculation_counts(stack):
+    model = stack[0]
+    client = openai.OpenAI(base_url=model.http_url, api_key="none")
+    answer = client.completions.create(model=client.models.list().data[0].id, prompt=LOOPED, max_tokens=30,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    usage = answer.usage.model_dump()
+    assert usage["spec_proposed_tokens"] > 0 and usage["spec_accepted_tokens"] > 0
+    off = client.completions.create(model=answer.model, prompt=LOOPED, max_tokens=30, temperature=0,
+                                    extra_body={"ignore_eos": True, "speculate": False})
+    assert off.usage.model_dump()["spec_proposed_tokens"] == 0
+    assert off.choices[0].text == answer.choices[0].text
+
+
+def test_bad_speculative_flags_stop_the_start_with_a_message():
+    # Each bad value's message is checked in tests/test_spec_rules.py; here, that the flags
+    # reach that check and the start ends with status 2 before a model loads.
+    done = subprocess.run([sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service", "127.0.0.1:1",
+                           "--speculative-method", "ngram", "--prompt-lookup-min", "4", "--prompt-lookup-max", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--prompt-lookup-max must be from --prompt-lookup-min (4) to 32, got 3" in done.stderr
+
+
+def test_an_unknown_speculative_method_is_refused_at_parsing(capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--model", "tiny", "--speculative-method", "draft"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'draft'" in capsys.readouterr().err
