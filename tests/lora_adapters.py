@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from harness.paged_runner import PagedRunner
 from model_service.models.config import ModelConfig
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,3 +44,18 @@ def write_adapter(directory: Path, base, *, rank: int = 8, alpha: float = 16, ta
     model.save_pretrained(str(directory))
     model.unload()  # the base goes back to its own modules for the next adapter
     return directory
+
+
+def run_paged(loaded, sequences: dict[str, tuple[list[int], object]], steps: int):
+    """Prefills every sequence in one step, then decodes them together: {seq: (tokens, logits)}."""
+    runner = PagedRunner(loaded.model, loaded.config, seed=3)
+    adapters = {seq: adapter for seq, (_, adapter) in sequences.items() if adapter is not None}
+    outputs = runner.step([(seq, prompt) for seq, (prompt, _) in sequences.items()], 0, adapters)
+    logits = {seq: [out] for seq, out in zip(sequences, outputs)}
+    tokens = {seq: [int(out[-1].argmax())] for seq, out in zip(sequences, outputs)}
+    for _ in range(steps - 1):
+        outputs = runner.step([(seq, [tokens[seq][-1]]) for seq in sequences], len(sequences), adapters)
+        for seq, out in zip(sequences, outputs):
+            logits[seq].append(out)
+            tokens[seq].append(int(out[-1].argmax()))
+    return {seq: (tokens[seq], torch.cat(logits[seq])) for seq in sequences}

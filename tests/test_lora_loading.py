@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from model_service.loading.tiny import tiny_config
 from model_service.lora.peft_adapter import MAX_HEADER_BYTES, WEIGHTS_FILE, AdapterError, load_adapter
 from model_service.lora.registry import LoraRegistry, parse_lora_module
-from tests.lora_adapters import hf_llama_of, write_adapter
+from lora_adapters import hf_llama_of, write_adapter
 
 pytest.importorskip("peft")
 CONFIG = tiny_config()

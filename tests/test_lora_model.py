@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from harness.hf_checkpoints import write_checkpoint
-from harness.paged_runner import PagedRunner
 from model_service.loading.loader import load_model
 from model_service.lora.peft_adapter import load_adapter
 from model_service.models.lora_delta import LoraStep
-from tests.lora_adapters import ALL_TARGETS, write_adapter
+from lora_adapters import ALL_TARGETS, run_paged, write_adapter
 
 pytest.importorskip("peft")
 # Merged (W + s·B·A) and factored (x·W + s·(x·A)·B) float32 products round differently; the
@@ -60,21 +59,6 @@ def greedy_reference(model, prompt: list[int], steps: int) -> tuple[list[int], t
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
         logits = model(torch.tensor([tokens])).logits[0].float()
     return tokens[len(prompt):], logits
-
-
-def run_paged(loaded, sequences: dict[str, tuple[list[int], object]], steps: int):
-    """Prefills every sequence in one step, then decodes them together: {seq: (tokens, logits)}."""
-    runner = PagedRunner(loaded.model, loaded.config, seed=3)
-    adapters = {seq: adapter for seq, (_, adapter) in sequences.items() if adapter is not None}
-    outputs = runner.step([(seq, prompt) for seq, (prompt, _) in sequences.items()], 0, adapters)
-    logits = {seq: [out] for seq, out in zip(sequences, outputs)}
-    tokens = {seq: [int(out[-1].argmax())] for seq, out in zip(sequences, outputs)}
-    for _ in range(steps - 1):
-        outputs = runner.step([(seq, [tokens[seq][-1]]) for seq in sequences], len(sequences), adapters)
-        for seq, out in zip(sequences, outputs):
-            logits[seq].append(out)
-            tokens[seq].append(int(out[-1].argmax()))
-    return {seq: (tokens[seq], torch.cat(logits[seq])) for seq in sequences}
 
 
 def test_one_adapter_alone(base, adapters):

@@ -19,7 +19,7 @@ from harness.hf_checkpoints import write_checkpoint
 from harness.processes import start_cache_service, start_model_service
 from harness.reference_generate import prompt_ids, reference_greedy
 from pagedkv.model.v1 import model_pb2_grpc
-from tests.lora_adapters import ALL_TARGETS, write_adapter
+from lora_adapters import ALL_TARGETS, write_adapter
 
 pytest.importorskip("peft")
 MODEL = "llama-lora"

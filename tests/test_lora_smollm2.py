@@ -13,8 +13,7 @@ import torch
 from harness.reference_generate import reference_greedy
 from model_service.loading.loader import load_model
 from model_service.lora.peft_adapter import load_adapter
-from tests.lora_adapters import ALL_TARGETS, write_adapter
-from tests.test_lora_model import run_paged
+from lora_adapters import ALL_TARGETS, run_paged, write_adapter
 
 pytest.importorskip("peft")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Paged attention keeps", "LoRA adapters"]
