@@ -58,6 +58,7 @@ def pytest_terminal_summary(terminalreporter):
 
     result = yield
 
+    _remote_kv_backends_line(terminalreporter)
     build = sys.modules.get("model_service.cpu_kernels.build")
     if build is None or build._library is None:
         reason = build.load_error() if build is not None else None
@@ -78,3 +79,26 @@ def pytest_terminal_summary(terminalreporter):
                          f"{'; '.join(family.requires.get(name, name) for name in lacking)})")
         terminalreporter.write_line(f"cpu kernel levels, {family.name}: {'; '.join(parts)}")
     return result
+
+
+REMOTE_KV_BACKEND_MODULES = {"valkey": "tests/test_remote_kv.py", "mooncake": "tests/test_remote_kv_mooncake.py"}
+
+
+def _remote_kv_backends_line(terminalreporter) -> None:
+    """Which remote KV stores the run's tests ran against (a test passed in the backend's
+    module), and why one was skipped; nothing where neither module ran."""
+    reports = [report for outcome in ("passed", "failed", "skipped") for report in terminalreporter.stats.get(outcome, [])
+               if getattr(report, "nodeid", "")]
+    parts = []
+    for backend, module in REMOTE_KV_BACKEND_MODULES.items():
+        mine = [report for report in reports if report.nodeid.split("::")[0].endswith(module.removeprefix("tests/"))]
+        if not mine:
+            continue
+        if any(report.passed and report.when == "call" for report in mine):
+            parts.append(f"{backend} ran")
+        else:
+            skipped = next((report for report in mine if report.skipped), None)
+            reason = skipped.longrepr[2] if skipped is not None and isinstance(skipped.longrepr, tuple) else "no test passed"
+            parts.append(f"{backend} not run ({reason})")
+    if parts:
+        terminalreporter.write_line(f"remote kv backends: {'; '.join(parts)}")

@@ -13,7 +13,8 @@ that is down alike (an empty value), while the existence call says -1 for an err
 which is StoreDown. Writes are upserts (a put on an existing key is refused, not
 replaced); a refused write is StoreDown when the master did not answer, StoreFull
 otherwise (no segment has room). The client is set up on first use in the tier's worker
-thread, so a master that is down at start-up is only a master that is down.
+thread, so a master that is down at start-up is only a master that is down (a connect
+to it, bounded by --remote-kv-timeout-ms, comes first).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class MooncakeStore(RemoteStore):
     def __init__(self, address: StoreAddress, timeout_s: float) -> None:
         self.address = address
         self.settings = address.options
+        self.timeout_s = timeout_s
         self._client = None
         self._lock = threading.Lock()
 
@@ -86,6 +88,12 @@ class MooncakeStore(RemoteStore):
                     from mooncake.store import MooncakeDistributedStore
                 except ImportError as error:  # checked at start-up; here only if the library went away
                     raise StoreDown(f"the Mooncake library does not load: {error}") from None
+                # The client's setup retries a master that does not answer for a minute
+                # and more; a connect bounded by the tier's timeout says so at once.
+                try:
+                    socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s).close()
+                except OSError as error:
+                    raise StoreDown(f"mooncake_master at {self.address.host}:{self.address.port}: {error}") from None
                 client = MooncakeDistributedStore()
                 host = self.settings.host or _local_address(self.address.host, self.address.port)
                 code = client.setup({
