@@ -8,10 +8,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from harness.processes import _die_with_parent, free_port
+from harness.processes import _die_with_parent, free_port, wait_until_answering
 
 START_TIMEOUT_S = 30.0
 
@@ -37,19 +36,16 @@ class MooncakeMaster:
                 f"-metrics_port={self.metrics_port}", "-metrics_host=127.0.0.1"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.process.returncode}: "
-                                   f"{self.log_path.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master did not listen on port {self.port} within {START_TIMEOUT_S} s")
-            time.sleep(0.05)
+        wait_until_answering(self.process, self._listening, f"mooncake_master on port {self.port}", self.log_path,
+                             START_TIMEOUT_S)
+        return self
+
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
 
     def kill(self) -> None:
         """SIGKILL, as a crash: the port closes and the master forgets every object."""
