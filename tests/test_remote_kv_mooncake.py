@@ -10,13 +10,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import grpc
 import pytest
+from grpc_generate import greedy
 
 from cache_service.tiers.remote_backends import MOONCAKE_INSTALL, mooncake_load_error, parse_remote_url
 from cache_service.tiers.remote_store import RemoteKvRefused
+from harness.cache_helpers import cache_stub, wait_for
 from harness.mooncake_master import MooncakeMaster
+from harness.processes import start_model_service
+from pagedkv.model.v1 import model_pb2_grpc
 from test_kv_tiers import BS, GEOMETRY
-from test_remote_kv import FULL, Replica, _digests, write_key
+from test_remote_kv import FULL, WAIT_S, Replica, _digests, remote_row, remote_service, write_key
 
 LOAD_ERROR = mooncake_load_error()
 needs_mooncake = pytest.mark.skipif(LOAD_ERROR is not None,
@@ -134,6 +139,23 @@ def test_a_store_with_no_room_drops_writes_and_counts_them(master, key_file):
         replica.close()
 
     asyncio.run(body())
+
+
+@needs_mooncake
+def test_a_replica_serves_a_prefix_another_computed_with_the_same_greedy_output(tmp_path, master, key_file):
+    prompt = [4 + (index * 41) % 240 for index in range(100)]  # six full blocks a second request may reuse
+    url = master.url(**SMALL)
+    with remote_service(tmp_path, url, key_file) as cache_a, remote_service(tmp_path, url, key_file) as cache_b, \
+            start_model_service(tmp_path, cache_a.address, "--max-model-len", "128") as model_a, \
+            start_model_service(tmp_path, cache_b.address, "--max-model-len", "128") as model_b:
+        stub_a = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_a.address))
+        stub_b = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_b.address))
+        want, last = greedy(stub_a, prompt, 8)
+        assert last.usage.cached_tokens == 0
+        wait_for(lambda: remote_row(cache_stub(cache_a.address)).demotions >= 6, WAIT_S, "a's prefix in the store")
+        got, last = greedy(stub_b, prompt, 8)
+        assert got == want
+        assert (last.usage.cached_tokens, last.usage.cached_tokens_remote) == (96, 96)
 
 
 @pytest.mark.parametrize(("url", "message"), [
