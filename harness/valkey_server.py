@@ -5,12 +5,11 @@ again on the same port to play a store that goes down and comes back."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 
-from harness.processes import _die_with_parent, free_port
+from harness.processes import _die_with_parent, free_port, wait_until_answering
 
 START_TIMEOUT_S = 30.0
 
@@ -43,19 +42,15 @@ class ValkeyServer:
         log = open(self.folder / "valkey.log", "ab")
         self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"valkey-server exited with {self.process.returncode}: "
-                                   f"{(self.folder / 'valkey.log').read_text()[-2000:]}")
-            try:
-                if self.client().ping():
-                    return self
-            except redis.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"valkey-server did not answer on port {self.port} within {START_TIMEOUT_S} s")
-            time.sleep(0.05)
+        wait_until_answering(self.process, self._answers, f"valkey-server on port {self.port}",
+                             self.folder / "valkey.log", START_TIMEOUT_S)
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.ConnectionError:
+            return False
 
     def kill(self) -> None:
         """SIGKILL, as a crash: the port closes, everything it held is gone."""

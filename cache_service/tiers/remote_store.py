@@ -54,8 +54,11 @@ class StoreAddress:
     host: str
     port: int
     db: int
+    options: object = None  # a backend's own settings (remote_mooncake.MooncakeSettings)
 
     def __str__(self) -> str:
+        if self.scheme == "mooncake":
+            return f"mooncake://{self.host}:{self.port}"
         return f"{self.scheme}://{self.host}:{self.port}/{self.db}"
 
 
