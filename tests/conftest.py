@@ -97,6 +97,21 @@ def pytest_testnodedown(node, error):
             merged.setdefault(name, set()).update(forced)
 
 
+# The fixtures that load SmolLM2: a module that uses one costs a minute or more.
+_HEAVY_FIXTURES = frozenset({"smollm2_stack", "smollm2_reference"})
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that load SmolLM2 first, each module's tests in their order: under
+    pytest-xdist (--dist loadfile) modules go to the workers in this order, and heavy ones
+    left to the end run one after another on one worker while the other idles."""
+    def module(item) -> str:
+        return getattr(getattr(item, "module", None), "__name__", "")
+
+    heavy = {module(item) for item in items if _HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    items.sort(key=lambda item: module(item) not in heavy)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_terminal_summary(terminalreporter, config):
     """After the other summaries: which remote KV stores the run's tests ran against, then

@@ -63,7 +63,7 @@ class FakeCache:
         self.reattached = threading.Event()
 
     def attach(self, client_name, geometry, workspace_bytes, max_model_len, model_fingerprint="", served_model_name="",
-               attach_key="", weights_bytes_by_type=None):
+               attach_key="", weights_bytes_by_type=None, lora_slot_bytes=0, lora_resident_bytes=0):
         session = f"session-{len(self.attached)}"
         self.attached.append(session)
         if len(self.attached) > 1:
@@ -197,7 +197,7 @@ class HealthyCache(FakeCache):
         self.released = threading.Event()
 
     def attach(self, client_name, geometry, workspace_bytes, max_model_len, model_fingerprint="", served_model_name="",
-               attach_key="", weights_bytes_by_type=None):
+               attach_key="", weights_bytes_by_type=None, lora_slot_bytes=0, lora_resident_bytes=0):
         self.attached.append(f"session-{len(self.attached)}")
         sizing = cache_pb2.SizingReport(block_size=self.block_size, num_blocks=1, max_total_tokens=self.block_size)
         return cache_pb2.AttachResponse(session_id=self.attached[-1], lease_ttl_ms=self.ttl_ms, sizing=sizing,
