@@ -103,8 +103,9 @@ _HEAVY_FIXTURES = frozenset({"smollm2_stack", "smollm2_reference"})
 
 def pytest_collection_modifyitems(items):
     """The modules that load SmolLM2 first, each module's tests in their order: under
-    pytest-xdist (--dist loadfile) modules go to the workers in this order, and heavy ones
-    left to the end run one after another on one worker while the other idles."""
+    pytest-xdist (make test: --dist loadfile --no-loadscope-reorder) modules go to the
+    workers in this order, so the two share the heavy ones; left to the end, they ran one
+    after another on one worker while the other idled."""
     def module(item) -> str:
         return getattr(getattr(item, "module", None), "__name__", "")
 
