@@ -97,22 +97,6 @@ def pytest_testnodedown(node, error):
             merged.setdefault(name, set()).update(forced)
 
 
-# The fixtures that load SmolLM2: a module that uses one costs a minute or more.
-_HEAVY_FIXTURES = frozenset({"smollm2_stack", "smollm2_reference"})
-
-
-def pytest_collection_modifyitems(items):
-    """The modules that load SmolLM2 first, each module's tests in their order: under
-    pytest-xdist (make test: --dist loadfile --no-loadscope-reorder) modules go to the
-    workers in this order, so the two share the heavy ones; left to the end, they ran one
-    after another on one worker while the other idled."""
-    def module(item) -> str:
-        return getattr(getattr(item, "module", None), "__name__", "")
-
-    heavy = {module(item) for item in items if _HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))}
-    items.sort(key=lambda item: module(item) not in heavy)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_terminal_summary(terminalreporter, config):
     """After the other summaries: which remote KV stores the run's tests ran against, then
