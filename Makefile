@@ -44,13 +44,11 @@ run: $(RUN_STAMP)
 	$(PY) -m pagedkv.stack --model $(MODEL)
 
 # The suite's tests mostly wait on the service processes they start, so two pytest
-# processes keep two cores busy; a module's tests stay in one (its fixtures start once),
-# and modules go out in collection order, where tests/conftest.py puts the ones that load
-# SmolLM2 first (xdist's own order, most tests first, left them for the end on one worker).
+# processes keep two cores busy; a module's tests stay in one (its fixtures start once).
 # TEST_WORKERS=0 runs everything in this one process.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 protos: $(TEST_STAMP)
 	$(PY) scripts/gen_protos.py
