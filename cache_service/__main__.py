@@ -6,5 +6,6 @@ if len(sys.argv) > 1 and sys.argv[1] == "sizing":
     sys.exit(sizing_main(sys.argv[2:]))
 
 from cache_service.api.server import main
+from pagedkv.serving import exit_process
 
-sys.exit(main(sys.argv[1:]))
+exit_process(main(sys.argv[1:]))

@@ -1,5 +1,6 @@
 import sys
 
 from model_service.server import main
+from pagedkv.serving import exit_process
 
-sys.exit(main(sys.argv[1:]))
+exit_process(main(sys.argv[1:]))

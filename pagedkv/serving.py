@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable
@@ -280,6 +282,21 @@ def run_server_main(parser, argv: list[str], serve: Callable[[object], Awaitable
         log.error("startup_failed", error=str(error))
         print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
         return 2
+
+
+def exit_process(code: int) -> None:
+    """Ends a service process whose `main` has returned: everything it holds (the pool's
+    file, sockets, leases, tier files) was closed explicitly on the way out, so the
+    interpreter's own teardown has nothing left to do but unload torch's modules one by
+    one, a pause that every stop (a rolling restart, each test's service) would wait on.
+    Logs and streams are flushed first; then the process exits at once."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken pipe: nothing left to flush to
+    os._exit(code)
 
 
 async def serve_until_signal(server: GrpcServer, grace_s: float) -> None:
