@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -671,7 +672,8 @@ def services_on_one_gpu(args) -> None:
         expected = [reference_greedy_with_logits(reference, p, 24) for p in prompts]
         model_flags = ("--model", str(path), "--device", "cuda", "--dtype", "bfloat16", "--cuda-graphs", "on",
                        "--max-num-seqs", "8", "--max-model-len", "256")
-        env = {"PYTHONPATH": str(ROOT)}  # `python -m model_service` from wherever this runs
+        # `python -m model_service` from wherever this runs, with what this process imports from
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         with start_cache_service(tmp, "--memory-fraction", "0.5", timeout_s=300, env=env) as cache:
             cache_client = cache_stub(cache.address)
             # Two model services at once on the one pool (each maps it by CUDA IPC).
