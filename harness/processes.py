@@ -77,18 +77,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def wait_until_answering(process: subprocess.Popen, answers, name: str, log_path: Path, timeout_s: float) -> None:
-    """Polls ``answers()`` until it is true; RuntimeError (with the log's tail) if ``process``
-    exits first or ``timeout_s`` passes. For the store servers the remote tier's tests start."""
-    deadline = time.monotonic() + timeout_s
-    while not answers():
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not answer within {timeout_s} s")
-        time.sleep(_POLL_S)
-
-
 class ServiceProcess:
     """One running service; see the module docstring."""
 
