@@ -138,10 +138,6 @@ def test_blocks_committed_by_a_live_sequence_reach_the_store_before_its_release(
     asyncio.run(body())
 
 
-def _values(client) -> dict[bytes, bytes]:
-    return {key: client.get(key) for key in sorted(client.keys("*"))}
-
-
 @pytest.mark.parametrize("damage", ["flipped", "cut", "longer", "huge", "garbage", "moved", "empty", "evicted"])
 def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
     async def body():
