@@ -246,7 +246,7 @@ def cluster(store, tmp_path_factory):
         assert "invariant_broken" not in cache.logs()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # whichever cluster test runs first starts the cluster
 def test_a_replica_serves_a_prefix_another_computed_with_the_same_greedy_output(cluster):
     (cache_a, model_a), (_, model_b) = cluster
     prompt = [4 + (index * 37) % 240 for index in range(100)]  # six full blocks a second request may reuse
@@ -272,6 +272,7 @@ def test_a_replica_serves_a_prefix_another_computed_with_the_same_greedy_output(
     assert (details["cached_tokens"], details["cached_tokens_remote"]) == (96, 96)
 
 
+@pytest.mark.timeout(300)  # whichever cluster test runs first starts the cluster
 def test_two_cache_services_share_prefixes_through_the_store_and_never_across_namespaces(cluster):
     (first, _), (second, _) = cluster
     a, b = cache_stub(first.address), cache_stub(second.address)
@@ -291,6 +292,7 @@ def test_two_cache_services_share_prefixes_through_the_store_and_never_across_na
     assert stats(b).prefix_hits - hits == SERVICE_FULL
 
 
+@pytest.mark.timeout(300)  # whichever cluster test runs first starts the cluster
 def test_a_store_killed_and_restarted_fails_no_lease_is_reconnected_and_metrics_say_so(cluster, store):
     """Last of the cluster's tests: it kills the store they share, then starts it again."""
     (first, _), (second, _) = cluster
