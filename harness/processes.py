@@ -14,7 +14,9 @@
 from the root, or by path once installed.)
 
 `start_together(tmp_path, cache_args, *model_args)` starts a cache service and model
-services at once (their start-ups overlap). `start_cache_service(tmp_path, *extra_args)` runs `python -m cache_service` and
+services at once (their start-ups overlap); `start_replicas(tmp_path, count, cache_args,
+model_args)` starts `count` pairs of a cache service and a model service at once.
+`start_cache_service(tmp_path, *extra_args)` runs `python -m cache_service` and
 `start_model_service(tmp_path, cache_address, *extra_args)` runs `python -m model_service
 --model tiny --cache-service CACHE_ADDRESS`, both with `--port 0 --metrics-port 0
 --port-file` in tmp_path (the model service also `--http-port 0`), and return once the port file is written and grpc.health.v1
@@ -32,7 +34,7 @@ A ServiceProcess has:
   API's base URL; None with `"--http-port", "-1"`): HTTP is on a free port, never 8000;
 - `.stop(sig=signal.SIGTERM, timeout=15.0) -> int`: sends `sig`, waits up to `timeout`,
   SIGKILLs after that, returns the exit code (negative: killed by that signal);
-- `.kill() -> int`: SIGKILL and wait;
+- `.kill() -> int`: SIGKILL and wait (`stop_all(services)` stops several at once);
 - `.returncode`: None while it runs;
 - `.logs() -> str`: everything it wrote to stderr so far (JSON lines, as in containers),
   and `.log_events() -> list[dict]` the same lines parsed;
@@ -75,18 +77,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def wait_until_answering(process: subprocess.Popen, answers, name: str, log_path: Path, timeout_s: float) -> None:
-    """Polls ``answers()`` until it is true; RuntimeError (with the log's tail) if ``process``
-    exits first or ``timeout_s`` passes. For the store servers the remote tier's tests start."""
-    deadline = time.monotonic() + timeout_s
-    while not answers():
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not answer within {timeout_s} s")
-        time.sleep(_POLL_S)
 
 
 class ServiceProcess:
@@ -196,11 +186,14 @@ class ServiceProcess:
         """Sends `sig`, waits up to `timeout` seconds, SIGKILLs after that; returns the exit code."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        return self._wait_stopped(timeout)
+
+    def _wait_stopped(self, timeout: float) -> int:
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         _running.discard(self)
         return self.process.returncode
 
@@ -260,10 +253,41 @@ def start_together(tmp_path: Path, cache_args, *model_args, timeout_s: float = D
     PR_SET_PDEATHSIG signals a child when the thread that forked it exits."""
     args = list(map(str, cache_args))
     port = args[args.index("--port") + 1]
-    services = [ServiceProcess("cache", [sys.executable, "-m", "cache_service", *args], tmp_path, _test_env(None))]
-    services += [ServiceProcess("model", [sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service",
-                                          f"127.0.0.1:{port}", *map(str, extra)], tmp_path, _test_env(None))
-                 for extra in model_args]
+    services = [_spawn_cache(tmp_path, args)] + [_spawn_model(tmp_path, port, extra) for extra in model_args]
+    return _wait_all(services, timeout_s)
+
+
+def start_replicas(tmp_path: Path, count: int, cache_args, model_args,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[tuple[ServiceProcess, ServiceProcess]]:
+    """``count`` replicas started at once (as ``start_together``): each a cache service with
+    ``cache_args`` on a port of its own and a model service with ``model_args`` attached to
+    it; returns [(cache, model), ...], each SERVING."""
+    ports = [str(free_port()) for _ in range(count)]
+    caches = [_spawn_cache(tmp_path, [*map(str, cache_args), "--port", port]) for port in ports]
+    models = [_spawn_model(tmp_path, port, model_args) for port in ports]
+    services = _wait_all(caches + models, timeout_s)
+    return list(zip(services[:count], services[count:]))
+
+
+def stop_all(services, sig: int = signal.SIGTERM, timeout: float = 15.0) -> list[int]:
+    """Stops ``services`` at once (their shutdowns overlap): sends each ``sig``, then waits
+    for each as ``ServiceProcess.stop`` does; returns their exit codes."""
+    for service in services:
+        if service.returncode is None:
+            service.process.send_signal(sig)
+    return [service._wait_stopped(timeout) for service in services]
+
+
+def _spawn_cache(tmp_path: Path, args: list[str]) -> ServiceProcess:
+    return ServiceProcess("cache", [sys.executable, "-m", "cache_service", *args], tmp_path, _test_env(None))
+
+
+def _spawn_model(tmp_path: Path, cache_port: str, extra) -> ServiceProcess:
+    return ServiceProcess("model", [sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service",
+                                    f"127.0.0.1:{cache_port}", *map(str, extra)], tmp_path, _test_env(None))
+
+
+def _wait_all(services: list[ServiceProcess], timeout_s: float) -> list[ServiceProcess]:
     try:
         return [service.wait_started(timeout_s) for service in services]
     except BaseException:

@@ -134,17 +134,22 @@ def pytest_terminal_summary(terminalreporter, config):
     return result
 
 
-REMOTE_KV_BACKEND_MODULES = {"valkey": "tests/test_remote_kv.py", "mooncake": "tests/test_remote_kv_mooncake.py"}
+REMOTE_KV_BACKENDS = ("valkey", "mooncake")  # each a marker: the test runs against a real store of that backend
+
+
+def pytest_configure(config):
+    for backend in REMOTE_KV_BACKENDS:
+        config.addinivalue_line("markers", f"{backend}: runs against a real {backend} store (the remote KV tier)")
 
 
 def _remote_kv_backends_line(terminalreporter) -> None:
-    """Which remote KV stores the run's tests ran against (a test passed in the backend's
-    module), and why one was skipped; nothing where neither module ran."""
+    """Which remote KV stores the run's tests ran against (a test marked with the backend
+    passed), and why one was skipped; nothing where no such test ran."""
     reports = [report for outcome in ("passed", "failed", "skipped") for report in terminalreporter.stats.get(outcome, [])
-               if getattr(report, "nodeid", "")]
+               if getattr(report, "keywords", None)]
     parts = []
-    for backend, module in REMOTE_KV_BACKEND_MODULES.items():
-        mine = [report for report in reports if report.nodeid.split("::")[0].endswith(module.removeprefix("tests/"))]
+    for backend in REMOTE_KV_BACKENDS:
+        mine = [report for report in reports if backend in report.keywords]
         if not mine:
             continue
         if any(report.passed and report.when == "call" for report in mine):

