@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
              help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence "
                   "of the sequence's last few tokens (prompt and output so far), and one step verifies them "
-                  "beside the other sequences' decodes; greedy requests without logprobs, penalties or a "
-                  "grammar speculate, others decode as ever; default: off")
+                  "beside the other sequences' decodes; greedy and sampled requests without logprobs, penalties "
+                  "or a grammar speculate, others decode as ever; default: off")
     add_flag(parser, "--num-speculative-tokens", default=3, type=int,
              help=f"tokens proposed per step for a speculating sequence (1 to {MAX_SPECULATIVE_TOKENS})")
     add_flag(parser, "--prompt-lookup-min", default=2, type=int,

@@ -1,5 +1,5 @@
 """Speculative decoding through the front doors: gRPC and OpenAI usage carry the proposed
-and kept tokens, /metrics counts them by proposer, a request can turn it off, the cache
+and kept tokens (greedy and sampled requests; a seed gives the same tokens either way), /metrics counts them by proposer, a request can turn it off, the cache
 service's ledger stays exact (--check-invariants), and bad flag values stop the start."""
 
 from __future__ import annotations
@@ -44,6 +44,21 @@ def test_usage_and_metrics_count_proposed_and_kept_tokens(stack):
     after = (metric(model, "pagedkv_model_spec_proposed_tokens_total", method="ngram"),
              metric(model, "pagedkv_model_spec_accepted_tokens_total", method="ngram"))
     assert (after[0] - before[0], after[1] - before[1]) == (on.spec_proposed_tokens, on.spec_accepted_tokens)
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+
+
+def test_sampled_requests_speculate_and_a_seed_gives_the_same_tokens_as_without(stack):
+    model, cache, stub = stack
+    proposed = accepted = 0
+    for seed in range(4):
+        sampling = dict(temperature=0.6, top_p=0.95, top_k=40, seed=seed, ignore_eos=True, max_new_tokens=32)
+        on = generate(stub, prompt_token_ids=LOOPED, sampling=sampling)
+        off = generate(stub, prompt_token_ids=LOOPED, sampling=dict(sampling, speculate=False))
+        assert on.tokens == off.tokens, seed
+        assert (off.usage.spec_proposed_tokens, off.usage.spec_accepted_tokens) == (0, 0)
+        proposed += on.usage.spec_proposed_tokens
+        accepted += on.usage.spec_accepted_tokens
+    assert proposed > 0 and 0 < accepted <= proposed
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
 
 

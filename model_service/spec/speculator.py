@@ -6,10 +6,11 @@ the blocks it already holds: a proposal never asks the cache service for a block
 rejected tail is rolled back by the scheduler (num_computed), so its slots are written
 over later and never committed to the prefix cache nor released as cached tokens.
 
-Only plain greedy sequences speculate for now: the acceptance rule for sampled rows
-(accept.py's accept_sampled) needs each row's adjusted distribution, and a grammar would
-need its matcher advanced over each proposed position; such requests decode one token
-a step, with the same output as ever.
+Greedy and sampled sequences speculate (temperature, top-k/p, min_p, seeds: each
+proposed position's row is drawn as one-token steps draw it, spec/verify.py). Penalties,
+logit_bias and min_tokens would need the token counts advanced over each proposed
+position, a grammar its matcher, and logprobs a row of their own per kept token: such
+requests decode one token a step, with the same output as ever.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         options = seq.options
-        return (options.speculate and options.greedy and options.grammar is None and options.logprobs is None
+        return (options.speculate and options.grammar is None and options.logprobs is None
                 and not options.adjusts_logits and not seq.spec_off
                 and not (seq.fork_children and seq.num_output == 0))
 
