@@ -14,7 +14,7 @@ from model_service.sample.params import SamplingOptions
 from model_service.sample.sampler import sample
 from model_service.spec.accept import accept_matching
 from model_service.spec.ngram import NgramIndex
-from model_service.spec.settings import MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, SpeculativeSettings
+from model_service.spec.settings import MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, MAX_SUFFIX_CACHE_TOKENS, SpeculativeSettings
 from model_service.spec.verify import verify
 
 
@@ -68,13 +68,15 @@ def test_ngram_index_refuses_bad_lengths(min_n, max_n):
 
 
 @pytest.mark.parametrize("fields, phrase", [
-    ({"method": "draft"}, "--speculative-method must be one of ngram, got 'draft'"),
+    ({"method": "draft"}, "--speculative-method must be one of ngram, suffix, got 'draft'"),
     ({"num_speculative_tokens": 0}, f"--num-speculative-tokens must be from 1 to {MAX_SPECULATIVE_TOKENS}, got 0"),
     ({"num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, "--num-speculative-tokens must be from 1"),
     ({"prompt_lookup_min": 0}, f"--prompt-lookup-min must be from 1 to {MAX_LOOKUP_N}, got 0"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 3},
      f"--prompt-lookup-max must be from --prompt-lookup-min \\(4\\) to {MAX_LOOKUP_N}, got 3"),
     ({"prompt_lookup_max": MAX_LOOKUP_N + 1}, "--prompt-lookup-max must be from"),
+    ({"suffix_cache_tokens": 0}, f"--suffix-cache-tokens must be from 1 to {MAX_SUFFIX_CACHE_TOKENS}, got 0"),
+    ({"suffix_cache_tokens": MAX_SUFFIX_CACHE_TOKENS + 1}, "--suffix-cache-tokens must be from 1"),
 ])
 def test_bad_speculative_settings_say_which_flag(fields, phrase):
     with pytest.raises(ValueError, match=phrase):

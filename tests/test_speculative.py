@@ -83,3 +83,34 @@ def test_greedy_and_seeded_output_is_token_identical_with_ngram_speculation(chec
     for greedy_rows in (True, False):
         assert sum(p for p, _, g in settled if g is greedy_rows) > 0, greedy_rows
         assert sum(a for _, a, g in settled if g is greedy_rows) > 0, greedy_rows
+
+
+SUFFIX = SpeculativeSettings(method="suffix", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def test_suffix_speculation_proposes_from_the_same_tenants_earlier_outputs(checkpoint, tmp_path):
+    loaded, reference = checkpoint
+    prompt = prompt_ids(20, seed=4)
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache:
+        engine = start_engine(loaded, cache.address, streams, speculative=SUFFIX)
+        try:
+            def one(name: str, tenant: str, salt: str = ""):
+                engine.submit(name, prompt, greedy(30), streams.sink(name), tenant=tenant, cache_salt=salt)
+                wait_for(lambda: len(streams.finished(name)) == 1, 120, f"{name} to finish")
+                return streams.tokens(name), streams.finished(name)[0]
+
+            first, first_end = one("a1", "a")
+            again, again_end = one("a2", "a")  # tenant a's first output is in the history now
+            other, other_end = one("b1", "b")
+            salted, salted_end = one("a3", "a", salt="s")
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+    assert first == again == other == salted == reference_greedy(reference, prompt, 30)
+    assert again_end.spec_accepted_tokens > first_end.spec_accepted_tokens
+    # Another tenant, or another salt of the same one, proposes only from its own tokens, as
+    # the first request did.
+    for end in (other_end, salted_end):
+        assert (end.spec_proposed_tokens, end.spec_accepted_tokens) == (
+            first_end.spec_proposed_tokens, first_end.spec_accepted_tokens)

@@ -92,14 +92,18 @@ def test_openai_usage_carries_the_speculation_counts(stack):
     assert off.choices[0].text == answer.choices[0].text
 
 
-def test_bad_speculative_flags_stop_the_start_with_a_message():
+@pytest.mark.parametrize("flags, message", [
+    (("--speculative-method", "ngram", "--prompt-lookup-min", "4", "--prompt-lookup-max", "3"),
+     "--prompt-lookup-max must be from --prompt-lookup-min (4) to 32, got 3"),
+    (("--speculative-method", "suffix", "--suffix-cache-tokens", "0"), "--suffix-cache-tokens must be from 1"),
+], ids=["ngram-lookup", "suffix-cache"])
+def test_bad_speculative_flags_stop_the_start_with_a_message(flags, message):
     # Each bad value's message is checked in tests/test_spec_rules.py; here, that the flags
     # reach that check and the start ends with status 2 before a model loads.
     done = subprocess.run([sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service", "127.0.0.1:1",
-                           "--speculative-method", "ngram", "--prompt-lookup-min", "4", "--prompt-lookup-max", "3"],
-                          capture_output=True, text=True, timeout=120)
+                           *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--prompt-lookup-max must be from --prompt-lookup-min (4) to 32, got 3" in done.stderr
+    assert message in done.stderr
 
 
 def test_an_unknown_speculative_method_is_refused_at_parsing(capsys):

@@ -165,6 +165,8 @@ class Scheduler:
         # ALLOCATING, FORKING: released when the op's result arrives (see apply).
         # FORK_PENDING: holds nothing; a fork asked for it is dropped (see schedule).
         seq.status = Status.FINISHED
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         seq.finish = reason
 
     def has_work(self) -> bool:
