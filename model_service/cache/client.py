@@ -220,7 +220,8 @@ def _allocated(result: cache_pb2.LeaseResult) -> Allocated | Refused:
                                           result.cached_tokens_remote))
 
 
-_DECODE = {"fork": _forked, "release": _released, "truncate": _released, "extend": _extended, "commit": _committed, "allocate": _allocated}
+_DECODE = {"fork": _forked, "release": _released, "truncate": _released, "extend": _extended, "commit": _committed,
+           "allocate": _allocated}
 
 
 class LeaseDeadline:

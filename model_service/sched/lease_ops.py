@@ -59,7 +59,8 @@ class LeaseOps:
     top_ups: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.forks or self.releases or self.truncates or self.extends or self.commits or self.allocations or self.top_ups)
+        return bool(self.forks or self.releases or self.truncates or self.extends or self.commits or self.allocations
+                    or self.top_ups)
 
     def __len__(self) -> int:
         return sum(len(getattr(self, kind)) for kind in KINDS)
@@ -110,8 +111,8 @@ class Allocated:
 
 
 # What each kind of op is answered with when it succeeds (Refused when it does not).
-OUTCOME_TYPES = {"forks": Forked, "releases": Released, "truncates": Released, "extends": Extended, "commits": Committed,
-                 "allocations": Allocated, "top_ups": Extended}
+OUTCOME_TYPES = {"forks": Forked, "releases": Released, "truncates": Released, "extends": Extended,
+                 "commits": Committed, "allocations": Allocated, "top_ups": Extended}
 
 
 @dataclass(frozen=True, slots=True)
