@@ -35,6 +35,10 @@ def extend(sequence_id: int, num_tokens: int) -> cache_pb2.LeaseOp:
     return cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=sequence_id, num_tokens=num_tokens))
 
 
+def truncate(sequence_id: int, num_tokens: int) -> cache_pb2.LeaseOp:
+    return cache_pb2.LeaseOp(truncate=cache_pb2.TruncateOp(sequence_id=sequence_id, num_tokens=num_tokens))
+
+
 def fork(sequence_id: int) -> cache_pb2.LeaseOp:
     return cache_pb2.LeaseOp(fork=cache_pb2.ForkOp(sequence_id=sequence_id))
 

@@ -32,8 +32,8 @@ from model_service.api.openai_http.server import HttpServer
 from model_service.api.servicer import ModelServicer
 from model_service.api.tenants import ApiKeys
 from model_service.sample.grammar import CompileLimits
-from model_service.spec.settings import (MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, METHODS as SPECULATIVE_METHODS,
-                                        SpeculativeSettings)
+from model_service.spec.settings import (MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, MAX_SUFFIX_CACHE_TOKENS,
+                                         METHODS as SPECULATIVE_METHODS, SpeculativeSettings)
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.kv_geometry import SUPPORTED_DTYPES, dtype_name, is_fp8, kv_cache_dtype
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -103,15 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
                   "or so instead of nearly every step at many streams; 0 leases only what the next step needs")
     add_flag(parser, "--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
              help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence "
-                  "of the sequence's last few tokens (prompt and output so far), and one step verifies them "
-                  "beside the other sequences' decodes; greedy requests without logprobs, penalties or a "
-                  "grammar speculate, others decode as ever; default: off")
+                  "of the sequence's last few tokens (prompt and output so far), suffix also those that most often "
+                  "followed them in the outputs of the same tenant's earlier requests, and one step verifies them "
+                  "beside the other sequences' decodes; greedy and sampled requests without logprobs, penalties "
+                  "or a grammar speculate, others decode as ever; default: off")
     add_flag(parser, "--num-speculative-tokens", default=3, type=int,
              help=f"tokens proposed per step for a speculating sequence (1 to {MAX_SPECULATIVE_TOKENS})")
     add_flag(parser, "--prompt-lookup-min", default=2, type=int,
              help="shortest suffix (in tokens) the ngram proposer looks up")
     add_flag(parser, "--prompt-lookup-max", default=5, type=int,
              help=f"longest suffix (in tokens) the ngram proposer looks up, tried first (at most {MAX_LOOKUP_N})")
+    add_flag(parser, "--suffix-cache-tokens", default=65536, type=int,
+             help="output tokens of finished requests that the suffix proposer keeps, over every tenant "
+                  "(each tenant and cache salt proposes only from its own), oldest out first "
+                  f"(1 to {MAX_SUFFIX_CACHE_TOKENS})")
     add_flag(parser, "--max-queued-requests", default=256, type=int,
              help="queued plus running requests beyond which Generate answers RESOURCE_EXHAUSTED")
     add_flag(parser, "--max-concurrent-streams", default=1024, type=int,
@@ -234,7 +239,8 @@ async def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be 1 or more, got {value}")
     speculative = SpeculativeSettings(  # checked here, before a model loads for minutes
         method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        suffix_cache_tokens=args.suffix_cache_tokens)
     if not args.grammar_compile_timeout_s > 0:
         raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
     # Before the model loads and the servers start their threads: a thread takes its arena

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from harness.cache_helpers import allocate, attach, extend, fork, lease, release, wait_for
+from harness.cache_helpers import allocate, attach, extend, fork, lease, release, truncate, wait_for
 from harness.processes import start_cache_service, start_model_service
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -304,6 +304,11 @@ OP_STATUS_ROWS = [
     ("release-unknown-sequence", lambda seq: release(0), cache_pb2.LEASE_STATUS_NOT_FOUND, "not leased"),
     ("empty-op", lambda seq: cache_pb2.LeaseOp(), cache_pb2.LEASE_STATUS_INVALID_ARGUMENT, "empty lease op"),
     ("extend-shrinking", lambda seq: extend(seq, 8), cache_pb2.LEASE_STATUS_INVALID_ARGUMENT, "cannot shrink"),
+    ("truncate-unknown-sequence", lambda seq: truncate(987654321, 1), cache_pb2.LEASE_STATUS_NOT_FOUND, "not leased"),
+    ("truncate-growing", lambda seq: truncate(seq, 17), cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
+     "must keep from 1 to its 16 tokens"),
+    ("truncate-to-0-tokens", lambda seq: truncate(seq, 0), cache_pb2.LEASE_STATUS_INVALID_ARGUMENT,
+     "must keep from 1 to its 16 tokens"),
     ("allocate-0-tokens", lambda seq: allocate(0), cache_pb2.LEASE_STATUS_INVALID_ARGUMENT, "num_tokens must be >= 1"),
     ("allocate-prompt-longer-than-tokens", lambda seq: allocate(4, list(range(8))),
      cache_pb2.LEASE_STATUS_INVALID_ARGUMENT, "must cover the prompt"),
@@ -346,7 +351,7 @@ def test_double_release_is_not_found(stack, sessions):
 def test_another_sessions_sequence_is_permission_denied_and_its_id_stays_secret(stack, sessions):
     stub, (owner, intruder) = stack["cache_stub"], sessions
     sequence = lease_one(stub, owner, allocate(20)).sequence_id
-    for op in (extend(sequence, 40), fork(sequence), release(sequence)):
+    for op in (extend(sequence, 40), fork(sequence), truncate(sequence, 1), release(sequence)):
         result = lease_one(stub, intruder, op)
         assert result.status == cache_pb2.LEASE_STATUS_PERMISSION_DENIED, op
         assert "belongs to session 'owner#" in result.message, result.message

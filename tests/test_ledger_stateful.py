@@ -227,6 +227,35 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.ledger.stats() == before
 
     @precondition(lambda self: self.owner)
+    @rule(data=st.data())
+    def truncate(self, data):
+        """A table cut short (TruncateOp: a rejected proposal's blocks): refused, changing
+        nothing, when a block it would drop or end within is registered or shared."""
+        sequence_id = data.draw(st.sampled_from(sorted(self.owner)))
+        owner, tokens, table = self.owner[sequence_id], self.tokens[sequence_id], self.table[sequence_id]
+        new_len = data.draw(st.integers(0, len(tokens) + 1))
+        before = self.ledger.stats()
+        if not 1 <= new_len <= len(tokens):
+            with pytest.raises(InvalidLease, match="must keep from 1"):
+                self.ledger.truncate(owner, sequence_id, new_len)
+            assert self.ledger.stats() == before
+            return
+        keep = -(-new_len // BLOCK_SIZE)
+        touched = table[keep - 1 if new_len % BLOCK_SIZE else keep:]
+        in_tables = [b for other in self.table.values() for b in other]
+        pool_blocks = self.ledger.pool.blocks
+        if any(pool_blocks[b].block_hash is not None or in_tables.count(b) > 1 for b in touched):
+            with pytest.raises(InvalidLease, match="truncate to"):
+                self.ledger.truncate(owner, sequence_id, new_len)
+            assert self.ledger.stats() == before
+            return
+        assert self.ledger.truncate(owner, sequence_id, new_len) == len(table) - keep
+        after = self.ledger.stats()
+        assert after.blocks_truncated == before.blocks_truncated + len(table) - keep
+        assert after.blocks_free == before.blocks_free + len(table) - keep  # free, never cached
+        del table[keep:], tokens[new_len:]
+
+    @precondition(lambda self: self.owner)
     @rule(target=sequences, data=st.data())
     def fork(self, data):
         """A child of the first `written` tokens of its parent (0: all it reserved)."""

@@ -907,3 +907,47 @@ def test_an_allocation_past_the_quota_waits_while_others_hold_blocks():
     scheduler.add(second)
     drive(scheduler, cache)
     assert first.num_output == 4 and second.num_output == 4
+
+
+@pytest.mark.parametrize("truncate_tables", [True, False], ids=["truncating", "old-cache-service"])
+def test_a_rejected_proposals_blocks_go_back_in_a_truncate(truncate_tables):
+    from model_service.spec.settings import SpeculativeSettings
+    from model_service.spec.speculator import Speculator
+
+    speculator = Speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1),
+                            BLOCK, max_model_len=0)
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64, truncate_tables=truncate_tables)
+    scheduler = Scheduler(limits, 100, speculator=speculator)
+    cache = LedgerCache(100)
+    prompt = [1, 2, 3, 4, 5, 6] * 2 + [1]  # the lookup proposes the cycle's next tokens
+    seq = Sequence(request_id="r0", token_ids=prompt, prompt_len=len(prompt),
+                   options=SamplingOptions(max_new_tokens=30), arrival=0)
+    scheduler.add(seq)
+    pending, truncates, speculated = None, [], 0
+    for _ in range(100):
+        if pending is not None:
+            assert not scheduler.apply(*pending)
+            if seq.lease_id in cache.leases:  # the ledger's table and the scheduler's agree
+                assert cache.ledger.sequence_blocks(seq.lease_id) == seq.block_table
+        if not scheduler.has_work() and pending is None:
+            break
+        step = scheduler.schedule()
+        for truncated, tokens in step.lease_ops.truncates:
+            assert truncated is seq and len(seq.block_table) == blocks_for(tokens, BLOCK)
+            assert tokens == seq.num_computed + 2  # the next token's slot and the one after
+        truncates += step.lease_ops.truncates
+        pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
+        sampled = []
+        for s, new_tokens in step.batch:
+            proposal = step.proposals.get(s, [])
+            speculated += bool(proposal)
+            if s.num_computed + new_tokens == len(s.token_ids) + len(proposal):
+                # The cycle's next token, and it alone: each proposal is cut after its first token.
+                sampled.append((s, s.token_ids[-1] % 6 + 1))
+        scheduler.update_from_output(step, StepOutput(sampled=sampled))
+    else:
+        raise AssertionError("the scheduler did not finish its work")
+    assert speculated > 0
+    assert bool(truncates) is truncate_tables
+    assert (cache.ledger.stats().blocks_truncated > 0) is truncate_tables
+    assert cache.leased() == 0 and seq.num_output == 30

@@ -1,6 +1,7 @@
 """SmolLM2 with ngram speculation, against the shared stack's plain decoding: the same
 greedy text token for token (prompt that repeats its input, stop strings, n > 1, a
-logprobs request, which decodes one token a step, prefix-cache hits from the shared pool)."""
+logprobs request, which decodes one token a step, prefix-cache hits from the shared pool),
+and a seeded sampled request's too."""
 
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ CASES = {
     "stop-strings": ({"stop": ["}", "Maria"]}, PROMPTS[:1], 32),
     "n2": ({"n": 2}, PROMPTS[1:2], 12),
     "logprobs": ({"logprobs": 2}, PROMPTS[1:2], 12),
+    # Sampled and seeded: each token drawn with the uniform a one-token step would have used.
+    "seeded": ({"temperature": 0.7, "top_p": 0.9, "seed": 7}, PROMPTS[:1], 16),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_speculative_greedy_text_is_the_plain_greedy_text(smollm2_stack, speculative, case):
+def test_speculative_text_is_the_plain_text(smollm2_stack, speculative, case):
     extra, prompts, max_new_tokens = CASES[case]
     for prompt in prompts:
         sampling = dict(GREEDY, max_new_tokens=max_new_tokens, **extra)
@@ -59,6 +62,6 @@ def test_speculative_greedy_text_is_the_plain_greedy_text(smollm2_stack, specula
         if "n" not in extra:
             assert spec.text == plain.text
             assert spec.usage.completion_tokens == plain.usage.completion_tokens
-        if not extra:
+        if not extra or "seed" in extra:
             assert spec.usage.spec_proposed_tokens > 0
     wait_for(lambda: stats(cache_stub(smollm2_stack.cache.address)).blocks_leased == 0, 30, "every block released")

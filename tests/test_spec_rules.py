@@ -1,5 +1,6 @@
 """Speculative decoding's pure parts: the n-gram proposer, the settings' checks, and the
-acceptance rules (greedy token for token; sampled by the distribution it must follow)."""
+verification (greedy token for token; sampled by the distribution it must follow, and a
+seeded completion token for token as without speculation)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import random
 import pytest
 import torch
 
-from model_service.spec.accept import accept_greedy, accept_sampled
+from model_service.sample.params import SamplingOptions
+from model_service.sample.sampler import sample
+from model_service.spec.accept import accept_matching
 from model_service.spec.ngram import NgramIndex
-from model_service.spec.settings import MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, SpeculativeSettings
+from model_service.spec.settings import MAX_LOOKUP_N, MAX_SPECULATIVE_TOKENS, MAX_SUFFIX_CACHE_TOKENS, SpeculativeSettings
+from model_service.spec.verify import verify
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -64,13 +68,15 @@ def test_ngram_index_refuses_bad_lengths(min_n, max_n):
 
 
 @pytest.mark.parametrize("fields, phrase", [
-    ({"method": "draft"}, "--speculative-method must be one of ngram, got 'draft'"),
+    ({"method": "draft"}, "--speculative-method must be one of ngram, suffix, got 'draft'"),
     ({"num_speculative_tokens": 0}, f"--num-speculative-tokens must be from 1 to {MAX_SPECULATIVE_TOKENS}, got 0"),
     ({"num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, "--num-speculative-tokens must be from 1"),
     ({"prompt_lookup_min": 0}, f"--prompt-lookup-min must be from 1 to {MAX_LOOKUP_N}, got 0"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 3},
      f"--prompt-lookup-max must be from --prompt-lookup-min \\(4\\) to {MAX_LOOKUP_N}, got 3"),
     ({"prompt_lookup_max": MAX_LOOKUP_N + 1}, "--prompt-lookup-max must be from"),
+    ({"suffix_cache_tokens": 0}, f"--suffix-cache-tokens must be from 1 to {MAX_SUFFIX_CACHE_TOKENS}, got 0"),
+    ({"suffix_cache_tokens": MAX_SUFFIX_CACHE_TOKENS + 1}, "--suffix-cache-tokens must be from 1"),
 ])
 def test_bad_speculative_settings_say_which_flag(fields, phrase):
     with pytest.raises(ValueError, match=phrase):
@@ -82,63 +88,116 @@ def test_speculation_is_off_by_default():
     assert SpeculativeSettings(method="ngram").enabled
 
 
-def test_greedy_keeps_the_matching_prefix_and_the_targets_next_token():
-    assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all kept, plus the bonus
-    assert accept_greedy([4, 5, 6], [4, 9, 6, 7]) == [4, 9]  # the target's token at the first mismatch
-    assert accept_greedy([4, 5, 6], [1, 5, 6, 7]) == [1]
-    assert accept_greedy([], [3]) == [3]
+def test_the_matching_prefix_and_the_draw_after_it_are_kept():
+    assert accept_matching([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all kept, plus the bonus
+    assert accept_matching([4, 5, 6], [4, 9, 6, 7]) == [4, 9]  # the target's token at the first mismatch
+    assert accept_matching([4, 5, 6], [1, 5, 6, 7]) == [1]
+    assert accept_matching([], [3]) == [3]
     with pytest.raises(ValueError, match="need 3 target rows"):
-        accept_greedy([1, 2], [1, 2])
+        accept_matching([1, 2], [1, 2])
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
+    # Over the outcomes the target allows; one it rules out must never be drawn.
+    allowed = probs > 0
+    assert counts[~allowed].sum() == 0
+    expected = probs[allowed] * counts.sum()
+    return float(((counts[allowed] - expected) ** 2 / expected).sum())
 
 
-# Chi-square at 5 degrees of freedom (6 outcomes): P(X > 20.52) = 0.001. The seed is fixed,
-# so the test is deterministic; the bound says how far from the target a correct sampler
-# lands once in a thousand seeds, and a sampler that always kept the proposal lands far
-# beyond it (checked below).
-CHI2_DF5_P001 = 20.52
+# Chi-square at 4 degrees of freedom (5 outcomes: top-k 5 of 6): P(X > 18.47) = 0.001. The
+# seeds are fixed, so the test is deterministic; the bound says how far from the target a
+# correct sampler lands once in a thousand seeds, and a rule that always kept the proposal
+# lands far beyond it (checked below).
+CHI2_DF4_P001 = 18.47
+SAMPLED = SamplingOptions(max_new_tokens=100, temperature=0.7, top_k=5)
 
 
-def test_sampled_acceptance_follows_the_target_distribution():
-    p0 = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05], dtype=torch.float64)
-    p1 = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30], dtype=torch.float64)
-    bonus = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1], dtype=torch.float64)
-    probs = torch.stack([p0, p1, bonus])
+def target(probs: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits that SAMPLED turns into `probs` with its least likely token cut by top-k,
+    that distribution computed here by hand: temperature, top-k, renormalised)."""
+    p = torch.tensor(probs, dtype=torch.float64)
+    exact = p.clone()
+    exact[p.argmin()] = 0.0
+    return (p.log() * SAMPLED.temperature).float(), exact / exact.sum()
+
+
+@pytest.fixture
+def one_thread():
+    # Thousands of draws from rows of 6 tokens: a thread pool's wake-up per softmax would
+    # cost more than the work, many times over on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sampled_verification_follows_the_target_distribution(one_thread):
+    (l0, p0), (l1, p1), (l2, _) = (target([0.30, 0.25, 0.20, 0.12, 0.08, 0.05]),
+                                   target([0.05, 0.10, 0.15, 0.20, 0.20, 0.30]),
+                                   target([0.5, 0.1, 0.1, 0.1, 0.1, 0.1]))
     generator = torch.Generator().manual_seed(1234)
     first, second = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
     accepted = 0
-    trials = 6_000
+    trials = 3_000
     for _ in range(trials):
-        kept = accept_sampled([2, 5], probs, generator)
+        # As in a step: the step sampler draws the last token's row, verify the proposal's rows.
+        token = int(sample(l0[None], [SAMPLED], [generator])[0])
+        kept = verify(token, [2, 5], torch.stack([l1, l2]), SAMPLED, generator)
         first[kept[0]] += 1
         if kept[0] == 2:  # the second row is the target's only after the first proposal stood
             second[kept[1]] += 1
         accepted += len(kept) - 1
-    assert chi_square(first, p0) < CHI2_DF5_P001
-    assert chi_square(second, p1) < CHI2_DF5_P001
-    # Expected accepted proposals per step: p0(2) + p0(2) p1(5) = 0.2 + 0.06.
-    assert abs(accepted / trials - 0.26) < 0.03  # about 4 standard errors at 6,000 steps
-    # What the bound rules out: a sampler that always keeps the proposal.
+    assert chi_square(first, p0) < CHI2_DF4_P001
+    assert chi_square(second, p1) < CHI2_DF4_P001
+    # Expected accepted proposals per step: p0(2) + p0(2) p1(5).
+    expected = float(p0[2] + p0[2] * p1[5])
+    assert abs(accepted / trials - expected) < 0.04  # about 4 standard errors at 3,000 steps
+    # What the bound rules out: a rule that always keeps the proposal.
     always = torch.zeros(6, dtype=torch.float64)
     always[2] = trials
-    assert chi_square(always, p0) > CHI2_DF5_P001
+    assert chi_square(always, p0) > CHI2_DF4_P001
 
 
-def test_sampled_acceptance_of_a_certain_token_always_keeps_it():
-    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    generator = torch.Generator().manual_seed(0)
-    assert all(accept_sampled([1, 2], probs, generator) == [1, 2, 0] for _ in range(50))
-    assert accept_sampled([], probs[2:], generator) == [0]
-    with pytest.raises(ValueError, match="need 3 probability rows"):
-        accept_sampled([1, 2], probs[:2], generator)
+def test_a_seeded_completion_draws_the_same_tokens_whatever_is_proposed(one_thread):
+    # A bigram model: the next token's logits depend on the last token only.
+    vocab = 8
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(3)) * 2.5
+    options = SamplingOptions(max_new_tokens=100, temperature=0.9, top_p=0.9, seed=11)
+    proposer = random.Random(5)
+    kept_total = rejected = 0
+    for seed in range(20):
+        plain_gen = torch.Generator().manual_seed(seed)
+        plain = [0]
+        while len(plain) < 41:  # one token a step
+            plain.append(int(sample(table[plain[-1]][None], [options], [plain_gen])[0]))
+        spec_gen = torch.Generator().manual_seed(seed)
+        spec = [0]
+        while len(spec) < 41:
+            token = int(sample(table[spec[-1]][None], [options], [spec_gen])[0])
+            # Proposals that follow the likeliest chain (often kept) or are random (mostly not).
+            proposal, last = [], token
+            for _ in range(proposer.randint(1, 4)):
+                last = int(table[last].argmax()) if proposer.random() < 0.7 else proposer.randrange(vocab)
+                proposal.append(last)
+            rows = table[torch.tensor(proposal)]  # row i: after the proposal's first i + 1 tokens
+            kept = verify(token, proposal, rows, options, spec_gen)
+            kept_total += len(kept) - 1
+            rejected += len(kept) - 1 < len(proposal)
+            spec.extend(kept)
+        assert spec[:41] == plain, seed
+    assert kept_total > 50 and rejected > 50  # both paths ran
+
+
+def test_greedy_verification_keeps_the_argmax_chain():
+    rows = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 9.0]])
+    greedy_options = SamplingOptions(max_new_tokens=10)
+    assert verify(1, [1, 1, 0], rows, greedy_options, None) == [1, 1, 0, 2]  # argmaxes: 1, 0, 2
+    assert verify(2, [1, 1, 0], rows, greedy_options, None) == [2]
+    assert verify(1, [1, 2, 0], rows, greedy_options, None) == [1, 1]
 
 
 def speculating_sequence(tokens: list[int], blocks: int, max_new_tokens: int = 100):
-    from model_service.sample.params import SamplingOptions
     from model_service.sched.sequence import Sequence
 
     seq = Sequence("r", list(tokens), prompt_len=len(tokens) - 1, arrival=0,

@@ -1,5 +1,5 @@
-"""Speculative decoding (ngram) in the engine against a real cache service: greedy output
-token for token as without it, kept proposals counted, the rejected tails' slots given
+"""Speculative decoding (ngram) in the engine against a real cache service: greedy and
+seeded sampled output token for token as without it, kept proposals counted, the rejected tails' slots given
 back with the lease (the cache service checking its ledger after every call)."""
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def settled(monkeypatch):
-    """(proposed, accepted) of every verification the engine ran."""
-    seen: list[tuple[int, int]] = []
+    """(proposed, accepted, greedy) of every verification the engine ran."""
+    seen: list[tuple[int, int, bool]] = []
     original = Speculator.settle
 
     def record(self, seq, proposed, accepted):
-        seen.append((proposed, accepted))
+        seen.append((proposed, accepted, seq.options.greedy))
         original(self, seq, proposed, accepted)
 
     monkeypatch.setattr(Speculator, "settle", record)
@@ -49,7 +49,7 @@ def run(engine, streams, requests: dict[str, tuple[list[int], object]]) -> dict[
     return {name: [streams.tokens(name, i) for i in range(options.n)] for name, (_, options) in requests.items()}
 
 
-def test_greedy_output_is_token_identical_with_ngram_speculation(checkpoint, tmp_path, settled):
+def test_greedy_and_seeded_output_is_token_identical_with_ngram_speculation(checkpoint, tmp_path, settled):
     loaded, reference = checkpoint
     # A prompt that repeats itself: the lookup finds its continuation in it.
     looped = prompt_ids(12, seed=3) * 3
@@ -58,7 +58,10 @@ def test_greedy_output_is_token_identical_with_ngram_speculation(checkpoint, tmp
         "plain": (prompt_ids(20, seed=4), greedy(30)),
         "n2": (looped[:30], greedy(24, n=2)),
         "stop": (looped, greedy(40, stop_token_ids=frozenset({looped[5]}))),
-        "sampled": (looped, greedy(20, temperature=0.8, seed=5)),  # decodes one token a step
+        # Seeded: each token drawn with the uniform a one-token step would have used.
+        "sampled": (looped, greedy(30, temperature=0.5, seed=5)),
+        "sampled-n2": (looped[:30], greedy(24, n=2, temperature=0.7, top_k=20, top_p=0.9, seed=9)),
+        "penalised": (looped, greedy(20, temperature=0.8, seed=5, presence_penalty=0.5)),  # one token a step
     }
     outputs = {}
     for label, spec in (("plain", SpeculativeSettings()), ("ngram", NGRAM)):
@@ -76,5 +79,38 @@ def test_greedy_output_is_token_identical_with_ngram_speculation(checkpoint, tmp
     assert outputs["ngram"] == outputs["plain"]
     assert list(outputs["ngram-again"].values()) == list(outputs["plain"].values())
     assert outputs["ngram"]["looped"][0] == reference_greedy(reference, looped, 40)
-    # Speculation ran, and some of it was kept.
-    assert sum(p for p, _ in settled) > 0 and sum(a for _, a in settled) > 0
+    # Speculation ran, and some of it was kept, for greedy and sampled requests both.
+    for greedy_rows in (True, False):
+        assert sum(p for p, _, g in settled if g is greedy_rows) > 0, greedy_rows
+        assert sum(a for _, a, g in settled if g is greedy_rows) > 0, greedy_rows
+
+
+SUFFIX = SpeculativeSettings(method="suffix", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def test_suffix_speculation_proposes_from_the_same_tenants_earlier_outputs(checkpoint, tmp_path):
+    loaded, reference = checkpoint
+    prompt = prompt_ids(20, seed=4)
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache:
+        engine = start_engine(loaded, cache.address, streams, speculative=SUFFIX)
+        try:
+            def one(name: str, tenant: str, salt: str = ""):
+                engine.submit(name, prompt, greedy(30), streams.sink(name), tenant=tenant, cache_salt=salt)
+                wait_for(lambda: len(streams.finished(name)) == 1, 120, f"{name} to finish")
+                return streams.tokens(name), streams.finished(name)[0]
+
+            first, first_end = one("a1", "a")
+            again, again_end = one("a2", "a")  # tenant a's first output is in the history now
+            other, other_end = one("b1", "b")
+            salted, salted_end = one("a3", "a", salt="s")
+            wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+        finally:
+            engine.stop(grace_s=0)
+    assert first == again == other == salted == reference_greedy(reference, prompt, 30)
+    assert again_end.spec_accepted_tokens > first_end.spec_accepted_tokens
+    # Another tenant, or another salt of the same one, proposes only from its own tokens, as
+    # the first request did.
+    for end in (other_end, salted_end):
+        assert (end.spec_proposed_tokens, end.spec_accepted_tokens) == (
+            first_end.spec_proposed_tokens, first_end.spec_accepted_tokens)

@@ -1,5 +1,6 @@
 """Speculative decoding through the front doors: gRPC and OpenAI usage carry the proposed
-and kept tokens, /metrics counts them by proposer, a request can turn it off, the cache
+and kept tokens (greedy and sampled requests; a seed gives the same tokens either way),
+blocks holding only rejected tokens go back to the cache service (GetStats counts them), /metrics counts them by proposer, a request can turn it off, the cache
 service's ledger stays exact (--check-invariants), and bad flag values stop the start."""
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("speculative-stack")
     with start_cache_service(tmp, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache, \
             start_model_service(tmp, cache.address, "--speculative-method", "ngram", "--num-speculative-tokens", "4",
-                                "--prompt-lookup-min", "1", "--prompt-lookup-max", "3") as model, \
+                                "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
+                                # No blocks ahead: a block that a rejected proposal filled goes back at once.
+                                "--lease-ahead-blocks", "0") as model, \
             grpc.insecure_channel(model.address) as channel:
         yield model, cache, model_pb2_grpc.ModelServiceStub(channel)
 
@@ -47,6 +50,35 @@ def test_usage_and_metrics_count_proposed_and_kept_tokens(stack):
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
 
 
+def test_sampled_requests_speculate_and_a_seed_gives_the_same_tokens_as_without(stack):
+    model, cache, stub = stack
+    proposed = accepted = 0
+    for seed in range(4):
+        sampling = dict(temperature=0.6, top_p=0.95, top_k=40, seed=seed, ignore_eos=True, max_new_tokens=32)
+        on = generate(stub, prompt_token_ids=LOOPED, sampling=sampling)
+        off = generate(stub, prompt_token_ids=LOOPED, sampling=dict(sampling, speculate=False))
+        assert on.tokens == off.tokens, seed
+        assert (off.usage.spec_proposed_tokens, off.usage.spec_accepted_tokens) == (0, 0)
+        proposed += on.usage.spec_proposed_tokens
+        accepted += on.usage.spec_accepted_tokens
+    assert proposed > 0 and 0 < accepted <= proposed
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 10, "every block released")
+
+
+def test_blocks_holding_only_rejected_tokens_go_back_in_a_truncate(stack):
+    model, cache, stub = stack
+    cache_service = cache_stub(cache.address)
+    before = stats(cache_service).blocks_truncated
+    rejected = 0
+    for seed in range(3):  # hot sampling: many proposals rejected, some across a block boundary
+        usage = generate(stub, prompt_token_ids=LOOPED,
+                         sampling=dict(temperature=1.5, seed=seed, ignore_eos=True, max_new_tokens=48)).usage
+        rejected += usage.spec_proposed_tokens - usage.spec_accepted_tokens
+    assert rejected > 0
+    assert stats(cache_service).blocks_truncated > before
+    wait_for(lambda: stats(cache_service).blocks_leased == 0, 10, "every block released")
+
+
 def test_openai_usage_carries_the_speculation_counts(stack):
     model = stack[0]
     client = openai.OpenAI(base_url=model.http_url, api_key="none")
@@ -60,14 +92,18 @@ def test_openai_usage_carries_the_speculation_counts(stack):
     assert off.choices[0].text == answer.choices[0].text
 
 
-def test_bad_speculative_flags_stop_the_start_with_a_message():
+@pytest.mark.parametrize("flags, message", [
+    (("--speculative-method", "ngram", "--prompt-lookup-min", "4", "--prompt-lookup-max", "3"),
+     "--prompt-lookup-max must be from --prompt-lookup-min (4) to 32, got 3"),
+    (("--speculative-method", "suffix", "--suffix-cache-tokens", "0"), "--suffix-cache-tokens must be from 1"),
+], ids=["ngram-lookup", "suffix-cache"])
+def test_bad_speculative_flags_stop_the_start_with_a_message(flags, message):
     # Each bad value's message is checked in tests/test_spec_rules.py; here, that the flags
     # reach that check and the start ends with status 2 before a model loads.
     done = subprocess.run([sys.executable, "-m", "model_service", "--model", "tiny", "--cache-service", "127.0.0.1:1",
-                           "--speculative-method", "ngram", "--prompt-lookup-min", "4", "--prompt-lookup-max", "3"],
-                          capture_output=True, text=True, timeout=120)
+                           *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--prompt-lookup-max must be from --prompt-lookup-min (4) to 32, got 3" in done.stderr
+    assert message in done.stderr
 
 
 def test_an_unknown_speculative_method_is_refused_at_parsing(capsys):

@@ -86,6 +86,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             lease_ttl_ms=self.pool.settings.lease_ttl_ms,
             sizing=wire.sizing_to_proto(attachment.sizing),
             pool=wire.pool_handle(attachment.handle),
+            supports_truncate=True,
         )
 
     async def Heartbeat(self, request, context):

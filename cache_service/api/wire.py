@@ -58,6 +58,8 @@ def lease_op(op: cache_pb2.LeaseOp) -> lease_ops.LeaseOp:
         return lease_ops.ReleaseOp(op.release.sequence_id, op.release.cache_prefix, op.release.token_ids)
     if kind == "commit":
         return lease_ops.CommitOp(op.commit.sequence_id, op.commit.token_ids)
+    if kind == "truncate":
+        return lease_ops.TruncateOp(op.truncate.sequence_id, op.truncate.num_tokens)
     return lease_ops.EmptyOp()
 
 
@@ -101,6 +103,7 @@ def stats_proto(stats: PoolStats) -> cache_pb2.CacheStats:
         sequences=ledger.sequences,
         prefix_queries=ledger.prefix_queries,
         prefix_hits=ledger.prefix_hits,
+        blocks_truncated=ledger.blocks_truncated,
         bytes_reserved=stats.bytes_reserved,
         tiers=[cache_pb2.TierStats(**row) for row in stats.tiers],
         models=[cache_pb2.ModelStats(**asdict(model)) for model in stats.models],

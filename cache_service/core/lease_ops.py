@@ -50,11 +50,17 @@ class CommitOp:
 
 
 @dataclass(frozen=True, slots=True)
+class TruncateOp:
+    sequence_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class EmptyOp:
     """A LeaseOp with none of its kinds set."""
 
 
-LeaseOp = AllocateOp | ExtendOp | ForkOp | ReleaseOp | CommitOp | EmptyOp
+LeaseOp = AllocateOp | ExtendOp | ForkOp | ReleaseOp | CommitOp | TruncateOp | EmptyOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,8 @@ class Extended:
 
 @dataclass(frozen=True, slots=True)
 class Released:
+    """A release's or a truncate's: the blocks it gave back."""
+
     sequence_id: int
     blocks_released: int
 
@@ -100,6 +108,8 @@ def apply_op(ledger: Ledger, owner: str, op: LeaseOp, model_fingerprint: str = "
             return Released(op.sequence_id, ledger.release(owner, op.sequence_id, op.cache_prefix, op.token_ids))
         if kind is CommitOp:
             return Committed(op.sequence_id, ledger.commit(owner, op.sequence_id, op.token_ids))
-        raise InvalidLease("empty lease op: set one of allocate, extend, fork, release, commit")
+        if kind is TruncateOp:
+            return Released(op.sequence_id, ledger.truncate(owner, op.sequence_id, op.num_tokens))
+        raise InvalidLease("empty lease op: set one of allocate, extend, fork, release, commit, truncate")
     except LeaseError as error:
         return Refused(getattr(op, "sequence_id", 0), error)

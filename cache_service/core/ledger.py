@@ -103,6 +103,7 @@ class LedgerStats:
     sequences: int
     prefix_queries: int  # prompt tokens looked up
     prefix_hits: int  # prompt tokens found cached
+    blocks_truncated: int = 0  # blocks given back by truncate since start-up
 
 
 @dataclass(slots=True)
@@ -144,6 +145,7 @@ class Ledger:
         self._last_sequence_id = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._blocks_truncated = 0
         self._models: dict[str, ModelUsage] = {}  # by model fingerprint
         # The host and disk tiers (cache_service/tiers), when the service has them: set
         # once, right after construction, by the pool.
@@ -292,6 +294,39 @@ class Ledger:
         self._add(child_id, _Sequence(owner, written, blocks, parent.namespace))
         return Fork(child_id, [block.block_id for block in blocks], copy)
 
+    def truncate(self, owner: str, sequence_id: int, num_tokens: int) -> int:
+        """Shrink a live sequence to ``num_tokens`` tokens; the blocks past them go back to
+        the pool as free blocks (never as prefix cache). Returns how many.
+
+        For blocks whose slots hold nothing the holder will keep (speculative decoding's
+        rejected tokens). Refused when a block it would drop, or a partial block it would
+        end in, is registered in the prefix cache or shared: their tokens are committed,
+        and the holder would write over a shared block's slots.
+        """
+        sequence = self._owned(owner, sequence_id)
+        if not 1 <= num_tokens <= sequence.num_tokens:
+            raise InvalidLease(f"truncate of sequence {sequence_id} to {num_tokens} tokens: it must keep from 1 "
+                               f"to its {sequence.num_tokens} tokens (extend grows a sequence)")
+        block_size = self.block_size
+        keep = (num_tokens + block_size - 1) // block_size
+        # From the block the cut ends in when it ends within one, else from the first dropped.
+        first_touched = keep - 1 if num_tokens % block_size else keep
+        for index in range(len(sequence.blocks) - 1, first_touched - 1, -1):
+            block = sequence.blocks[index]
+            if block.block_hash is not None or block.ref_count > 1:
+                raise InvalidLease(
+                    f"truncate of sequence {sequence_id} to {num_tokens} tokens: its block {block.block_id} "
+                    f"(tokens {index * block_size} to {(index + 1) * block_size - 1}) is "
+                    f"{'in the prefix cache' if block.block_hash is not None else 'shared with another sequence'}; "
+                    f"truncate to {(index + 1) * block_size} tokens or more")
+        dropped = sequence.blocks[keep:]
+        del sequence.blocks[keep:]
+        sequence.num_tokens = num_tokens
+        self._owner_blocks[owner] -= len(dropped)
+        self._model(sequence.namespace[0]).blocks_leased -= self.pool.free(dropped)
+        self._blocks_truncated += len(dropped)
+        return len(dropped)
+
     def release(self, owner: str, sequence_id: int, cache_prefix: bool = False, token_ids: Sequence[int] = ()) -> int:
         """End a sequence; returns how many block references it gave back (its table length).
 
@@ -406,6 +441,7 @@ class Ledger:
             sequences=len(self._sequences),
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
+            blocks_truncated=self._blocks_truncated,
         )
 
     def model_usage(self) -> dict[str, ModelUsage]:

@@ -59,6 +59,8 @@ class Attachment:
     kv_pool: torch.Tensor
     lease_deadline: LeaseDeadline
     heartbeat: Heartbeat
+    # The cache service applies TruncateOp (AttachResponse.supports_truncate).
+    supports_truncate: bool = False
 
 
 def attach(cache: CacheClient, asked: AttachSettings, device: torch.device, *, stopping: threading.Event,
@@ -108,7 +110,7 @@ def attach(cache: CacheClient, asked: AttachSettings, device: torch.device, *, s
     heartbeat = Heartbeat(cache, reply.session_id, reply.lease_ttl_ms / 3000, on_failure=on_heartbeat_failure,
                           deadline=lease_deadline).start()
     return Attachment(session_id=reply.session_id, sizing=reply.sizing, kv_pool=kv_pool,
-                      lease_deadline=lease_deadline, heartbeat=heartbeat)
+                      lease_deadline=lease_deadline, heartbeat=heartbeat, supports_truncate=reply.supports_truncate)
 
 
 def detach_unmapped(cache: CacheClient, session_id: str, error: Exception) -> None:

@@ -149,6 +149,10 @@ def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
         for release in ops.releases
     )
     proto_ops.extend(
+        cache_pb2.LeaseOp(truncate=cache_pb2.TruncateOp(sequence_id=seq.lease_id, num_tokens=tokens))
+        for seq, tokens in ops.truncates
+    )
+    proto_ops.extend(
         cache_pb2.LeaseOp(extend=cache_pb2.ExtendOp(sequence_id=seq.lease_id, num_tokens=tokens))
         for seq, tokens in ops.extends
     )
@@ -180,7 +184,7 @@ def answer_from_proto(ops: LeaseOps, sent, results, blocks_available: int) -> Le
     outcomes = []
     for op, result in zip(sent, results):
         kind = op.WhichOneof("op")
-        if kind in ("extend", "release", "commit") and result.sequence_id != getattr(op, kind).sequence_id:
+        if kind in ("extend", "release", "commit", "truncate") and result.sequence_id != getattr(op, kind).sequence_id:
             raise LeaseLost(f"the cache service answered the {kind} of lease {getattr(op, kind).sequence_id} "
                             f"about lease {result.sequence_id}: the answer is not this call's; re-attaching")
         outcomes.append(_DECODE[kind](result))
@@ -216,7 +220,8 @@ def _allocated(result: cache_pb2.LeaseResult) -> Allocated | Refused:
                                           result.cached_tokens_remote))
 
 
-_DECODE = {"fork": _forked, "release": _released, "extend": _extended, "commit": _committed, "allocate": _allocated}
+_DECODE = {"fork": _forked, "release": _released, "truncate": _released, "extend": _extended, "commit": _committed,
+           "allocate": _allocated}
 
 
 class LeaseDeadline:

@@ -46,7 +46,8 @@ def build_scheduler(settings: EngineSettings, attachment: Attachment, eos_token_
                         prefix_hold_min_tokens=settings.prefix_hold_min_tokens,
                         lookahead_tokens=settings.lease_ahead_blocks * block_size,
                         max_model_len=settings.max_model_len,
-                        release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0),
+                        release_hold_s=RELEASE_HOLD_S if settings.lease_ahead_blocks else 0.0,
+                        truncate_tables=attachment.supports_truncate),
         blocks_available=attachment.sizing.num_blocks, policy=settings.scheduling_policy,
         eos_token_ids=eos_token_ids, tenant_kv_blocks=dict(settings.tenant_kv_blocks),
         speculator=Speculator(settings.speculative, block_size, settings.max_model_len)

@@ -59,6 +59,13 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
+def draw_uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """A sampled row's one draw: each token of a request takes the next uniform of its
+    generator. Speculative verification (spec/verify.py) replays this call to leave a
+    generator where one-token steps would have left it."""
+    return torch.rand((), device=device, generator=generator)
+
+
 def sample(
     logits: torch.Tensor,
     options: Sequence[SamplingOptions],
@@ -140,9 +147,7 @@ def sample(
 
     # Inverse-CDF draw: one uniform from each row's own generator. (torch.multinomial
     # a row at a time cost ~20 times a whole-batch pass over the logits on CPU.)
-    uniform = torch.stack([
-        torch.rand((), device=device, generator=generators[row]) for row in sampled_rows
-    ])  # [S]
+    uniform = torch.stack([draw_uniform(generators[row], device) for row in sampled_rows])  # [S]
     cdf = probs.cumsum_(dim=-1)  # [S, V]
     total = cdf[:, -1]
     # Strictly below the total, so the first cdf entry above it exists; that entry is

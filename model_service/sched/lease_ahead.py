@@ -36,14 +36,20 @@ def top_ups(batch: list[tuple[Sequence, int]], extends: list[tuple[Sequence, int
             break
         if new_tokens != 1:
             continue  # a prefill chunk: its table covers the prompt already
-        # After this step the next one writes position num_computed + 1.
-        target = min(seq.num_computed + 2 + lookahead_tokens, longest(seq, max_model_len))
+        target = ahead_target(seq, lookahead_tokens, max_model_len)
         have = held.get(id(seq), len(seq.block_table))
         more = min(blocks_for(target, block_size) - have, spare)
         if more > 0:
             spare -= more
             asked.append((seq, min(target, (have + more) * block_size)))
     return asked
+
+
+def ahead_target(seq: Sequence, lookahead_tokens: int, max_model_len: int) -> int:
+    """The tokens a decoding sequence's table holds once topped up: `lookahead_tokens`
+    past the position the step after this one writes (num_computed + 1), never past the
+    most it can grow to."""
+    return min(seq.num_computed + 2 + lookahead_tokens, longest(seq, max_model_len))
 
 
 def longest(seq: Sequence, max_model_len: int) -> int:

@@ -45,6 +45,10 @@ class LeaseOps:
 
     forks: list[ForkRequest] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    # (sequence, tokens to hold): its table cut to them (TruncateOp), its blocks past them
+    # holding only a rejected proposal's tokens (spec_tails.py); before the extends, which
+    # then count from the cut table.
+    truncates: list[tuple[Sequence, int]] = field(default_factory=list)
     extends: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to hold)
     # (sequence, tokens): register its full blocks holding its first `tokens` tokens in the
     # prefix cache now (CommitOp); only ever added to a call that goes out anyway.
@@ -55,7 +59,8 @@ class LeaseOps:
     top_ups: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.forks or self.releases or self.extends or self.commits or self.allocations or self.top_ups)
+        return bool(self.forks or self.releases or self.truncates or self.extends or self.commits or self.allocations
+                    or self.top_ups)
 
     def __len__(self) -> int:
         return sum(len(getattr(self, kind)) for kind in KINDS)
@@ -63,7 +68,7 @@ class LeaseOps:
 
 # The kinds of op in the order the cache service applies them: LeaseOps's lists, the
 # LeaseRequest's ops (cache/client.py) and LeaseAnswer's outcomes all follow it.
-KINDS = ("forks", "releases", "extends", "commits", "allocations", "top_ups")
+KINDS = ("forks", "releases", "truncates", "extends", "commits", "allocations", "top_ups")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +111,8 @@ class Allocated:
 
 
 # What each kind of op is answered with when it succeeds (Refused when it does not).
-OUTCOME_TYPES = {"forks": Forked, "releases": Released, "extends": Extended, "commits": Committed,
-                 "allocations": Allocated, "top_ups": Extended}
+OUTCOME_TYPES = {"forks": Forked, "releases": Released, "truncates": Released, "extends": Extended,
+                 "commits": Committed, "allocations": Allocated, "top_ups": Extended}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,7 @@ class LeaseAnswer:
 
     forks: tuple[Forked | Refused, ...] = ()
     releases: tuple[Released | Refused, ...] = ()
+    truncates: tuple[Released | Refused, ...] = ()
     extends: tuple[Extended | Refused, ...] = ()
     commits: tuple[Committed | Refused, ...] = ()
     allocations: tuple[Allocated | Refused, ...] = ()

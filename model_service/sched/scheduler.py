@@ -58,6 +58,7 @@ from model_service.sched.lease_ops import (
 )
 from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
+from model_service.sched.spec_tails import truncation
 from model_service.sched.tenant_blocks import TenantBlocks
 from model_service.spec.speculator import Speculator
 
@@ -89,6 +90,9 @@ class SchedulerLimits:
     # another sequence is computing waits for them to be committed, then finds them cached
     # (inflight_prefixes.py); 0: admitted at once, computing them again.
     prefix_hold_min_tokens: int = 32
+    # The cache service applies TruncateOp: the blocks a rejected proposal leaves past a
+    # speculating sequence's need go back at once (spec_tails.py); else they wait, leased.
+    truncate_tables: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
@@ -133,6 +137,7 @@ class Scheduler:
         self._releases = PendingReleases(limits.release_hold_s, clock)
         self._forks: list[ForkRequest] = []
         self._copies: list[tuple[int, int]] = []
+        self._rejected: list[Sequence] = []  # speculating sequences whose last proposal was cut short
         self.preemptions = 0
         self.steps = 0  # schedule() calls so far: how long a prompt has waited (_prefill_order)
         self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
@@ -160,6 +165,8 @@ class Scheduler:
         # ALLOCATING, FORKING: released when the op's result arrives (see apply).
         # FORK_PENDING: holds nothing; a fork asked for it is dropped (see schedule).
         seq.status = Status.FINISHED
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         seq.finish = reason
 
     def has_work(self) -> bool:
@@ -255,6 +262,9 @@ class Scheduler:
         failed: list[tuple[Sequence, str]] = []
         for fork, outcome in zip(ops.forks, answer.forks):
             self._forked(fork, outcome)
+        for (seq, _), outcome in zip(ops.truncates, answer.truncates):
+            if type(outcome) is Refused:  # its table here is already cut: the two no longer agree
+                raise LeaseLost(f"truncate of request {seq.request_id} failed: {outcome.code} {outcome.message}")
         for (seq, _), outcome in zip(ops.extends, answer.extends):
             self._extended(seq, outcome, failed)
         requeue: list[Sequence] = []
@@ -378,6 +388,8 @@ class Scheduler:
             if self.speculator is not None:
                 kept = sum(1 for s, _ in output.sampled if s is seq)
                 self.speculator.settle(seq, len(proposal), max(kept - 1, 0))
+                if kept <= len(proposal):
+                    self._rejected.append(seq)
         verified: set[Sequence] = set()
         for seq, token in output.sampled:
             if seq.status is Status.FINISHED:
@@ -404,6 +416,7 @@ class Scheduler:
     def schedule(self) -> Step:
         block_size = self.limits.block_size
         preempted = self._relieve_starvation()
+        truncates = self._truncate_rejected()
 
         budget = self.limits.max_batch_tokens
         batch: list[tuple[Sequence, int]] = []
@@ -433,7 +446,7 @@ class Scheduler:
             budget -= chunk
         self.steps += 1
 
-        ops = LeaseOps()
+        ops = LeaseOps(truncates=truncates)
         for fork in self._forks:
             if fork.child.status is Status.FINISHED:
                 continue
@@ -464,6 +477,28 @@ class Scheduler:
             ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
                                   self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted, proposals=proposals)
+
+    def _truncate_rejected(self) -> list[tuple[Sequence, int]]:
+        """Cuts the tables that rejected proposals left holding whole blocks past their
+        need; returns the TruncateOps that give those blocks back (none when the cache
+        service has no TruncateOp)."""
+        rejected, self._rejected = self._rejected, []
+        if not self.limits.truncate_tables:
+            return []
+        block_size = self.limits.block_size
+        # The blocks ahead that top-ups would lease again at once stay (none while others wait).
+        lookahead = 0 if self.waiting else self.limits.lookahead_tokens
+        truncates = []
+        for seq in rejected:
+            if seq.status is not Status.RUNNING or seq.lease_id is None:
+                continue
+            tokens = truncation(seq, block_size, lookahead, self.limits.max_model_len)
+            if tokens is not None:
+                keep = blocks_for(tokens, block_size)
+                self.tenant_blocks.drop(seq.tenant, seq.block_table[keep:])
+                del seq.block_table[keep:]
+                truncates.append((seq, tokens))
+        return truncates
 
     def _prefill_order(self) -> list[Sequence]:
         """Running sequences with prompt tokens to compute, in the order they get chunks:

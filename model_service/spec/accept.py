@@ -2,23 +2,28 @@
 target model's distribution exactly, as if it had decoded one token per step).
 
 A sequence that proposed t_1..t_K runs K + 1 positions; row i holds the target's
-next-token distribution after t_1..t_i. The proposers here are deterministic, so the
-draft distribution is a point mass on t_{i+1}, and the rejection rule of Leviathan et al.
-and Chen et al. (accept with min(1, p/q), else draw from the residual max(0, p - q)
-renormalised) becomes: accept t with probability p(t); on rejection draw from p with t
-removed, renormalised. If every proposal is accepted the last row gives a bonus token.
+next-token distribution p_i after t_1..t_i. Each row is drawn from as the sampler draws
+any row (x_i; greedy rows: the argmax), and the proposal is kept while x_i = t_{i+1}.
+
+For sampled rows this is the rejection rule of Leviathan et al. and Chen et al. (accept
+t with probability min(1, p/q), else draw from the residual max(0, p - q) renormalised)
+in a coupled form. The proposers here are deterministic, so the draft q is a point mass
+on t, and the rule reads: keep t with probability p(t); on rejection draw from p with t
+removed, renormalised. A draw x ~ p does both at once: P(x = t) = p(t), and given x != t,
+x is distributed as p without t, renormalised. Drawing x_i with the uniform that a
+one-token step would have used for that position makes a seeded request's output the
+same with and without speculation (spec/verify.py), which the uncoupled rule, with its
+own uniforms for acceptance, would not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 
-
-def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
-    """The tokens to append: the longest prefix of `proposed` equal to the targets'
-    argmax rows, then the target's own token at the first mismatch (or the bonus row)."""
+def accept_matching(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens to append: the longest prefix of `proposed` equal to the targets (each
+    row's draw), then the target at the first mismatch (or the bonus row's)."""
     if len(targets) != len(proposed) + 1:
         raise ValueError(f"{len(proposed)} proposed tokens need {len(proposed) + 1} target rows, got {len(targets)}")
     kept: list[int] = []
@@ -27,33 +32,4 @@ def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
             break
         kept.append(token)
     kept.append(targets[len(kept)])
-    return kept
-
-
-def accept_sampled(proposed: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
-    """The tokens to append, given `probs` [K + 1, V]: the target's distribution at each
-    verified position, after the request's temperature, top-k/p and the like. Draws come
-    from the request's own generator, one uniform per examined proposal and one draw for
-    the final token, so a seeded request repeats itself."""
-    k = len(proposed)
-    if probs.dim() != 2 or probs.shape[0] != k + 1:
-        raise ValueError(f"{k} proposed tokens need {k + 1} probability rows, got shape {tuple(probs.shape)}")
-    kept: list[int] = []
-    if k:
-        index = torch.tensor(proposed, dtype=torch.int64, device=probs.device)
-        p_proposed = probs[:k].gather(1, index[:, None]).squeeze(1)
-        uniform = torch.rand(k, generator=generator, device=probs.device, dtype=probs.dtype)
-        accepted = (uniform < p_proposed).tolist()
-        for token, ok in zip(proposed, accepted):
-            if not ok:
-                residual = probs[len(kept)].clone()
-                residual[token] = 0.0
-                total = residual.sum()
-                if total <= 0:  # p was a point mass on the rejected token: cannot happen, but never divide by 0
-                    kept.append(token)
-                    continue
-                kept.append(int(torch.multinomial(residual / total, 1, generator=generator)))
-                return kept
-            kept.append(token)
-    kept.append(int(torch.multinomial(probs[k], 1, generator=generator)))
     return kept

@@ -1,17 +1,21 @@
 """What speculative decoding runs with (--speculative-method, --num-speculative-tokens,
---prompt-lookup-min/max), checked once so every front door gives the same message."""
+--prompt-lookup-min/max, --suffix-cache-tokens), checked once so every front door gives
+the same message."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # A verified chunk is K + 1 query rows per sequence in a step that every other stream
 # waits for; past this many, a rejected tail costs more than the accepted head saves.
 MAX_SPECULATIVE_TOKENS = 16
 # Longer n-grams than this almost never recur verbatim where shorter ones do not, and
 # each length costs an index entry per token.
 MAX_LOOKUP_N = 32
+# The suffix proposer's history holds each output token in up to (--prompt-lookup-max +
+# --num-speculative-tokens) trie nodes of about a hundred bytes each.
+MAX_SUFFIX_CACHE_TOKENS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +24,7 @@ class SpeculativeSettings:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    suffix_cache_tokens: int = 65536
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -32,6 +37,9 @@ class SpeculativeSettings:
         if not self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_LOOKUP_N:
             raise ValueError(f"--prompt-lookup-max must be from --prompt-lookup-min ({self.prompt_lookup_min}) "
                              f"to {MAX_LOOKUP_N}, got {self.prompt_lookup_max}")
+        if not 1 <= self.suffix_cache_tokens <= MAX_SUFFIX_CACHE_TOKENS:
+            raise ValueError(f"--suffix-cache-tokens must be from 1 to {MAX_SUFFIX_CACHE_TOKENS}, "
+                             f"got {self.suffix_cache_tokens}")
 
     @property
     def enabled(self) -> bool:

@@ -1,4 +1,6 @@
-"""Which decoding sequences speculate this step, and with what proposal.
+"""Which decoding sequences speculate this step, and with what proposal: ngram looks up the
+sequence's own tokens (ngram.py); suffix, when they give nothing, the outputs of its
+tenant's earlier requests (suffix.py), which it is told of as they end (`finished`).
 
 The scheduler asks `propose` for each decoding sequence; a sequence that gets tokens runs
 them as a short chunk (its last token plus the proposal) through the prefill path, in
@@ -6,10 +8,11 @@ the blocks it already holds: a proposal never asks the cache service for a block
 rejected tail is rolled back by the scheduler (num_computed), so its slots are written
 over later and never committed to the prefix cache nor released as cached tokens.
 
-Only plain greedy sequences speculate for now: the acceptance rule for sampled rows
-(accept.py's accept_sampled) needs each row's adjusted distribution, and a grammar would
-need its matcher advanced over each proposed position; such requests decode one token
-a step, with the same output as ever.
+Greedy and sampled sequences speculate (temperature, top-k/p, min_p, seeds: each
+proposed position's row is drawn as one-token steps draw it, spec/verify.py). Penalties,
+logit_bias and min_tokens would need the token counts advanced over each proposed
+position, a grammar its matcher, and logprobs a row of their own per kept token: such
+requests decode one token a step, with the same output as ever.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from model_service import metrics
 from model_service.sched.sequence import Sequence
 from model_service.spec.ngram import NgramIndex
 from model_service.spec.settings import SpeculativeSettings
+from model_service.spec.suffix import SuffixHistory
 
 # A sequence whose proposals are accepted less often than this, once it has had
 # LOW_ACCEPTANCE_AFTER tokens proposed, stops speculating: each rejected token costs a
@@ -34,11 +38,14 @@ class Speculator:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        # --speculative-method suffix: the outputs of finished requests, by tenant and cache salt.
+        self.history = SuffixHistory(settings.prompt_lookup_max + settings.num_speculative_tokens,
+                                     settings.suffix_cache_tokens) if settings.method == "suffix" else None
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         options = seq.options
-        return (options.speculate and options.greedy and options.grammar is None and options.logprobs is None
+        return (options.speculate and options.grammar is None and options.logprobs is None
                 and not options.adjusts_logits and not seq.spec_off
                 and not (seq.fork_children and seq.num_output == 0))
 
@@ -59,7 +66,16 @@ class Speculator:
         if index is None:
             index = self._indexes[seq] = NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
         index.extend(seq.token_ids[len(index.tokens):])
-        return index.propose(room)
+        proposal = index.propose(room)
+        if not proposal and self.history is not None:
+            proposal = self.history.propose(namespace(seq), seq.token_ids, self.settings.prompt_lookup_min,
+                                            self.settings.prompt_lookup_max, room)
+        return proposal
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended: the suffix proposer keeps its output for its namespace's later requests."""
+        if self.history is not None:
+            self.history.add(namespace(seq), seq.token_ids[seq.prompt_len:])
 
     def settle(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Counts a verification; turns speculation off for a sequence that gains too little."""
@@ -69,3 +85,9 @@ class Speculator:
         seq.spec_accepted += accepted
         if seq.spec_proposed >= LOW_ACCEPTANCE_AFTER and seq.spec_accepted < LOW_ACCEPTANCE * seq.spec_proposed:
             seq.spec_off = True
+
+
+def namespace(seq: Sequence) -> tuple[str, str]:
+    """Whose outputs a sequence's proposals may come from: its tenant's, under its cache
+    salt (a LoRA adapter's namespace is part of the salt)."""
+    return seq.tenant, seq.cache_salt

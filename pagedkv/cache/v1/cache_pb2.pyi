@@ -87,16 +87,18 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., workspace_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., served_model_name: _Optional[str] = ..., attach_key: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., weights_bytes_by_type: _Optional[_Mapping[str, int]] = ..., lora_slot_bytes: _Optional[int] = ..., lora_resident_bytes: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "lease_ttl_ms", "sizing", "pool")
+    __slots__ = ("session_id", "lease_ttl_ms", "sizing", "pool", "supports_truncate")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ttl_ms: int
     sizing: SizingReport
     pool: PoolHandle
-    def __init__(self, session_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., sizing: _Optional[_Union[SizingReport, _Mapping]] = ..., pool: _Optional[_Union[PoolHandle, _Mapping]] = ...) -> None: ...
+    supports_truncate: bool
+    def __init__(self, session_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., sizing: _Optional[_Union[SizingReport, _Mapping]] = ..., pool: _Optional[_Union[PoolHandle, _Mapping]] = ..., supports_truncate: _Optional[bool] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("shape", "dtype", "device", "shared_memory", "cuda_ipc")
@@ -224,19 +226,29 @@ class CommitOp(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class TruncateOp(_message.Message):
+    __slots__ = ("sequence_id", "num_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    num_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class LeaseOp(_message.Message):
-    __slots__ = ("allocate", "extend", "fork", "release", "commit")
+    __slots__ = ("allocate", "extend", "fork", "release", "commit", "truncate")
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     allocate: AllocateOp
     extend: ExtendOp
     fork: ForkOp
     release: ReleaseOp
     commit: CommitOp
-    def __init__(self, allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ...) -> None: ...
+    truncate: TruncateOp
+    def __init__(self, allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., extend: _Optional[_Union[ExtendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., truncate: _Optional[_Union[TruncateOp, _Mapping]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("session_id", "ops")
@@ -382,7 +394,7 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, blocks_dropped: _Optional[int] = ..., blocks_kept: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved", "tiers", "models")
+    __slots__ = ("blocks_total", "blocks_free", "blocks_leased", "blocks_cached", "sessions", "sequences", "prefix_queries", "prefix_hits", "bytes_reserved", "tiers", "models", "blocks_truncated")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +406,7 @@ class CacheStats(_message.Message):
     BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_free: int
     blocks_leased: int
@@ -405,7 +418,8 @@ class CacheStats(_message.Message):
     bytes_reserved: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     models: _containers.RepeatedCompositeFieldContainer[ModelStats]
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ...) -> None: ...
+    blocks_truncated: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_leased: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., bytes_reserved: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStats, _Mapping]]] = ..., blocks_truncated: _Optional[int] = ...) -> None: ...
 
 class ModelStats(_message.Message):
     __slots__ = ("model_fingerprint", "served_model_names", "sessions", "sequences", "blocks_leased", "prefix_queries", "prefix_hits")
