@@ -80,3 +80,28 @@ DECODE_GRAPH_MEMORY_BYTES = Gauge(
     "pagedkv_model_decode_graph_memory_bytes",
     "Device memory the decode CUDA graphs reserve (one shared pool; part of the workspace reported at Attach)",
 )
+# Per LoRA adapter: a series exists only while its adapter is loaded (removed on unload), so
+# the label's values are bounded by --max-loras.
+LORA_REQUESTS = Counter("pagedkv_model_lora_requests", "Generate requests accepted, by the LoRA adapter they "
+                        "run with (loaded adapters only)", ["adapter"])
+LORA_GENERATED_TOKENS = Counter("pagedkv_model_lora_generated_tokens", "Completion tokens of finished "
+                                "completions, by LoRA adapter (loaded adapters only)", ["adapter"])
+LORA_ADAPTER_BYTES = Gauge("pagedkv_model_lora_adapter_bytes", "Bytes the LoRA adapters hold: those loaded and "
+                           "those unloaded that running requests still use (out of the slots kept at Attach)")
+LORA_ADAPTERS = Gauge("pagedkv_model_lora_adapters", "LoRA adapters loaded")
+
+
+
+def lora_changed(loaded: list[str], removed: list[str], adapters: int, resident_bytes: int) -> None:
+    """The adapters' series after `loaded` came and `removed` went (model_service/lora/registry.py)."""
+    for name in loaded:
+        LORA_REQUESTS.labels(name)
+        LORA_GENERATED_TOKENS.labels(name)
+    for name in removed:
+        for series in (LORA_REQUESTS, LORA_GENERATED_TOKENS):
+            try:
+                series.remove(name)
+            except KeyError:
+                pass
+    LORA_ADAPTERS.set(adapters)
+    LORA_ADAPTER_BYTES.set(resident_bytes)
