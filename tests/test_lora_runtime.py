@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import grpc_generate
+from cache_service.events.kv_events import BlockStored, decode_batch
 from harness.cache_helpers import no_block_leased, wait_for
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import free_port, start_cache_service, start_model_service
+from kv_replay import replay
 from lora_adapters import hf_llama_of, write_adapter
 from model_service.loading.tiny import tiny_config
 from model_service.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter
@@ -49,7 +51,13 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(adapters, tmp_path_factory):
+def replay_endpoint() -> str:
+    """The cache service's KV events replay socket."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def stack(adapters, replay_endpoint, tmp_path_factory):
     load_dir, _ = adapters
     tmp = tmp_path_factory.mktemp("stack")
     keys = tmp / "keys.json"
@@ -57,7 +65,8 @@ def stack(adapters, tmp_path_factory):
                                 TEAM_A: {"tenant": "a", "loras": ["alpha"]},
                                 TEAM_B: {"tenant": "b"}}))
     os.chmod(keys, 0o600)
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB", "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                             "--kv-events-replay-endpoint", replay_endpoint) as cache, \
             start_model_service(tmp, cache.address, "--served-model-name", BASE, "--dtype", "float32",
                                 "--lora-load-dir", str(load_dir), "--max-loras", "2", "--max-num-seqs", "1",
                                 "--api-keys", str(keys), "--auth-token", SINGLE) as model, \
@@ -296,3 +305,22 @@ def test_unload_under_a_running_request_waits_for_it(adapters, stack, clean):
     wait_for(lambda: resident_bytes(model) == nbytes(adapters, "alpha"), 30, "beta's bytes freed")
     assert load(model, "gamma", "gamma").status_code == 200
     no_block_leased(cache)
+
+
+def test_kv_events_carry_the_adapter_name(adapters, stack, replay_endpoint, clean):
+    """BlockStored of blocks computed under an adapter says its name (vLLM's lora_name);
+    the base's blocks say null."""
+    cache, model, stub = stack
+    assert load(model, "alpha", "alpha").status_code == 200
+    adapted, base = list(range(20, 60)), list(range(60, 100))  # two full blocks of 16 each, and a part
+    grpc_generate.greedy(stub, adapted, 1, lora_name="alpha", metadata=bearer_metadata(OPS))
+    grpc_generate.greedy(stub, base, 1, metadata=bearer_metadata(OPS))
+
+    def stored_by_first_token() -> dict[int, BlockStored]:
+        events = [event for _, payload in replay(replay_endpoint, 0) for event in decode_batch(payload).events]
+        return {event.token_ids[0]: event for event in events if isinstance(event, BlockStored)}
+
+    stored = wait_for(lambda: (lambda got: got if {20, 60} <= set(got) else None)(stored_by_first_token()), 30,
+                      "both prompts' blocks stored")
+    assert stored[20].lora_name == "alpha" and stored[20].token_ids == adapted[:32]
+    assert stored[60].lora_name is None and stored[60].token_ids == base[:32]

@@ -50,6 +50,7 @@ class _Registered:
     token_ids: Sequence[int]
     parent: bytes | None  # the digest before it in its chain (None: the chain's first block)
     cache_salt: str
+    lora_name: str | None = None  # the adapter of the sequence that registered it (None: the base)
 
 
 class BlockEventLog:
@@ -76,7 +77,7 @@ class BlockEventLog:
             return
         for entry in self._by_block.values():  # registration order: parents before children
             if entry.key[0] == fingerprint:
-                channel.stored_block(entry.key[1], entry.parent, entry.token_ids, entry.cache_salt)
+                channel.stored_block(entry.key[1], entry.parent, entry.token_ids, entry.cache_salt, entry.lora_name)
         for (key, medium), (token_ids, copies) in self._tier.items():
             if key[0] == fingerprint:
                 for _ in range(copies):
@@ -91,9 +92,10 @@ class BlockEventLog:
             channel.cleared()
 
     def registered(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
-                   count: int) -> None:
+                   count: int, lora_name: str | None = None) -> None:
         """``count`` blocks of ``blocks`` (block objects holding ``token_ids`` in order) were
-        newly registered in the prefix cache of namespace (``fingerprint``, ``cache_salt``)."""
+        newly registered in the prefix cache of namespace (``fingerprint``, ``cache_salt``),
+        by a sequence of the LoRA adapter ``lora_name`` (None: the base model)."""
         if count <= 0:
             return
         full = min(len(token_ids) // self.block_size, len(blocks))
@@ -102,15 +104,16 @@ class BlockEventLog:
         for index in range(full):
             digest, known = self._digest(blocks[index], index, digests, token_ids, cache_salt)
             # A block not known is the new copy unless its key was cached before.
-            if not known and self._note(fingerprint, digest, blocks[index], index, digests, token_ids, cache_salt):
+            if not known and self._note(fingerprint, digest, blocks[index], index, digests, token_ids, cache_salt,
+                                        lora_name):
                 new_indices.append(index)
             digests.append(digest)
             if len(new_indices) == count:
                 break  # nothing after the registered run was registered
-        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt)
+        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt, lora_name)
 
     def adopted(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
-                adopted: Sequence) -> list[Key]:
+                adopted: Sequence, lora_name: str | None = None) -> list[Key]:
         """A promotion registered ``adopted`` (some of ``blocks``, the chain of
         ``token_ids``'s first full blocks, in order) with K/V copied in from a KV tier.
         Returns their keys, in order."""
@@ -124,10 +127,11 @@ class BlockEventLog:
             digest, known = self._digest(block, index, digests, token_ids, cache_salt)
             if block.block_id in adopted_ids:
                 out.append((fingerprint, digest))
-                if not known and self._note(fingerprint, digest, block, index, digests, token_ids, cache_salt):
+                if not known and self._note(fingerprint, digest, block, index, digests, token_ids, cache_salt,
+                                            lora_name):
                     new_indices.append(index)
             digests.append(digest)
-        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt)
+        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt, lora_name)
         return out
 
     def _digest(self, block, index: int, digests: list[bytes], token_ids: Sequence[int],
@@ -143,7 +147,7 @@ class BlockEventLog:
         return block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None), False
 
     def _note(self, fingerprint: str, digest: bytes, block, index: int, digests: list[bytes],
-              token_ids: Sequence[int], cache_salt: str) -> bool:
+              token_ids: Sequence[int], cache_salt: str, lora_name: str | None = None) -> bool:
         """Records ``block`` as the registered copy of its key, unless the key was cached
         before (then another block is its copy); returns whether it was recorded."""
         key = (fingerprint, digest)
@@ -152,15 +156,16 @@ class BlockEventLog:
         # The pool's own tuple of the block's tokens: nothing copied per block.
         tokens = block.token_ids if block.token_ids is not None else tuple(
             token_ids[index * self.block_size : (index + 1) * self.block_size])
-        self._by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
+        self._by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt,
+                                                     lora_name)
         self._keys.add(key)
         return True
 
     def _tell_stored(self, fingerprint: str, new_indices: list[int], digests: list[bytes],
-                     token_ids: Sequence[int], cache_salt: str) -> None:
+                     token_ids: Sequence[int], cache_salt: str, lora_name: str | None = None) -> None:
         if new_indices:
             for channel in self._route(fingerprint):
-                channel.stored_chain(new_indices, digests, token_ids, cache_salt)
+                channel.stored_chain(new_indices, digests, token_ids, cache_salt, lora_name)
 
     def chain_key(self, fingerprint: str, cache_salt: str, parent: Key | None, token_ids: Sequence[int]) -> Key:
         """The key of a block of ``token_ids`` after the block of ``parent`` (None: a chain's
