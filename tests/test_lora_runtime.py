@@ -227,6 +227,33 @@ def test_tenant_rights_and_visibility(adapters, stack, clean):
     assert grpc_generate.greedy(stub, PROMPT, 1, lora_name="beta", metadata=bearer_metadata(TEAM_B))[0]
 
 
+def test_concurrent_loads_of_one_name_load_it_once_while_generation_runs(adapters, stack, clean):
+    _, model, stub = stack
+    base_tokens, _ = grpc_generate.greedy(stub, PROMPT, 6, metadata=bearer_metadata(OPS))
+    start = threading.Barrier(5)
+    answers, generated = [], []
+
+    def load_it(path: str) -> None:
+        start.wait()
+        answers.append(load(model, "alpha", path))
+
+    def generate_base() -> None:
+        start.wait()
+        generated.append(grpc_generate.greedy(stub, PROMPT, 6, metadata=bearer_metadata(OPS))[0])
+
+    threads = [threading.Thread(target=load_it, args=(path,)) for path in ("alpha", "alpha", "beta", "gamma")]
+    threads.append(threading.Thread(target=generate_base))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(answer.status_code for answer in answers) == [200, 400, 400, 400]
+    assert all("already been loaded" in answer.text for answer in answers if answer.status_code == 400)
+    assert generated == [base_tokens]
+    assert models(model) == {BASE, "alpha"}
+    assert metric(model, "pagedkv_model_lora_adapters") == 1
+
+
 def test_bad_paths_refused_and_nothing_kept(adapters, stack, clean, tmp_path):
     load_dir, outside = adapters
     _, model, _ = stack
