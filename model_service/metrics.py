@@ -89,6 +89,8 @@ LORA_GENERATED_TOKENS = Counter("pagedkv_model_lora_generated_tokens", "Completi
 LORA_ADAPTER_BYTES = Gauge("pagedkv_model_lora_adapter_bytes", "Bytes the LoRA adapters hold: those loaded and "
                            "those unloaded that running requests still use (out of the slots kept at Attach)")
 LORA_ADAPTERS = Gauge("pagedkv_model_lora_adapters", "LoRA adapters loaded")
+LORA_KV_BLOCKS = Gauge("pagedkv_model_lora_kv_blocks", "KV blocks the sequences of a LoRA adapter hold now, a "
+                       "block shared among them counted once (a series only while they hold some)", ["adapter"])
 
 
 
@@ -98,10 +100,24 @@ def lora_changed(loaded: list[str], removed: list[str], adapters: int, resident_
         LORA_REQUESTS.labels(name)
         LORA_GENERATED_TOKENS.labels(name)
     for name in removed:
-        for series in (LORA_REQUESTS, LORA_GENERATED_TOKENS):
-            try:
-                series.remove(name)
-            except KeyError:
-                pass
+        _remove(LORA_REQUESTS, name)
+        _remove(LORA_GENERATED_TOKENS, name)
     LORA_ADAPTERS.set(adapters)
     LORA_ADAPTER_BYTES.set(resident_bytes)
+
+
+def lora_kv_blocks(held: dict[str, int]) -> None:
+    """The block counts of the adapters whose count changed (the scheduler's); an adapter
+    whose sequences hold none loses its series, so no unloaded adapter's lingers."""
+    for name, blocks in held.items():
+        if blocks:
+            LORA_KV_BLOCKS.labels(name).set(blocks)
+        else:
+            _remove(LORA_KV_BLOCKS, name)
+
+
+def _remove(metric, label: str) -> None:
+    try:
+        metric.remove(label)
+    except KeyError:  # never set
+        pass

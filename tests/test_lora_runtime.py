@@ -4,7 +4,8 @@ twins: vLLM's bodies, statuses and texts; /v1/models and the per-adapter /metric
 follow loads and unloads; every bad load (outside the directory, through a symbolic link,
 missing, huge files, duplicate name, no free slot, no right) is refused and leaves nothing
 behind; an adapter unloaded under a running request keeps its slot and bytes until that
-request ends; a tenant's `loras` hides the others as unknown models."""
+request ends; a tenant's `loras` hides the others as unknown models; KV events of an
+adapter's blocks carry its name."""
 
 from __future__ import annotations
 
@@ -296,7 +297,7 @@ def test_bad_paths_refused_and_nothing_kept(adapters, stack, clean, tmp_path):
 
 
 def test_unload_under_a_running_request_waits_for_it(adapters, stack, clean):
-    """--max-num-seqs 1: a long base request runs, a request with beta queues behind it
+    """--max-num-seqs 1: a long request of alpha runs, a request with beta queues behind it
     (holding beta); beta is unloaded meanwhile. Its slot and bytes stay held, so gamma does
     not fit the two slots, until the queued request, released by aborting the long one,
     has run with beta to its end."""
@@ -306,10 +307,12 @@ def test_unload_under_a_running_request_waits_for_it(adapters, stack, clean):
     both = nbytes(adapters, "alpha") + nbytes(adapters, "beta")
     assert resident_bytes(model) == both
     expected, _ = grpc_generate.greedy(stub, PROMPT, 8, lora_name="beta", metadata=bearer_metadata(OPS))
-    long_request = model_pb2.GenerateRequest(request_id="blocker", prompt_token_ids=PROMPT, sampling=model_pb2.SamplingParams(
-        max_new_tokens=1900, temperature=0, ignore_eos=True))
+    long_request = model_pb2.GenerateRequest(request_id="blocker", prompt_token_ids=PROMPT, lora_name="alpha",
+                                             sampling=model_pb2.SamplingParams(max_new_tokens=1900, temperature=0,
+                                                                               ignore_eos=True))
     blocker = stub.Generate(long_request, metadata=bearer_metadata(OPS), timeout=300)
-    next(blocker)  # it runs
+    next(blocker)  # it runs, holding blocks under alpha's name
+    wait_for(lambda: metric(model, "pagedkv_model_lora_kv_blocks", adapter="alpha") > 0, 30, "alpha's blocks counted")
     results = {}
 
     def queued() -> None:
@@ -330,6 +333,9 @@ def test_unload_under_a_running_request_waits_for_it(adapters, stack, clean):
     tokens, last = results["beta"]
     assert tokens == expected and last.finish_reason == model_pb2.FINISH_REASON_LENGTH
     wait_for(lambda: resident_bytes(model) == nbytes(adapters, "alpha"), 30, "beta's bytes freed")
+    # No sequence holds blocks: no series (none lingers for beta, unloaded).
+    wait_for(lambda: "pagedkv_model_lora_kv_blocks{" not in urllib.request.urlopen(model.metrics_url, timeout=10)
+             .read().decode(), 30, "the block series gone")
     assert load(model, "gamma", "gamma").status_code == 200
     no_block_leased(cache)
 
