@@ -98,6 +98,18 @@ def test_blocks_of_an_adapter_carry_its_name_and_forks_inherit_it():
     stored_base, stored_adapted = as_consumer(events.drain())
     assert stored_base.lora_name is None and stored_adapted.lora_name == "sql"
     assert stored_adapted.token_ids == adapted and stored_adapted.lora_id is None
+    # A tier's copies of an adapter block say the name too, kept while the pool or a tier holds the block.
+    first = ("", chain(adapted, BS, "lora:d/s", root=ROOT)[0])
+    events.tier_stored(first, tuple(adapted[:16]), "CPU")
+    events.tier_stored(("", chain(base, BS, root=ROOT)[0]), tuple(base[:16]), "CPU")
+    ledger.allocate("owner", 16 * BS)  # evicts every cached block from the pool
+    events.tier_stored(first, tuple(adapted[:16]), "STORAGE")
+    assert [(event.medium, event.lora_name) for event in as_consumer(events.drain())
+            if isinstance(event, BlockStored)] == [("CPU", "sql"), ("CPU", None), ("STORAGE", "sql")]
+    events.tier_removed(first, "CPU")
+    events.tier_removed(first, "STORAGE")
+    events.tier_stored(first, tuple(adapted[:16]), "CPU")  # no copy held it meanwhile: the name is gone
+    assert as_consumer(events.drain())[-1].lora_name is None
 
 
 def test_eviction_removes_and_a_new_pool_clears():

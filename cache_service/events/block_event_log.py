@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache_service.events.channel import EventChannel
-from cache_service.events.kv_events import KvEvent
+from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_REMOTE, MEDIUM_STORAGE, KvEvent
 from cache_service.events.vllm_block_hash import block_hash, none_hash, salt_extra_keys
 
 Key = tuple[str, bytes]  # (model fingerprint, vLLM digest of the block's chain)
@@ -64,6 +64,9 @@ class BlockEventLog:
         self._tier: dict[tuple[Key, str], tuple[Sequence[int], int]] = {}  # (key, medium) -> (token ids, copies)
         self._served: dict[str, set[str]] = {}  # fingerprint -> the names sessions served it under
         self._routes: dict[str, list[EventChannel]] = {}  # fingerprint -> the channels that see its blocks
+        # Key -> the LoRA adapter whose sequence registered it, for the tiers' events of its
+        # copies; kept while the pool or a tier holds the key.
+        self._lora_names: dict[Key, str] = {}
 
     def serves(self, fingerprint: str, served_model_name: str) -> None:
         """A session serves the checkpoint ``fingerprint`` under ``served_model_name`` (Attach)."""
@@ -81,13 +84,14 @@ class BlockEventLog:
         for (key, medium), (token_ids, copies) in self._tier.items():
             if key[0] == fingerprint:
                 for _ in range(copies):
-                    channel.tier_stored(key[1], token_ids, medium)
+                    channel.tier_stored(key[1], token_ids, medium, self._lora_names.get(key))
 
     def cleared(self) -> None:
         """A new, empty pool: consumers drop what they knew of this worker."""
         self._by_block.clear()
         self._keys.clear()
         self._tier.clear()
+        self._lora_names.clear()
         for channel in self.channels.values():
             channel.cleared()
 
@@ -159,6 +163,8 @@ class BlockEventLog:
         self._by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt,
                                                      lora_name)
         self._keys.add(key)
+        if lora_name:
+            self._lora_names[key] = lora_name
         return True
 
     def _tell_stored(self, fingerprint: str, new_indices: list[int], digests: list[bytes],
@@ -199,7 +205,7 @@ class BlockEventLog:
         told, copies = self._tier.get((key, medium), (token_ids, 0))
         self._tier[(key, medium)] = (told, copies + 1)
         for channel in self._route(key[0]):
-            channel.tier_stored(key[1], token_ids, medium)
+            channel.tier_stored(key[1], token_ids, medium, self._lora_names.get(key))
 
     def tier_removed(self, key: Key, medium: str) -> None:
         """The KV tier ``medium`` no longer holds the block of ``key``."""
@@ -210,6 +216,7 @@ class BlockEventLog:
             self._tier[(key, medium)] = (told[0], told[1] - 1)
         else:
             del self._tier[(key, medium)]
+            self._forget_name(key)
         for channel in self._route(key[0]):
             channel.tier_removed(key[1], medium)
 
@@ -237,6 +244,12 @@ class BlockEventLog:
             self._routes[fingerprint] = route
         return route
 
+    def _forget_name(self, key: Key) -> None:
+        """Drops the adapter name of ``key`` once neither the pool nor any tier holds it."""
+        if key in self._lora_names and key not in self._keys and not any(
+                (key, medium) in self._tier for medium in (MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_REMOTE)):
+            del self._lora_names[key]
+
     def _lose(self, blocks: Sequence) -> list[tuple[EventChannel, list[int]]]:
         """Forgets the registered ones among ``blocks``; per channel, the hashes whose last copy went."""
         by_block = self._by_block
@@ -248,6 +261,7 @@ class BlockEventLog:
             if entry is None:
                 continue
             self._keys.discard(entry.key)
+            self._forget_name(entry.key)
             lost.setdefault(entry.key[0], []).append(entry.key[1])
         per_channel: dict[EventChannel, list[bytes]] = {}
         for fingerprint, digests in lost.items():

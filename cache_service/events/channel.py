@@ -88,13 +88,13 @@ class EventChannel:
         if hashes:
             self.pending.append(BlockRemoved(block_hashes=hashes))
 
-    def tier_stored(self, digest: bytes, token_ids: Sequence[int], medium: str) -> None:
+    def tier_stored(self, digest: bytes, token_ids: Sequence[int], medium: str, lora_name: str | None = None) -> None:
         key = (external(digest), medium)
         seen = self.tier_copies.get(key, 0)
         self.tier_copies[key] = seen + 1
         if not seen:
             self.pending.append(BlockStored(block_hashes=[key[0]], parent_block_hash=None, token_ids=list(token_ids),
-                                            block_size=self.block_size, medium=medium))
+                                            block_size=self.block_size, medium=medium, lora_name=lora_name))
 
     def tier_removed(self, digest: bytes, medium: str) -> None:
         key = (external(digest), medium)
