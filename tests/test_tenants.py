@@ -120,3 +120,13 @@ def test_a_reload_drops_revoked_keys_and_updates_a_tenant_in_place(tmp_path):
     path.write_text("{not json")
     assert not keys.reload()  # a broken file changes nothing
     assert keys.tenant_of(b"sk-cccccccc") is not None
+
+
+def test_an_unknown_adapter_is_not_found_and_leaves_no_request_id_bound():
+    import structlog
+
+    generation = service()
+    with pytest.raises(GenerateError) as error:
+        generation.start(request("r1", lora_name="nobody"))
+    assert error.value.code == grpc.StatusCode.NOT_FOUND and "'nobody'" in error.value.message
+    assert "request_id" not in structlog.contextvars.get_contextvars()

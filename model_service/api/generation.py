@@ -127,10 +127,10 @@ class GenerationService:
         without having touched the engine. The caller must close() the stream it gets,
         whatever happens next."""
         self._check_limits(tenant)
-        request_id = request.request_id or uuid.uuid4().hex
-        structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
         # Held by the stream until it closes: an adapter unloaded meanwhile keeps its slot till then.
         lora = self.adapter_of(request.lora_name, tenant) if request.lora_name else None
+        request_id = request.request_id or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
         if lora is not None:
             self.loras.acquire(lora.name)
         try:
