@@ -80,3 +80,44 @@ DECODE_GRAPH_MEMORY_BYTES = Gauge(
     "pagedkv_model_decode_graph_memory_bytes",
     "Device memory the decode CUDA graphs reserve (one shared pool; part of the workspace reported at Attach)",
 )
+# Per LoRA adapter: a series exists only while its adapter is loaded (removed on unload), so
+# the label's values are bounded by --max-loras.
+LORA_REQUESTS = Counter("pagedkv_model_lora_requests", "Generate requests accepted, by the LoRA adapter they "
+                        "run with (loaded adapters only)", ["adapter"])
+LORA_GENERATED_TOKENS = Counter("pagedkv_model_lora_generated_tokens", "Completion tokens of finished "
+                                "completions, by LoRA adapter (loaded adapters only)", ["adapter"])
+LORA_ADAPTER_BYTES = Gauge("pagedkv_model_lora_adapter_bytes", "Bytes the LoRA adapters hold: those loaded and "
+                           "those unloaded that running requests still use (out of the slots kept at Attach)")
+LORA_ADAPTERS = Gauge("pagedkv_model_lora_adapters", "LoRA adapters loaded")
+LORA_KV_BLOCKS = Gauge("pagedkv_model_lora_kv_blocks", "KV blocks the sequences of a LoRA adapter hold now, a "
+                       "block shared among them counted once (a series only while they hold some)", ["adapter"])
+
+
+
+def lora_changed(loaded: list[str], removed: list[str], adapters: int, resident_bytes: int) -> None:
+    """The adapters' series after `loaded` came and `removed` went (model_service/lora/registry.py)."""
+    for name in loaded:
+        LORA_REQUESTS.labels(name)
+        LORA_GENERATED_TOKENS.labels(name)
+    for name in removed:
+        _remove(LORA_REQUESTS, name)
+        _remove(LORA_GENERATED_TOKENS, name)
+    LORA_ADAPTERS.set(adapters)
+    LORA_ADAPTER_BYTES.set(resident_bytes)
+
+
+def lora_kv_blocks(held: dict[str, int]) -> None:
+    """The block counts of the adapters whose count changed (the scheduler's); an adapter
+    whose sequences hold none loses its series, so no unloaded adapter's lingers."""
+    for name, blocks in held.items():
+        if blocks:
+            LORA_KV_BLOCKS.labels(name).set(blocks)
+        else:
+            _remove(LORA_KV_BLOCKS, name)
+
+
+def _remove(metric, label: str) -> None:
+    try:
+        metric.remove(label)
+    except KeyError:  # never set
+        pass

@@ -22,6 +22,7 @@ from model_service.errors import ModelLoadError
 from model_service.loading.dtype_choice import auto_dtype
 from model_service.loading.fingerprint import checkpoint_fingerprint
 from model_service.loading.loader import load_model
+from model_service.api.lora_admin import LoraAdmin
 from model_service.lora.registry import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, RANK_CEILING, LoraRegistry
 from model_service.worker.runner import measure_workspace
 from model_service.worker.torch_threads import run_in_passing_thread
@@ -177,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="LoRA adapters held at once (each slot is sized for --max-lora-rank)")
     add_flag(parser, "--max-lora-rank", default=DEFAULT_MAX_LORA_RANK, type=int,
              help=f"highest LoRA rank accepted (1 to {RANK_CEILING}); an adapter of a higher rank is refused")
+    add_flag(parser, "--lora-load-dir", default=None,
+             help="directory LoRA adapters may be loaded from at run time (POST /v1/load_lora_adapter, gRPC "
+                  "LoadLoraAdapter; paths resolve inside it); --max-loras slots are kept from the start. "
+                  "Unset: no runtime loading or unloading")
     add_flag(parser, "--grace-s", default=10.0, type=float, help="seconds in-flight streams get to finish on SIGTERM")
     return parser
 
@@ -184,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 def load_lora_modules(args: argparse.Namespace, config, base_name: str, dtype: torch.dtype,
                       device: torch.device) -> LoraRegistry:
     """--lora-modules loaded and checked whole before the pool is attached (registry.py)."""
-    loras = LoraRegistry(config, max_loras=args.max_loras, max_rank=args.max_lora_rank, base_name=base_name)
+    if args.lora_load_dir is not None and not os.path.isdir(args.lora_load_dir):
+        raise ValueError(f"--lora-load-dir {args.lora_load_dir}: not a directory")
+    loras = LoraRegistry(config, max_loras=args.max_loras, max_rank=args.max_lora_rank, base_name=base_name,
+                         runtime=args.lora_load_dir is not None, dtype=dtype, device=device)
     started = time.perf_counter()
     for adapter in loras.load_all(args.lora_modules or (), dtype, device):
         log.info("lora_loaded", name=adapter.name, path=adapter.path, rank=adapter.rank, scaling=adapter.scaling,
@@ -310,7 +318,7 @@ async def serve(args: argparse.Namespace) -> int:
         prefix_hold_min_tokens=args.prefix_hold_min_tokens,
         scheduling_policy=args.scheduling_policy,
         client_name=f"model_service:{loaded.model_id}:{os.getpid()}", workspace_bytes=workspace,
-        lora_slot_bytes=loras.slot_bytes(dtype), lora_resident_bytes=sum(a.nbytes for a in loras.adapters()),
+        lora_slot_bytes=loras.slot_bytes(dtype), lora_resident_bytes=loras.resident_bytes(),
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
         tenant_kv_blocks=api_keys.kv_block_shares() if api_keys else (),
@@ -341,13 +349,15 @@ async def serve(args: argparse.Namespace) -> int:
         threads=args.grammar_compile_threads, timeout_s=args.grammar_compile_timeout_s,
         max_json_depth=args.max_json_schema_depth, per_tenant=args.grammar_compiles_per_tenant,
         cache_bytes=args.grammar_cache_bytes)
-    servicer = ModelServicer(generation, api_keys)
+    lora_admin = LoraAdmin(loras, args.lora_load_dir)
+    servicer = ModelServicer(generation, api_keys, lora_admin)
     server = GrpcServer(ServerConfig.from_args(args), [SERVICE_NAME],
                         lambda grpc_server: model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, grpc_server),
                         authenticate=(lambda token: api_keys.tenant_of(token) is not None) if api_keys else None)
     http = None
     if args.http_port >= 0:
         http = HttpServer(create_app(generation, served_model_name=args.served_model_name, api_keys=api_keys,
+                                     lora_admin=lora_admin,
                                      max_request_bytes=args.max_request_bytes,
                                      max_prompts=args.max_prompts_per_request),
                           args.host, args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key)

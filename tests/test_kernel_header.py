@@ -25,7 +25,7 @@ def test_the_header_gives_every_signature():
     assert signatures["rms_norm"] == ([ptr, i64, ptr, ptr, i32, i32, f32, i32, i32], None)
     assert signatures["quant_best_level"] == ([], i32)
     best = [name for name in signatures if name.endswith(("_best_level", "_cpu_level"))]
-    assert len(best) == 6  # one per family with levels
+    assert len(best) == 7  # one per family with levels
 
 
 def test_the_loaded_library_takes_the_headers_signatures():

@@ -17,6 +17,7 @@ import zmq
 
 from harness.cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
 from harness.processes import free_port, start_cache_service
+from kv_replay import replay
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.core.ledger import Ledger
@@ -84,6 +85,31 @@ def test_registration_stores_the_chain_and_extension_names_its_parent():
     # Caching the same prompt again stores nothing: no duplicate event.
     cache(ledger, longer)
     assert events.drain() == []
+
+
+def test_blocks_of_an_adapter_carry_its_name_and_forks_inherit_it():
+    ledger, events = ledger_with_events(16)
+    base, adapted = list(range(1, 33)), list(range(200, 232))
+    cache(ledger, base)
+    allocation = ledger.allocate("owner", 40, adapted, ("", "lora:d/s"), "sql")
+    child = ledger.fork("owner", allocation.sequence_id, 32)
+    ledger.release("owner", allocation.sequence_id)
+    ledger.release("owner", child.sequence_id, cache_prefix=True, token_ids=adapted)
+    stored_base, stored_adapted = as_consumer(events.drain())
+    assert stored_base.lora_name is None and stored_adapted.lora_name == "sql"
+    assert stored_adapted.token_ids == adapted and stored_adapted.lora_id is None
+    # A tier's copies of an adapter block say the name too, kept while the pool or a tier holds the block.
+    first = ("", chain(adapted, BS, "lora:d/s", root=ROOT)[0])
+    events.tier_stored(first, tuple(adapted[:16]), "CPU")
+    events.tier_stored(("", chain(base, BS, root=ROOT)[0]), tuple(base[:16]), "CPU")
+    ledger.allocate("owner", 16 * BS)  # evicts every cached block from the pool
+    events.tier_stored(first, tuple(adapted[:16]), "STORAGE")
+    assert [(event.medium, event.lora_name) for event in as_consumer(events.drain())
+            if isinstance(event, BlockStored)] == [("CPU", "sql"), ("CPU", None), ("STORAGE", "sql")]
+    events.tier_removed(first, "CPU")
+    events.tier_removed(first, "STORAGE")
+    events.tier_stored(first, tuple(adapted[:16]), "CPU")  # no copy held it meanwhile: the name is gone
+    assert as_consumer(events.drain())[-1].lora_name is None
 
 
 def test_eviction_removes_and_a_new_pool_clears():
@@ -248,27 +274,6 @@ def test_a_reset_takes_back_what_it_dropped_and_clears_an_endpoint_left_with_not
 
 
 # ---------------------------------------------------------------- the cache service's sockets
-
-
-def replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
-    """Asks the replay socket for every batch from ``start_seq`` on, as a vLLM subscriber does:
-    a DEALER sends the seq behind an empty delimiter and reads (topic, seq, payload) replies,
-    vLLM's publisher's frames, up to seq -1 (whose topic and payload are empty)."""
-    with zmq.Context.instance().socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 60_000)  # generous: a loaded machine, never a pace
-        sock.connect(endpoint)
-        sock.send_multipart((b"", start_seq.to_bytes(8, "big")))
-        batches = []
-        while True:
-            delimiter, topic, seq_bytes, payload = sock.recv_multipart()
-            assert delimiter == b""
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if seq == -1:
-                assert (topic, payload) == (b"", b"")
-                return batches
-            assert topic == b""  # the cache service's channels all publish under vllm-router's topic
-            batches.append((seq, payload))
 
 
 def test_cache_service_publishes_and_replays(tmp_path):

@@ -193,7 +193,7 @@ def test_registry_is_all_or_none(adapter_dir, broken):
         registry.load_all([f"tiny={adapter_dir}"])
     registry.load_all([f"a={adapter_dir}", f"b={adapter_dir}"])
     assert registry.get("a").digest == registry.get("b").digest and len(registry) == 2
-    with pytest.raises(AdapterError, match="loaded already"):
+    with pytest.raises(AdapterError, match="has already been loaded"):
         registry.load_all([f"a={adapter_dir}"])
 
 
@@ -220,3 +220,25 @@ def test_server_start_stops_on_a_bad_adapter(broken, tmp_path):
         capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "['embed_tokens'] are not served" in result.stdout + result.stderr
+
+
+def test_an_unloaded_adapter_in_use_keeps_its_slot_until_released(adapter_dir):
+    registry = LoraRegistry(CONFIG, max_loras=2, runtime=True)
+    assert registry.slot_bytes(torch.float32) > 0  # runtime loading keeps the slots before any load
+    registry.load_all([f"a={adapter_dir}"])
+    registry.reserve("b")
+    with pytest.raises(AdapterError, match="has already been loaded"):
+        registry.reserve("b")  # being loaded counts as loaded
+    with pytest.raises(AdapterError, match="more than --max-loras 2"):
+        registry.reserve("c")
+    registry.unreserve("b")
+    held = registry.acquire("a")
+    assert registry.unload("a") is held and registry.get("a") is None
+    assert registry.resident_bytes() == held.nbytes and registry.slots_used() == 1
+    registry.load_all([f"b={adapter_dir}"])
+    with pytest.raises(AdapterError, match="still used by running requests"):
+        registry.reserve("c")
+    registry.release(held)
+    assert registry.resident_bytes() == registry.get("b").nbytes
+    registry.reserve("c")
+    assert registry.unload("nobody") is None

@@ -36,6 +36,19 @@ def test_yaml_and_json_files_give_the_same_tenants(tmp_path):
     assert keys.tenant_of(b"sk-unknown") is None and keys.tenant_of(b"") is None
 
 
+def test_lora_fields_are_optional_and_read(tmp_path):
+    (tmp_path / "keys.yaml").write_text("sk-aaaaaaaa: {tenant: a}\n"
+                                        "sk-bbbbbbbb: {tenant: b, loras: [sql, chat], may_load_loras: true}\n"
+                                        "sk-cccccccc: {tenant: c, loras: []}\n")
+    keys = load_api_keys(tmp_path / "keys.yaml")
+    old, listed, none = keys["sk-aaaaaaaa"], keys["sk-bbbbbbbb"], keys["sk-cccccccc"]
+    assert old == Tenant("a") and old.may_use_lora("anything") and not old.may_load_loras  # as before
+    assert listed.loras == {"sql", "chat"} and listed.may_load_loras
+    assert listed.may_use_lora("sql") and not listed.may_use_lora("other")
+    assert not none.may_use_lora("sql")
+    assert SINGLE.may_load_loras and SINGLE.may_use_lora("sql")
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ('{"sk-aaaaaaaa": {"tenant": "a", "max_requests": 1}}', "unknown fields ['max_requests']"),
     ('{"sk-aaaaaaaa": {"tenant": "a", "max_queued_requests": -1}}', "must be a non-negative integer"),
@@ -44,6 +57,9 @@ def test_yaml_and_json_files_give_the_same_tenants(tmp_path):
     ('{"sk-aaaaaaaa": {"tenant": "none"}}', "the metrics' label of requests without a tenant"),
     ('{"sk-aaaaaaaa": {"tenant": "a"}, "sk-bbbbbbbb": {"tenant": "a", "min_priority": 1}}', "different limits"),
     ("[1, 2]", "must map each key"),
+    ('{"sk-aaaaaaaa": {"tenant": "a", "loras": "sql"}}', "loras must list the names"),
+    ('{"sk-aaaaaaaa": {"tenant": "a", "loras": [1]}}', "loras must list the names"),
+    ('{"sk-aaaaaaaa": {"tenant": "a", "may_load_loras": "yes"}}', "may_load_loras must be true or false"),
 ])
 def test_a_broken_keys_file_is_refused_without_naming_a_key(tmp_path, content, message):
     (tmp_path / "keys.json").write_text(content)
@@ -104,3 +120,13 @@ def test_a_reload_drops_revoked_keys_and_updates_a_tenant_in_place(tmp_path):
     path.write_text("{not json")
     assert not keys.reload()  # a broken file changes nothing
     assert keys.tenant_of(b"sk-cccccccc") is not None
+
+
+def test_an_unknown_adapter_is_not_found_and_leaves_no_request_id_bound():
+    import structlog
+
+    generation = service()
+    with pytest.raises(GenerateError) as error:
+        generation.start(request("r1", lora_name="nobody"))
+    assert error.value.code == grpc.StatusCode.NOT_FOUND and "'nobody'" in error.value.message
+    assert "request_id" not in structlog.contextvars.get_contextvars()

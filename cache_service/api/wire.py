@@ -49,7 +49,8 @@ def lease_op(op: cache_pb2.LeaseOp) -> lease_ops.LeaseOp:
     """The plain record of one LeaseOp (the repeated fields are passed on, not copied)."""
     kind = op.WhichOneof("op")
     if kind == "allocate":
-        return lease_ops.AllocateOp(op.allocate.num_tokens, op.allocate.prompt_token_ids, op.allocate.cache_salt)
+        return lease_ops.AllocateOp(op.allocate.num_tokens, op.allocate.prompt_token_ids, op.allocate.cache_salt,
+                                   op.allocate.lora_name)
     if kind == "extend":
         return lease_ops.ExtendOp(op.extend.sequence_id, op.extend.num_tokens)
     if kind == "fork":

@@ -15,6 +15,8 @@ from cache_service.core.ledger import Allocation, Fork, InvalidLease, Ledger, Le
 
 # A salt is a tenant key: short. Each live sequence keeps its salt.
 MAX_SALT_CHARS = 256
+# A LoRA adapter's name as the model service accepts it (model_service/lora/registry.py).
+MAX_LORA_NAME_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,7 @@ class AllocateOp:
     num_tokens: int
     prompt_token_ids: Sequence[int] = ()
     cache_salt: str = ""
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,10 @@ def apply_op(ledger: Ledger, owner: str, op: LeaseOp, model_fingerprint: str = "
         if kind is AllocateOp:
             if len(op.cache_salt) > MAX_SALT_CHARS:
                 raise InvalidLease(f"cache_salt is {len(op.cache_salt)} characters; at most {MAX_SALT_CHARS}")
-            return ledger.allocate(owner, op.num_tokens, op.prompt_token_ids, (model_fingerprint, op.cache_salt))
+            if len(op.lora_name) > MAX_LORA_NAME_CHARS or not op.lora_name.isprintable():
+                raise InvalidLease(f"lora_name must be at most {MAX_LORA_NAME_CHARS} printable characters")
+            return ledger.allocate(owner, op.num_tokens, op.prompt_token_ids, (model_fingerprint, op.cache_salt),
+                                   op.lora_name)
         if kind is ExtendOp:
             return Extended(op.sequence_id, ledger.extend(owner, op.sequence_id, op.num_tokens))
         if kind is ForkOp:

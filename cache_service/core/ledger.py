@@ -120,13 +120,15 @@ class ModelUsage:
 
 
 class _Sequence:
-    __slots__ = ("owner", "num_tokens", "blocks", "namespace")
+    __slots__ = ("owner", "num_tokens", "blocks", "namespace", "lora_name")
 
-    def __init__(self, owner: str, num_tokens: int, blocks: list[Block], namespace: Namespace) -> None:
+    def __init__(self, owner: str, num_tokens: int, blocks: list[Block], namespace: Namespace,
+                 lora_name: str = "") -> None:
         self.owner = owner
         self.num_tokens = num_tokens
         self.blocks = blocks
         self.namespace = namespace
+        self.lora_name = lora_name  # for KV events only (AllocateOp.lora_name); "": the base model
 
 
 class Ledger:
@@ -154,7 +156,7 @@ class Ledger:
     # ---------------------------------------------------------------- leasing
 
     def allocate(self, owner: str, num_tokens: int, prompt_token_ids: Sequence[int] = (),
-                 namespace: Namespace = DEFAULT_NAMESPACE) -> Allocation:
+                 namespace: Namespace = DEFAULT_NAMESPACE, lora_name: str = "") -> Allocation:
         """Lease blocks for a new sequence of ``num_tokens`` tokens.
 
         With ``prompt_token_ids``, the longest cached chain of the prompt's full blocks in
@@ -208,7 +210,8 @@ class Ledger:
             blocks = [hit if type(hit) is Block else next(fresh_blocks) for hit in chain] + taken[len(entries):]
             cached_host, cached_disk, cached_remote = tiers.promote(entries, payloads, promoted)
             if self.events is not None:
-                keys = self.events.adopted(namespace[0], namespace[1], prompt_token_ids, blocks[:len(chain)], promoted)
+                keys = self.events.adopted(namespace[0], namespace[1], prompt_token_ids, blocks[:len(chain)], promoted,
+                                           lora_name or None)
                 for entry, key in zip(entries, keys):
                     entry.event_key = entry.event_key or key  # a tier removal of it is told from now on
             hits = chain
@@ -226,7 +229,7 @@ class Ledger:
         model.prefix_hits += cached_tokens
         self._last_sequence_id += 1
         sequence_id = self._last_sequence_id
-        self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace))
+        self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace, lora_name))
         return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens, cached_host, cached_disk,
                           cached_remote)
 
@@ -291,7 +294,7 @@ class Ledger:
             blocks = shared
         self._last_sequence_id += 1
         child_id = self._last_sequence_id
-        self._add(child_id, _Sequence(owner, written, blocks, parent.namespace))
+        self._add(child_id, _Sequence(owner, written, blocks, parent.namespace, parent.lora_name))
         return Fork(child_id, [block.block_id for block in blocks], copy)
 
     def truncate(self, owner: str, sequence_id: int, num_tokens: int) -> int:
@@ -376,7 +379,7 @@ class Ledger:
                                         tiers.index.get if tiers is not None else None)
         if self.events is not None:
             fingerprint, salt = sequence.namespace
-            self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered)
+            self.events.registered(fingerprint, salt, token_ids, sequence.blocks, registered, sequence.lora_name or None)
         return registered
 
     def reset_prefix_cache(self, fingerprint: str | None = None) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache_service.events.channel import EventChannel
-from cache_service.events.kv_events import KvEvent
+from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_REMOTE, MEDIUM_STORAGE, KvEvent
 from cache_service.events.vllm_block_hash import block_hash, none_hash, salt_extra_keys
 
 Key = tuple[str, bytes]  # (model fingerprint, vLLM digest of the block's chain)
@@ -50,6 +50,7 @@ class _Registered:
     token_ids: Sequence[int]
     parent: bytes | None  # the digest before it in its chain (None: the chain's first block)
     cache_salt: str
+    lora_name: str | None = None  # the adapter of the sequence that registered it (None: the base)
 
 
 class BlockEventLog:
@@ -63,6 +64,9 @@ class BlockEventLog:
         self._tier: dict[tuple[Key, str], tuple[Sequence[int], int]] = {}  # (key, medium) -> (token ids, copies)
         self._served: dict[str, set[str]] = {}  # fingerprint -> the names sessions served it under
         self._routes: dict[str, list[EventChannel]] = {}  # fingerprint -> the channels that see its blocks
+        # Key -> the LoRA adapter whose sequence registered it, for the tiers' events of its
+        # copies; kept while the pool or a tier holds the key.
+        self._lora_names: dict[Key, str] = {}
 
     def serves(self, fingerprint: str, served_model_name: str) -> None:
         """A session serves the checkpoint ``fingerprint`` under ``served_model_name`` (Attach)."""
@@ -76,24 +80,26 @@ class BlockEventLog:
             return
         for entry in self._by_block.values():  # registration order: parents before children
             if entry.key[0] == fingerprint:
-                channel.stored_block(entry.key[1], entry.parent, entry.token_ids, entry.cache_salt)
+                channel.stored_block(entry.key[1], entry.parent, entry.token_ids, entry.cache_salt, entry.lora_name)
         for (key, medium), (token_ids, copies) in self._tier.items():
             if key[0] == fingerprint:
                 for _ in range(copies):
-                    channel.tier_stored(key[1], token_ids, medium)
+                    channel.tier_stored(key[1], token_ids, medium, self._lora_names.get(key))
 
     def cleared(self) -> None:
         """A new, empty pool: consumers drop what they knew of this worker."""
         self._by_block.clear()
         self._keys.clear()
         self._tier.clear()
+        self._lora_names.clear()
         for channel in self.channels.values():
             channel.cleared()
 
     def registered(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
-                   count: int) -> None:
+                   count: int, lora_name: str | None = None) -> None:
         """``count`` blocks of ``blocks`` (block objects holding ``token_ids`` in order) were
-        newly registered in the prefix cache of namespace (``fingerprint``, ``cache_salt``)."""
+        newly registered in the prefix cache of namespace (``fingerprint``, ``cache_salt``),
+        by a sequence of the LoRA adapter ``lora_name`` (None: the base model)."""
         if count <= 0:
             return
         full = min(len(token_ids) // self.block_size, len(blocks))
@@ -102,15 +108,16 @@ class BlockEventLog:
         for index in range(full):
             digest, known = self._digest(blocks[index], index, digests, token_ids, cache_salt)
             # A block not known is the new copy unless its key was cached before.
-            if not known and self._note(fingerprint, digest, blocks[index], index, digests, token_ids, cache_salt):
+            if not known and self._note(fingerprint, digest, blocks[index], index, digests, token_ids, cache_salt,
+                                        lora_name):
                 new_indices.append(index)
             digests.append(digest)
             if len(new_indices) == count:
                 break  # nothing after the registered run was registered
-        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt)
+        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt, lora_name)
 
     def adopted(self, fingerprint: str, cache_salt: str, token_ids: Sequence[int], blocks: Sequence,
-                adopted: Sequence) -> list[Key]:
+                adopted: Sequence, lora_name: str | None = None) -> list[Key]:
         """A promotion registered ``adopted`` (some of ``blocks``, the chain of
         ``token_ids``'s first full blocks, in order) with K/V copied in from a KV tier.
         Returns their keys, in order."""
@@ -124,10 +131,11 @@ class BlockEventLog:
             digest, known = self._digest(block, index, digests, token_ids, cache_salt)
             if block.block_id in adopted_ids:
                 out.append((fingerprint, digest))
-                if not known and self._note(fingerprint, digest, block, index, digests, token_ids, cache_salt):
+                if not known and self._note(fingerprint, digest, block, index, digests, token_ids, cache_salt,
+                                            lora_name):
                     new_indices.append(index)
             digests.append(digest)
-        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt)
+        self._tell_stored(fingerprint, new_indices, digests, token_ids, cache_salt, lora_name)
         return out
 
     def _digest(self, block, index: int, digests: list[bytes], token_ids: Sequence[int],
@@ -143,7 +151,7 @@ class BlockEventLog:
         return block_hash(parent, chunk, salt_extra_keys(cache_salt) if index == 0 else None), False
 
     def _note(self, fingerprint: str, digest: bytes, block, index: int, digests: list[bytes],
-              token_ids: Sequence[int], cache_salt: str) -> bool:
+              token_ids: Sequence[int], cache_salt: str, lora_name: str | None = None) -> bool:
         """Records ``block`` as the registered copy of its key, unless the key was cached
         before (then another block is its copy); returns whether it was recorded."""
         key = (fingerprint, digest)
@@ -152,15 +160,18 @@ class BlockEventLog:
         # The pool's own tuple of the block's tokens: nothing copied per block.
         tokens = block.token_ids if block.token_ids is not None else tuple(
             token_ids[index * self.block_size : (index + 1) * self.block_size])
-        self._by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt)
+        self._by_block[block.block_id] = _Registered(key, tokens, digests[-1] if index else None, cache_salt,
+                                                     lora_name)
         self._keys.add(key)
+        if lora_name:
+            self._lora_names[key] = lora_name
         return True
 
     def _tell_stored(self, fingerprint: str, new_indices: list[int], digests: list[bytes],
-                     token_ids: Sequence[int], cache_salt: str) -> None:
+                     token_ids: Sequence[int], cache_salt: str, lora_name: str | None = None) -> None:
         if new_indices:
             for channel in self._route(fingerprint):
-                channel.stored_chain(new_indices, digests, token_ids, cache_salt)
+                channel.stored_chain(new_indices, digests, token_ids, cache_salt, lora_name)
 
     def chain_key(self, fingerprint: str, cache_salt: str, parent: Key | None, token_ids: Sequence[int]) -> Key:
         """The key of a block of ``token_ids`` after the block of ``parent`` (None: a chain's
@@ -194,7 +205,7 @@ class BlockEventLog:
         told, copies = self._tier.get((key, medium), (token_ids, 0))
         self._tier[(key, medium)] = (told, copies + 1)
         for channel in self._route(key[0]):
-            channel.tier_stored(key[1], token_ids, medium)
+            channel.tier_stored(key[1], token_ids, medium, self._lora_names.get(key))
 
     def tier_removed(self, key: Key, medium: str) -> None:
         """The KV tier ``medium`` no longer holds the block of ``key``."""
@@ -205,6 +216,7 @@ class BlockEventLog:
             self._tier[(key, medium)] = (told[0], told[1] - 1)
         else:
             del self._tier[(key, medium)]
+            self._forget_name(key)
         for channel in self._route(key[0]):
             channel.tier_removed(key[1], medium)
 
@@ -232,6 +244,12 @@ class BlockEventLog:
             self._routes[fingerprint] = route
         return route
 
+    def _forget_name(self, key: Key) -> None:
+        """Drops the adapter name of ``key`` once neither the pool nor any tier holds it."""
+        if key in self._lora_names and key not in self._keys and not any(
+                (key, medium) in self._tier for medium in (MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_REMOTE)):
+            del self._lora_names[key]
+
     def _lose(self, blocks: Sequence) -> list[tuple[EventChannel, list[int]]]:
         """Forgets the registered ones among ``blocks``; per channel, the hashes whose last copy went."""
         by_block = self._by_block
@@ -243,6 +261,7 @@ class BlockEventLog:
             if entry is None:
                 continue
             self._keys.discard(entry.key)
+            self._forget_name(entry.key)
             lost.setdefault(entry.key[0], []).append(entry.key[1])
         per_channel: dict[EventChannel, list[bytes]] = {}
         for fingerprint, digests in lost.items():

@@ -36,10 +36,11 @@ class EventChannel:
         self.pending.append(AllBlocksCleared())
 
     def stored_chain(self, new_indices: Sequence[int], digests: Sequence[bytes], token_ids: Sequence[int],
-                     cache_salt: str) -> None:
+                     cache_salt: str, lora_name: str | None = None) -> None:
         """Pool blocks ``new_indices`` of a chain (``digests``, one per full block of
-        ``token_ids``) were registered: one BlockStored per run of consecutive blocks whose
-        hash is new to the subscribers."""
+        ``token_ids``) were registered, by a sequence of the LoRA adapter ``lora_name`` (None:
+        the base): one BlockStored per run of consecutive blocks whose hash is new to the
+        subscribers."""
         copies = self.copies
         run: list[int] = []
         for index in new_indices:
@@ -47,16 +48,17 @@ class EventChannel:
             seen = copies.get(published, 0)
             copies[published] = seen + 1
             if seen:
-                self._flush(run, digests, token_ids, cache_salt)
+                self._flush(run, digests, token_ids, cache_salt, lora_name)
                 run = []
                 continue
             if run and run[-1] != index - 1:
-                self._flush(run, digests, token_ids, cache_salt)
+                self._flush(run, digests, token_ids, cache_salt, lora_name)
                 run = []
             run.append(index)
-        self._flush(run, digests, token_ids, cache_salt)
+        self._flush(run, digests, token_ids, cache_salt, lora_name)
 
-    def stored_block(self, digest: bytes, parent: bytes | None, token_ids: Sequence[int], cache_salt: str) -> None:
+    def stored_block(self, digest: bytes, parent: bytes | None, token_ids: Sequence[int], cache_salt: str,
+                     lora_name: str | None = None) -> None:
         """One registered pool block (``parent`` None: the first of its chain), told on its own."""
         published = external(digest)
         seen = self.copies.get(published, 0)
@@ -64,7 +66,7 @@ class EventChannel:
         if not seen:
             self.pending.append(BlockStored(
                 block_hashes=[published], parent_block_hash=external(parent) if parent is not None else None,
-                token_ids=list(token_ids), block_size=self.block_size,
+                token_ids=list(token_ids), block_size=self.block_size, lora_name=lora_name,
                 extra_keys=[salt_extra_keys(cache_salt) if parent is None else None],
             ))
 
@@ -86,13 +88,13 @@ class EventChannel:
         if hashes:
             self.pending.append(BlockRemoved(block_hashes=hashes))
 
-    def tier_stored(self, digest: bytes, token_ids: Sequence[int], medium: str) -> None:
+    def tier_stored(self, digest: bytes, token_ids: Sequence[int], medium: str, lora_name: str | None = None) -> None:
         key = (external(digest), medium)
         seen = self.tier_copies.get(key, 0)
         self.tier_copies[key] = seen + 1
         if not seen:
             self.pending.append(BlockStored(block_hashes=[key[0]], parent_block_hash=None, token_ids=list(token_ids),
-                                            block_size=self.block_size, medium=medium))
+                                            block_size=self.block_size, medium=medium, lora_name=lora_name))
 
     def tier_removed(self, digest: bytes, medium: str) -> None:
         key = (external(digest), medium)
@@ -107,7 +109,8 @@ class EventChannel:
         events, self.pending = self.pending, []
         return events
 
-    def _flush(self, run: list[int], digests: Sequence[bytes], token_ids: Sequence[int], cache_salt: str) -> None:
+    def _flush(self, run: list[int], digests: Sequence[bytes], token_ids: Sequence[int], cache_salt: str,
+               lora_name: str | None) -> None:
         if not run:
             return
         block_size = self.block_size
@@ -116,6 +119,6 @@ class EventChannel:
             block_hashes=[external(digests[index]) for index in run],
             parent_block_hash=external(digests[first - 1]) if first else None,
             token_ids=list(token_ids[first * block_size : (last + 1) * block_size]),
-            block_size=block_size,
+            block_size=block_size, lora_name=lora_name,
             extra_keys=[salt_extra_keys(cache_salt) if index == 0 else None for index in run],
         ))

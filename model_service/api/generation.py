@@ -127,15 +127,23 @@ class GenerationService:
         without having touched the engine. The caller must close() the stream it gets,
         whatever happens next."""
         self._check_limits(tenant)
+        # Held by the stream until it closes: an adapter unloaded meanwhile keeps its slot till then.
+        lora = self.adapter_of(request.lora_name, tenant) if request.lora_name else None
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)  # unbound by close()
+        if lora is not None:
+            self.loras.acquire(lora.name)
         try:
-            stream = ResponseStream(self, request_id, self._submit(request_id, request, deadline, validated, tenant),
-                                    tenant)
+            stream = ResponseStream(self, request_id, self._submit(request_id, request, deadline, validated, tenant,
+                                                                   lora), tenant, lora)
         except GenerateError:
+            if lora is not None:
+                self.loras.release(lora)
             structlog.contextvars.unbind_contextvars("request_id")
             raise
         metrics.TENANT_REQUESTS.labels(metrics.tenant_label(tenant.name)).inc()
+        if lora is not None:
+            metrics.LORA_REQUESTS.labels(lora.name).inc()
         return stream
 
     def _check_limits(self, tenant: Tenant) -> None:
@@ -211,7 +219,8 @@ class GenerationService:
             raise rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, error, retry_later=True) from None
 
     def _submit(self, request_id: str, request: model_pb2.GenerateRequest,
-                deadline: float | None, validated=None, tenant: Tenant = SINGLE) -> tuple[int, int, asyncio.Queue[Delta]]:
+                deadline: float | None, validated=None, tenant: Tenant = SINGLE,
+                lora: LoraAdapter | None = None) -> tuple[int, int, asyncio.Queue[Delta]]:
         prompt_token_ids, options = validated or self._validate(request)
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         # A tenant cannot ask to run before its min_priority (lower runs first), and shares
@@ -220,7 +229,6 @@ class GenerationService:
         if tenant.min_priority is not None and priority < tenant.min_priority:
             priority = tenant.min_priority
         cache_salt = request.cache_salt or tenant.name
-        lora = self.adapter_of(request.lora_name) if request.lora_name else None
         if lora is not None:
             cache_salt = adapter_salt(lora.digest, cache_salt)
         try:
@@ -236,11 +244,18 @@ class GenerationService:
             raise rejected(grpc.StatusCode.ALREADY_EXISTS, error) from None
         return key, options.n, deltas
 
-    def adapter_of(self, name: str) -> LoraAdapter:
-        """The loaded adapter of `name`; NOT_FOUND, listing what is served, for any other."""
-        adapter = self.loras.get(name) if self.loras is not None else None
+    def adapter_names(self, tenant: Tenant = SINGLE) -> list[str]:
+        """The loaded adapters `tenant` may use (its `loras` in --api-keys); no other is shown to it."""
+        if self.loras is None:
+            return []
+        return [a.name for a in self.loras.adapters() if tenant.may_use_lora(a.name)]
+
+    def adapter_of(self, name: str, tenant: Tenant = SINGLE) -> LoraAdapter:
+        """The loaded adapter of `name`; NOT_FOUND, listing what is served, for any other and
+        for one `tenant` may not use (so that names do not leak between tenants)."""
+        adapter = self.loras.get(name) if self.loras is not None and tenant.may_use_lora(name) else None
         if adapter is None:
-            served = [a.name for a in self.loras.adapters()] if self.loras is not None else []
+            served = self.adapter_names(tenant)
             shown = name if len(name) <= 128 else f"{name[:128]}..."
             raise rejected(grpc.StatusCode.NOT_FOUND,
                            f"no LoRA adapter {shown!r} is loaded here; loaded: {served or 'none'} "
@@ -260,7 +275,8 @@ class ResponseStream:
     called exactly when its consumer is done or gone."""
 
     def __init__(self, service: GenerationService, request_id: str,
-                 submitted: tuple[int, int, asyncio.Queue[Delta]], tenant: Tenant = SINGLE) -> None:
+                 submitted: tuple[int, int, asyncio.Queue[Delta]], tenant: Tenant = SINGLE,
+                 lora: LoraAdapter | None = None) -> None:
         self.request_id = request_id
         self._service = service
         self._key, self._unfinished, self._deltas = submitted
@@ -269,6 +285,7 @@ class ResponseStream:
         self._closed = False
         self._tenant = tenant
         self._queued = True  # until its first message: the tenant's max_queued_requests
+        self._lora = lora  # acquired from the registry by start(), released by close()
         service.open_streams += 1
         tenant.open_requests += 1
         tenant.queued_requests += 1
@@ -295,6 +312,8 @@ class ResponseStream:
             label = metrics.tenant_label(self._tenant.name)
             metrics.TENANT_TOKENS.labels(label, "prompt").inc(delta.prompt_tokens)
             metrics.TENANT_TOKENS.labels(label, "completion").inc(delta.completion_tokens)
+            if self._lora is not None and self._service.loras.is_current(self._lora):  # no series once unloaded
+                metrics.LORA_GENERATED_TOKENS.labels(self._lora.name).inc(delta.completion_tokens)
         return to_response(delta, self.request_id)
 
     def close(self) -> None:
@@ -307,6 +326,8 @@ class ResponseStream:
         if not self._finished:
             # Cancelled, disconnected or past its deadline: free the blocks now.
             self._service.engine.cancel(self._key)
+        if self._lora is not None:
+            self._service.loras.release(self._lora)
         structlog.contextvars.unbind_contextvars("request_id")
 
 

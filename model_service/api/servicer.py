@@ -11,15 +11,18 @@ import time
 
 from model_service.api.admit import admit
 from model_service.api.generation import GenerateError, GenerationService
+from model_service.api.lora_admin import LoraAdmin
 from model_service.api.tenants import SINGLE, ApiKeys, Tenant
 from pagedkv.bearer import presented_token
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, generation: GenerationService, api_keys: ApiKeys | None = None) -> None:
+    def __init__(self, generation: GenerationService, api_keys: ApiKeys | None = None,
+                 lora_admin: LoraAdmin | None = None) -> None:
         self.generation = generation
         self.api_keys = api_keys
+        self.lora_admin = lora_admin or LoraAdmin(generation.loras, None)
 
     def _tenant(self, context) -> Tenant:
         # The auth interceptor has let only known keys through: this finds whose it is.
@@ -52,3 +55,17 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
     async def Abort(self, request, context):
         return model_pb2.AbortResponse(aborted=self.generation.abort(list(request.request_ids),
                                                                      self._tenant(context)))
+
+    async def LoadLoraAdapter(self, request, context):
+        try:
+            message = await self.lora_admin.load(request.lora_name, request.lora_path, self._tenant(context))
+        except GenerateError as error:
+            await context.abort(error.code, error.message)
+        return model_pb2.LoadLoraAdapterResponse(message=message)
+
+    async def UnloadLoraAdapter(self, request, context):
+        try:
+            message = self.lora_admin.unload(request.lora_name, self._tenant(context))
+        except GenerateError as error:
+            await context.abort(error.code, error.message)
+        return model_pb2.UnloadLoraAdapterResponse(message=message)

@@ -5,6 +5,7 @@
     sk-team-a: {tenant: team-a, max_concurrent_requests: 8, max_queued_requests: 4, min_priority: 0}
     sk-team-b: {tenant: team-b}
     sk-ops: {tenant: ops, admin: true}
+    sk-team-c: {tenant: team-c, loras: [sql, chat], may_load_loras: true}
 
 Every field but `tenant` is optional (0 or absent: no limit). `--auth-token` stays the
 single-tenant form: one key, no tenant, no limits, and an admin's. A tenant's requests are
@@ -13,6 +14,10 @@ below its `min_priority` becomes `min_priority` (lower runs first), its cached p
 live in a namespace of its own (cache_namespace: the tenant and the salt it sends, so no
 salt reaches another tenant's), and its `kv_blocks` goes to the scheduler by its name
 (kv_block_shares). `admin` keys may also drop the prefix cache, which every tenant shares.
+`loras` lists the LoRA adapters the tenant may use (absent: every one loaded): any other is
+an unknown model to it (404 / NOT_FOUND, and left out of /v1/models), so adapter names do
+not leak between tenants. `may_load_loras` lets its keys load and unload adapters at run
+time (otherwise 403 / PERMISSION_DENIED).
 Keys are looked up by their SHA-256, so no comparison runs over a key's own bytes.
 
 The file holds secrets: one that others may read is loaded with a warning. SIGHUP reads it
@@ -35,7 +40,9 @@ from model_service.metrics import NO_TENANT
 
 log = structlog.get_logger()
 
-FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "admin")
+FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "admin",
+          "loras", "may_load_loras")
+COUNTS = ("max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks")
 
 
 @dataclass(slots=True)
@@ -48,14 +55,19 @@ class Tenant:
     # first and its waiting ones admitted after other tenants' (sched/scheduler.py).
     kv_blocks: int = 0
     admin: bool = False  # may drop the prefix cache (POST /reset_prefix_cache), every tenant's
+    loras: frozenset[str] | None = None  # the LoRA adapters it may use; None: every one
+    may_load_loras: bool = False  # may load and unload LoRA adapters at run time
     # Counted on the event loop by GenerationService.
     open_requests: int = field(default=0, compare=False)
     queued_requests: int = field(default=0, compare=False)
 
+    def may_use_lora(self, name: str) -> bool:
+        return self.loras is None or name in self.loras
+
 
 # The tenant of --auth-token's key (and of every request when no key is asked for): no
 # name, no limits, an admin.
-SINGLE = Tenant("", admin=True)
+SINGLE = Tenant("", admin=True, may_load_loras=True)
 
 
 class ApiKeys:
@@ -169,12 +181,28 @@ def load_api_keys(path: Path) -> dict[str, Tenant]:
         if name == NO_TENANT:
             raise ValueError(f"{where}: tenant {NO_TENANT!r} is the metrics' label of requests without a tenant; "
                              "give this one another name")
-        admin = entry.get("admin", False)
-        if not isinstance(admin, bool):
-            raise ValueError(f"{where}: admin must be true or false, got {admin!r}")
-        tenants[key] = Tenant(name, admin=admin, **{name_: _count(entry, name_, where) for name_ in FIELDS[1:-1]
-                                                    if entry.get(name_) is not None})
+        admin, may_load_loras = (_flag(entry, flag, where) for flag in ("admin", "may_load_loras"))
+        tenants[key] = Tenant(name, admin=admin, may_load_loras=may_load_loras, loras=_loras(entry, where),
+                              **{name_: _count(entry, name_, where) for name_ in COUNTS
+                                 if entry.get(name_) is not None})
     return _one_tenant_object_per_name(tenants, path)
+
+
+def _flag(entry: dict[str, Any], name: str, where: str) -> bool:
+    value = entry.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _loras(entry: dict[str, Any], where: str) -> frozenset[str] | None:
+    value = entry.get("loras")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(name, str) and name for name in value):
+        raise ValueError(f"{where}: loras must list the names of the LoRA adapters the tenant may use, "
+                         f"got {value!r}")
+    return frozenset(value)
 
 
 def _count(entry: dict[str, Any], name: str, where: str) -> int:

@@ -163,7 +163,7 @@ def to_proto_ops(ops: LeaseOps) -> list[cache_pb2.LeaseOp]:
     proto_ops.extend(
         cache_pb2.LeaseOp(allocate=cache_pb2.AllocateOp(
             num_tokens=len(seq.token_ids), prompt_token_ids=seq.token_ids if seq.reuse_prefix else (),
-            cache_salt=seq.cache_salt))
+            cache_salt=seq.cache_salt, lora_name=getattr(seq.lora, "name", "")))
         for seq in ops.allocations
     )
     proto_ops.extend(

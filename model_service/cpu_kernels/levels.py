@@ -46,7 +46,7 @@ log = structlog.get_logger()
 FAMILY_MODULES = ("model_service.cpu_kernels.bf16_matmul", "model_service.cpu_kernels.f32_matmul",
                   "model_service.cpu_kernels.quant_matmul",
                   "model_service.cpu_kernels.paged_decode", "model_service.cpu_kernels.prefill_attention",
-                  "model_service.cpu_kernels.kv_write")
+                  "model_service.cpu_kernels.kv_write", "model_service.cpu_kernels.lora_sgmv")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -268,6 +268,7 @@ class Engine:
         self._retire_ended()
         if not scheduler.has_work():
             self._tenant_gauges.set(scheduler.tenant_blocks.take_changed())
+            metrics.lora_kv_blocks(scheduler.adapter_blocks.take_changed())
             return
         step = self._schedule()
         if step.lease_ops.allocations and step.batch:
@@ -293,6 +294,7 @@ class Engine:
         metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
         metrics.RUNNING.set(len(scheduler.running))
         self._tenant_gauges.set(scheduler.tenant_blocks.take_changed())
+        metrics.lora_kv_blocks(scheduler.adapter_blocks.take_changed())
 
     def _apply_answer(self) -> None:
         """Applies the answer to the lease call in flight, if any (waiting for it); ends
@@ -445,6 +447,7 @@ class Engine:
             self.runner.wait_for_writes()
         self._session.lost(error)
         self._tenant_gauges.zero()  # the lost session held them
+        metrics.LORA_KV_BLOCKS.clear()
         self.scheduler = self.runner = None
         if self.decode_graph_pool is not None:
             self.decode_graph_pool.drop()  # its graphs would replay into the lost pool

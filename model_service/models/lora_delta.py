@@ -8,7 +8,9 @@ of different adapters and of the base share the one base matmul. Rows of the bas
 belong to no run and cost nothing here.
 
 The fused projections (qkv_proj, gate_up_proj) take each target's delta into its columns
-(`column` is where they start).
+(`column` is where they start). On CPU, float32 runs go to the C kernel of
+cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS); these
+matmuls are its reference and serve everything else.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from model_service.cpu_kernels import lora_sgmv
 
 
 class Factors(Protocol):
@@ -61,10 +65,15 @@ class LoraStep:
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, column: int = 0) -> None:
         """out[run rows, column:column + out_features] += scaling · (x[run rows] · Aᵀ) · Bᵀ
         for every run whose adapter trains `target` on `layer`."""
+        level = lora_sgmv.chosen_level() if out.device.type == "cpu" else None
         for run in self.runs:
             factors = run.adapter.weights.get((layer, target))
             if factors is None:
                 continue
+            rows = out[run.start:run.end, column:column + factors.b.shape[0]]
+            if level is not None and lora_sgmv.supports(rows, x, factors.a, factors.b):
+                lora_sgmv.shrink_expand(rows, x[run.start:run.end], factors.a, factors.b, run.adapter.scaling, level)
+                continue
             shrunk = x[run.start:run.end] @ factors.a.t()  # [n, r]
             shrunk.mul_(run.adapter.scaling)
-            out[run.start:run.end, column:column + factors.b.shape[0]].addmm_(shrunk, factors.b.t())
+            rows.addmm_(shrunk, factors.b.t())

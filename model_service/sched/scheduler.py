@@ -141,6 +141,8 @@ class Scheduler:
         self.preemptions = 0
         self.steps = 0  # schedule() calls so far: how long a prompt has waited (_prefill_order)
         self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
+        # The same count by LoRA adapter name (no shares: for its metric only).
+        self.adapter_blocks = TenantBlocks()
         self._block_chains = BlockChains(limits.block_size)  # what InflightPrefixes hashed, kept
 
     # -- requests come and go -------------------------------------------------------
@@ -236,6 +238,8 @@ class Scheduler:
             self._releases.add(Release(seq.lease_id, tuple(seq.token_ids[: seq.num_computed]),
                                        len(seq.block_table)), urgent)
         self.tenant_blocks.drop(seq.tenant, seq.block_table)
+        if seq.lora is not None:
+            self.adapter_blocks.drop(seq.lora.name, seq.block_table)
         seq.drop_blocks()
 
     def preempt(self, seq: Sequence) -> None:
@@ -366,6 +370,8 @@ class Scheduler:
         if len(seq.block_table) > seq.peak_blocks:
             seq.peak_blocks = len(seq.block_table)
         self.tenant_blocks.hold(seq.tenant, block_ids)
+        if seq.lora is not None:
+            self.adapter_blocks.hold(seq.lora.name, block_ids)
 
     # -- a step's results -------------------------------------------------------------
 

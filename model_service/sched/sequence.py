@@ -78,7 +78,8 @@ class Sequence:
     cache_salt: str = ""
     # Whose request it is (--api-keys), by name; "": no tenant.
     tenant: str = ""
-    # The LoRA adapter it runs with (model_service/lora/), opaque here; None: the base model.
+    # The LoRA adapter it runs with (model_service/lora/; only its `name` is read here, for the
+    # per-adapter block counts); None: the base model.
     # Its namespace is in cache_salt already.
     lora: Any = None
     # Speculative decoding: tokens proposed and accepted so far; spec_off once acceptance stays low.

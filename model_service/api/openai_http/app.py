@@ -15,11 +15,12 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.sse import format_sse_event
 
 from model_service.api.admit import admit, compile_grammars, scope_cache_salts
 from model_service.api.generation import GenerateError, GenerationService
+from model_service.api.lora_admin import LoraAdmin
 from model_service.api.openai_http import render, to_generate
 from model_service.api.openai_http.to_generate import DEFAULT_MAX_PROMPTS
 from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
@@ -29,8 +30,10 @@ from model_service.api.openai_http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationFields,
+    LoadLoraAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoraAdapterRequest,
 )
 from model_service.api.openai_http.responses import ChatEndpoint, CompletionEndpoint, Endpoint
 from model_service.api.openai_http.streaming import EventStream, Running, until_disconnected
@@ -49,9 +52,12 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 def create_app(generation: GenerationService, *, served_model_name: str | None = None,
                auth_token: str | None = None, api_keys: ApiKeys | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompts: int = DEFAULT_MAX_PROMPTS,
+               lora_admin: LoraAdmin | None = None) -> FastAPI:
     """api_keys: the keys and their tenants (tenants.py); else auth_token, one key.
-    max_prompts: the most prompts one /v1/completions body may carry."""
+    max_prompts: the most prompts one /v1/completions body may carry. lora_admin: runtime
+    LoRA loading (lora_admin.py); None: off."""
+    lora_admin = lora_admin or LoraAdmin(generation.loras, None)
     app = FastAPI(title="pagedkv model service", summary="OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_handlers(app)
     # Token and body size are checked in front of FastAPI, which reads the body first (gate.py).
@@ -73,18 +79,17 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
                 "parent": model_name if adapter else None,
                 "max_model_len": generation.engine.settings.max_model_len}
 
-    def adapter_names() -> list[str]:
-        return [adapter.name for adapter in generation.loras.adapters()] if generation.loras is not None else []
-
-    def check_model(name: str) -> str:
-        """The LoRA adapter `name` picks ("" for the base model); 404 for any other name."""
+    def check_model(name: str, request: Request) -> str:
+        """The LoRA adapter `name` picks ("" for the base model); 404 for any other name, and
+        for an adapter the caller's tenant may not use."""
         if name == model_name:
             return ""
-        if name in adapter_names():
+        names = generation.adapter_names(_tenant(request))
+        if name in names:
             return name
         shown = name if len(name) <= 128 else f"{name[:128]}..."
         raise ApiError(404, f"the model {shown!r} does not exist here; this server serves {model_name!r}"
-                       f"{' and the LoRA adapters ' + repr(adapter_names()) if adapter_names() else ''} "
+                       f"{' and the LoRA adapters ' + repr(names) if names else ''} "
                        "(GET /v1/models)", param="model", code="model_not_found")
 
     def pick_adapter(requests, lora_name: str) -> None:
@@ -100,16 +105,27 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
                         code="unavailable").response()
 
     @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(), *(model_card(name) for name in adapter_names())]}
+    async def list_models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(), *(model_card(name) for name in
+                                                           generation.adapter_names(_tenant(request)))]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict[str, Any]:
-        return model_card(check_model(model_id))
+    async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+        return model_card(check_model(model_id, request))
+
+    # vLLM's runtime LoRA endpoints: a plain-text success, an error object otherwise (lora_admin.py).
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
+        message = await lora_admin.load(body.lora_name, body.lora_path, _tenant(request))
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
+        return PlainTextResponse(lora_admin.unload(body.lora_name, _tenant(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        lora_name = check_model(body.model)
+        lora_name = check_model(body.model, request)
         refuse_unsupported(body)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         tools = plan_tools(body, template_source)
@@ -127,7 +143,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        lora_name = check_model(body.model)
+        lora_name = check_model(body.model, request)
         refuse_unsupported(body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         requests = to_generate.completion_requests(body, _request_id(body, request, response_id), max_prompts)
@@ -138,9 +154,9 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
 
     # What routers ask before routing (render.py): the token ids a request would run with.
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict[str, Any]:
         if body.model is not None:
-            check_model(body.model)
+            check_model(body.model, request)
         token_ids = await generation.tokenize(await asyncio.to_thread(render.tokenize_request, body),
                                               body.add_special_tokens)
         return render.tokenize_body(token_ids, generation.engine.settings.max_model_len,
@@ -148,7 +164,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
 
     @app.post("/v1/completions/render")
     async def completions_render(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
-        check_model(body.model)
+        check_model(body.model, request)
         refuse_unsupported(body)
         requests = to_generate.completion_requests(body, _request_id(body, request, f"cmpl-{uuid.uuid4().hex}"),
                                                    max_prompts)
@@ -158,7 +174,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
-        check_model(body.model)
+        check_model(body.model, request)
         refuse_unsupported(body)
         one = await asyncio.to_thread(to_generate.chat_request, body,
                                       _request_id(body, request, f"chatcmpl-{uuid.uuid4().hex}"),

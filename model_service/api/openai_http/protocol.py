@@ -187,3 +187,17 @@ class CompletionRequest(GenerationFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class LoadLoraAdapterRequest(Body):
+    """POST /v1/load_lora_adapter (vLLM's schema)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoraAdapterRequest(Body):
+    """POST /v1/unload_lora_adapter (vLLM's schema; lora_int_id is accepted and not used: names pick)."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None

@@ -103,4 +103,11 @@ int write_kv(const void *k, int64_t k_row_stride, const void *v, int64_t v_row_s
              int dtype, const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, float k_scale, float v_scale,
              int num_threads);
 
+/* ---- LoRA's segmented product (lora_sgmv.c) ---- */
+
+int lora_best_level(void);
+int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
+                       const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level,
+                       int num_threads);
+
 #endif

@@ -49,6 +49,16 @@ class ModelServiceStub:
                 request_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedkv.model.v1.ModelService/LoadLoraAdapter',
+                request_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedkv.model.v1.ModelService/UnloadLoraAdapter',
+                request_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -76,6 +86,25 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads the LoRA adapter at lora_path under lora_name, as vLLM's POST
+        /v1/load_lora_adapter: only with --lora-load-dir (else FAILED_PRECONDITION), from inside
+        it (INVALID_ARGUMENT), for a caller whose tenant has may_load_loras (PERMISSION_DENIED).
+        A name in use is ALREADY_EXISTS, no free --max-loras slot RESOURCE_EXHAUSTED, a path
+        with no directory NOT_FOUND, an adapter that does not fit the base INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads the adapter of lora_name (unknown: NOT_FOUND). New requests no longer find it;
+        requests already running with it finish with it, and its slot is free when they end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +122,16 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortRequest.FromString,
                     response_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagedkv_dot_model_dot_v1_dot_model__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedkv_dot_model_dot_v1_dot_model__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +215,60 @@ class ModelService:
             '/pagedkv.model.v1.ModelService/Abort',
             pagedkv_dot_model_dot_v1_dot_model__pb2.AbortRequest.SerializeToString,
             pagedkv_dot_model_dot_v1_dot_model__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.model.v1.ModelService/LoadLoraAdapter',
+            pagedkv_dot_model_dot_v1_dot_model__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedkv_dot_model_dot_v1_dot_model__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.model.v1.ModelService/UnloadLoraAdapter',
+            pagedkv_dot_model_dot_v1_dot_model__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedkv_dot_model_dot_v1_dot_model__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

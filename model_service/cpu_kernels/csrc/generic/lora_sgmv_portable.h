@@ -1,0 +1,7 @@
+/* lora_sgmv.c's portable level (included by it): a dot product a value at a time. */
+
+static float dot_portable(const float *x, const float *y, int n) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
