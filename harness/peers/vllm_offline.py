@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -73,16 +74,21 @@ class VllmWorker(JsonLinesChild):
     name = "vLLM"
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, threads: int,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", max_model_len: int = MAX_MODEL_LEN, engine: dict | None = None) -> None:
+        """`engine`: more LLM(...) arguments (max_num_seqs, speculative_config); when vLLM will not
+        build that engine, `refused` says why (and run must not be called)."""
         env = vllm_cores.environment(threads, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
-        super().__init__([str(python), str(PEERS / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN),
-                          kv_cache_dtype], log_path, env)
+        super().__init__([str(python), str(PEERS / "vllm_worker.py"), str(model_dir), dtype, str(max_model_len),
+                          kv_cache_dtype, *([json.dumps(engine)] if engine else [])], log_path, env)
+        self.refused: str | None = self.ready.get("refused")
 
     def run(self, requests, logprobs: int = 0) -> dict:
-        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]]."""
+        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]]; with a
+        speculative_config, "spec_totals": (draft tokens, accepted tokens) over the job."""
         reply = self.ask({"requests": requests, "logprobs": logprobs})
         return {"tokens": sum(len(o) for o in reply["outputs"]), "seconds": reply["seconds"],
-                "outputs": reply["outputs"], **({"logprobs": reply["logprobs"]} if logprobs else {})}
+                "outputs": reply["outputs"], **({"logprobs": reply["logprobs"]} if logprobs else {}),
+                **({"spec_totals": tuple(reply["spec"])} if "spec" in reply else {})}
 
 
 def wait_http_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:

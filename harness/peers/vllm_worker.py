@@ -3,14 +3,21 @@
 Runs in the vLLM venv (bench/.venv-vllm), never the project's: vllm_offline.py's VllmWorker starts it
 as a child process, so the engine stays loaded across rounds and takes turns with pagedkv.
 
-    argv: MODEL_DIR DTYPE MAX_MODEL_LEN [KV_CACHE_DTYPE]   (auto: the compute dtype; fp8_e4m3, ...)
+    argv: MODEL_DIR DTYPE MAX_MODEL_LEN [KV_CACHE_DTYPE [ENGINE_JSON]]
+          KV_CACHE_DTYPE: auto (the compute dtype), fp8_e4m3, ...; ENGINE_JSON: more LLM(...)
+          arguments, e.g. {"max_num_seqs": 8, "speculative_config": {"method": "ngram", ...}}
+    first line out: {"ready": true}, or {"refused": "why"} when vLLM would not build the
+                    engine those arguments ask for (the worker then exits)
     stdin, one job a line:  {"requests": [[prompt_token_ids, max_new_tokens], ...], "logprobs": N}
     stdout, one reply a line: {"seconds": s, "outputs": [[token ids], ...],
-                               "logprobs": [[[chosen, [top N, highest first]], ...], ...]}
+                               "logprobs": [[[chosen, [top N, highest first]], ...], ...],
+                               "spec": [draft tokens, accepted tokens]}
 
 Greedy, eos ignored, prefix caching off, token ids in and out (no tokenizer). "logprobs"
 is optional (0 or absent: none asked, none replied); vLLM's logprobs are its raw ones
-(logprobs_mode raw_logprobs: log_softmax of the logits, as pagedkv's).
+(logprobs_mode raw_logprobs: log_softmax of the logits, as pagedkv's). "spec" comes only with
+a speculative_config: the job's share of vLLM's spec-decode counters (LLM.get_metrics, so
+its stats are on for that engine alone).
 """
 
 from __future__ import annotations
@@ -28,9 +35,18 @@ def chosen_and_top(token: int, entry: dict, count: int) -> list:
     return [entry[token].logprob, [logprob.logprob for logprob in ranked[:count]]]
 
 
+def spec_counts(llm) -> tuple[int, int]:
+    """(draft tokens, accepted tokens) vLLM's spec-decode counters hold so far."""
+    counts = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
+    return (int(counts.get("vllm:spec_decode_num_draft_tokens", 0)),
+            int(counts.get("vllm:spec_decode_num_accepted_tokens", 0)))
+
+
 def main() -> int:
     model_dir, dtype, max_model_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
     kv_cache_dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    engine = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    speculating = "speculative_config" in engine
     # Replies get a private copy of stdout; fd 1 becomes stderr, so whatever vLLM or its
     # engine processes (which inherit the fds) print cannot end up among the replies.
     reply = os.fdopen(os.dup(1), "w")
@@ -38,8 +54,17 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
-              max_num_seqs=64, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    options = dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+                   max_num_seqs=64, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
+                   disable_log_stats=not speculating)
+    try:
+        llm = LLM(**{**options, **engine})
+    except Exception as error:  # e.g. a backend that cannot speculate: the caller reports it, then goes on
+        if not engine:
+            raise
+        reply.write(json.dumps({"refused": f"{type(error).__name__}: {error}"}) + "\n")
+        reply.flush()
+        return 1
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -49,11 +74,14 @@ def main() -> int:
         params = [SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, detokenize=False,
                                  logprobs=logprobs)
                   for _, max_new in job["requests"]]
+        before = spec_counts(llm) if speculating else None
         started = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
         outputs = [list(result.outputs[0].token_ids) for result in results]
         answer = {"seconds": seconds, "outputs": outputs}
+        if before is not None:
+            answer["spec"] = [after - earlier for after, earlier in zip(spec_counts(llm), before)]
         if logprobs:
             answer["logprobs"] = [[chosen_and_top(token, entry, logprobs) for token, entry
                                    in zip(result.outputs[0].token_ids, result.outputs[0].logprobs)]

@@ -1,0 +1,240 @@
+"""Speculative decoding: pagedkv with and without it, against vLLM's CPU engine with and without it.
+
+SmolLM2-135M-Instruct in float32, greedy, eos ignored (every path makes the same tokens).
+Workloads, fixed seeds:
+
+  - grounded: chat requests over synthetic documents of 300-1,500 tokens whose answers
+    copy their input (extract invoices as JSON, quote a sentence, rewrite with small
+    edits; bench/serve/spec_workloads.py), --max-new-tokens each (128);
+  - free: W48's prompts (bench_generate.workload: random token ids, max_new_tokens
+    8-128), redrawn each round as bench_vs_vllm.py does; little there repeats.
+
+Paths, taking turns within each round (who goes first alternates with the round):
+
+  - pagedkv: both services as real processes (bench_vs_vllm.pagedkv_services), one per
+    path, token ids in over gRPC, at most --concurrency requests in flight:
+    without speculation, and with each of --methods (`--speculative-method ngram|suffix
+    --num-speculative-tokens K --prompt-lookup-min --prompt-lookup-max`);
+  - vLLM: its CPU engine offline (harness/peers/vllm_worker.py, max_num_seqs =
+    the concurrency), plain and with speculative_config {"method": "ngram", ...}; if its
+    CPU backend refuses to speculate, the refusal is printed and the plain engine stays.
+
+Per cell (concurrency, workload, path): median tokens/s over rounds; the medians of the
+per-round ratios against pagedkv without speculation and against vLLM plain; the
+acceptance rate (accepted / proposed: pagedkv's usage.spec_*_tokens, vLLM's spec-decode
+counters); tokens a stream gains per step (new tokens / (new tokens - accepted): a step
+appends the accepted tokens and one more); and how many outputs equal pagedkv's without
+speculation, token for token (greedy: all of pagedkv's should). The proposers' cost is
+timed apart, in this process: pagedkv's proposer replayed over the outputs, one call per
+token, beside a one-stream step's time; vLLM's is not measured.
+
+    .venv/bin/python -m bench.serve.bench_spec [--rounds 3] [--concurrency 1,8]
+        [--workloads grounded,free] [--methods ngram,suffix] [--num-speculative-tokens 3]
+        [--prompt-lookup-min 2] [--prompt-lookup-max 5] [--requests 64] [--max-new-tokens 128]
+        [--skip-vllm] [--threads 2]
+    .venv/bin/python -m bench.serve.bench_spec --rounds 1 --requests 4 --concurrency 1 \\
+        --workloads grounded --skip-vllm           # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.serve import spec_workloads
+from bench.serve.bench_generate import workload as w48_workload
+from bench.serve.bench_vs_vllm import pagedkv_services, rate, redraw
+from harness.peers import vllm_cores
+from harness.peers.vllm_offline import VllmWorker, ensure_vllm_venv, smollm2_checkpoint, tail
+
+from model_service.loading.embedded import embedded_model_path
+
+VOCAB = 49152
+MAX_MODEL_LEN = 2048  # the longest grounded prompt and its answer
+PLAIN, VLLM, VLLM_SPEC = "pagedkv", "vLLM", "vLLM ngram"
+
+
+def chat_token_ids(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def round_requests(work: str, base, round_index: int, tokenizer, max_new: int) -> list[tuple[list[int], int]]:
+    """The round's (prompt ids, max_new_tokens): prompts no earlier round (nor the warm-up) sent."""
+    if work == "free":
+        return redraw(base, round_index, VOCAB)
+    return [(chat_token_ids(tokenizer, messages), max_new) for messages in spec_workloads.for_round(base, round_index)]
+
+
+def spec_flags(method: str, args) -> list[str]:
+    return ["--speculative-method", method, "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--prompt-lookup-min", str(args.prompt_lookup_min), "--prompt-lookup-max", str(args.prompt_lookup_max)]
+
+
+def spec_totals(row: dict) -> tuple[int, int]:
+    """(proposed, accepted) over a run: pagedkv's per completion, vLLM's per job."""
+    if "spec_totals" in row:
+        return row["spec_totals"]
+    return sum(p for p, _ in row.get("spec", [])), sum(a for _, a in row.get("spec", []))
+
+
+@contextlib.contextmanager
+def vllm_paths(python: Path, model_dir: Path, tmp: Path, args, concurrency: int):
+    """{name: run(requests, concurrency)} for vLLM plain and with ngram speculation (unless refused)."""
+    engines: dict[str, VllmWorker] = {}
+    speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                   "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    try:
+        for name, engine in ((VLLM, {"max_num_seqs": concurrency}),
+                             (VLLM_SPEC, {"max_num_seqs": concurrency, "speculative_config": speculative})):
+            log = tmp / f"vllm-{name.replace(' ', '-')}-c{concurrency}.log"
+            worker = VllmWorker(python, model_dir, "float32", log, args.threads, max_model_len=MAX_MODEL_LEN,
+                                engine=engine)
+            if worker.refused:
+                print(f"  vLLM refused {engine}: {worker.refused}\n  the end of its log:\n{tail(log)}", flush=True)
+                worker.close()
+                continue
+            engines[name] = worker
+        yield {name: (lambda requests, _c, worker=worker: worker.run(requests)) for name, worker in engines.items()}
+        for name, worker in engines.items():
+            print(f"  {name} computed on {vllm_cores.binding(worker.process.pid)}", flush=True)
+    finally:
+        for worker in engines.values():
+            worker.close()
+
+
+def proposer_cost(method: str, args, sequences: list[tuple[list[int], list[int]]]) -> float:
+    """Microseconds a proposal takes, pagedkv's proposer replayed over (prompt, output) pairs in
+    this process, one call a token as a one-token step makes it (suffix: with the history of
+    the outputs replayed before)."""
+    from model_service.spec.ngram import NgramIndex
+    from model_service.spec.suffix import SuffixHistory
+
+    k, low, high = args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
+    history = SuffixHistory(high + k, 65536) if method == "suffix" else None
+    seconds, calls = 0.0, 0
+    for prompt, output in sequences:
+        index, context = NgramIndex(low, high, prompt), list(prompt)
+        for token in output:
+            started = time.perf_counter()
+            index.extend([token])
+            context.append(token)
+            if not index.propose(k) and history is not None:
+                history.propose(None, context, low, high, k)
+            seconds += time.perf_counter() - started
+            calls += 1
+        if history is not None:
+            history.add(None, output)
+    return 1e6 * seconds / max(calls, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--concurrency", default="1,8", help="requests in flight at once, one cell each")
+    parser.add_argument("--workloads", default="grounded,free")
+    parser.add_argument("--methods", default="ngram,suffix", help="pagedkv's --speculative-method values to run")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=64, help="grounded requests (free: at most W48's 48)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="per grounded request (free keeps W48's)")
+    parser.add_argument("--skip-vllm", action="store_true")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    workloads = args.workloads.split(",")
+    methods = [m for m in args.methods.split(",") if m]
+    if any(c < 1 for c in concurrencies) or not set(workloads) <= {"grounded", "free"} \
+            or not set(methods) <= {"ngram", "suffix"} or args.requests < 1:
+        parser.error("--concurrency takes positive integers, --workloads grounded,free, --methods ngram,suffix, "
+                     "--requests at least 1")
+    from transformers import AutoTokenizer
+
+    gguf = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    base = {"grounded": spec_workloads.grounded(lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+                                                args.requests),
+            "free": w48_workload()[:args.requests]}
+    python = None if args.skip_vllm else ensure_vllm_venv()
+    # vLLM reads a safetensors copy of the GGUF pagedkv's `--model smollm2` loads; then both read that copy.
+    model = "smollm2" if args.skip_vllm else smollm2_checkpoint()
+    spec_paths = [f"pagedkv {m}" for m in methods]
+    rows: dict[tuple[int, str, str], list[dict]] = {}
+    prompts: dict[tuple[int, str], list[list[int]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        pagedkv = {}
+        for name, flags in ((PLAIN, []), *((n, spec_flags(m, args)) for m, n in zip(methods, spec_paths))):
+            (tmp / name.replace(" ", "-")).mkdir()
+            pagedkv[name] = stack.enter_context(pagedkv_services(model, "float32", tmp / name.replace(" ", "-"),
+                                                                 args.threads, flags, max_model_len=MAX_MODEL_LEN))
+        for concurrency in concurrencies:
+            with contextlib.ExitStack() as vllm_stack:
+                paths = dict(pagedkv)
+                if python is not None:
+                    paths.update(vllm_stack.enter_context(vllm_paths(python, model, tmp, args, concurrency)))
+                for run in paths.values():  # warm up, on prompts no round uses
+                    run(round_requests(workloads[0], base[workloads[0]][:2], -1, tokenizer, 8), concurrency)
+                for round_index in range(args.rounds):
+                    for work in workloads:
+                        requests = round_requests(work, base[work], round_index, tokenizer, args.max_new_tokens)
+                        prompts[(round_index, work)] = [prompt for prompt, _ in requests]
+                        order = list(paths.items())
+                        for name, run in order if round_index % 2 == 0 else order[::-1]:
+                            rows.setdefault((concurrency, work, name), []).append(run(requests, concurrency))
+                        print(f"  concurrency {concurrency}, round {round_index + 1}, {work}: " + ", ".join(
+                            f"{name} {rate(rows[(concurrency, work, name)][-1]):.0f}" for name in paths) + " tok/s",
+                            flush=True)
+    report(args, concurrencies, workloads, rows, prompts, spec_paths, methods)
+    return 0
+
+
+def report(args, concurrencies, workloads, rows, prompts, spec_paths, methods) -> None:
+    load = os.getloadavg()
+    print(f"\nSmolLM2-135M-Instruct, float32, greedy, {args.rounds} round(s), {args.threads} threads, "
+          f"K={args.num_speculative_tokens}, prompt lookup {args.prompt_lookup_min}-{args.prompt_lookup_max}; "
+          f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+    print("| concurrency | workload | path | tok/s (median) | vs pagedkv plain | vs vLLM plain | acceptance "
+          "| tokens a step | same as pagedkv plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for concurrency in concurrencies:
+        for work in workloads:
+            plain, theirs = rows[(concurrency, work, PLAIN)], rows.get((concurrency, work, VLLM))
+            for name in (PLAIN, *spec_paths, VLLM, VLLM_SPEC):
+                runs = rows.get((concurrency, work, name))
+                if runs is None:
+                    continue
+                against = (lambda others: "-" if others is None else
+                           f"{statistics.median(rate(r) / rate(o) for r, o in zip(runs, others)):.2f}x")
+                proposed, accepted = (sum(t) for t in zip(*map(spec_totals, runs)))
+                tokens = sum(r["tokens"] for r in runs)
+                same = sum(a == b for r, p in zip(runs, plain) for a, b in zip(r["outputs"], p["outputs"]))
+                print(f"| {concurrency} | {work} | {name} | {statistics.median(map(rate, runs)):,.0f} | "
+                      f"{against(plain)} | {against(theirs)} | "
+                      f"{f'{100 * accepted / proposed:.0f} %' if proposed else '-'} | "
+                      f"{tokens / (tokens - accepted):.2f} | {same}/{sum(len(r['outputs']) for r in runs)} |")
+    # A step's time, one stream, no speculation: what a proposal's cost compares with.
+    print("\n| proposer | workload | us a proposal (replayed in this process) | share of a one-stream plain step |")
+    print("| --- | --- | --- | --- |")
+    one = min(concurrencies)
+    for method, name in zip(methods, spec_paths):
+        for work in workloads:
+            runs = rows[(one, work, name)]
+            sequences = [(prompt, output) for round_index, run in enumerate(runs)
+                         for prompt, output in zip(prompts[(round_index, work)], run["outputs"])]
+            cost = proposer_cost(method, args, sequences)
+            step_us = 1e6 * statistics.median(r["seconds"] / r["tokens"] for r in rows[(one, work, PLAIN)])
+            print(f"| pagedkv {method} | {work} | {cost:.1f} | {100 * cost / step_us:.2f} % "
+                  f"(step {step_us / 1000:.1f} ms at concurrency {one}) |")
+    if not args.skip_vllm:
+        print("| vLLM ngram | all | not measured | not measured |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""bench_spec.py's parts that a long run would find broken too late: the grounded workload
+(deterministic, answerable, sized as asked), the proposer replay, and the completions' spec
+usage coming back through bench_vs_vllm.pagedkv_services with at most `concurrency` in flight."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.serve import spec_workloads
+from bench.serve.bench_spec import proposer_cost, spec_flags, spec_totals
+from bench.serve.bench_vs_vllm import pagedkv_services
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_grounded_workload_is_deterministic_sized_and_answerable():
+    requests = spec_workloads.grounded(words, 6, seed=3)
+    assert requests == spec_workloads.grounded(words, 6, seed=3)
+    assert requests != spec_workloads.grounded(words, 6, seed=4)
+    assert [kind for _, kind in requests] == list(spec_workloads.KINDS) * 2
+    for messages, kind in requests:
+        ask, text = messages[0]["content"].split("\n\n", 1)
+        assert 300 <= words(text) <= 1500 + 60  # grown until it reaches a size drawn from 300-1,500
+        assert "Invoice INV-" in text
+        if kind == "quote":  # the question names an invoice the document holds
+            name = ask.split("What did ", 1)[1].split(" of ", 1)[0]
+            assert f"by {name} of" in text
+        if kind == "rewrite":
+            assert ask.split("change the city ", 1)[1].split(" to ", 1)[0] in text
+
+
+def test_each_round_gets_its_own_system_message():
+    requests = spec_workloads.grounded(words, 2)
+    first, second = spec_workloads.for_round(requests, 0), spec_workloads.for_round(requests, 1)
+    assert [m[1:] for m in first] == [m[1:] for m in second] == [m for m, _ in requests]
+    assert first[0][0]["role"] == "system" and first[0][0] != second[0][0]
+
+
+def options(k: int = 3) -> argparse.Namespace:
+    return argparse.Namespace(num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=5)
+
+
+def test_proposer_replay_times_every_token():
+    sequences = [([5, 6, 7, 8] * 10, [5, 6, 7, 8] * 4), ([9, 10, 11], [12, 13])]
+    for method in ("ngram", "suffix"):
+        assert proposer_cost(method, options(), sequences) > 0
+    assert proposer_cost("ngram", options(), []) == 0
+
+
+def test_spec_usage_comes_back_per_completion(tmp_path):
+    prompt = [5, 6, 7, 8] * 12  # its own repetition gives the ngram proposer a match at once
+    requests = [(prompt, 12), (prompt[1:], 12), (prompt[2:], 12)]
+    runs = {}
+    for name, flags in (("plain", []), ("ngram", spec_flags("ngram", options()))):
+        (tmp_path / name).mkdir()
+        with pagedkv_services("tiny", "float32", tmp_path / name, 1, flags) as run:
+            runs[name] = run(requests, concurrency=2)
+    assert runs["plain"]["spec"] == [(0, 0)] * 3
+    assert spec_totals(runs["plain"]) == (0, 0)
+    proposed, accepted = spec_totals(runs["ngram"])
+    assert proposed > 0 and 0 <= accepted <= proposed
+    assert all(p > 0 for p, _ in runs["ngram"]["spec"])
+    assert runs["ngram"]["outputs"] == runs["plain"]["outputs"]  # greedy: the same tokens
+    assert spec_totals({"spec_totals": (7, 3)}) == (7, 3)  # vLLM's, per job
