@@ -20,7 +20,7 @@ Paths, taking turns within each round (who goes first alternates with the round)
     CPU backend refuses to speculate, the refusal is printed and the plain engine stays.
 
 Per cell (concurrency, workload, path): median tokens/s over rounds; the medians of the
-per-round ratios against pagedkv without speculation and against vLLM plain; the
+per-round ratios against pagedkv without speculation, vLLM plain and vLLM ngram; the
 acceptance rate (accepted / proposed: pagedkv's usage.spec_*_tokens, vLLM's spec-decode
 counters); tokens a stream gains per step (new tokens / (new tokens - accepted): a step
 appends the accepted tokens and one more); and how many outputs equal pagedkv's without
@@ -93,8 +93,14 @@ def vllm_paths(python: Path, model_dir: Path, tmp: Path, args, concurrency: int)
         for name, engine in ((VLLM, {"max_num_seqs": concurrency}),
                              (VLLM_SPEC, {"max_num_seqs": concurrency, "speculative_config": speculative})):
             log = tmp / f"vllm-{name.replace(' ', '-')}-c{concurrency}.log"
-            worker = VllmWorker(python, model_dir, "float32", log, args.threads, max_model_len=MAX_MODEL_LEN,
-                                engine=engine)
+            try:
+                worker = VllmWorker(python, model_dir, "float32", log, args.threads, max_model_len=MAX_MODEL_LEN,
+                                    engine=engine)
+            except SystemExit as failure:  # its engine died at start instead of refusing
+                if "speculative_config" not in engine:
+                    raise
+                print(f"  vLLM did not start with {engine}: {failure}", flush=True)
+                continue
             if worker.refused:
                 print(f"  vLLM refused {engine}: {worker.refused}\n  the end of its log:\n{tail(log)}", flush=True)
                 worker.close()
@@ -200,12 +206,13 @@ def report(args, concurrencies, workloads, rows, prompts, spec_paths, methods) -
     print(f"\nSmolLM2-135M-Instruct, float32, greedy, {args.rounds} round(s), {args.threads} threads, "
           f"K={args.num_speculative_tokens}, prompt lookup {args.prompt_lookup_min}-{args.prompt_lookup_max}; "
           f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
-    print("| concurrency | workload | path | tok/s (median) | vs pagedkv plain | vs vLLM plain | acceptance "
-          "| tokens a step | same as pagedkv plain |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| concurrency | workload | path | tok/s (median) | vs pagedkv plain | vs vLLM plain | vs vLLM ngram "
+          "| acceptance | tokens a step | same as pagedkv plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for concurrency in concurrencies:
         for work in workloads:
             plain, theirs = rows[(concurrency, work, PLAIN)], rows.get((concurrency, work, VLLM))
+            theirs_spec = rows.get((concurrency, work, VLLM_SPEC))
             for name in (PLAIN, *spec_paths, VLLM, VLLM_SPEC):
                 runs = rows.get((concurrency, work, name))
                 if runs is None:
@@ -216,7 +223,7 @@ def report(args, concurrencies, workloads, rows, prompts, spec_paths, methods) -
                 tokens = sum(r["tokens"] for r in runs)
                 same = sum(a == b for r, p in zip(runs, plain) for a, b in zip(r["outputs"], p["outputs"]))
                 print(f"| {concurrency} | {work} | {name} | {statistics.median(map(rate, runs)):,.0f} | "
-                      f"{against(plain)} | {against(theirs)} | "
+                      f"{against(plain)} | {against(theirs)} | {against(theirs_spec)} | "
                       f"{f'{100 * accepted / proposed:.0f} %' if proposed else '-'} | "
                       f"{tokens / (tokens - accepted):.2f} | {same}/{sum(len(r['outputs']) for r in runs)} |")
     # A step's time, one stream, no speculation: what a proposal's cost compares with.
