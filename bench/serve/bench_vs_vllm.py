@@ -77,41 +77,51 @@ def redraw(requests, round_index: int, vocab_size: int) -> list[tuple[list[int],
 def pagedkv_services(model_dir: Path, dtype: str, tmp: Path, threads: int, extra: list[str],
                      stream_interval: int = 1, stream: bool = True):
     with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache, \
-            start_model_service(tmp, cache.address, "--model", str(model_dir), "--dtype", dtype,
-                                "--threads", str(threads), "--max-num-seqs", "64",
-                                "--max-batch-prefill-tokens", "2048", "--max-model-len", str(MAX_MODEL_LEN),
-                                *extra, timeout_s=900) as model:
+            start_model_service(tmp, cache.address, *model_service_args(model_dir, dtype, threads), *extra,
+                                timeout_s=900) as model:
+        yield grpc_runner(model, stream_interval, stream)
 
-        async def send_all(items) -> list[list[int]]:
-            async with grpc.aio.insecure_channel(model.address) as channel:
-                stub = model_pb2_grpc.ModelServiceStub(channel)
 
-                async def one(prompt, max_new) -> list[int]:
-                    request = model_pb2.GenerateRequest(
-                        prompt_token_ids=prompt, stream=None if stream else False,
-                        sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
-                                                         detokenize=False,  # as vLLM runs here
-                                                         stream_interval=stream_interval),
-                    )
-                    tokens: list[int] = []
-                    async for response in stub.Generate(request, timeout=900):
-                        tokens.extend(response.token_ids)
-                    return tokens
+def model_service_args(model_dir: Path, dtype: str, threads: int) -> list[str]:
+    """The model service's settings beside vLLM's worker (its max_num_seqs, MAX_MODEL_LEN)."""
+    return ["--model", str(model_dir), "--dtype", dtype, "--threads", str(threads), "--max-num-seqs", "64",
+            "--max-batch-prefill-tokens", "2048", "--max-model-len", str(MAX_MODEL_LEN)]
 
-                return list(await asyncio.gather(*(one(*item) for item in items)))
 
-        def run(requests) -> dict:
-            wait_before = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total")
-            step_before = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total")
-            started = time.perf_counter()
-            outputs = asyncio.run(send_all(requests))
-            seconds = time.perf_counter() - started
-            wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
-            step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
-            return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs,
-                    "lease_wait_share": wait / step if step else 0.0}
+def grpc_runner(model, stream_interval: int = 1, stream: bool = True):
+    """run(requests) for a started model service: every request at once from one asyncio gRPC
+    client, timed here; a request is (prompt_token_ids, max_new_tokens[, lora_name])."""
 
-        yield run
+    async def send_all(items) -> list[list[int]]:
+        async with grpc.aio.insecure_channel(model.address) as channel:
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+
+            async def one(prompt, max_new, lora_name=None) -> list[int]:
+                request = model_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, stream=None if stream else False, lora_name=lora_name,
+                    sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
+                                                     detokenize=False,  # as vLLM runs here
+                                                     stream_interval=stream_interval),
+                )
+                tokens: list[int] = []
+                async for response in stub.Generate(request, timeout=900):
+                    tokens.extend(response.token_ids)
+                return tokens
+
+            return list(await asyncio.gather(*(one(*item) for item in items)))
+
+    def run(requests) -> dict:
+        wait_before = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total")
+        step_before = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total")
+        started = time.perf_counter()
+        outputs = asyncio.run(send_all(requests))
+        seconds = time.perf_counter() - started
+        wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
+        step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
+        return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs,
+                "lease_wait_share": wait / step if step else 0.0}
+
+    return run
 
 
 @contextlib.contextmanager

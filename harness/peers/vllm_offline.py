@@ -67,20 +67,33 @@ def smollm2_checkpoint() -> Path:
     return target
 
 
+class VllmRefused(Exception):
+    """vLLM's own error text for a setting or job it does not take (LoRA on a backend without it)."""
+
+
 class VllmWorker(JsonLinesChild):
-    """vllm_worker.py in a child process; kv_cache_dtype is vLLM's (auto: the compute dtype)."""
+    """vllm_worker.py in a child process; kv_cache_dtype is vLLM's (auto: the compute dtype).
+    max_loras over 0 starts it with enable_lora (max_loras, max_lora_rank); a refusal, at
+    start or of a job with adapters, raises VllmRefused with vLLM's text."""
 
     name = "vLLM"
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, threads: int,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", max_loras: int = 0, max_lora_rank: int = 0) -> None:
         env = vllm_cores.environment(threads, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
+        lora = [str(max_loras), str(max_lora_rank)] if max_loras else []
         super().__init__([str(python), str(PEERS / "vllm_worker.py"), str(model_dir), dtype, str(MAX_MODEL_LEN),
-                          kv_cache_dtype], log_path, env)
+                          kv_cache_dtype, *lora], log_path, env)
+        if "error" in self.ready:
+            self.close()
+            raise VllmRefused(self.ready["error"])
 
-    def run(self, requests, logprobs: int = 0) -> dict:
-        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]]."""
-        reply = self.ask({"requests": requests, "logprobs": logprobs})
+    def run(self, requests, logprobs: int = 0, loras: list[str] | None = None) -> dict:
+        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]];
+        with loras, each request runs with the adapter in that directory (one per request)."""
+        reply = self.ask({"requests": requests, "logprobs": logprobs, **({"loras": loras} if loras else {})})
+        if "error" in reply:
+            raise VllmRefused(reply["error"])
         return {"tokens": sum(len(o) for o in reply["outputs"]), "seconds": reply["seconds"],
                 "outputs": reply["outputs"], **({"logprobs": reply["logprobs"]} if logprobs else {})}
 
