@@ -17,7 +17,10 @@ Paths, taking turns within each round (who goes first rotates from round to roun
     its LoRARequest. Where vLLM refuses (its CPU backend without LoRA, a dtype it does not
     take with adapters), its text is printed and the table says so.
 Both model services attach to one cache service; pagedkv's requests go over gRPC from one
-asyncio client in this process, streaming every token (bench_vs_vllm.py's client).
+asyncio client in this process, streaming every token (bench_vs_vllm.py's client). The
+table also counts greedy outputs that agree token for token between pagedkv and vLLM under
+the same adapters (float32 should agree nearly everywhere), and between the adapters' and
+the base's (few: an adapter that changed nothing would be a broken benchmark).
 
 Also measured, once per dtype:
   - start-up: seconds until SERVING with --lora-modules and without, and the service's own
@@ -50,7 +53,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.serve.bench_generate import metric, workload, write_w48_checkpoint
-from bench.serve.bench_vs_vllm import grpc_runner, model_service_args, rate, redraw
+from bench.serve.bench_vs_vllm import agreement, grpc_runner, model_service_args, rate, redraw
 from checks.memory_soak import status_kib
 from harness.lora_adapters import write_adapter
 from harness.peers.vllm_offline import VllmRefused, VllmWorker, ensure_vllm_venv
@@ -122,7 +125,7 @@ def one_dtype(args, dtype: str, model_dir: Path, adapters: dict[str, Path], pyth
     shapes = workload()[:args.requests]
     lora_limits = ["--max-loras", str(args.adapters), "--max-lora-rank", str(args.rank)]
     service_args = model_service_args(model_dir, dtype, args.threads)
-    cell: dict = {"dtype": dtype, "rates": {"adapters": [], "base": [], "vllm": []}}
+    cell: dict = {"dtype": dtype, "rows": {"adapters": [], "base": [], "vllm": []}}
     with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache:
         print(f"{dtype}: loading {len(adapters)} adapters at run time", flush=True)
         cell["runtime"] = runtime_loads(tmp, cache.address, service_args, adapters, lora_limits)
@@ -162,16 +165,22 @@ def one_dtype(args, dtype: str, model_dir: Path, adapters: dict[str, Path], pyth
                 requests = redraw(shapes, round_index, VOCAB)
                 shift = round_index % len(order)
                 for name, path in order[shift:] + order[:shift]:
-                    cell["rates"][name].append(rate(path(requests)))
+                    cell["rows"][name].append(path(requests))
                 print(f"  round {round_index + 1}: " + ", ".join(
-                    f"{name} {cell['rates'][name][-1]:.0f} tok/s" for name in paths_by_name), flush=True)
+                    f"{name} {rate(cell['rows'][name][-1]):.0f} tok/s" for name in paths_by_name), flush=True)
             cell["rss_end"] = (rss_mib(base.pid), rss_mib(lora.pid))
             cell["adapter_bytes"] = metric(lora.metrics_url, "pagedkv_model_lora_adapter_bytes")
     return cell
 
 
-def ratios(numerator: list[float], denominator: list[float]) -> list[float]:
-    return [a / b for a, b in zip(numerator, denominator)]
+def ratios(numerator: list[dict], denominator: list[dict]) -> list[float]:
+    return [rate(a) / rate(b) for a, b in zip(numerator, denominator)]
+
+
+def same_outputs(a: list[dict], b: list[dict]) -> str:
+    """How many greedy outputs agree token for token, over every round."""
+    counts = [agreement(x, y) for x, y in zip(a, b)]
+    return f"{sum(same for same, _ in counts)}/{sum(total for _, total in counts)}" if counts else "-"
 
 
 def report(args, cells: list[dict]) -> None:
@@ -181,18 +190,21 @@ def report(args, cells: list[dict]) -> None:
           f"vLLM with VLLM_CPU_NUM_OF_RESERVED_CPU=0 (every core)\n")
     print("| dtype | pagedkv, adapters tok/s | pagedkv, base tok/s | vLLM CPU, adapters tok/s "
           f"| adapters / base (goal ≥{GOALS['adapters / base']}x) | every round "
-          f"| pagedkv / vLLM (goal ≥{GOALS['pagedkv / vLLM']}x) | every round |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| pagedkv / vLLM (goal ≥{GOALS['pagedkv / vLLM']}x) | every round "
+          "| same greedy outputs, pagedkv and vLLM with adapters | same as the base's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for cell in cells:
-        rates = cell["rates"]
-        over_base = ratios(rates["adapters"], rates["base"])
-        over_vllm = ratios(rates["adapters"], rates["vllm"])
-        vllm = (f"{statistics.median(rates['vllm']):,.0f}" if rates["vllm"] else cell["vllm_note"].split(":")[0])
-        print(f"| {cell['dtype']} | {statistics.median(rates['adapters']):,.0f} | "
-              f"{statistics.median(rates['base']):,.0f} | {vllm} | **{statistics.median(over_base):.2f}x** | "
-              f"{', '.join(f'{r:.2f}' for r in over_base)} | "
+        rows = cell["rows"]
+        over_base = ratios(rows["adapters"], rows["base"])
+        over_vllm = ratios(rows["adapters"], rows["vllm"])
+        vllm = (f"{statistics.median(rate(r) for r in rows['vllm']):,.0f}" if rows["vllm"]
+                else cell["vllm_note"].split(":")[0])
+        print(f"| {cell['dtype']} | {statistics.median(rate(r) for r in rows['adapters']):,.0f} | "
+              f"{statistics.median(rate(r) for r in rows['base']):,.0f} | {vllm} | "
+              f"**{statistics.median(over_base):.2f}x** | {', '.join(f'{r:.2f}' for r in over_base)} | "
               + (f"**{statistics.median(over_vllm):.2f}x** | {', '.join(f'{r:.2f}' for r in over_vllm)} |"
-                 if over_vllm else "- | - |"))
+                 if over_vllm else "- | - |")
+              + f" {same_outputs(rows['adapters'], rows['vllm'])} | {same_outputs(rows['adapters'], rows['base'])} |")
     print("\n| dtype | start-up without / with adapters (s) | lora_modules_loaded (s) "
           "| runtime load per adapter, median / max (s) | RSS per adapter: started with them, warm / end "
           "| loaded at run time | adapter bytes per adapter |")
