@@ -129,7 +129,8 @@ def one_dtype(args, dtype: str, model_dir: Path, adapters: dict[str, Path], pyth
     with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache:
         print(f"{dtype}: loading {len(adapters)} adapters at run time", flush=True)
         cell["runtime"] = runtime_loads(tmp, cache.address, service_args, adapters, lora_limits)
-        print(f"{dtype}: starting pagedkv without and with adapters, and vLLM", flush=True)
+        print(f"{dtype}: starting pagedkv without and with adapters{'' if python is None else ', and vLLM'}",
+              flush=True)
         base, cell["start_base"] = timed_start(tmp, cache.address, *service_args)
         modules = [f"--lora-modules={name}={path}" for name, path in adapters.items()]
         with base, contextlib.ExitStack() as stack:
