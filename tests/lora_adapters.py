@@ -1,17 +1,13 @@
-"""Test LoRA adapters written by peft itself (get_peft_model + save_pretrained) over a Hugging
-Face Llama of a given shape, with random factors: peft starts lora_B at zero, which would
-make every adapter a no-op, so both factors are drawn here."""
+"""Test LoRA adapters: harness/lora_adapters.py writes them with peft over a Hugging Face Llama
+of a given shape (hf_llama_of); run_paged runs sequences under them through the paged model."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from harness.lora_adapters import ALL_TARGETS, write_adapter  # noqa: F401 - the tests import them from here
 from harness.paged_runner import PagedRunner
 from model_service.models.config import ModelConfig
-
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def hf_llama_of(config: ModelConfig):
@@ -25,25 +21,6 @@ def hf_llama_of(config: ModelConfig):
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings)
     return LlamaForCausalLM(hf_config).eval()
-
-
-def write_adapter(directory: Path, base, *, rank: int = 8, alpha: float = 16, targets=None, seed: int = 0,
-                  use_rslora: bool = False, scale: float = 0.1) -> Path:
-    """Saves a rank-`rank` adapter over `base` (a transformers model) into `directory`."""
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets or ALL_TARGETS), lora_dropout=0.0,
-                      use_rslora=use_rslora)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = get_peft_model(base, lora)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.copy_(torch.randn(param.shape) * scale)
-    model.save_pretrained(str(directory))
-    model.unload()  # the base goes back to its own modules for the next adapter
-    return directory
 
 
 def run_paged(loaded, sequences: dict[str, tuple[list[int], object]], steps: int):

@@ -51,7 +51,7 @@ from bench.serve import spec_workloads
 from bench.serve.bench_generate import workload as w48_workload
 from bench.serve.bench_vs_vllm import pagedkv_services, rate, redraw
 from harness.peers import vllm_cores
-from harness.peers.vllm_offline import VllmWorker, ensure_vllm_venv, smollm2_checkpoint, tail
+from harness.peers.vllm_offline import VllmRefused, VllmWorker, ensure_vllm_venv, smollm2_checkpoint, tail
 
 from model_service.loading.embedded import embedded_model_path
 
@@ -94,18 +94,12 @@ def vllm_paths(python: Path, model_dir: Path, tmp: Path, args, concurrency: int)
                              (VLLM_SPEC, {"max_num_seqs": concurrency, "speculative_config": speculative})):
             log = tmp / f"vllm-{name.replace(' ', '-')}-c{concurrency}.log"
             try:
-                worker = VllmWorker(python, model_dir, "float32", log, args.threads, max_model_len=MAX_MODEL_LEN,
-                                    engine=engine)
-            except SystemExit as failure:  # its engine died at start instead of refusing
+                engines[name] = VllmWorker(python, model_dir, "float32", log, args.threads,
+                                           max_model_len=MAX_MODEL_LEN, engine=engine)
+            except (VllmRefused, SystemExit) as refusal:  # SystemExit: its engine died at start instead
                 if "speculative_config" not in engine:
                     raise
-                print(f"  vLLM did not start with {engine}: {failure}", flush=True)
-                continue
-            if worker.refused:
-                print(f"  vLLM refused {engine}: {worker.refused}\n  the end of its log:\n{tail(log)}", flush=True)
-                worker.close()
-                continue
-            engines[name] = worker
+                print(f"  vLLM refused {engine}: {refusal}\n  the end of its log:\n{tail(log)}", flush=True)
         yield {name: (lambda requests, _c, worker=worker: worker.run(requests)) for name, worker in engines.items()}
         for name, worker in engines.items():
             print(f"  {name} computed on {vllm_cores.binding(worker.process.pid)}", flush=True)

@@ -76,51 +76,61 @@ def redraw(requests, round_index: int, vocab_size: int) -> list[tuple[list[int],
 @contextlib.contextmanager
 def pagedkv_services(model_dir: Path | str, dtype: str, tmp: Path, threads: int, extra: list[str],
                      stream_interval: int = 1, stream: bool = True, max_model_len: int = MAX_MODEL_LEN):
-    """Both services; yields run(requests, concurrency=0): a round's outputs, timed at the client,
-    with each completion's (spec_proposed_tokens, spec_accepted_tokens) in "spec". With a
-    concurrency, at most that many requests are in flight (0: all at once)."""
     with start_cache_service(tmp, "--kv-cache-bytes", "2GiB") as cache, \
-            start_model_service(tmp, cache.address, "--model", str(model_dir), "--dtype", dtype,
-                                "--threads", str(threads), "--max-num-seqs", "64",
-                                "--max-batch-prefill-tokens", "2048", "--max-model-len", str(max_model_len),
+            start_model_service(tmp, cache.address, *model_service_args(model_dir, dtype, threads, max_model_len),
                                 *extra, timeout_s=900) as model:
+        yield grpc_runner(model, stream_interval, stream)
 
-        async def send_all(items, concurrency: int) -> list[tuple[list[int], tuple[int, int]]]:
-            slots = asyncio.Semaphore(concurrency or len(items) or 1)
-            async with grpc.aio.insecure_channel(model.address) as channel:
-                stub = model_pb2_grpc.ModelServiceStub(channel)
 
-                async def one(prompt, max_new) -> tuple[list[int], tuple[int, int]]:
-                    request = model_pb2.GenerateRequest(
-                        prompt_token_ids=prompt, stream=None if stream else False,
-                        sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
-                                                         detokenize=False,  # as vLLM runs here
-                                                         stream_interval=stream_interval),
-                    )
-                    tokens: list[int] = []
-                    spec = (0, 0)
-                    async with slots:
-                        async for response in stub.Generate(request, timeout=900):
-                            tokens.extend(response.token_ids)
-                            if response.HasField("usage"):
-                                spec = (response.usage.spec_proposed_tokens, response.usage.spec_accepted_tokens)
-                    return tokens, spec
+def model_service_args(model_dir: Path | str, dtype: str, threads: int,
+                       max_model_len: int = MAX_MODEL_LEN) -> list[str]:
+    """The model service's settings beside vLLM's worker (its max_num_seqs, max_model_len)."""
+    return ["--model", str(model_dir), "--dtype", dtype, "--threads", str(threads), "--max-num-seqs", "64",
+            "--max-batch-prefill-tokens", "2048", "--max-model-len", str(max_model_len)]
 
-                return list(await asyncio.gather(*(one(*item) for item in items)))
 
-        def run(requests, concurrency: int = 0) -> dict:
-            wait_before = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total")
-            step_before = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total")
-            started = time.perf_counter()
-            replies = asyncio.run(send_all(requests, concurrency))
-            seconds = time.perf_counter() - started
-            wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
-            step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
-            outputs = [tokens for tokens, _ in replies]
-            return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs,
-                    "spec": [spec for _, spec in replies], "lease_wait_share": wait / step if step else 0.0}
+def grpc_runner(model, stream_interval: int = 1, stream: bool = True):
+    """run(requests, concurrency=0) for a started model service: the requests from one asyncio
+    gRPC client, at most `concurrency` in flight (0: all at once), timed here; a request is
+    (prompt_token_ids, max_new_tokens[, lora_name]). Its row has each completion's
+    (spec_proposed_tokens, spec_accepted_tokens) in "spec"."""
 
-        yield run
+    async def send_all(items, concurrency: int) -> list[tuple[list[int], tuple[int, int]]]:
+        slots = asyncio.Semaphore(concurrency or len(items) or 1)
+        async with grpc.aio.insecure_channel(model.address) as channel:
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+
+            async def one(prompt, max_new, lora_name=None) -> tuple[list[int], tuple[int, int]]:
+                request = model_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, stream=None if stream else False, lora_name=lora_name,
+                    sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
+                                                     detokenize=False,  # as vLLM runs here
+                                                     stream_interval=stream_interval),
+                )
+                tokens: list[int] = []
+                spec = (0, 0)
+                async with slots:
+                    async for response in stub.Generate(request, timeout=900):
+                        tokens.extend(response.token_ids)
+                        if response.HasField("usage"):
+                            spec = (response.usage.spec_proposed_tokens, response.usage.spec_accepted_tokens)
+                return tokens, spec
+
+            return list(await asyncio.gather(*(one(*item) for item in items)))
+
+    def run(requests, concurrency: int = 0) -> dict:
+        wait_before = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total")
+        step_before = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total")
+        started = time.perf_counter()
+        replies = asyncio.run(send_all(requests, concurrency))
+        seconds = time.perf_counter() - started
+        wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
+        step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
+        outputs = [tokens for tokens, _ in replies]
+        return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs,
+                "spec": [spec for _, spec in replies], "lease_wait_share": wait / step if step else 0.0}
+
+    return run
 
 
 @contextlib.contextmanager

@@ -68,24 +68,37 @@ def smollm2_checkpoint() -> Path:
     return target
 
 
+class VllmRefused(Exception):
+    """vLLM's own error text for a setting or job it does not take (LoRA on a backend without it)."""
+
+
 class VllmWorker(JsonLinesChild):
-    """vllm_worker.py in a child process; kv_cache_dtype is vLLM's (auto: the compute dtype)."""
+    """vllm_worker.py in a child process; kv_cache_dtype is vLLM's (auto: the compute dtype).
+    max_loras over 0 starts it with enable_lora (max_loras, max_lora_rank); `engine` adds more
+    LLM(...) arguments (max_num_seqs, speculative_config). A refusal, at start or of a job
+    with adapters, raises VllmRefused with vLLM's text."""
 
     name = "vLLM"
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, log_path: Path, threads: int,
-                 kv_cache_dtype: str = "auto", max_model_len: int = MAX_MODEL_LEN, engine: dict | None = None) -> None:
-        """`engine`: more LLM(...) arguments (max_num_seqs, speculative_config); when vLLM will not
-        build that engine, `refused` says why (and run must not be called)."""
+                 kv_cache_dtype: str = "auto", max_loras: int = 0, max_lora_rank: int = 0,
+                 max_model_len: int = MAX_MODEL_LEN, engine: dict | None = None) -> None:
         env = vllm_cores.environment(threads, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
+        engine = {**({"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+                     if max_loras else {}), **(engine or {})}
         super().__init__([str(python), str(PEERS / "vllm_worker.py"), str(model_dir), dtype, str(max_model_len),
                           kv_cache_dtype, *([json.dumps(engine)] if engine else [])], log_path, env)
-        self.refused: str | None = self.ready.get("refused")
+        if "error" in self.ready:
+            self.close()
+            raise VllmRefused(self.ready["error"])
 
-    def run(self, requests, logprobs: int = 0) -> dict:
-        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]]; with a
+    def run(self, requests, logprobs: int = 0, loras: list[str] | None = None) -> dict:
+        """With logprobs, also "logprobs": per output, per token [chosen, [top `logprobs`]];
+        with loras, each request runs with the adapter in that directory (one per request); with a
         speculative_config, "spec_totals": (draft tokens, accepted tokens) over the job."""
-        reply = self.ask({"requests": requests, "logprobs": logprobs})
+        reply = self.ask({"requests": requests, "logprobs": logprobs, **({"loras": loras} if loras else {})})
+        if "error" in reply:
+            raise VllmRefused(reply["error"])
         return {"tokens": sum(len(o) for o in reply["outputs"]), "seconds": reply["seconds"],
                 "outputs": reply["outputs"], **({"logprobs": reply["logprobs"]} if logprobs else {}),
                 **({"spec_totals": tuple(reply["spec"])} if "spec" in reply else {})}
