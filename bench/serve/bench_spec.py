@@ -26,7 +26,7 @@ counters); tokens a stream gains per step (new tokens / (new tokens - accepted):
 appends the accepted tokens and one more); and how many outputs equal pagedkv's without
 speculation, token for token (greedy: all of pagedkv's should). The proposers' cost is
 timed apart, in this process: pagedkv's proposer replayed over the outputs, one call per
-token, beside a one-stream step's time; vLLM's is not measured.
+token, beside a plain one-stream token's time; vLLM's is not measured.
 
     .venv/bin/python -m bench.serve.bench_spec [--rounds 3] [--concurrency 1,8]
         [--workloads grounded,free] [--methods ngram,suffix] [--num-speculative-tokens 3]
@@ -220,8 +220,9 @@ def report(args, concurrencies, workloads, rows, prompts, spec_paths, methods) -
                       f"{against(plain)} | {against(theirs)} | {against(theirs_spec)} | "
                       f"{f'{100 * accepted / proposed:.0f} %' if proposed else '-'} | "
                       f"{tokens / (tokens - accepted):.2f} | {same}/{sum(len(r['outputs']) for r in runs)} |")
-    # A step's time, one stream, no speculation: what a proposal's cost compares with.
-    print("\n| proposer | workload | us a proposal (replayed in this process) | share of a one-stream plain step |")
+    # What a proposal's cost compares with: a token's time, one stream, no speculation (its
+    # prompt's prefill spread over its tokens: an upper bound on a decode step's time).
+    print("\n| proposer | workload | us a proposal (replayed in this process) | share of a plain one-stream token |")
     print("| --- | --- | --- | --- |")
     one = min(concurrencies)
     for method, name in zip(methods, spec_paths):
@@ -232,7 +233,7 @@ def report(args, concurrencies, workloads, rows, prompts, spec_paths, methods) -
             cost = proposer_cost(method, args, sequences)
             step_us = 1e6 * statistics.median(r["seconds"] / r["tokens"] for r in rows[(one, work, PLAIN)])
             print(f"| pagedkv {method} | {work} | {cost:.1f} | {100 * cost / step_us:.2f} % "
-                  f"(step {step_us / 1000:.1f} ms at concurrency {one}) |")
+                  f"(a token {step_us / 1000:.1f} ms at concurrency {one}) |")
     if not args.skip_vllm:
         print("| vLLM ngram | all | not measured | not measured |")
 
