@@ -260,13 +260,13 @@ def main() -> int:
                              "may be repeated")
     args = parser.parse_args()
     if args.requests:
-        import memory_soak
+        from checks import memory_soak
 
         if args.kv_cache_bytes == parser.get_default("kv_cache_bytes"):
             args.kv_cache_bytes = "64MiB"
         return memory_soak.run(args)
     if args.abuse:
-        import abuse_soak
+        from checks import abuse_soak
 
         return abuse_soak.run(args)
     if args.abusive_concurrency:
