@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="largest total variation between drawn and float64 token frequencies (default 0.05)")
     parser.add_argument("--min-throughput-ratio", type=float, default=0.25,
                         help="the services' tokens/s over transformers' generate() on the same batch (default 0.25)")
+    parser.add_argument("--services-logs", type=Path, default=None,
+                        help="keep the services' stderr logs here (default: a temporary folder, removed after)")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave out a check (repeatable)")
     parser.add_argument("--only", action="append", default=[], choices=CHECKS,
                         help="run only this check (repeatable; the others are skipped)")
@@ -674,11 +676,15 @@ def services_on_one_gpu(args) -> None:
                        "--max-num-seqs", "8", "--max-model-len", "256")
         # `python -m model_service` from wherever this runs, with what this process imports from
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        with start_cache_service(tmp, "--memory-fraction", "0.5", timeout_s=300, env=env) as cache:
+        # Where the services write their logs: kept when asked, so a start that runs past the
+        # caller's time limit still says how far it got.
+        logs = args.services_logs or tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        with start_cache_service(logs, "--memory-fraction", "0.5", timeout_s=300, env=env) as cache:
             cache_client = cache_stub(cache.address)
             # Two model services at once on the one pool (each maps it by CUDA IPC).
-            with start_model_service(tmp, cache.address, *model_flags, timeout_s=600, env=env) as first, \
-                    start_model_service(tmp, cache.address, *model_flags, timeout_s=600, env=env) as second:
+            with start_model_service(logs, cache.address, *model_flags, timeout_s=600, env=env) as first, \
+                    start_model_service(logs, cache.address, *model_flags, timeout_s=600, env=env) as second:
                 stubs = [model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(service.address))
                          for service in (first, second)]
                 # Every prompt on both services, all requests in flight together.

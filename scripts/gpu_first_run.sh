@@ -8,6 +8,7 @@
 #   scripts/gpu_first_run.sh --prepare [--dry-run]   # on a CPU machine: wheels into .gpu-wheels/
 #   scripts/gpu_first_run.sh                         # on the GPU machine, from the repository root
 #   scripts/gpu_first_run.sh --out /tmp/logs --no-install --budget-s 300
+#   scripts/gpu_first_run.sh --step gpu_check_services --step tier_stack_tests   # only these GPU steps
 #
 # Logs: $OUT if set (the device tool brings it back), else ./gpu-first-run/; one
 # <step>.log each, and summary.txt: a line a step (ok, FAIL rc, SKIP why). Exit 0 when
@@ -19,7 +20,8 @@ usage() {
     sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     echo
     echo "options: --prepare  --dry-run  --wheels DIR (default .gpu-wheels)  --out DIR  --no-install"
-    echo "         --budget-s SECONDS (default 530)  --python PYTHON (default python3)  -h, --help"
+    echo "         --budget-s SECONDS (default 530)  --python PYTHON (default python3)"
+    echo "         --step NAME (repeatable; only these GPU steps: $GPU_STEPS)  -h, --help"
 }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +32,8 @@ PREPARE=0
 DRY_RUN=0
 BUDGET_S=530
 PYTHON="${PYTHON:-python3}"
+GPU_STEPS="gpu_check_kernels gpu_check_services cuda_ipc_and_worker_tests tier_stack_tests"
+SELECTED=""
 
 need_value() {
     if [[ $# -lt 2 || -z "$2" || "$2" == --* ]]; then
@@ -47,6 +51,13 @@ while [[ $# -gt 0 ]]; do
         --wheels) need_value "$@"; WHEELS="$2"; shift 2 ;;
         --out) need_value "$@"; LOGS="$2"; shift 2 ;;
         --python) need_value "$@"; PYTHON="$2"; shift 2 ;;
+        --step)
+            need_value "$@"
+            if ! [[ " $GPU_STEPS " == *" $2 "* ]]; then
+                echo "gpu_first_run.sh: --step '$2' is not one of: $GPU_STEPS" >&2
+                exit 2
+            fi
+            SELECTED="$SELECTED $2 "; shift 2 ;;
         --budget-s)
             need_value "$@"
             if ! [[ "$2" =~ ^[0-9]+$ ]] || (( $2 < 60 )); then
@@ -106,6 +117,10 @@ step() {
 
 # gpu_step: a step that needs a CUDA device; skipped, and said so, without one.
 gpu_step() {
+    if [[ -n "$SELECTED" && "$SELECTED" != *" $1 "* ]]; then
+        note "SKIP $1: not among --step"
+        return
+    fi
     if (( ! HAVE_CUDA )); then
         note "SKIP $1: no CUDA device ($CUDA_WHY)"
         return
@@ -148,7 +163,8 @@ fi
 
 gpu_step gpu_check_kernels 330 "$PYTHON" checks/gpu_check.py --only kernels --only fp8_kv --only bandwidth \
     --only graph_memory --only graphs --only sampling --only cuda_n --only tiers
-gpu_step gpu_check_services 240 "$PYTHON" checks/gpu_check.py --only model --only services
+gpu_step gpu_check_services 240 "$PYTHON" checks/gpu_check.py --only model --only services \
+    --services-logs "$LOGS/services"
 gpu_step cuda_ipc_and_worker_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider \
     tests/test_pool_memory.py tests/test_cuda_threads.py tests/test_warmup_workspace.py -k "cuda or gpu or GPU"
 gpu_step tier_stack_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py \
