@@ -680,11 +680,13 @@ def services_on_one_gpu(args) -> None:
         # caller's time limit still says how far it got.
         logs = args.services_logs or tmp
         logs.mkdir(parents=True, exist_ok=True)
-        with start_cache_service(logs, "--memory-fraction", "0.5", timeout_s=300, env=env) as cache:
+        with start_cache_service(logs, "--memory-fraction", "0.5", timeout_s=120, env=env) as cache:
             cache_client = cache_stub(cache.address)
             # Two model services at once on the one pool (each maps it by CUDA IPC).
-            with start_model_service(logs, cache.address, *model_flags, timeout_s=600, env=env) as first, \
-                    start_model_service(logs, cache.address, *model_flags, timeout_s=600, env=env) as second:
+            # A start that takes minutes is a hang: fail with the service's log in the error,
+            # inside the caller's time limit, rather than be killed without one.
+            with start_model_service(logs, cache.address, *model_flags, timeout_s=150, env=env) as first, \
+                    start_model_service(logs, cache.address, *model_flags, timeout_s=150, env=env) as second:
                 stubs = [model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(service.address))
                          for service in (first, second)]
                 # Every prompt on both services, all requests in flight together.

@@ -163,11 +163,19 @@ fi
 
 gpu_step gpu_check_kernels 330 "$PYTHON" checks/gpu_check.py --only kernels --only fp8_kv --only bandwidth \
     --only graph_memory --only graphs --only sampling --only cuda_n --only tiers
-gpu_step gpu_check_services 240 "$PYTHON" checks/gpu_check.py --only model --only services \
+gpu_step gpu_check_services 330 "$PYTHON" checks/gpu_check.py --only model --only services \
     --services-logs "$LOGS/services"
-gpu_step cuda_ipc_and_worker_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider \
+# The device tool brings back at most 8 files: the services' logs travel as one.
+if [[ -d "$LOGS/services" ]]; then
+    for log in "$LOGS"/services/*.log; do
+        [[ -e "$log" ]] && { echo "==> $(basename "$log")"; cat "$log"; }
+    done > "$LOGS/services.log"
+    rm -rf "$LOGS/services"
+fi
+# --timeout: a hung test fails with its stack and the next one runs, inside the step's time.
+gpu_step cuda_ipc_and_worker_tests 120 "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 60 -rfE \
     tests/test_pool_memory.py tests/test_cuda_threads.py tests/test_warmup_workspace.py -k "cuda or gpu or GPU"
-gpu_step tier_stack_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kv_tiers.py \
+gpu_step tier_stack_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 40 -rfE tests/test_kv_tiers.py \
     tests/test_kv_tiers_cuda.py tests/test_kv_tiers_stack.py
 
 note "total $(( SECONDS - STARTED )) s of --budget-s $BUDGET_S; logs in $LOGS"

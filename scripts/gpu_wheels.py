@@ -28,11 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DEST = ".gpu-wheels"
 # What the GPU image lacks (the services' and the tests' imports beyond the image's own).
-MISSING = ("structlog", "pyzmq", "msgspec", "cbor2", "gguf", "fastapi", "uvicorn", "xgrammar", "pytest-timeout")
+# grpcio and protobuf too: the image may carry older ones than the generated stubs require.
+MISSING = ("structlog", "pyzmq", "msgspec", "cbor2", "gguf", "fastapi", "uvicorn", "xgrammar", "pytest-timeout",
+           "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis")
 # The image's own builds: never replaced (a CUDA torch, its triton, the numpy they were built for).
 IMAGE_PROVIDES = ("torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "huggingface-hub")
 # The import names of MISSING, tried after installing.
-IMPORTS = ("structlog", "zmq", "msgspec", "cbor2", "gguf", "fastapi", "uvicorn", "xgrammar", "pytest_timeout")
+IMPORTS = ("structlog", "zmq", "msgspec", "cbor2", "gguf", "fastapi", "uvicorn", "xgrammar", "pytest_timeout",
+           "grpc", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "google.protobuf", "redis")
 # manylinux2014 is manylinux_2_17; newer wheels (pydantic-core, pyzmq) tag 2_28 only.
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 
@@ -45,7 +48,7 @@ def _requirement_name(requirement: str) -> str | None:
     """The distribution a requirement names, or None when its marker excludes it for a
     Linux CPython (extras, older Pythons, other platforms)."""
     spec, _, marker = requirement.partition(";")
-    if marker and ("extra" in marker or "python_version <" in marker or "pypy" in marker
+    if marker and ("extra" in marker or "python_version <" in marker or "python_full_version <" in marker or "pypy" in marker
                    or "sys_platform == \"win32\"" in marker or "platform_system == \"Windows\"" in marker):
         return None
     match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", spec)
@@ -81,7 +84,9 @@ def download_command(wheels: dict[str, str], dest: Path, python_version: str) ->
 
 
 def install_command(dest: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(dest), *extra, *MISSING]
+    # --upgrade: where the image has an older one (grpcio), the folder's version replaces it.
+    return [sys.executable, "-m", "pip", "install", "--upgrade", "--no-index", "--find-links", str(dest), *extra,
+            *MISSING]
 
 
 def install(dest: Path) -> int:
