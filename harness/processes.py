@@ -161,9 +161,12 @@ class ServiceProcess:
                 time.sleep(_POLL_S)
             if wait_serving:
                 try:
-                    _wait_serving(self.address, max(0.0, deadline - time.monotonic()))
+                    _wait_serving(self.address, max(0.0, deadline - time.monotonic()),
+                                  alive=lambda: self.process.poll() is None)
                 except TimeoutError as error:
                     raise TimeoutError(self._describe(str(error))) from None
+                except ChildProcessError as error:
+                    raise RuntimeError(self._describe(f"exited with code {self.process.returncode}: {error}")) from None
         except BaseException:
             self.kill()
             raise

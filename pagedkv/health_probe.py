@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,11 +44,14 @@ def check(channel: grpc.Channel, service: str = "", deadline_s: float = _CALL_DE
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
+def wait_serving(address: str, timeout_s: float, service: str = "",
+                 alive: Callable[[], bool] | None = None) -> None:
     """Returns once `address` answers SERVING for `service` ("" is the whole server).
 
     Raises TimeoutError with the last answer seen when timeout_s passes first. Checks at
-    least once, so timeout_s=0 is a single probe.
+    least once, so timeout_s=0 is a single probe. `alive`, when given, is asked between
+    probes: a server that exited after listening (a refused Attach) never turns SERVING,
+    so ChildProcessError says so at once rather than after the whole timeout.
     """
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
@@ -56,6 +60,8 @@ def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
             last_seen = check(channel, service, deadline_s=max(_MIN_DEADLINE_S, min(_CALL_DEADLINE_S, remaining)))
             if last_seen == "SERVING":
                 return
+            if alive is not None and not alive():
+                raise ChildProcessError(f"{address}: the server exited before it was SERVING; last answer: {last_seen}")
             if time.monotonic() + _POLL_INTERVAL_S > deadline:
                 what = f"service {service!r}" if service else "the server"
                 raise TimeoutError(f"{address}: {what} not SERVING after {timeout_s:g}s; last answer: {last_seen}")
