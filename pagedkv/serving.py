@@ -125,7 +125,10 @@ class _Malformed:
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Answers INVALID_ARGUMENT to a request that does not parse (bad UTF-8 in a string
-    field, a truncated message), where gRPC would answer UNKNOWN and log a traceback."""
+    field, a truncated message), where gRPC would answer UNKNOWN and log a traceback.
+    And a handler's unexpected exception is logged here (structlog, with its traceback),
+    then answered INTERNAL with its type and message: gRPC alone answers UNKNOWN and
+    logs it where the service's own log never shows it."""
 
     def __init__(self) -> None:
         # method -> (its handler, the wrapped one): wrapped once, not on every call.
@@ -162,7 +165,10 @@ def _parse_safely(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
         async def unary(request, context):
             if isinstance(request, _Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            return await behavior(request, context)
+            try:
+                return await behavior(request, context)
+            except Exception as error:
+                await _abort_unexpected(context, method, error)
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
     if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
@@ -175,11 +181,23 @@ def _parse_safely(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethod
             try:
                 async for response in responses:
                     yield response
+            except Exception as error:
+                await _abort_unexpected(context, method, error)
             finally:
                 await responses.aclose()
 
         return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
     return handler
+
+
+async def _abort_unexpected(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+    """Re-raises an abort (the handler's own answer); logs anything else and answers INTERNAL."""
+    if isinstance(error, grpc.aio.AbortError):
+        raise error
+    log.error("rpc_failed", method=method, error=f"{type(error).__name__}: {error}", exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        f"{method} failed on an internal error ({type(error).__name__}: {error}); "
+                        "the service's log has the traceback")
 
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
