@@ -49,13 +49,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from model_service.sched.inflight_prefixes import BlockChains, InflightPrefixes
 from model_service.sched.lease_ahead import PendingReleases, top_ups
-from model_service.sched.lease_ops import (
-    Allocated, Extended, Forked, ForkRequest, LeaseAnswer, LeaseLost, LeaseOps, Refused, Release, blocks_for,
-)
+from model_service.sched.lease_answers import LeaseAnswers
+from model_service.sched.lease_ops import ForkRequest, LeaseOps, Release, blocks_for
+from model_service.sched.limits import POLICIES, SchedulerLimits
 from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
 from model_service.sched.spec_tails import truncation
@@ -63,58 +62,13 @@ from model_service.sched.tenant_blocks import TenantBlocks
 from model_service.spec.speculator import Speculator
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerLimits:
-    block_size: int
-    # Sequences running or being admitted at once.
-    max_num_seqs: int
-    # Tokens through the model in one step: one per decoding sequence plus prefill chunks.
-    max_batch_tokens: int
-    # How far ahead of its next token a decoding sequence is leased by top-ups; 0: never.
-    lookahead_tokens: int = 0
-    # No sequence grows past this many tokens (the engine ends it there); 0: no limit.
-    max_model_len: int = 0
-    # How long the release of a sequence that finished normally may wait for a call that
-    # goes out anyway, while others run and nobody waits for blocks; 0: the next step's.
-    release_hold_s: float = 0.0
-    # Prefill tokens a step carries beside decoding sequences; 0: max_batch_tokens alone
-    # bounds them. Every decoding stream waits for the whole step, so a prompt's chunk is
-    # what each of them waits for once more: a long prompt is cut into short steps.
-    max_prefill_tokens_while_decoding: int = 0
-    # Prompts being computed go shortest first, each step a prompt has waited counting as
-    # this many of its tokens done: only prompts ready within (its tokens left) / this
-    # steps after it can overtake it (bench/engine/sched_sim.py chose 8: fewer is shortest first
-    # with no bound, more is first come, first chunked).
-    prefill_aging_tokens: int = 8
-    # A waiting prompt whose leading full blocks (at least this many tokens of them)
-    # another sequence is computing waits for them to be committed, then finds them cached
-    # (inflight_prefixes.py); 0: admitted at once, computing them again.
-    prefix_hold_min_tokens: int = 32
-    # The cache service applies TruncateOp: the blocks a rejected proposal leaves past a
-    # speculating sequence's need go back at once (spec_tails.py); else they wait, leased.
-    truncate_tables: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_batch_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("lookahead_tokens", "max_model_len", "release_hold_s", "max_prefill_tokens_while_decoding",
-                     "prefill_aging_tokens", "prefix_hold_min_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+__all__ = ["POLICIES", "Scheduler", "SchedulerLimits"]
 
 
-POLICIES = ("fcfs", "priority")
+class Scheduler(LeaseAnswers):
+    """The queues and one step's choices; how lease answers change them is LeaseAnswers'
+    (lease_answers.py)."""
 
-
-# When nothing runs, an allocation the service refused is asked again only after this
-# wait, doubling up to the cap: the blocks it lacks come back only when another
-# session releases some, and asking every step would send thousands of calls a second.
-RETRY_REFUSED_MIN_S = 0.01
-RETRY_REFUSED_MAX_S = 0.5
-
-
-class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
                  clock=time.monotonic, eos_token_ids: Collection[int] = (),
                  tenant_kv_blocks: Mapping[str, int] | None = None, speculator: Speculator | None = None) -> None:
@@ -254,124 +208,6 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
-
-    # -- lease results ---------------------------------------------------------------
-
-    def apply(self, ops: LeaseOps, answer: LeaseAnswer) -> list[tuple[Sequence, str]]:
-        """Applies a lease call's answer; returns sequences that can never be served.
-        Releases and commits need nothing: a release of a lease the service already
-        reclaimed is harmless, and a refused commit's blocks are registered at release."""
-        answer.check(ops)
-        self.blocks_available = answer.blocks_available
-        failed: list[tuple[Sequence, str]] = []
-        for fork, outcome in zip(ops.forks, answer.forks):
-            self._forked(fork, outcome)
-        for (seq, _), outcome in zip(ops.truncates, answer.truncates):
-            if type(outcome) is Refused:  # its table here is already cut: the two no longer agree
-                raise LeaseLost(f"truncate of request {seq.request_id} failed: {outcome.code} {outcome.message}")
-        for (seq, _), outcome in zip(ops.extends, answer.extends):
-            self._extended(seq, outcome, failed)
-        requeue: list[Sequence] = []
-        for seq, outcome in zip(ops.allocations, answer.allocations):
-            self._allocated(seq, outcome, failed, requeue)
-        for (seq, _), outcome in zip(ops.top_ups, answer.top_ups):
-            # Refused: the sequence asks again when it needs the block; ended meanwhile:
-            # its lease's release gives it back.
-            if type(outcome) is Extended and seq.status is Status.RUNNING:
-                seq.block_table.extend(outcome.block_ids)
-                self._grew(seq, outcome.block_ids)
-        # Back to the front, in their original order: first come, first served.
-        self.waiting.extendleft(reversed(requeue))
-        return failed
-
-    def _forked(self, fork: ForkRequest, outcome: Forked | Refused) -> None:
-        self.allocating -= 1
-        child = fork.child
-        if type(outcome) is Forked:
-            if outcome.copy is not None:
-                self._copies.append(outcome.copy)
-            if child.status is Status.FINISHED:  # ended while its fork was in flight
-                self._releases.add(Release(outcome.lease_id, ()), urgent=True)
-                return
-            child.lease_id = outcome.lease_id
-            child.block_table = list(outcome.block_ids)
-            child.num_computed = fork.parent_tokens
-            child.ever_computed = max(child.ever_computed, fork.parent_tokens)
-            self._grew(child, outcome.block_ids)
-            child.admitted_once = True
-            child.ready_step = self.steps
-            child.status = Status.RUNNING
-            self.running.append(child)
-        elif child.status is not Status.FINISHED:
-            # No block for the copy, or the parent's lease is gone: recompute instead.
-            self._queue_unforked(child)
-
-    def _extended(self, seq: Sequence, outcome: Extended | Refused, failed: list[tuple[Sequence, str]]) -> None:
-        if type(outcome) is Extended:
-            if seq.status is not Status.RUNNING:
-                return  # ended since the call went out: its lease's release gives these back too
-            seq.block_table.extend(outcome.block_ids)
-            seq.starved = False
-            self._grew(seq, outcome.block_ids)
-        elif outcome.code == "NO_FREE_BLOCKS":
-            seq.starved = True
-        elif outcome.code == "LIMIT_EXCEEDED":
-            # The session's block quota, not the pool: room is made by preempting
-            # another of this session's sequences, and when none holds blocks this one
-            # alone is past the quota and can never finish.
-            if any(other is not seq for other in self.running):
-                seq.starved = True
-            else:
-                failed.append((seq, f"{outcome.code}: {outcome.message}"))
-        else:
-            raise LeaseLost(f"extend of request {seq.request_id} failed: {outcome.code} {outcome.message}")
-
-    def _allocated(self, seq: Sequence, outcome: Allocated | Refused, failed: list[tuple[Sequence, str]],
-                   requeue: list[Sequence]) -> None:
-        self.allocating -= 1
-        self._allocations.remove(seq)
-        self._allocating_children -= len(seq.fork_children)
-        if type(outcome) is Allocated:
-            seq.lease_id = outcome.lease_id
-            if seq.status is Status.FINISHED:  # cancelled while its allocation was in flight
-                self._releases.add(Release(outcome.lease_id, ()), urgent=True)
-                seq.lease_id = None
-                return
-            seq.block_table = list(outcome.block_ids)
-            seq.num_computed = outcome.cached_tokens
-            seq.ever_computed = max(seq.ever_computed, outcome.cached_tokens)
-            self._grew(seq, outcome.block_ids)
-            seq.committed_tokens = outcome.cached_tokens - outcome.cached_tokens % self.limits.block_size
-            if not seq.admitted_once:
-                seq.cached_tokens = outcome.cached_tokens
-                seq.cached_tokens_tiers = outcome.cached_tokens_tiers
-                seq.admitted_once = True
-            seq.ready_step = self.steps
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            self._retry_refused_wait = 0.0
-        elif seq.status is Status.FINISHED:
-            return
-        elif outcome.code == "NO_FREE_BLOCKS" or (outcome.code == "LIMIT_EXCEEDED" and self._others_hold_blocks()):
-            # Past the session's quota only while others hold blocks: wait for them.
-            seq.status = Status.WAITING
-            requeue.append(seq)
-            self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
-                                           RETRY_REFUSED_MAX_S)
-            self._retry_refused_at = self._clock() + self._retry_refused_wait
-            if outcome.code == "LIMIT_EXCEEDED":
-                # The pool's count says nothing of the quota: wait as after a refusal.
-                self._quota_retry_at = self._retry_refused_at
-        else:
-            failed.append((seq, f"{outcome.code}: {outcome.message}"))
-
-    def _grew(self, seq: Sequence, block_ids: tuple[int, ...]) -> None:
-        """A lease call's answer gave `seq` these blocks (now in its table)."""
-        if len(seq.block_table) > seq.peak_blocks:
-            seq.peak_blocks = len(seq.block_table)
-        self.tenant_blocks.hold(seq.tenant, block_ids)
-        if seq.lora is not None:
-            self.adapter_blocks.hold(seq.lora.name, block_ids)
 
     # -- a step's results -------------------------------------------------------------
 
