@@ -16,107 +16,27 @@ and feeds: sequences of other models or salts never share a cached block.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.blocks.block_pool import Block, BlockPool
 from cache_service.blocks.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace
+from cache_service.core.ledger_invariants import check_ledger
+from cache_service.core.ledger_records import (
+    DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, Allocation, Fork, InvalidLease, LeaseError,
+    LedgerStats, LimitExceeded, ModelUsage, NoFreeBlocks, NotOwner, SessionLimits, UnknownSequence,
+)
 
 if TYPE_CHECKING:
     from cache_service.tiers.kv_tiers import KvTiers
     from cache_service.tiers.tier_index import TierEntry
 
-
-class LeaseError(Exception):
-    """A request the ledger refuses; ``code`` is the gRPC status code name to return."""
-
-    code = "UNKNOWN"
-
-
-class NoFreeBlocks(LeaseError):
-    code = "NO_FREE_BLOCKS"
-
-
-class UnknownSequence(LeaseError):
-    code = "NOT_FOUND"
-
-
-class NotOwner(LeaseError):
-    code = "PERMISSION_DENIED"
-
-
-class InvalidLease(LeaseError):
-    code = "INVALID_ARGUMENT"
-
-
-class LimitExceeded(LeaseError):
-    code = "LIMIT_EXCEEDED"
-
-
-DEFAULT_MAX_SESSION_SEQUENCES = 16384
-DEFAULT_MAX_SESSION_BLOCKS = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class SessionLimits:
-    """What one owner may hold at once. The defaults are far beyond what an engine
-    asks for (it runs tens to hundreds of sequences) but bound the ledger's memory: a
-    sequence costs a few hundred bytes, a block-table entry eight."""
-
-    max_sequences: int = DEFAULT_MAX_SESSION_SEQUENCES
-    # Block-table entries (block references): a fork's shared blocks count again, since
-    # its table holds them again.
-    max_blocks: int = DEFAULT_MAX_SESSION_BLOCKS
-
-    def __post_init__(self) -> None:
-        if self.max_sequences < 1:
-            raise ValueError(f"--max-session-sequences must be at least 1, got {self.max_sequences}")
-        if self.max_blocks < 1:
-            raise ValueError(f"--max-session-blocks must be at least 1, got {self.max_blocks}")
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    sequence_id: int
-    block_ids: list[int]
-    cached_tokens: int  # leading prompt tokens whose K/V the reused blocks already hold
-    # The parts of cached_tokens promoted from the host, disk and remote tiers (copied in before the reply).
-    cached_tokens_host: int = 0
-    cached_tokens_disk: int = 0
-    cached_tokens_remote: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Fork:
-    sequence_id: int
-    block_ids: list[int]
-    copy: tuple[int, int] | None  # (src_block, dst_block): copy the parent's partial last block
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerStats:
-    blocks_total: int
-    blocks_free: int
-    blocks_leased: int
-    blocks_cached: int
-    sequences: int
-    prefix_queries: int  # prompt tokens looked up
-    prefix_hits: int  # prompt tokens found cached
-    blocks_truncated: int = 0  # blocks given back by truncate since start-up
-
-
-@dataclass(slots=True)
-class ModelUsage:
-    """What the sequences of one model (the fingerprint of their namespace) hold now, and
-    what its allocations asked of the prefix cache since start-up."""
-
-    sequences: int = 0
-    # Distinct blocks: sequences share a block (prefix hits, forks) only within their
-    # namespace, so no block is counted for two models.
-    blocks_leased: int = 0
-    prefix_queries: int = 0  # prompt tokens looked up
-    prefix_hits: int = 0  # prompt tokens found cached
+# The records and errors live in ledger_records.py; callers import them from here too.
+__all__ = [
+    "DEFAULT_MAX_SESSION_BLOCKS", "DEFAULT_MAX_SESSION_SEQUENCES", "Allocation", "Fork", "InvalidLease", "LeaseError",
+    "Ledger", "LedgerStats", "LimitExceeded", "ModelUsage", "NoFreeBlocks", "NotOwner", "SessionLimits",
+    "UnknownSequence",
+]
 
 
 class _Sequence:
@@ -465,61 +385,7 @@ class Ledger:
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant of the ledger, the pool or the tiers."""
-        self.pool.check_invariants()
-        if self.tiers is not None:
-            self.tiers.check_invariants()
-        block_size = self.block_size
-        table_count = [0] * self.num_blocks
-        for sequence_id, sequence in self._sequences.items():
-            expected = (sequence.num_tokens + block_size - 1) // block_size
-            if len(sequence.blocks) != expected:
-                raise AssertionError(
-                    f"sequence {sequence_id} of {sequence.num_tokens} tokens holds {len(sequence.blocks)} "
-                    f"blocks, expected {expected}"
-                )
-            ids = [block.block_id for block in sequence.blocks]
-            if len(set(ids)) != len(ids):
-                raise AssertionError(f"sequence {sequence_id} lists a block twice: {ids}")
-            for block_id in ids:
-                table_count[block_id] += 1
-            if sequence_id not in self._by_owner.get(sequence.owner, ()):
-                raise AssertionError(f"sequence {sequence_id} is missing from its owner's index")
-            if sequence.num_tokens % block_size and sequence.blocks[-1].ref_count != 1:
-                raise AssertionError(
-                    f"sequence {sequence_id}'s partial last block {sequence.blocks[-1]!r} is shared; "
-                    "writes into it would corrupt another sequence"
-                )
-        for block in self.pool.blocks:
-            if block.ref_count != table_count[block.block_id]:
-                raise AssertionError(
-                    f"{block!r} is listed in {table_count[block.block_id]} block tables "
-                    f"but has ref_count {block.ref_count}"
-                )
-        indexed = sum(len(ids) for ids in self._by_owner.values())
-        if indexed != len(self._sequences):
-            raise AssertionError(f"owner index lists {indexed} sequences, ledger holds {len(self._sequences)}")
-        for owner, ids in self._by_owner.items():
-            entries = sum(len(self._sequences[sequence_id].blocks) for sequence_id in ids)
-            if self._owner_blocks.get(owner) != entries:
-                raise AssertionError(f"owner {owner!r} holds {entries} block-table entries, counted {self._owner_blocks.get(owner)}")
-            if len(ids) > self.limits.max_sequences or entries > self.limits.max_blocks:
-                raise AssertionError(f"owner {owner!r} holds {len(ids)} sequences and {entries} blocks, past {self.limits}")
-        if set(self._owner_blocks) != set(self._by_owner):
-            raise AssertionError("the per-owner block counts name other owners than the owner index")
-        stats = self.stats()
-        if stats.blocks_free + stats.blocks_leased + stats.blocks_cached != stats.blocks_total:
-            raise AssertionError(f"free + leased + cached != total in {stats}")
-        by_model: dict[str, tuple[int, set[int]]] = {}
-        for sequence in self._sequences.values():
-            count, blocks = by_model.get(sequence.namespace[0], (0, set()))
-            by_model[sequence.namespace[0]] = (count + 1, blocks | {block.block_id for block in sequence.blocks})
-        for fingerprint, usage in self._models.items():
-            count, blocks = by_model.pop(fingerprint, (0, set()))
-            if (usage.sequences, usage.blocks_leased) != (count, len(blocks)):
-                raise AssertionError(f"model {fingerprint!r} counted {usage.sequences} sequences and "
-                                     f"{usage.blocks_leased} blocks, holds {count} and {len(blocks)}")
-        if by_model:
-            raise AssertionError(f"models {sorted(by_model)} hold sequences but have no usage")
+        check_ledger(self)
 
     # ---------------------------------------------------------------- internals
 
