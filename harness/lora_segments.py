@@ -1,0 +1,101 @@
+"""Random batches of LoRA segments and their float64 reference, for the Triton segmented
+product (model_service/models/lora_triton.py): tests/test_lora_triton.py under the
+interpreter and on CUDA, and checks/gpu_check.py's kernels check.
+
+A batch is rows of a step: runs of rows of one adapter each (some empty, some of an adapter
+that leaves the projection out) with rows of the base between them, x wider than its rows
+(a stride that is not its width), and a fused projection's output of which the projection
+takes a column slice. The reference shares no code with the kernel: float64 matmuls over
+the same values, row by row.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+KEY = (3, "v_proj")
+OTHER_KEY = (3, "q_proj")  # what an adapter "without the projection" trains instead
+# Relative rounding of one result to each dtype; the interpreter's float32 -> bfloat16 cast
+# truncates, so the bound allows a whole unit in the last place (twice the unit roundoff).
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+FLOAT32_ROUNDOFF = 2.0 ** -24
+
+
+@dataclass
+class SegmentBatch:
+    x: torch.Tensor  # [rows, in_features], a column slice of a wider tensor
+    out: torch.Tensor  # [rows, column + out_features + 5]: the fused output, before the delta
+    column: int
+    runs: list  # start, end, adapter (scaling, weights {key: a, b})
+
+    @property
+    def out_features(self) -> int:
+        return next(run.adapter.weights[KEY].b.shape[0] for run in self.runs if KEY in run.adapter.weights)
+
+    def covered(self) -> torch.Tensor:
+        """Rows some run of an adapter with KEY covers (the rest must stay as they were)."""
+        mask = torch.zeros(self.out.shape[0], dtype=torch.bool)
+        for run in self.runs:
+            if KEY in run.adapter.weights:
+                mask[run.start:run.end] = True
+        return mask
+
+
+def random_batch(segments: Sequence[tuple[int, int | None]], in_features: int, out_features: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0) -> SegmentBatch:
+    """segments: (rows, rank) in row order; rank None: rows of the base (no run); rank 0: a
+    run of an adapter that trains only OTHER_KEY. Each run has an adapter of its own."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
+
+    runs, row = [], 0
+    for rows, rank in segments:
+        if rank is not None:
+            key, shape = (KEY, (out_features, in_features)) if rank else (OTHER_KEY, (7, in_features))
+            rank = rank or 4
+            # A's rows of norm about 1, so a shrunk value is about x's size whatever in_features.
+            factors = types.SimpleNamespace(a=randn(rank, shape[1], scale=shape[1] ** -0.5), b=randn(shape[0], rank))
+            adapter = types.SimpleNamespace(scaling=float(torch.rand((), generator=generator)) * 4 + 0.1,
+                                            weights={key: factors})
+            runs.append(types.SimpleNamespace(start=row, end=row + rows, adapter=adapter))
+        row += rows
+    column = 3
+    x = randn(row, in_features + 9)[:, 4:4 + in_features]
+    out = randn(row, column + out_features + 5)
+    return SegmentBatch(x, out, column, runs)
+
+
+def reference(batch: SegmentBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expected, magnitude): the output with every run's delta added, in float64, and the
+    same sum over absolute values (what float32 accumulation errors scale with)."""
+    expected = batch.out.double().clone()
+    magnitude = batch.out.double().abs()
+    x = batch.x.double()
+    columns = slice(batch.column, batch.column + batch.out_features)
+    for run in batch.runs:
+        factors = run.adapter.weights.get(KEY)
+        if factors is None:
+            continue
+        a, b = factors.a.double(), factors.b.double()
+        rows = x[run.start:run.end]
+        expected[run.start:run.end, columns] += run.adapter.scaling * (rows @ a.t()) @ b.t()
+        magnitude[run.start:run.end, columns] += run.adapter.scaling * (rows.abs() @ a.abs().t()) @ b.abs().t()
+    return expected, magnitude
+
+
+def margin(got: torch.Tensor, batch: SegmentBatch) -> float:
+    """Largest |got - expected| over its bound; <= 1 passes. The bound: a unit in the last
+    place of the output's dtype, plus float32 accumulation over in_features + rank terms
+    (each step's rounding at most FLOAT32_ROUNDOFF of the running sum of magnitudes)."""
+    expected, magnitude = reference(batch)
+    ranks = [run.adapter.weights[KEY].a.shape[0] for run in batch.runs if KEY in run.adapter.weights]
+    terms = batch.x.shape[1] + max(ranks, default=0) + 2
+    bound = 2 * UNIT_ROUNDOFF[got.dtype] * expected.abs() + terms * FLOAT32_ROUNDOFF * magnitude
+    bound = bound.clamp_min(torch.finfo(torch.float64).tiny)
+    return float(((got.double() - expected).abs() / bound).max())

@@ -1,0 +1,97 @@
+"""LoRA's Triton segmented product (model_service/models/lora_triton.py) against float64
+(harness/lora_segments.py): under Triton's interpreter on CPU at small shapes, and on CUDA
+(skipped without it) at a model's shapes through LoraStep, as the model calls it.
+
+Under the interpreter: ranks 1 to 64 and past one rank block (80), powers of two and not;
+float32, bfloat16 and float16; runs of one row, long runs (the 64-row blocks), empty runs,
+rows of the base between them, an adapter without the projection, many adapters at once,
+in_features split between programs; x strided and the output a column slice of a wider
+one. Rows and columns outside the runs must come back bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_interpreter import IN_INTERPRETER, run_file
+
+# (name, segments as (rows, rank; None: base rows; 0: an adapter without the projection),
+# in_features, out_features, num_splits)
+CASES = [
+    ("mixed", [(2, 1), (1, None), (3, 7), (0, 16), (2, 33), (1, 0), (2, 64), (1, None)], 40, 70, None),
+    ("one-row", [(1, 5)], 24, 18, None),
+    ("many-adapters-split-k", [(1, rank) for rank in (1, 2, 3, 8, 13, 16, 31, 64, 4, 9)] + [(2, None)], 300, 20, 3),
+    ("long-run-rank-80", [(20, 80), (1, None), (1, 17)], 72, 66, None),
+]
+
+if not IN_INTERPRETER:
+    import torch
+
+    from harness import lora_segments
+    from model_service.models.lora_delta import LoraStep
+
+    @pytest.mark.timeout(600)
+    def test_lora_triton_under_interpreter():
+        run_file(__file__, timeout=500)
+
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernel")
+
+    @needs_cuda
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+    def test_on_cuda_through_lora_step(dtype):
+        # A decode batch of 8 adapters and base rows, then prefill runs; Llama-like widths.
+        decode = [(1, rank) for rank in (8, 16, 64, 1, 33, 8, 16, 64)] + [(3, None)]
+        prefill = [(37, 16), (5, None), (130, 64), (0, 8), (64, 0)]
+        for segments in (decode, decode + prefill):
+            batch = lora_segments.random_batch(segments, 2048, 1408, dtype, device="cuda", seed=len(segments))
+            step = LoraStep(tuple(batch.runs))
+            got = batch.out.clone()
+            step.add(got, batch.x, *lora_segments.KEY, column=batch.column)
+            assert step.triton_tables(got.device) is not None  # not torch's fallback
+            assert lora_segments.margin(got, batch) <= 1.0
+            untouched = ~batch.covered().cuda()
+            assert torch.equal(got[untouched], batch.out[untouched])
+
+else:
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from harness import lora_segments
+    from model_service.models import lora_triton
+
+    assert isinstance(lora_triton._shrink_kernel, InterpretedFunction), "kernels imported before TRITON_INTERPRET=1"
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+    @pytest.mark.parametrize("case", CASES, ids=lambda case: case[0])
+    def test_segments_match_float64(case, dtype):
+        _, segments, in_features, out_features, num_splits = case
+        batch = lora_segments.random_batch(segments, in_features, out_features, dtype, seed=len(segments))
+        tables = lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu"))
+        got = batch.out.clone()
+        tables.add(got, batch.x, lora_segments.KEY, column=batch.column, num_splits=num_splits)
+        assert lora_segments.margin(got, batch) <= 1.0
+        untouched = ~batch.covered()
+        assert torch.equal(got[untouched], batch.out[untouched])
+        columns = slice(batch.column, batch.column + out_features)
+        assert torch.equal(got[:, :columns.start], batch.out[:, :columns.start])
+        assert torch.equal(got[:, columns.stop:], batch.out[:, columns.stop:])
+        assert not torch.equal(got, batch.out)
+
+    def test_the_bound_catches_a_wrong_scaling():
+        # The check above can fail: a run's delta at 1.01 of its scaling is off the bound.
+        batch = lora_segments.random_batch([(2, 8), (1, 3)], 40, 30, torch.float32)
+        tables = lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu"))
+        got = batch.out.clone()
+        tables.add(got, batch.x, lora_segments.KEY, column=batch.column)
+        assert lora_segments.margin(got, batch) <= 1.0
+        batch.runs[1].adapter.scaling *= 1.01
+        assert lora_segments.margin(got, batch) > 1.0
+
+    def test_factors_the_kernel_cannot_read_leave_the_step_to_torch():
+        batch = lora_segments.random_batch([(2, 8), (1, 3)], 40, 30, torch.float32)
+        assert lora_triton.StepTables.of_runs(batch.runs, torch.device("meta")) is None  # another device
+        factors = batch.runs[1].adapter.weights[lora_segments.KEY]
+        factors.b = factors.b.to(torch.float16)
+        assert lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu")) is None  # mixed dtypes
+        factors.b = factors.b.float().t().contiguous().t()
+        assert lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu")) is None  # not contiguous
