@@ -20,8 +20,8 @@ from triton_interpreter import IN_INTERPRETER, run_file
 CASES = [
     ("mixed", [(2, 1), (1, None), (3, 7), (0, 16), (2, 33), (1, 0), (2, 64), (1, None)], 40, 70, None),
     ("one-row", [(1, 5)], 24, 18, None),
-    ("many-adapters-split-k", [(1, rank) for rank in (1, 2, 3, 8, 13, 16, 31, 64, 4, 9)] + [(2, None)], 300, 20, 3),
-    ("long-run-rank-80", [(20, 80), (1, None), (1, 17)], 72, 66, None),
+    ("many-adapters-split-k", [(1, rank) for rank in (1, 2, 3, 8, 13, 16, 31, 64, 4, 9)] + [(2, None)], 130, 20, 3),
+    ("long-run-rank-80", [(20, 80), (1, None), (1, 17)], 24, 66, None),
 ]
 
 if not IN_INTERPRETER:

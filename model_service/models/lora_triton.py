@@ -38,15 +38,19 @@ import triton.language as tl
 
 from model_service.attention.triton_kernels import sm_count
 
-# tl.dot takes tiles of at least 16 a side. Ranks over RANK_BLOCK_MAX run in blocks of it
-# (the shrink's third grid axis, the expand's loop), so the tiles stay within registers at
-# every rank up to the ceiling (attention/aot.py checks for spills).
+# tl.dot takes tiles of at least 16 a side. The shrink's ranks over RANK_BLOCK_MAX take
+# several programs (its third grid axis); the expand steps through the rank EXPAND_RANK_STEP
+# at a time. The tiles are the largest that compile without spilled registers for sm_80 and
+# sm_90 (attention/aot.py; scripts/compile_kernels.py).
 MIN_TILE = 16
 RANK_BLOCK_MAX = 64
-BLOCK_K = 64  # the shrink's step along in_features
+EXPAND_RANK_STEP = 16
+BLOCK_K = 32  # the shrink's step along in_features
 BLOCK_N = 64  # the expand's output columns a program
-# Segments of at most this many rows (decode) take 16-row blocks, longer ones (prefill) 64.
+# Runs of at most this many rows (decode) take 16-row blocks, longer ones (prefill) 64-row
+# blocks on 8 warps.
 SHORT_SEGMENT = 16
+LONG_BLOCK_M = 64
 # in_features a split of the shrink at least covers.
 MIN_SPLIT_K = 512
 
@@ -140,15 +144,19 @@ def rank_block(max_rank: int) -> int:
     return min(RANK_BLOCK_MAX, max(MIN_TILE, triton.next_power_of_2(max_rank)))
 
 
+def _rows(longest: int) -> dict:
+    return dict(BLOCK_M=MIN_TILE, num_warps=4) if longest <= SHORT_SEGMENT else dict(BLOCK_M=LONG_BLOCK_M, num_warps=8)
+
+
 def shrink_config(max_rank: int, longest: int) -> dict:
-    """The shrink's compile-time constants (one place for the launcher and attention/aot.py)."""
-    return dict(BLOCK_M=expand_config(max_rank, longest)["BLOCK_M"], BLOCK_K=BLOCK_K,
-                RANK_BLOCK=rank_block(max_rank), num_warps=4)
+    """The shrink's compile-time constants and num_warps (one place for the launcher and
+    attention/aot.py): max_rank, the largest of a projection's ranks in the step; longest,
+    its longest run of rows."""
+    return dict(BLOCK_K=BLOCK_K, RANK_BLOCK=rank_block(max_rank), **_rows(longest))
 
 
-def expand_config(max_rank: int, longest: int) -> dict:
-    block_m = MIN_TILE if longest <= SHORT_SEGMENT else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, RANK_BLOCK=rank_block(max_rank), num_warps=4)
+def expand_config(longest: int) -> dict:
+    return dict(BLOCK_N=BLOCK_N, RANK_BLOCK=EXPAND_RANK_STEP, **_rows(longest))
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +220,7 @@ class StepTables:
         out = out[:, column:column + projection.out_features]
         segments = self.bounds.shape[0]
         shrink = shrink_config(projection.max_rank, self.longest)
-        expand = expand_config(projection.max_rank, self.longest)
+        expand = expand_config(self.longest)
         rank_blocks = triton.cdiv(projection.max_rank, shrink["RANK_BLOCK"])
         row_blocks = triton.cdiv(self.longest, shrink["BLOCK_M"])
         if num_splits is None:
