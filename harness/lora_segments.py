@@ -99,3 +99,27 @@ def margin(got: torch.Tensor, batch: SegmentBatch) -> float:
     bound = 2 * UNIT_ROUNDOFF[got.dtype] * expected.abs() + terms * FLOAT32_ROUNDOFF * magnitude
     bound = bound.clamp_min(torch.finfo(torch.float64).tiny)
     return float(((got.double() - expected).abs() / bound).max())
+
+
+# Batches for CUDA (tests/test_lora_triton.py, checks/gpu_check.py): a decode step of 8
+# adapters (ranks powers of two and not) and base rows, then the same with prefill runs (long
+# ones, an empty one, an adapter without the projection, a rank over one rank block).
+DECODE_SEGMENTS = [(1, rank) for rank in (8, 16, 64, 1, 33, 8, 16, 64)] + [(3, None)]
+PREFILL_SEGMENTS = DECODE_SEGMENTS + [(37, 16), (5, None), (300, 64), (0, 8), (64, 0), (9, 80)]
+# (in_features, out_features): a Llama MLP's and attention's widths, of a 1-2B model.
+DEVICE_SHAPES = [(2048, 1408), (4096, 512)]
+
+
+def through_lora_step(segments: Sequence[tuple[int, int | None]], in_features: int, out_features: int,
+                      dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> tuple[float, bool, bool]:
+    """One random batch's delta added by LoraStep.add as the model calls it: (margin, rows
+    outside the runs untouched bit for bit, served by the Triton kernels)."""
+    from model_service.models.lora_delta import LoraStep
+
+    batch = random_batch(segments, in_features, out_features, dtype, device=device, seed=seed)
+    step = LoraStep(tuple(batch.runs))
+    got = batch.out.clone()
+    step.add(got, batch.x, *KEY, column=batch.column)
+    untouched = ~batch.covered().to(got.device)
+    return (margin(got, batch), torch.equal(got[untouched], batch.out[untouched]),
+            step.triton_tables(got.device) is not None)

@@ -28,29 +28,23 @@ if not IN_INTERPRETER:
     import torch
 
     from harness import lora_segments
-    from model_service.models.lora_delta import LoraStep
 
     @pytest.mark.timeout(600)
     def test_lora_triton_under_interpreter():
         run_file(__file__, timeout=500)
 
-    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernel")
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernels")
 
     @needs_cuda
+    @pytest.mark.parametrize("shape", lora_segments.DEVICE_SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
+    @pytest.mark.parametrize("segments", [lora_segments.DECODE_SEGMENTS, lora_segments.PREFILL_SEGMENTS],
+                             ids=["decode", "prefill"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-    def test_on_cuda_through_lora_step(dtype):
-        # A decode batch of 8 adapters and base rows, then prefill runs; Llama-like widths.
-        decode = [(1, rank) for rank in (8, 16, 64, 1, 33, 8, 16, 64)] + [(3, None)]
-        prefill = [(37, 16), (5, None), (130, 64), (0, 8), (64, 0)]
-        for segments in (decode, decode + prefill):
-            batch = lora_segments.random_batch(segments, 2048, 1408, dtype, device="cuda", seed=len(segments))
-            step = LoraStep(tuple(batch.runs))
-            got = batch.out.clone()
-            step.add(got, batch.x, *lora_segments.KEY, column=batch.column)
-            assert step.triton_tables(got.device) is not None  # not torch's fallback
-            assert lora_segments.margin(got, batch) <= 1.0
-            untouched = ~batch.covered().cuda()
-            assert torch.equal(got[untouched], batch.out[untouched])
+    def test_on_cuda_through_lora_step(dtype, segments, shape):
+        margin, untouched, triton = lora_segments.through_lora_step(segments, *shape, dtype, "cuda", seed=len(segments))
+        assert triton, "torch's matmuls served, not the Triton kernels"
+        assert margin <= 1.0
+        assert untouched
 
 else:
     import torch

@@ -12,7 +12,8 @@ of rows, sized for the longest segment: a program past its own segment's end ret
 once, so one launch serves segments of any lengths with no device-side sort. Adapters'
 factors stay the separate tensors they were loaded as: each segment's A and B are read
 through a table of their addresses, built once a step for every (layer, target) (StepTables)
-and copied to the device in one transfer, with each factor's rank beside them (a rank of 0:
+and copied to the device with the runs' bounds and scalings (three small copies from pinned
+memory a step, none a projection), with each factor's rank beside its addresses (a rank of 0:
 that adapter leaves this projection out, and its programs return).
 
 The shrink writes scaling-free float32 rows of the rank into a scratch buffer (atomically
@@ -22,8 +23,9 @@ applies the segment's scaling and adds into the output in float32 before roundin
 the output's dtype. Every tile is widened to float32 as it is loaded (the interpreter holds
 bfloat16 as raw integers until converted). The shrink's products take float32 inputs as IEEE
 float32 (never TF32) and 16-bit ones as TF32 on the tensor cores, which holds a 16-bit value
-exactly, so nothing is lost against a 16-bit product; the expand's are IEEE float32. No
-value that changes from step to step (rows, segments, ranks) is a tl.constexpr.
+exactly, so nothing is lost against a 16-bit product; the expand's are IEEE float32. What
+changes from step to step (rows, runs, ranks) is never a tl.constexpr: it only picks among a
+few tile sizes (shrink_config, expand_config), each compiled once.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ def _shrink_kernel(
         col_mask = cols < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
                     other=0.0).to(tl.float32)
+        # [BLOCK_K, RANK_BLOCK] of Aᵀ
         a = tl.load(a_ptr + ranks[None, :].to(tl.int64) * in_features + cols[:, None],
-                    mask=col_mask[:, None] & rank_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, RANK_BLOCK] of Aᵀ
+                    mask=col_mask[:, None] & rank_mask[None, :], other=0.0).to(tl.float32)
         if x_ptr.dtype.element_ty == tl.float32:
             acc += tl.dot(x, a, input_precision="ieee")
         else:  # a 16-bit value is exact in TF32: the tensor cores' products lose nothing
@@ -130,8 +133,9 @@ def _expand_kernel(
         rank_mask = ranks < rank
         shrunk = tl.load(shrunk_ptr + rows[:, None] * stride_shrunk + ranks[None, :],
                          mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+        # [RANK_BLOCK, BLOCK_N] of Bᵀ
         b = tl.load(b_ptr + cols[None, :].to(tl.int64) * rank + ranks[:, None],
-                    mask=rank_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [RANK_BLOCK, BLOCK_N] of Bᵀ
+                    mask=rank_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.dot(shrunk, b, input_precision="ieee")
     scaling = tl.load(scaling_ptr + segment)
     mask = row_mask[:, None] & col_mask[None, :]
