@@ -26,6 +26,15 @@ FLOAT32_ROUNDOFF = 2.0 ** -24
 
 
 @dataclass
+class Adapter:
+    """What LoraStep reads of an adapter (a dataclass, not a namespace: it takes weak
+    references, so lora_tables keeps its table, as it does a loaded LoraAdapter's)."""
+
+    scaling: float
+    weights: dict
+
+
+@dataclass
 class SegmentBatch:
     x: torch.Tensor  # [rows, in_features], a column slice of a wider tensor
     out: torch.Tensor  # [rows, column + out_features + 5]: the fused output, before the delta
@@ -61,8 +70,7 @@ def random_batch(segments: Sequence[tuple[int, int | None]], in_features: int, o
             rank = rank or 4
             # A's rows of norm about 1, so a shrunk value is about x's size whatever in_features.
             factors = types.SimpleNamespace(a=randn(rank, shape[1], scale=shape[1] ** -0.5), b=randn(shape[0], rank))
-            adapter = types.SimpleNamespace(scaling=float(torch.rand((), generator=generator)) * 4 + 0.1,
-                                            weights={key: factors})
+            adapter = Adapter(float(torch.rand((), generator=generator)) * 4 + 0.1, {key: factors})
             runs.append(types.SimpleNamespace(start=row, end=row + rows, adapter=adapter))
         row += rows
     column = 3

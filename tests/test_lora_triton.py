@@ -33,6 +33,19 @@ if not IN_INTERPRETER:
     def test_lora_triton_under_interpreter():
         run_file(__file__, timeout=500)
 
+    def test_a_loaded_adapters_table_is_kept_for_its_life():
+        import torch
+
+        from model_service.lora.peft_adapter import LoraAdapter, LoraWeights
+        from model_service.models import lora_tables
+
+        factors = LoraWeights(a=torch.zeros(4, 16), b=torch.zeros(8, 4))
+        adapter = LoraAdapter(name="a", path="p", rank=4, scaling=2.0, digest="d", weights={(1, "o_proj"): factors})
+        table = lora_tables.adapter_table(adapter, torch.device("cpu"))
+        assert table.factors[1, lora_tables.TARGET_INDEX["o_proj"]].tolist() == [factors.a.data_ptr(),
+                                                                                 factors.b.data_ptr(), 4]
+        assert lora_tables.adapter_table(adapter, torch.device("cpu")) is table  # kept, not built again
+
     needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernels")
 
     @needs_cuda
@@ -47,11 +60,13 @@ if not IN_INTERPRETER:
         assert untouched
 
 else:
+    import gc
+
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
     from harness import lora_segments
-    from model_service.models import lora_triton
+    from model_service.models import lora_tables, lora_triton
 
     assert isinstance(lora_triton._shrink_kernel, InterpretedFunction), "kernels imported before TRITON_INTERPRET=1"
 
@@ -60,9 +75,10 @@ else:
     def test_segments_match_float64(case, dtype):
         _, segments, in_features, out_features, num_splits = case
         batch = lora_segments.random_batch(segments, in_features, out_features, dtype, seed=len(segments))
-        tables = lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu"))
+        tables = lora_tables.StepTables.of_runs(batch.runs, torch.device("cpu"))
         got = batch.out.clone()
-        tables.add(got, batch.x, lora_segments.KEY, column=batch.column, num_splits=num_splits)
+        assert tables.supports(got, batch.x)
+        lora_triton.add(tables, got, batch.x, *lora_segments.KEY, column=batch.column, num_splits=num_splits)
         assert lora_segments.margin(got, batch) <= 1.0
         untouched = ~batch.covered()
         assert torch.equal(got[untouched], batch.out[untouched])
@@ -74,18 +90,38 @@ else:
     def test_the_bound_catches_a_wrong_scaling():
         # The check above can fail: a run's delta at 1.01 of its scaling is off the bound.
         batch = lora_segments.random_batch([(2, 8), (1, 3)], 40, 30, torch.float32)
-        tables = lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu"))
+        tables = lora_tables.StepTables.of_runs(batch.runs, torch.device("cpu"))
         got = batch.out.clone()
-        tables.add(got, batch.x, lora_segments.KEY, column=batch.column)
+        lora_triton.add(tables, got, batch.x, *lora_segments.KEY, column=batch.column)
         assert lora_segments.margin(got, batch) <= 1.0
         batch.runs[1].adapter.scaling *= 1.01
         assert lora_segments.margin(got, batch) > 1.0
 
-    def test_factors_the_kernel_cannot_read_leave_the_step_to_torch():
+    def test_factors_the_kernels_cannot_read_leave_the_step_to_torch():
+        def runs(change=None):
+            batch = lora_segments.random_batch([(2, 8), (1, 3)], 40, 30, torch.float32)
+            if change is not None:
+                factors = batch.runs[1].adapter.weights[lora_segments.KEY]
+                factors.b = change(factors.b)
+            return batch.runs
+
+        cpu = torch.device("cpu")
+        assert lora_tables.StepTables.of_runs(runs(), cpu) is not None
+        assert lora_tables.StepTables.of_runs(runs(), torch.device("meta")) is None  # another device
+        assert lora_tables.StepTables.of_runs(runs(lambda b: b.half()), cpu) is None  # dtypes differ
+        assert lora_tables.StepTables.of_runs(runs(lambda b: b.t().contiguous().t()), cpu) is None  # strided
+        assert lora_tables.StepTables.of_runs(runs(), cpu).supports(torch.zeros(3, 30), torch.zeros(3, 40))
+        assert not lora_tables.StepTables.of_runs(runs(), cpu).supports(torch.zeros(3, 30).half(), torch.zeros(3, 40))
+
+    def test_an_adapters_table_is_kept_while_it_lives_and_dropped_with_it():
         batch = lora_segments.random_batch([(2, 8), (1, 3)], 40, 30, torch.float32)
-        assert lora_triton.StepTables.of_runs(batch.runs, torch.device("meta")) is None  # another device
-        factors = batch.runs[1].adapter.weights[lora_segments.KEY]
-        factors.b = factors.b.to(torch.float16)
-        assert lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu")) is None  # mixed dtypes
-        factors.b = factors.b.float().t().contiguous().t()
-        assert lora_triton.StepTables.of_runs(batch.runs, torch.device("cpu")) is None  # not contiguous
+        adapter = batch.runs[0].adapter
+        key = (id(adapter), torch.device("cpu"))
+        first = lora_tables.StepTables.of_runs(batch.runs, torch.device("cpu"))
+        table = lora_tables._TABLES[key]
+        assert lora_tables.adapter_table(adapter, torch.device("cpu")) is table  # not built again
+        second = lora_tables.StepTables.of_runs(batch.runs, torch.device("cpu"))
+        assert torch.equal(first.factors, second.factors)
+        del batch, adapter, first, second
+        gc.collect()
+        assert key not in lora_tables._TABLES

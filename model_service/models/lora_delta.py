@@ -11,8 +11,8 @@ The fused projections (qkv_proj, gate_up_proj) take each target's delta into its
 (`column` is where they start). On CPU, float32 runs go to the C kernel of
 cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS). On CUDA all
 of a step's runs go to the Triton kernels of lora_triton.py, one shrink and one expand
-launch a projection, over tables of the runs built once a step (where triton imports and
-the factors are on the device in the activations' dtype). These matmuls are the C kernel's
+launch a projection, over the step's tables of factor addresses (lora_tables.py; where
+triton imports and the factors are on the device in the activations' dtype). These matmuls are the C kernel's
 reference and serve everything else.
 """
 
@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 import torch
 
 from model_service.cpu_kernels import lora_sgmv
+from model_service.models.lora_tables import StepTables
 
 log = structlog.get_logger()
 
@@ -71,9 +72,8 @@ class LoraStep:
     """The runs of one step; a step without adapter rows has none and is passed as None."""
 
     runs: tuple[LoraRun, ...]
-    # device -> lora_triton.StepTables (None: torch's matmuls serve), built at the first
-    # projection on that device.
-    _tables: dict[torch.device, Any] = field(default_factory=dict, compare=False, repr=False)
+    # device -> StepTables (None: torch's matmuls serve), built at the first projection there.
+    _tables: dict[torch.device, StepTables | None] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of_sequences(cls, query_lens: Sequence[int], adapters: Sequence[Adapter | None]) -> LoraStep | None:
@@ -96,7 +96,7 @@ class LoraStep:
         if out.device.type == "cuda":
             tables = self.triton_tables(out.device)
             if tables is not None and tables.supports(out, x):
-                tables.add(out, x, (layer, target), column)
+                load_triton().add(tables, out, x, layer, target, column)
                 return
         level = lora_sgmv.chosen_level() if out.device.type == "cpu" else None
         for run in self.runs:
@@ -111,9 +111,8 @@ class LoraStep:
             shrunk.mul_(run.adapter.scaling)
             rows.addmm_(shrunk, factors.b.t())
 
-    def triton_tables(self, device: torch.device) -> Any:
-        """The step's lora_triton.StepTables on `device`, or None where torch's matmuls serve."""
+    def triton_tables(self, device: torch.device) -> StepTables | None:
+        """The step's tables for lora_triton on `device`, or None where torch's matmuls serve."""
         if device not in self._tables:
-            kernels = load_triton()
-            self._tables[device] = kernels.StepTables.of_runs(self.runs, device) if kernels is not None else None
+            self._tables[device] = StepTables.of_runs(self.runs, device) if load_triton() is not None else None
         return self._tables[device]

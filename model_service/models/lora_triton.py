@@ -11,10 +11,8 @@ in Punica's SGMV, the grid's first axis is the segment and the second the segmen
 of rows, sized for the longest segment: a program past its own segment's end returns at
 once, so one launch serves segments of any lengths with no device-side sort. Adapters'
 factors stay the separate tensors they were loaded as: each segment's A and B are read
-through a table of their addresses, built once a step for every (layer, target) (StepTables)
-and copied to the device with the runs' bounds and scalings (three small copies from pinned
-memory a step, none a projection), with each factor's rank beside its addresses (a rank of 0:
-that adapter leaves this projection out, and its programs return).
+through a table of their addresses (lora_tables.py), with each factor's rank beside them (a
+rank of 0: that adapter leaves this projection out, and its programs return).
 
 The shrink writes scaling-free float32 rows of the rank into a scratch buffer (atomically
 added, so several programs may split a long in_features between them when there are too few
@@ -30,15 +28,12 @@ few tile sizes (shrink_config, expand_config), each compiled once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 import triton
 import triton.language as tl
 
 from model_service.attention.triton_kernels import sm_count
+from model_service.models.lora_tables import StepTables
 
 # tl.dot takes tiles of at least 16 a side. The shrink's ranks over RANK_BLOCK_MAX take
 # several programs (its third grid axis); the expand steps through the rank EXPAND_RANK_STEP
@@ -55,17 +50,6 @@ SHORT_SEGMENT = 16
 LONG_BLOCK_M = 64
 # in_features a split of the shrink at least covers.
 MIN_SPLIT_K = 512
-
-
-class Factors(Protocol):
-    a: torch.Tensor  # [rank, in_features]
-    b: torch.Tensor  # [out_features, rank]
-
-
-class Run(Protocol):
-    start: int
-    end: int
-    adapter: object  # .scaling, .weights: dict[(layer, target), Factors]
 
 
 @triton.jit
@@ -163,87 +147,30 @@ def expand_config(longest: int) -> dict:
     return dict(BLOCK_N=BLOCK_N, RANK_BLOCK=EXPAND_RANK_STEP, **_rows(longest))
 
 
-@dataclass(frozen=True, slots=True)
-class Projection:
-    """One (layer, target)'s factors over a step's segments."""
-
-    factors: torch.Tensor  # int64 [segments, 3]: A's address, B's address, rank (0: none)
-    max_rank: int
-    in_features: int
-    out_features: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepTables:
-    """A step's segments and every (layer, target)'s factor table, on the device."""
-
-    bounds: torch.Tensor  # int32 [segments, 2]: first row, one past the last
-    scaling: torch.Tensor  # float32 [segments]
-    projections: dict[tuple[int, str], Projection]
-    longest: int  # rows of the longest segment
-    dtype: torch.dtype
-
-    @classmethod
-    def of_runs(cls, runs: Sequence[Run], device: torch.device) -> StepTables | None:
-        """None when a factor is not where the kernel can read it (another device or dtype
-        than the rest, not contiguous): torch's matmuls serve that step."""
-        weights = [run.adapter.weights for run in runs]
-        every = [f for w in weights for f in w.values()]
-        if not every:
-            return None
-        dtype = every[0].a.dtype
-        if any(f.a.dtype != dtype or f.b.dtype != dtype or f.a.device != device or f.b.device != device
-               or not (f.a.is_contiguous() and f.b.is_contiguous()) for f in every):
-            return None
-        keys = sorted({key for w in weights for key in w})
-        rows, shapes = [], []
-        for key in keys:
-            present = [w.get(key) for w in weights]
-            rows.append([(f.a.data_ptr(), f.b.data_ptr(), f.a.shape[0]) if f is not None else (0, 0, 0)
-                         for f in present])
-            some = next(f for f in present if f is not None)
-            shapes.append((max(f.a.shape[0] for f in present if f is not None), some.a.shape[1], some.b.shape[0]))
-        table = _to_device(torch.tensor(rows, dtype=torch.int64), device)  # [keys, segments, 3]
-        bounds = _to_device(torch.tensor([(run.start, run.end) for run in runs], dtype=torch.int32), device)
-        scaling = _to_device(torch.tensor([run.adapter.scaling for run in runs], dtype=torch.float32), device)
-        projections = {key: Projection(table[index], *shape) for index, (key, shape) in enumerate(zip(keys, shapes))}
-        return cls(bounds, scaling, projections, max(run.end - run.start for run in runs), dtype)
-
-    def supports(self, out: torch.Tensor, x: torch.Tensor) -> bool:
-        return out.dtype == x.dtype == self.dtype and out.stride(-1) == 1 and x.stride(-1) == 1
-
-    def add(self, out: torch.Tensor, x: torch.Tensor, key: tuple[int, str], column: int = 0,
-            num_splits: int | None = None) -> None:
-        """out[segment rows, column:column + out_features] += scaling · (x[segment rows] · Aᵀ) · Bᵀ
-        for every segment whose adapter has `key` (a fused projection's output takes each
-        target's columns). num_splits: how many programs share each row block's in_features
-        (None: enough to fill the device)."""
-        projection = self.projections.get(key)
-        if projection is None or self.longest == 0:
-            return
-        out = out[:, column:column + projection.out_features]
-        segments = self.bounds.shape[0]
-        shrink = shrink_config(projection.max_rank, self.longest)
-        expand = expand_config(self.longest)
-        rank_blocks = triton.cdiv(projection.max_rank, shrink["RANK_BLOCK"])
-        row_blocks = triton.cdiv(self.longest, shrink["BLOCK_M"])
-        if num_splits is None:
-            programs = segments * row_blocks * rank_blocks
-            num_splits = max(1, min(projection.in_features // MIN_SPLIT_K, sm_count(out.device) // programs))
-        k_per_split = triton.cdiv(triton.cdiv(projection.in_features, num_splits), BLOCK_K) * BLOCK_K
-        num_splits = triton.cdiv(projection.in_features, k_per_split)
-        shrunk = torch.zeros(x.shape[0], rank_blocks * shrink["RANK_BLOCK"], dtype=torch.float32, device=x.device)
-        _shrink_kernel[(segments, row_blocks, rank_blocks * num_splits)](
-            x, self.bounds, projection.factors, shrunk,
-            projection.in_features, k_per_split, rank_blocks, x.stride(0), shrunk.stride(0), **shrink)
-        _expand_kernel[(segments, triton.cdiv(self.longest, expand["BLOCK_M"]),
-                        triton.cdiv(projection.out_features, BLOCK_N))](
-            shrunk, self.bounds, projection.factors, self.scaling, out,
-            projection.out_features, shrunk.stride(0), out.stride(0), **expand)
-
-
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # Pinned, so the copy does not wait for the stream's queued work.
-    if device.type != "cuda":
-        return table
-    return table.pin_memory().to(device, non_blocking=True)
+def add(tables: StepTables, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, column: int = 0,
+        num_splits: int | None = None) -> None:
+    """out[run rows, column:column + out_features] += scaling · (x[run rows] · Aᵀ) · Bᵀ for
+    every run of `tables` whose adapter trains `target` on `layer` (a fused projection's
+    output takes each target's columns). Checked by tables.supports first. num_splits: how
+    many programs share each row block's in_features (None: enough to fill the device)."""
+    projection = tables.projection(layer, target)
+    if projection is None or tables.longest == 0:
+        return
+    out = out[:, column:column + projection.out_features]
+    runs = tables.bounds.shape[0]
+    shrink = shrink_config(projection.max_rank, tables.longest)
+    expand = expand_config(tables.longest)
+    rank_blocks = triton.cdiv(projection.max_rank, shrink["RANK_BLOCK"])
+    row_blocks = triton.cdiv(tables.longest, shrink["BLOCK_M"])
+    if num_splits is None:
+        programs = runs * row_blocks * rank_blocks
+        num_splits = max(1, min(projection.in_features // MIN_SPLIT_K, sm_count(out.device) // programs))
+    k_per_split = triton.cdiv(triton.cdiv(projection.in_features, num_splits), BLOCK_K) * BLOCK_K
+    num_splits = triton.cdiv(projection.in_features, k_per_split)
+    shrunk = torch.zeros(x.shape[0], rank_blocks * shrink["RANK_BLOCK"], dtype=torch.float32, device=x.device)
+    _shrink_kernel[(runs, row_blocks, rank_blocks * num_splits)](
+        x, tables.bounds, projection.factors, shrunk,
+        projection.in_features, k_per_split, rank_blocks, x.stride(0), shrunk.stride(0), **shrink)
+    _expand_kernel[(runs, triton.cdiv(tables.longest, expand["BLOCK_M"]), triton.cdiv(projection.out_features, BLOCK_N))](
+        shrunk, tables.bounds, projection.factors, tables.scaling, out,
+        projection.out_features, shrunk.stride(0), out.stride(0), **expand)
