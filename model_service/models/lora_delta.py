@@ -11,9 +11,9 @@ The fused projections (qkv_proj, gate_up_proj) take each target's delta into its
 (`column` is where they start). On CPU, float32 runs go to the C kernel of
 cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS). On CUDA all
 of a step's runs go to the Triton kernels of lora_triton.py, one shrink and one expand
-launch a projection, over the step's tables of factor addresses (lora_tables.py; where
-triton imports and the factors are on the device in the activations' dtype). These matmuls are the C kernel's
-reference and serve everything else.
+launch a projection, over the step's tables of factor addresses (lora_tables.py), where
+triton imports and the factors are on the device in the activations' dtype. These matmuls
+are the kernels' reference and serve everything else.
 """
 
 from __future__ import annotations
