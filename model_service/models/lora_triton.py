@@ -37,8 +37,8 @@ from model_service.models.lora_tables import StepTables
 
 # tl.dot takes tiles of at least 16 a side. The shrink's ranks over RANK_BLOCK_MAX take
 # several programs (its third grid axis); the expand steps through the rank EXPAND_RANK_STEP
-# at a time. The tiles are the largest that compile without spilled registers for sm_80 and
-# sm_90 (attention/aot.py; scripts/compile_kernels.py).
+# at a time. Tiles and warps are sized to compile without spilled registers for sm_80 and
+# sm_90 in every dtype (attention/aot.py; scripts/compile_kernels.py); larger ones spill.
 MIN_TILE = 16
 RANK_BLOCK_MAX = 64
 EXPAND_RANK_STEP = 16
