@@ -21,7 +21,12 @@ in ten minutes on one H200 (most of it Triton compiling the kernel variants).
    and 8, with and without a sliding window, whole and split context (heuristic, 1, 8),
    random block tables whose ids are distinct across rows, a padded entry; each element
    within its dtype's rounding of the reference plus float32 accumulation (UNIT_ROUNDOFF).
-   The K/V write against plain indexing, bit for bit.
+   The K/V write against plain indexing, bit for bit. LoRA's segmented product
+   (models/lora_triton.py, through LoraStep as the model calls it), float32/float16/bfloat16:
+   a decode batch of 8 adapters (ranks 1-64, powers of two and not) with base rows, and
+   prefill runs (long, empty, over one rank block, an adapter without the projection),
+   against float64 matmuls (harness/lora_segments.py: within a unit in the last place
+   plus float32 accumulation), rows outside the runs untouched.
 fp8_kv: an 8-bit pool (e4m3 and e5m2, scales other than 1; float16 q at head_dim 64, bfloat16
    at 128; groups 1 and 8; splits auto, 1, 8): the decode kernel against the
    same float64 reference over the pool's dequantized values, within the same bound; the
@@ -227,6 +232,25 @@ def kernels_match(args) -> None:
             triton_kernels.write_kv_triton(k, v, pool, slots)
             check(f"write_kv {name} head_dim {head_dim}", torch.equal(pool, expected_pool),
                   "63 slots written, a -1 slot skipped, against plain indexing")
+    lora_segments_match()
+
+
+def lora_segments_match() -> None:
+    import torch
+
+    from harness import lora_segments
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        results = [lora_segments.through_lora_step(segments, in_features, out_features, dtype, "cuda", seed)
+                   for seed, segments in enumerate((lora_segments.DECODE_SEGMENTS, lora_segments.PREFILL_SEGMENTS))
+                   for in_features, out_features in lora_segments.DEVICE_SHAPES]
+        worst = max(margin for margin, _, _ in results)
+        untouched = all(equal for _, equal, _ in results)
+        served = all(triton for _, _, triton in results)
+        check(f"lora segments {str(dtype)[6:]}", served and worst <= 1.0 and untouched,
+              f"{len(results)} batches (decode: 8 adapters and base rows; with prefill runs); served by Triton: "
+              f"{served}; worst error {worst:.2f} of the bound; rows outside the runs untouched: {untouched}",
+              measured=f"{worst:.2f} of bound", bound="<= 1")
 
 
 def _fp8_pool(source, scales, kv_dtype):

@@ -4,8 +4,9 @@ No GPU needed (model_service/attention/aot.py). tests/test_kernels_compile.py co
 representative set in CI; this is the whole matrix: model dtypes x GQA groups 1-8 x head
 dims 64 and 128 x every allowed block size x split / whole-context decode x the pool's K/V
 (the model dtype, or 8-bit e4m3 / e5m2 bytes: --kv-cache-dtype), the split reduction at
-every split count's pad, and the K/V write (of the model dtype, and of an 8-bit pool's
-bytes). Exits 1 on a compile error or a spilled register. Each configuration compiles on
+every split count's pad, the K/V write (of the model dtype, and of an 8-bit pool's
+bytes), and LoRA's shrink (every rank block) and expand, for decode runs and prefill ones
+(models/lora_triton.py). Exits 1 on a compile error or a spilled register. Each configuration compiles on
 one core, so --jobs spreads them:
 
     PYTHONPATH=$PWD python scripts/compile_kernels.py --jobs 16
@@ -29,6 +30,10 @@ from cache_service.core.pool import MAX_BLOCK_SIZE  # noqa: E402
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "u8": "uint8"}
 # --kv: the pool's K/V dtype as the kernels see it, and FP8_KIND (triton_kernels.FP8_KINDS).
 KV_KINDS = {"model": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+# LoRA: a rank for each of the shrink's rank blocks (16, 32, 64), and a decode run's rows and
+# a prefill run's (their row blocks).
+LORA_RANKS = (8, 32, 64)
+LORA_RUN_ROWS = (1, 512)
 
 
 def configurations(args: argparse.Namespace) -> list[tuple]:
@@ -51,6 +56,11 @@ def configurations(args: argparse.Namespace) -> list[tuple]:
         for dtype in args.dtypes:
             for splits_pad in (2, 4, 8, 16, 32):
                 jobs.append(("reduce", dtype, (head_dim, splits_pad)))
+    for dtype in args.dtypes:
+        for longest in LORA_RUN_ROWS:
+            for max_rank in LORA_RANKS:
+                jobs.append(("lora_shrink", dtype, (max_rank, longest)))
+            jobs.append(("lora_expand", dtype, (longest,)))
     return [(arch, *job) for arch in args.archs for job in jobs]
 
 
@@ -59,7 +69,8 @@ def compile_one(arch: str, kind: str, dtype_name: str, arguments: tuple) -> tupl
 
     from model_service.attention import aot
 
-    builder = {"decode": aot.decode_config, "write_kv": aot.write_kv_config, "reduce": aot.reduce_config}[kind]
+    builder = {"decode": aot.decode_config, "write_kv": aot.write_kv_config, "reduce": aot.reduce_config,
+               "lora_shrink": aot.lora_shrink_config, "lora_expand": aot.lora_expand_config}[kind]
     try:
         report = aot.compile_kernel(*builder(getattr(torch, DTYPE_NAMES[dtype_name]), *arguments), arch)
     except Exception as error:  # a compile error is a result to report, not a crash

@@ -1,13 +1,8 @@
 """The Triton kernels, run on CPU by Triton's interpreter, against the PyTorch path.
 
-Why a subprocess. Triton picks interpreted or compiled kernels when @triton.jit runs, reading
-TRITON_INTERPRET at that moment. Setting it inside a shared pytest process is fragile both ways:
-if any module collected earlier already imported the kernels, they stay compiled and fail on CPU
-tensors; and the variable would stay set for every later test, so on a GPU host the model's own
-kernels would silently run in the interpreter. So in an ordinary run this module holds one test,
-which runs this same file in a fresh `python -m pytest` with TRITON_INTERPRET=1 set in its
-environment, before anything imports triton. In that child (or in any run started with
-TRITON_INTERPRET=1) the kernel tests below are defined and run in-process.
+In an ordinary run this module holds one test, which runs this same file in a child under
+the interpreter (tests/triton_interpreter.py says why a subprocess); there the kernel tests
+below are defined and run in-process.
 
 Shapes stay small: the interpreter runs one program at a time, in Python;
 the long-context cases use two sequences and at most two kv heads.
@@ -15,15 +10,9 @@ the long-context cases use two sequences and at most two kv heads.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from triton_interpreter import IN_INTERPRETER, run_file
 
 if not IN_INTERPRETER:
 
@@ -31,18 +20,7 @@ if not IN_INTERPRETER:
     # bounds only end a hang.
     @pytest.mark.timeout(1200)
     def test_triton_kernels_under_interpreter():
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-            cwd=REPO_ROOT,
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-            capture_output=True,
-            text=True,
-            timeout=1100,
-        )
-        summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-        print(f"interpreter run: {summary[0]}")
-        assert result.returncode == 0, f"{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-        assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
+        run_file(__file__, timeout=1100)
 
 else:
     import torch

@@ -3,7 +3,8 @@
 The kernels otherwise run only under Triton's interpreter here, which accepts code that
 the GPU compiler rejects or spills. This compiles a representative set of what the backend
 can launch (model dtypes, head dims 64 and 128, GQA groups 1-8, the smallest, usual and
-largest allowed block sizes, split and whole-context decode, an 8-bit pool) with Triton's
+largest allowed block sizes, split and whole-context decode, an 8-bit pool; LoRA's shrink
+and expand for decode and prefill runs) with Triton's
 bundled ptxas,
 and fails on a compile error or any spilled register. scripts/compile_kernels.py compiles
 the whole matrix, each configuration a compile of its own, too many for the suite.
@@ -41,12 +42,18 @@ DECODE = [
 DECODE_FP8 = [(torch.bfloat16, 8, 128, 16, True, 1)]
 WRITE_KV = [(torch.bfloat16, 8, 128, 16), (torch.float16, 1, 64, MAX_BLOCK_SIZE), (torch.uint8, 8, 128, 16)]
 REDUCE = [(torch.bfloat16, 128, 32), (torch.float32, 64, 2)]
+# LoRA (models/lora_triton.py): the largest rank block, for a decode run and a prefill run
+# (16- and 64-row blocks), in the dtypes that take the most registers there.
+LORA_SHRINK = [(torch.bfloat16, 64, 1), (torch.float32, 64, 512)]
+LORA_EXPAND = [(torch.bfloat16, 1), (torch.bfloat16, 512)]
 
 CONFIGS = (
     [aot.decode_config(*args) for args in DECODE]
     + [aot.decode_config(*args) for args in DECODE_FP8]
     + [aot.write_kv_config(*args) for args in WRITE_KV]
     + [aot.reduce_config(*args) for args in REDUCE]
+    + [aot.lora_shrink_config(*args) for args in LORA_SHRINK]
+    + [aot.lora_expand_config(*args) for args in LORA_EXPAND]
 )
 
 

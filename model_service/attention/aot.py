@@ -4,8 +4,9 @@ Triton compiles for any `GPUTarget` with its bundled ptxas; `cuobjdump -res-usag
 cubin then gives the registers a thread, its stack frame and its local memory. The kernels
 call no functions and keep no local arrays, so a stack frame or local memory is registers
 spilled (ptxas -v on the same PTX says "N bytes stack frame, N bytes spill stores"). The configurations are the launchers'
-own (`decode_config`, `write_kv_config`, `reduce_config` in triton_kernels.py), so what is
-compiled here is what the backend would launch. Used by tests/test_kernels_compile.py (a
+own (`decode_config`, `write_kv_config`, `reduce_config` in triton_kernels.py; LoRA's
+`shrink_config` and `expand_config` in models/lora_triton.py), so what is compiled here is
+what the backend and the model would launch. Used by tests/test_kernels_compile.py (a
 representative set) and scripts/compile_kernels.py (the whole matrix).
 
 Pointers are declared 16-byte aligned (as torch's allocations are) and every other integer
@@ -28,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from model_service.attention import triton_kernels
+from model_service.models import lora_triton
 
 # (name, capability): what pagedkv targets. sm_80 is A100, sm_90 is H100/H200.
 ARCHITECTURES = {"sm_80": 80, "sm_90": 90}
@@ -35,9 +37,11 @@ TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
                  # An 8-bit pool's bytes: write_kv_triton stores K/V quantized in torch before
                  # the kernel, as uint8 (triton_kernels.py), so its write kernel is a u8 one.
                  torch.uint8: "u8"}
-# The decode kernel's integer pointers; the model-dtype ones are q, kv, out.
-_INT32_POINTERS = {"tables_ptr", "lens_ptr"}
-_FP32_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr"}
+# Pointers not of the model's dtype: the decode kernel's tables, lengths and split partials,
+# LoRA's segment bounds, factor tables (addresses and ranks), scalings and shrunk rows.
+_INT32_POINTERS = {"tables_ptr", "lens_ptr", "bounds_ptr"}
+_INT64_POINTERS = {"slot_ptr", "factors_ptr"}
+_FP32_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr", "scaling_ptr", "shrunk_ptr"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,16 @@ def write_kv_config(dtype: torch.dtype, kv_heads: int, head_dim: int, block_size
     return "write_kv", triton_kernels._write_kv_kernel, dtype, triton_kernels.write_kv_config(kv_heads, head_dim, block_size)
 
 
+def lora_shrink_config(dtype: torch.dtype, max_rank: int, longest: int) -> tuple:
+    """dtype: the activations' and factors'; max_rank: the largest of a projection's ranks
+    in a step; longest: the step's longest run of rows (decode runs or prefill ones)."""
+    return "lora_shrink", lora_triton._shrink_kernel, dtype, lora_triton.shrink_config(max_rank, longest)
+
+
+def lora_expand_config(dtype: torch.dtype, longest: int) -> tuple:
+    return "lora_expand", lora_triton._expand_kernel, dtype, lora_triton.expand_config(longest)
+
+
 def compile_kernel(kernel: str, fn, dtype: torch.dtype, config: dict, arch: str) -> CompiledReport:
     """Compile one kernel at one configuration for one architecture; raises on a compile error."""
     constants = {name: value for name, value in config.items() if name != "num_warps"}
@@ -101,7 +115,7 @@ def _argument_type(name: str, dtype: torch.dtype, constants: dict) -> str:
         return "*i32"
     if name in _FP32_POINTERS:
         return "*fp32"
-    if name == "slot_ptr":
+    if name in _INT64_POINTERS:
         return "*i64"
     if name.endswith("_ptr"):
         return "*" + TRITON_DTYPES[dtype]

@@ -66,7 +66,9 @@ class LoraWeights:
     b: torch.Tensor  # [out_features, rank]
 
 
-@dataclass(frozen=True, slots=True)
+# Weak references: models/lora_tables.py keeps each adapter's table of factor addresses
+# for as long as the adapter lives.
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class LoraAdapter:
     name: str
     path: str

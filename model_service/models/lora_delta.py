@@ -9,19 +9,45 @@ belong to no run and cost nothing here.
 
 The fused projections (qkv_proj, gate_up_proj) take each target's delta into its columns
 (`column` is where they start). On CPU, float32 runs go to the C kernel of
-cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS); these
-matmuls are its reference and serve everything else.
+cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS). On CUDA all
+of a step's runs go to the Triton kernels of lora_triton.py, one shrink and one expand
+launch a projection, over the step's tables of factor addresses (lora_tables.py), where
+triton imports and the factors are on the device in the activations' dtype. These matmuls
+are the kernels' reference and serve everything else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Protocol
 
+import structlog
 import torch
 
 from model_service.cpu_kernels import lora_sgmv
+from model_service.models.lora_tables import StepTables
+
+log = structlog.get_logger()
+
+_triton: ModuleType | None = None
+_triton_error: Exception | None = None
+
+
+def load_triton() -> ModuleType | None:
+    """lora_triton, or None where triton does not import (imported on first use: see
+    attention/backend.py's load_triton_kernels for why)."""
+    global _triton, _triton_error
+    if _triton is None and _triton_error is None:
+        try:
+            from model_service.models import lora_triton
+        except Exception as error:  # ImportError, or triton failing to find a backend
+            _triton_error = error
+            log.warning("LoRA on CUDA runs torch's matmuls: triton does not import", error=repr(error))
+        else:
+            _triton = lora_triton
+    return _triton
 
 
 class Factors(Protocol):
@@ -46,6 +72,8 @@ class LoraStep:
     """The runs of one step; a step without adapter rows has none and is passed as None."""
 
     runs: tuple[LoraRun, ...]
+    # device -> StepTables (None: torch's matmuls serve), built at the first projection there.
+    _tables: dict[torch.device, StepTables | None] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of_sequences(cls, query_lens: Sequence[int], adapters: Sequence[Adapter | None]) -> LoraStep | None:
@@ -65,6 +93,11 @@ class LoraStep:
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, column: int = 0) -> None:
         """out[run rows, column:column + out_features] += scaling · (x[run rows] · Aᵀ) · Bᵀ
         for every run whose adapter trains `target` on `layer`."""
+        if out.device.type == "cuda":
+            tables = self.triton_tables(out.device)
+            if tables is not None and tables.supports(out, x):
+                load_triton().add(tables, out, x, layer, target, column)
+                return
         level = lora_sgmv.chosen_level() if out.device.type == "cpu" else None
         for run in self.runs:
             factors = run.adapter.weights.get((layer, target))
@@ -77,3 +110,9 @@ class LoraStep:
             shrunk = x[run.start:run.end] @ factors.a.t()  # [n, r]
             shrunk.mul_(run.adapter.scaling)
             rows.addmm_(shrunk, factors.b.t())
+
+    def triton_tables(self, device: torch.device) -> StepTables | None:
+        """The step's tables for lora_triton on `device`, or None where torch's matmuls serve."""
+        if device not in self._tables:
+            self._tables[device] = StepTables.of_runs(self.runs, device) if load_triton() is not None else None
+        return self._tables[device]
