@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_levels import level_fixture
+import torch.nn.functional as F
 from torch import nn
 
 from model_service.cpu_kernels import f32_matmul, levels, load
-from model_service.models.packed_linear import pack_linears
+from model_service.models.packed_linear import PackedLinear, pack_linears
 from model_service.models.panel_linear import PanelLinear
 
 library = load()
@@ -128,9 +129,10 @@ def test_panel_linear_is_the_kernels_product_in_every_shape_of_input(level, bias
             module(x.bfloat16())
 
 
-def test_pack_linears_takes_a_float32_models_layer_linears_only(monkeypatch):
-    """The decoder layers' linears go to panels; the lm_head (tied here) stays torch's,
-    with its weight; PAGEDKV_F32_KERNELS=torch leaves every linear plain."""
+def test_pack_linears_puts_layers_in_panels_and_the_lm_head_in_onednn(monkeypatch):
+    """The decoder layers' linears go to panels; the lm_head (tied here) to oneDNN's packed
+    weight, its plain weight kept for the embedding; PAGEDKV_F32_KERNELS=torch leaves every
+    linear plain."""
     def model():
         built = nn.Module()
         built.embed = nn.Embedding(50, 32)
@@ -141,9 +143,12 @@ def test_pack_linears_takes_a_float32_models_layer_linears_only(monkeypatch):
 
     monkeypatch.setenv(f32_matmul.ENV, "portable")
     packed = model()
-    assert pack_linears(packed) == 2
+    x = torch.randn(3, 32)
+    expected = F.linear(x, packed.lm_head.weight)
+    assert pack_linears(packed) == 3
     assert all(isinstance(linear, PanelLinear) and linear.weight is None for linear in packed.layers)
-    assert type(packed.lm_head) is nn.Linear and packed.lm_head.weight is packed.embed.weight
+    assert type(packed.lm_head) is PackedLinear and packed.lm_head.weight is packed.embed.weight
+    torch.testing.assert_close(packed.lm_head(x), expected, rtol=1e-5, atol=1e-6)
     monkeypatch.setenv(f32_matmul.ENV, "torch")
     plain = model()
     assert pack_linears(plain) == 0 and not any(isinstance(m, PanelLinear) for m in plain.modules())

@@ -1,0 +1,66 @@
+"""A float32 lm_head's product three ways, in turns: torch's plain linear (the BLAS torch was
+built with, MKL), oneDNN on the weight packed once (PackedLinear, what pack_linears gives a
+float32 lm_head) and the C panel kernel (PanelLinear, what the decoder layers get).
+
+    .venv/bin/python -m bench.kernels.f32_lm_head [--shapes 32000x256,49152x576]
+        [--tokens 1,8,32,128] [--threads 2] [--rounds 3] [--seconds 0.3]
+
+Each cell is the best round's milliseconds a product (rounds alternate the three paths);
+the last columns are torch's time over each packed path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from model_service.cpu_kernels import f32_matmul
+from model_service.models.packed_linear import PackedLinear
+from model_service.models.panel_linear import PanelLinear
+
+
+def per_call_ms(call, seconds: float) -> float:
+    call()
+    calls, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        call()
+        calls += 1
+    return elapsed / max(calls, 1) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="32000x256,49152x576", help="ROWSxCOLS of the lm_head, comma-separated")
+    parser.add_argument("--tokens", default="1,8,32,128")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=0.3, help="per path and round")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    level = f32_matmul.chosen_level()
+    print("| shape | tokens | torch ms | oneDNN packed ms | panels ms | torch / oneDNN | torch / panels |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for shape in args.shapes.split(","):
+        rows, cols = map(int, shape.split("x"))
+        linear = nn.Linear(cols, rows, bias=False).requires_grad_(False)
+        paths = {"torch": linear, "onednn": PackedLinear.from_linear(linear, keep_weight=True)}
+        if level is not None:
+            paths["panels"] = PanelLinear.from_linear(linear, level, keep_weight=True)
+        for tokens in map(int, args.tokens.split(",")):
+            x = torch.randn(tokens, cols)
+            best = {name: float("inf") for name in paths}
+            with torch.inference_mode():
+                for _ in range(args.rounds):
+                    for name, path in paths.items():
+                        best[name] = min(best[name], per_call_ms(lambda: path(x), args.seconds))
+            panels = best.get("panels", float("nan"))
+            print(f"| {shape} | {tokens} | {best['torch']:.2f} | {best['onednn']:.2f} | {panels:.2f} | "
+                  f"{best['torch'] / best['onednn']:.2f} | {best['torch'] / panels:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
