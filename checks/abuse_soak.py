@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import random
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import grpc
 
-from checks import soak
+from checks import cpu_use, soak
 from harness.cache_helpers import allocate, attach, lease, release
 from checks.memory_soak import status_kib
 from harness.processes import free_port, start_cache_service, start_model_service
@@ -61,6 +62,8 @@ BOMBER_KEY = "sk-soak-grammar-bomber"
 MAX_DEPTH = 64  # the model service's default --max-json-schema-depth
 LEASE_TTL_S = 5.0  # the cache service's default --lease-ttl-ms
 PROBES = ("Lease allocate", "Lease release", "Heartbeat", "GetSizing")
+# After each run, the services' CPU is measured this long with no client: work the run left.
+AFTER_S = 5.0
 
 
 def nested_arrays(depth: int, leaf: str) -> dict:
@@ -148,7 +151,8 @@ def abuse(model_address: str, http_url: str, replay_endpoint: str, args, vocab: 
         thread.join()
     if args.abusive_concurrency:
         answers.update(results.abuses)
-    out.put(dict(answers))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.put((dict(answers), usage.ru_utime + usage.ru_stime))
 
 
 class Probe:
@@ -195,6 +199,7 @@ class Probe:
 def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> dict:
     cache, model, replay_endpoint = services
     normal = soak.Results()
+    before = cpu_snapshot(model, cache)
     stubs = [model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address)) for _ in NORMAL_KEYS]
     process = None
     if abusive:  # started first: a new interpreter takes a second or two to import
@@ -214,13 +219,28 @@ def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> 
         for thread in threads:
             thread.join()
         elapsed = time.monotonic() - started
-        answers = out.get(timeout=args.request_timeout_s) if process else {}
+        answers, abusers_cpu = out.get(timeout=args.request_timeout_s) if process else ({}, 0.0)
     if process:
         process.join()
+    during = cpu_snapshot(model, cache)
+    time.sleep(AFTER_S)
+    after = cpu_snapshot(model, cache)
+    cpu = {"model service": during["model"] - before["model"], "cache service": during["cache"] - before["cache"],
+           "abusive clients (a process)": abusers_cpu, "normal clients and probe (this process)": during["self"] - before["self"],
+           f"model service, the {AFTER_S:g} s after": after["model"] - during["model"],
+           f"cache service, the {AFTER_S:g} s after": after["cache"] - during["cache"]}
+    threads = cpu_use.by_name(before["threads"], during["threads"])
     # The probe's own session holds nothing between its calls.
     leased = soak.settled_stats(cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address)))
     return dict(normal=normal, elapsed=elapsed, probe=probe, answers=answers, leased=leased.blocks_leased,
+                cpu=cpu, threads=threads, after_threads=cpu_use.by_name(during["threads"], after["threads"]),
                 model_rss=status_kib(model.pid)["RssAnon"], cache_rss=status_kib(cache.pid)["RssAnon"])
+
+
+def cpu_snapshot(model, cache) -> dict:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"model": cpu_use.cpu_seconds(model.pid), "cache": cpu_use.cpu_seconds(cache.pid),
+            "self": usage.ru_utime + usage.ru_stime, "threads": cpu_use.thread_seconds(model.pid)}
 
 
 def run(args) -> int:
@@ -290,6 +310,16 @@ def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: d
           f"{rss_before[1] / 1024:.1f} MiB. Sessions the cache service expired: {expired:.0f}; the model "
           f"service attached {attaches} time(s) (more than once: its session was lost). Replay requests by "
           f"outcome: {replays}\n")
+    print("| CPU seconds a run (median of rounds) | alone | beside the abuse |\n| --- | ---: | ---: |")
+    for name in runs["alone"][0]["cpu"]:
+        row(name, lambda rs, name=name: f"{statistics.median(r['cpu'][name] for r in rs):.1f}")
+    for key, what in (("threads", "during"), ("after_threads", f"the {AFTER_S:g} s after")):
+        print(f"\nModel service threads by name, CPU seconds {what} each run (the five busiest):\n")
+        for kind, kind_runs in runs.items():
+            for index, run in enumerate(kind_runs):
+                busiest = ", ".join(f"{name} {seconds:.1f}" for name, seconds in run[key].most_common(5))
+                print(f"- {kind} {index + 1}: {busiest}")
+    print()
     answers: Counter[str] = Counter()
     for run in runs["beside"]:
         answers.update(run["answers"])
