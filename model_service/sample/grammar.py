@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+import numpy
 import structlog
 import torch
 
@@ -46,6 +47,10 @@ MAX_JSON_WHITESPACE = 12
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 _MAX_MESSAGE_CHARS = 400
+# json_depth: a JSON string, escapes included, or an unterminated one to the end of the text
+# (possessive, so no start is tried twice), and any run of characters that are not brackets.
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]++")
 
 
 class InvalidStructure(InvalidRequest):
@@ -303,26 +308,16 @@ class GrammarCompiler:
 
 
 def json_depth(text: str) -> int:
-    """How deep a JSON text nests objects and arrays, in one pass over it (json.loads would
-    recurse, and raise RecursionError on a deep enough one)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "}]":
-            depth -= 1
-    return deepest
+    """How deep a JSON text nests objects and arrays, in linear time and without a Python
+    step a character (json.loads would recurse, and raise RecursionError on a deep enough
+    one): the strings go (an unterminated one runs to the end), then all but the brackets,
+    and the depth is the running sum's peak. Every schema sent is scanned, refusals included."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode("ascii")
+    if not brackets:
+        return 0
+    codes = numpy.frombuffer(brackets, dtype=numpy.uint8)
+    steps = numpy.where((codes == ord("{")) | (codes == ord("[")), 1, -1)
+    return max(int(numpy.cumsum(steps).max()), 0)
 
 
 def compiler_message(error: BaseException) -> str:
