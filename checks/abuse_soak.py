@@ -200,6 +200,7 @@ def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> 
     cache, model, replay_endpoint = services
     normal = soak.Results()
     before = cpu_snapshot(model, cache)
+    tokens_before = tenant_tokens(model)
     stubs = [model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address)) for _ in NORMAL_KEYS]
     process = None
     if abusive:  # started first: a new interpreter takes a second or two to import
@@ -230,11 +231,24 @@ def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> 
            f"model service, the {AFTER_S:g} s after": after["model"] - during["model"],
            f"cache service, the {AFTER_S:g} s after": after["cache"] - during["cache"]}
     threads = cpu_use.by_name(before["threads"], during["threads"])
+    tokens = tenant_tokens(model)
+    tokens.subtract(tokens_before)
     # The probe's own session holds nothing between its calls.
     leased = soak.settled_stats(cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address)))
     return dict(normal=normal, elapsed=elapsed, probe=probe, answers=answers, leased=leased.blocks_leased,
-                cpu=cpu, threads=threads, after_threads=cpu_use.by_name(during["threads"], after["threads"]),
-                model_rss=status_kib(model.pid)["RssAnon"], cache_rss=status_kib(cache.pid)["RssAnon"])
+                cpu=cpu, threads=threads, tokens=tokens, after_threads=cpu_use.by_name(during["threads"], after["threads"]),
+                model_rss=status_kib(model.pid)["RssAnon"], cache_rss=status_kib(cache.pid)["RssAnon"],
+                grammar_cache=soak.metric(model.metrics_url, "pagedkv_model_grammar_cache_bytes"))
+
+
+def tenant_tokens(model) -> Counter[str]:
+    """The tokens the model service computed for each tenant so far, prompt and completion."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(model.metrics_url, timeout=10).read().decode()
+    return Counter({f"{sample.labels['tenant']} {sample.labels['kind']}": sample.value
+                    for family in text_string_to_metric_families(text) for sample in family.samples
+                    if sample.name == "pagedkv_model_tenant_tokens_total"})
 
 
 def cpu_snapshot(model, cache) -> dict:
@@ -304,6 +318,8 @@ def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: d
         row(f"cache service {name} p50 / p99 / max (ms) (calls)", lambda rs, name=name: latency_cell(rs, name))
     row("probe calls failed", lambda rs: str(dict(sum((r["probe"].failures for r in rs), Counter()))) or "0")
     row("model service RssAnon after each run (MiB)", lambda rs: ", ".join(f"{r['model_rss'] / 1024:.1f}" for r in rs))
+    row("of it, compiled grammars kept (MiB, xgrammar's estimate)",
+        lambda rs: ", ".join(f"{r['grammar_cache'] / 2**20:.1f}" for r in rs))
     row("cache service RssAnon after each run (MiB)", lambda rs: ", ".join(f"{r['cache_rss'] / 1024:.1f}" for r in rs))
     row("blocks leased after each run", lambda rs: ", ".join(str(r["leased"]) for r in rs))
     print(f"\nRssAnon at the start: model service {rss_before[0] / 1024:.1f} MiB, cache service "
@@ -313,6 +329,13 @@ def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: d
     print("| CPU seconds a run (median of rounds) | alone | beside the abuse |\n| --- | ---: | ---: |")
     for name in runs["alone"][0]["cpu"]:
         row(name, lambda rs, name=name: f"{statistics.median(r['cpu'][name] for r in rs):.1f}")
+    print("\nTokens the model service computed for each tenant a run (prompt / completion), every round:\n")
+    for kind, kind_runs in runs.items():
+        for index, run in enumerate(kind_runs):
+            tenants = sorted({name.split()[0] for name in run["tokens"]})
+            print(f"- {kind} {index + 1}: " + ", ".join(
+                f"{tenant} {run['tokens'][tenant + ' prompt']:.0f} / {run['tokens'][tenant + ' completion']:.0f}"
+                for tenant in tenants))
     for key, what in (("threads", "during"), ("after_threads", f"the {AFTER_S:g} s after")):
         print(f"\nModel service threads by name, CPU seconds {what} each run (the five busiest):\n")
         for kind, kind_runs in runs.items():
