@@ -17,7 +17,7 @@ from model_service.api.openai_http.errors import ApiError
 from model_service.api.openai_http.protocol import ChatCompletionRequest
 from model_service.api.openai_http.tools import parse_hermes, plan_tools
 from model_service.api.sampling_proto import structured_from_proto
-from model_service.sample.grammar import (CompileLimits, GrammarCompiler, InvalidStructure, TokenMasks, accept, json_depth,
+from model_service.sample.grammar import (COMPILE_NICENESS, CompileLimits, GrammarCompiler, InvalidStructure, TokenMasks, accept, json_depth,
                                           new_matcher)
 from model_service.sample.params import InvalidRequest, SamplingOptions, StructuredSpec
 from model_service.sample.sampler import make_generator, sample
@@ -188,3 +188,22 @@ def test_json_depth_takes_no_python_step_a_character():
     large = json.dumps({"a": [{"b": "x" * 10}] * 10_000})
     assert json_depth(small) == json_depth(large) == 3
     assert lines_run(large) == lines_run(small)
+
+
+def test_grammars_compile_at_a_lower_priority_than_the_caller(monkeypatch):
+    """A tenant can keep a compile running back to back: it must give way to the engine
+    and the event loop on a busy machine (Linux keeps a nice value per thread)."""
+    import os
+    import threading
+
+    seen = []
+    compile_with = GrammarCompiler._compile_with
+
+    def recording(compiler, spec):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return compile_with(compiler, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_with", staticmethod(recording))
+    grammars = GrammarCompiler(ByteTokenizer(), VOCAB, {EOS})
+    assert grammars.compile(StructuredSpec("regex", "[a-c]{2}nice")) is not None
+    assert seen == [min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + COMPILE_NICENESS, 19)]

@@ -31,6 +31,7 @@ import torch
 
 from model_service import metrics
 from model_service.sample.params import InvalidRequest, StructuredSpec
+from pagedkv.thread_priority import lower_this_thread
 
 log = structlog.get_logger()
 
@@ -47,6 +48,8 @@ MAX_JSON_WHITESPACE = 12
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 _MAX_MESSAGE_CHARS = 400
+# Nice value of the compile threads (Linux: per thread), relative to the service's.
+COMPILE_NICENESS = 10
 # json_depth: a JSON string, escapes included, or an unterminated one to the end of the text
 # (possessive, so no start is tried twice), and any run of characters that are not brackets.
 _JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.S)
@@ -214,6 +217,10 @@ class GrammarCompiler:
         return compiling
 
     def _run(self, spec: StructuredSpec, compiling: _Compiling) -> None:
+        # A tenant may keep a compile running back to back (each spec new), and xgrammar
+        # spreads one over threads of its own (started from this one, so they inherit the
+        # priority): on a busy machine the engine and the event loop get the cores first.
+        lower_this_thread(COMPILE_NICENESS)
         future = compiling.future
         try:
             compiler = self._xgrammar_compiler()
