@@ -23,8 +23,13 @@ own CPU does not hold the measuring clients' GIL):
 
 The table gives, for the normal tenants alone and beside the abuse: their requests (all
 must succeed), tokens/s and inter-token p99 (noise on a shared machine), each probe call's
-latency p50 / p99 / max, and both services' RssAnon after the run; then the sessions the
-cache service expired, its replay requests by outcome and the abuses' answers. Exits 1 if
+latency p50 / p99 / max, and both services' RssAnon after the run (with the compiled
+grammars' share); then the sessions the cache service expired, its replay requests by
+outcome. So that the server's part of a gap can be told from the clients', it gives the
+CPU seconds of each process a run (the services, the abusive clients' process, this one)
+and the services' in the AFTER_S seconds after it with no client (work a run left
+running), the model service's tokens by tenant, and its threads' CPU by name; then the
+abuses' answers. Exits 1 if
 a normal tenant's request failed, a probe call failed or took the lease TTL or longer, a
 session expired, or blocks stayed leased.
 """
