@@ -4,8 +4,9 @@ replay flooder and a grammar bomber, in turns with the normal tenants alone.
     .venv/bin/python -m checks.soak --abuse --duration-s 60 --rounds 2 --concurrency 4
 
 The cache service publishes KV events and answers replay requests (its default caps); the
-model service runs --api-keys with two normal tenants, an abusive one and a bomber. Every
-run has --concurrency clients of the normal tenants (checks/soak.py's streams with random
+model service runs --api-keys with two normal tenants, an abusive one and a bomber, and
+compiles one small grammar before the first run (xgrammar's import and the vocabulary are a
+cost once a process, not the abuse's). Every run has --concurrency clients of the normal tenants (checks/soak.py's streams with random
 cancels, half a tenant) and a probe that calls the cache service as an engine does, once
 every --probe-interval-s: Lease (allocate a sequence), Lease (release it), Heartbeat and
 GetSizing, each call timed. The abusive runs add, in a process of their own (so that their
@@ -86,6 +87,19 @@ def bomb(number: int, properties: int = 24) -> dict:
     leaves = ["string", "integer", "boolean", "number", "null"]
     return {"type": "object", "properties": {f"p{number}_{index}": nested_arrays(depth, leaves[index % 5])
                                              for index in range(properties)}}
+
+
+def warm_grammars(http_url: str) -> None:
+    """One structured completion before the runs: the first compile imports xgrammar (and
+    transformers with it) and reads the vocabulary, once a process, a cost that would
+    otherwise fall in the first abusive run."""
+    body = json.dumps({"model": "soak", "prompt": "hi", "max_tokens": 2,
+                       "structured_outputs": {"json": {"type": "object"}}}).encode()
+    request = urllib.request.Request(f"{http_url}/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json",
+                                              "authorization": f"Bearer {NORMAL_KEYS[0]}"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        response.read()
 
 
 def bomber(http_url: str, seed: int, deadline: float, answers: Counter, lock: threading.Lock) -> None:
@@ -283,6 +297,7 @@ def run(args) -> int:
         info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10,
                                  metadata=bearer_metadata(NORMAL_KEYS[0]))
         vocab = min(info.vocab_size, 256)
+        warm_grammars(model.http_url)
         rss_before = status_kib(model.pid)["RssAnon"], status_kib(cache.pid)["RssAnon"]
         runs: dict[str, list[dict]] = {"alone": [], "beside": []}
         for round_index in range(args.rounds):
