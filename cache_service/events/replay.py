@@ -16,7 +16,7 @@ peer cost is bounded:
   requests queue in the socket and then in their senders, and peers from many addresses
   take no more CPU than that together;
 - replies are sent without blocking into a queue of ``replay_max_batches + 1`` messages
-  per connection: a peer that does not read loses replies, the thread never waits.
+  per connection: a peer that does not read loses replies, the thread never waits for one.
 
 The thread shares nothing with the event loop but the buffer, under a lock held for an
 append or for slicing at most one answer.
@@ -197,7 +197,6 @@ class ReplayServer:
         self._send((*envelope, b"", END_SEQ, b""))
         REPLAY_BATCHES.inc(len(batches))
         REPLAY_REQUESTS.labels("answered").inc()  # once its replies are queued
-
 
     def _send(self, frames: tuple[bytes, ...]) -> None:
         """send_multipart without its enum arithmetic a frame, a good part of a flood's cost."""
