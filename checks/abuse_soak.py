@@ -4,8 +4,9 @@ replay flooder and a grammar bomber, in turns with the normal tenants alone.
     .venv/bin/python -m checks.soak --abuse --duration-s 60 --rounds 2 --concurrency 4
 
 The cache service publishes KV events and answers replay requests (its default caps); the
-model service runs --api-keys with two normal tenants, an abusive one and a bomber. Every
-run has --concurrency clients of the normal tenants (checks/soak.py's streams with random
+model service runs --api-keys with two normal tenants, an abusive one and a bomber, and
+compiles one small grammar before the first run (xgrammar's import and the vocabulary are a
+cost once a process, not the abuse's). Every run has --concurrency clients of the normal tenants (checks/soak.py's streams with random
 cancels, half a tenant) and a probe that calls the cache service as an engine does, once
 every --probe-interval-s: Lease (allocate a sequence), Lease (release it), Heartbeat and
 GetSizing, each call timed. The abusive runs add, in a process of their own (so that their
@@ -23,8 +24,13 @@ own CPU does not hold the measuring clients' GIL):
 
 The table gives, for the normal tenants alone and beside the abuse: their requests (all
 must succeed), tokens/s and inter-token p99 (noise on a shared machine), each probe call's
-latency p50 / p99 / max, and both services' RssAnon after the run; then the sessions the
-cache service expired, its replay requests by outcome and the abuses' answers. Exits 1 if
+latency p50 / p99 / max, and both services' RssAnon after the run (with the compiled
+grammars' share); then the sessions the cache service expired, its replay requests by
+outcome. So that the server's part of a gap can be told from the clients', it gives the
+CPU seconds of each process a run (the services, the abusive clients' process, this one)
+and the services' in the AFTER_S seconds after it with no client (work a run left
+running), the model service's tokens by tenant, and its threads' CPU by name; then the
+abuses' answers. Exits 1 if
 a normal tenant's request failed, a probe call failed or took the lease TTL or longer, a
 session expired, or blocks stayed leased.
 """
@@ -35,6 +41,7 @@ import json
 import multiprocessing
 import random
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -47,7 +54,7 @@ from pathlib import Path
 
 import grpc
 
-from checks import soak
+from checks import cpu_use, soak
 from harness.cache_helpers import allocate, attach, lease, release
 from checks.memory_soak import status_kib
 from harness.processes import free_port, start_cache_service, start_model_service
@@ -61,6 +68,8 @@ BOMBER_KEY = "sk-soak-grammar-bomber"
 MAX_DEPTH = 64  # the model service's default --max-json-schema-depth
 LEASE_TTL_S = 5.0  # the cache service's default --lease-ttl-ms
 PROBES = ("Lease allocate", "Lease release", "Heartbeat", "GetSizing")
+# After each run, the services' CPU is measured this long with no client: work the run left.
+AFTER_S = 5.0
 
 
 def nested_arrays(depth: int, leaf: str) -> dict:
@@ -78,6 +87,19 @@ def bomb(number: int, properties: int = 24) -> dict:
     leaves = ["string", "integer", "boolean", "number", "null"]
     return {"type": "object", "properties": {f"p{number}_{index}": nested_arrays(depth, leaves[index % 5])
                                              for index in range(properties)}}
+
+
+def warm_grammars(http_url: str) -> None:
+    """One structured completion before the runs: the first compile imports xgrammar (and
+    transformers with it) and reads the vocabulary, once a process, a cost that would
+    otherwise fall in the first abusive run."""
+    body = json.dumps({"model": "soak", "prompt": "hi", "max_tokens": 2,
+                       "structured_outputs": {"json": {"type": "object"}}}).encode()
+    request = urllib.request.Request(f"{http_url}/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json",
+                                              "authorization": f"Bearer {NORMAL_KEYS[0]}"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        response.read()
 
 
 def bomber(http_url: str, seed: int, deadline: float, answers: Counter, lock: threading.Lock) -> None:
@@ -148,7 +170,8 @@ def abuse(model_address: str, http_url: str, replay_endpoint: str, args, vocab: 
         thread.join()
     if args.abusive_concurrency:
         answers.update(results.abuses)
-    out.put(dict(answers))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.put((dict(answers), usage.ru_utime + usage.ru_stime))
 
 
 class Probe:
@@ -195,6 +218,8 @@ class Probe:
 def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> dict:
     cache, model, replay_endpoint = services
     normal = soak.Results()
+    before = cpu_snapshot(model, cache)
+    tokens_before = tenant_tokens(model)
     stubs = [model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address)) for _ in NORMAL_KEYS]
     process = None
     if abusive:  # started first: a new interpreter takes a second or two to import
@@ -214,13 +239,41 @@ def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> 
         for thread in threads:
             thread.join()
         elapsed = time.monotonic() - started
-        answers = out.get(timeout=args.request_timeout_s) if process else {}
+        answers, abusers_cpu = out.get(timeout=args.request_timeout_s) if process else ({}, 0.0)
     if process:
         process.join()
+    during = cpu_snapshot(model, cache)
+    time.sleep(AFTER_S)
+    after = cpu_snapshot(model, cache)
+    cpu = {"model service": during["model"] - before["model"], "cache service": during["cache"] - before["cache"],
+           "abusive clients (a process)": abusers_cpu, "normal clients and probe (this process)": during["self"] - before["self"],
+           f"model service, the {AFTER_S:g} s after": after["model"] - during["model"],
+           f"cache service, the {AFTER_S:g} s after": after["cache"] - during["cache"]}
+    threads = cpu_use.by_name(before["threads"], during["threads"])
+    tokens = tenant_tokens(model)
+    tokens.subtract(tokens_before)
     # The probe's own session holds nothing between its calls.
     leased = soak.settled_stats(cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address)))
     return dict(normal=normal, elapsed=elapsed, probe=probe, answers=answers, leased=leased.blocks_leased,
-                model_rss=status_kib(model.pid)["RssAnon"], cache_rss=status_kib(cache.pid)["RssAnon"])
+                cpu=cpu, threads=threads, tokens=tokens, after_threads=cpu_use.by_name(during["threads"], after["threads"]),
+                model_rss=status_kib(model.pid)["RssAnon"], cache_rss=status_kib(cache.pid)["RssAnon"],
+                grammar_cache=soak.metric(model.metrics_url, "pagedkv_model_grammar_cache_bytes"))
+
+
+def tenant_tokens(model) -> Counter[str]:
+    """The tokens the model service computed for each tenant so far, prompt and completion."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(model.metrics_url, timeout=10).read().decode()
+    return Counter({f"{sample.labels['tenant']} {sample.labels['kind']}": sample.value
+                    for family in text_string_to_metric_families(text) for sample in family.samples
+                    if sample.name == "pagedkv_model_tenant_tokens_total"})
+
+
+def cpu_snapshot(model, cache) -> dict:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"model": cpu_use.cpu_seconds(model.pid), "cache": cpu_use.cpu_seconds(cache.pid),
+            "self": usage.ru_utime + usage.ru_stime, "threads": cpu_use.thread_seconds(model.pid)}
 
 
 def run(args) -> int:
@@ -244,6 +297,7 @@ def run(args) -> int:
         info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10,
                                  metadata=bearer_metadata(NORMAL_KEYS[0]))
         vocab = min(info.vocab_size, 256)
+        warm_grammars(model.http_url)
         rss_before = status_kib(model.pid)["RssAnon"], status_kib(cache.pid)["RssAnon"]
         runs: dict[str, list[dict]] = {"alone": [], "beside": []}
         for round_index in range(args.rounds):
@@ -284,12 +338,31 @@ def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: d
         row(f"cache service {name} p50 / p99 / max (ms) (calls)", lambda rs, name=name: latency_cell(rs, name))
     row("probe calls failed", lambda rs: str(dict(sum((r["probe"].failures for r in rs), Counter()))) or "0")
     row("model service RssAnon after each run (MiB)", lambda rs: ", ".join(f"{r['model_rss'] / 1024:.1f}" for r in rs))
+    row("of it, compiled grammars kept (MiB, xgrammar's estimate)",
+        lambda rs: ", ".join(f"{r['grammar_cache'] / 2**20:.1f}" for r in rs))
     row("cache service RssAnon after each run (MiB)", lambda rs: ", ".join(f"{r['cache_rss'] / 1024:.1f}" for r in rs))
     row("blocks leased after each run", lambda rs: ", ".join(str(r["leased"]) for r in rs))
     print(f"\nRssAnon at the start: model service {rss_before[0] / 1024:.1f} MiB, cache service "
           f"{rss_before[1] / 1024:.1f} MiB. Sessions the cache service expired: {expired:.0f}; the model "
           f"service attached {attaches} time(s) (more than once: its session was lost). Replay requests by "
           f"outcome: {replays}\n")
+    print("| CPU seconds a run (median of rounds) | alone | beside the abuse |\n| --- | ---: | ---: |")
+    for name in runs["alone"][0]["cpu"]:
+        row(name, lambda rs, name=name: f"{statistics.median(r['cpu'][name] for r in rs):.1f}")
+    print("\nTokens the model service computed for each tenant a run (prompt / completion), every round:\n")
+    for kind, kind_runs in runs.items():
+        for index, run in enumerate(kind_runs):
+            tenants = sorted({name.split()[0] for name in run["tokens"]})
+            print(f"- {kind} {index + 1}: " + ", ".join(
+                f"{tenant} {run['tokens'][tenant + ' prompt']:.0f} / {run['tokens'][tenant + ' completion']:.0f}"
+                for tenant in tenants))
+    for key, what in (("threads", "during"), ("after_threads", f"the {AFTER_S:g} s after")):
+        print(f"\nModel service threads by name, CPU seconds {what} each run (the five busiest):\n")
+        for kind, kind_runs in runs.items():
+            for index, run in enumerate(kind_runs):
+                busiest = ", ".join(f"{name} {seconds:.1f}" for name, seconds in run[key].most_common(5))
+                print(f"- {kind} {index + 1}: {busiest}")
+    print()
     answers: Counter[str] = Counter()
     for run in runs["beside"]:
         answers.update(run["answers"])

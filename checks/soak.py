@@ -60,6 +60,7 @@ from pathlib import Path
 
 import grpc
 
+from checks.cpu_use import cpu_seconds
 from harness.processes import start_cache_service, start_model_service
 
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
@@ -370,12 +371,6 @@ def abusers(model_address: str, http_url: str, args, seeds: list[int], vocab: in
         thread.join()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     answers.put((dict(results.abuses), usage.ru_utime + usage.ru_stime))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_phase(model, args, vocab: int, max_model_len: int, abusive: int) -> tuple[Results, Results, float]:

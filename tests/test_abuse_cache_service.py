@@ -26,6 +26,7 @@ import zmq.auth
 from harness.cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
 from harness.processes import free_port, start_cache_service
 from cache_service.events.publisher import KvEventPublisher
+from cache_service.events.replay import BatchBudget
 from cache_service.events.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
@@ -113,6 +114,36 @@ def test_replay_answers_at_most_its_cap_and_a_peer_past_its_rate_gets_nothing(tm
         assert replay_requests(service, "malformed") == 1
         sock.close()
         other.close()
+
+
+def test_peers_from_many_addresses_share_one_batch_budget(tmp_path):
+    """Each address has its own request budget, so a flood from many of them is bounded by
+    the batches all of them get together: past the budget's burst (one whole answer here,
+    the rate refilling one batch in 1000 s) the replay thread waits instead of sending."""
+    with replaying(tmp_path, 10, "--kv-events-replay-max-batches", "5", "--kv-events-replay-rate", "1e9",
+                   "--kv-events-replay-batches-per-s", "0.001") as (service, _, _, rep):
+        socks = [dealer(rep.replace("tcp://", f"tcp://127.0.0.{2 + index}:0;")) for index in range(3)]
+        for sock in socks:
+            sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        wait_for(lambda: metric(service, "pagedkv_cache_kv_events_replay_wait_seconds_total") > 0, 30,
+                 "the replay thread to wait for its budget")
+        assert replay_requests(service, "answered") == 1
+        assert sum(sock.poll(0) > 0 for sock in socks) <= 1
+        # Its replies went out whole; the waiting thread still lets the service stop.
+        assert metric(service, "pagedkv_cache_kv_events_replay_batches_total") == 5
+        for sock in socks:
+            sock.close()
+
+
+def test_the_batch_budget_refills_at_its_rate_up_to_its_burst():
+    now = [100.0]
+    budget = BatchBudget(rate=10.0, burst=20.0, clock=lambda: now[0])
+    assert budget.take(15) == 0.0
+    assert budget.take(10) == pytest.approx(0.5)  # 5 left: 5 more come in half a second
+    now[0] += 0.5
+    assert budget.take(10) == 0.0
+    now[0] += 60.0  # a long idle banks no more than the burst
+    assert budget.take(20) == 0.0 and budget.take(1) == pytest.approx(0.1)
 
 
 def test_a_replay_flood_never_holds_up_a_lease(tmp_path):

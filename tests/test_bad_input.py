@@ -515,7 +515,7 @@ def test_every_settings_flag_reaches_the_settings(monkeypatch):
         "--max-session-blocks", "4", "--reclaim-grace-ms", "6", "--host-cache-bytes", "2MiB",
         "--disk-cache-dir", "/tmp/d", "--disk-cache-bytes", "3MiB", "--disk-cache-key-file", "/tmp/k",
         "--check-invariants", "--kv-events-subscriber-buffer-bytes", "1MiB", "--kv-events-replay-buffer-bytes", "5MiB",
-        "--kv-events-replay-max-batches", "7", "--kv-events-replay-rate", "2.5",
+        "--kv-events-replay-max-batches", "7", "--kv-events-replay-rate", "2.5", "--kv-events-replay-batches-per-s", "30",
         "--kv-events-curve-secret-key", "/tmp/s", "--kv-events-curve-clients", "/tmp/c",
     ])
     settings = pool_settings(args)
@@ -528,5 +528,5 @@ def test_every_settings_flag_reaches_the_settings(monkeypatch):
         (2 << 20, "/tmp/d", 3 << 20, "/tmp/k")
     events = event_settings(args)
     assert (events.subscriber_buffer_bytes, events.replay_buffer_bytes, events.replay_max_batches,
-            events.replay_requests_per_s, events.curve_secret_key, events.curve_clients) == \
-        (1 << 20, 5 << 20, 7, 2.5, "/tmp/s", "/tmp/c")
+            events.replay_requests_per_s, events.replay_batches_per_s, events.curve_secret_key, events.curve_clients) == \
+        (1 << 20, 5 << 20, 7, 2.5, 30.0, "/tmp/s", "/tmp/c")

@@ -7,6 +7,7 @@ token), so the grammars compile in milliseconds.
 from __future__ import annotations
 
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,7 +17,8 @@ from model_service.api.openai_http.errors import ApiError
 from model_service.api.openai_http.protocol import ChatCompletionRequest
 from model_service.api.openai_http.tools import parse_hermes, plan_tools
 from model_service.api.sampling_proto import structured_from_proto
-from model_service.sample.grammar import CompileLimits, GrammarCompiler, InvalidStructure, TokenMasks, accept, new_matcher
+from model_service.sample.grammar import (COMPILE_NICENESS, CompileLimits, GrammarCompiler, InvalidStructure, TokenMasks, accept, json_depth,
+                                          new_matcher)
 from model_service.sample.params import InvalidRequest, SamplingOptions, StructuredSpec
 from model_service.sample.sampler import make_generator, sample
 from model_service.text.tokenizer import ByteTokenizer
@@ -150,3 +152,58 @@ def test_tool_choice_plans():
         plan_tools(body(), "{{ messages }}")
     with pytest.raises(ApiError, match="names the function 'g'"):
         plan_tools(body(tool_choice={"type": "function", "function": {"name": "g"}}), None)
+
+
+@pytest.mark.parametrize("text, depth", [
+    ('{"a": [[1], {"b": []}]}', 4),
+    ('{"a": "{[[[ not nesting: inside a string", "b": [1]}', 2),
+    ('["\\"[[", ["\\\\"], "\\u005b"]', 2),  # escaped quotes and backslashes end no string early
+    ('[[["unterminated [[[[', 3),  # an unterminated string runs to the end
+    ("]]] [[", 0), ("", 0), ("plain", 0),
+])
+def test_json_depth_counts_objects_and_arrays_outside_strings(text, depth):
+    assert json_depth(text) == depth
+
+
+def test_json_depth_takes_no_python_step_a_character():
+    """Every schema sent is scanned for its depth on the event loop, refused ones included:
+    the scan's Python lines must not grow with the text (the characters are C's to walk)."""
+    def lines_run(text: str) -> int:
+        count = 0
+
+        def trace(frame, event, _):
+            nonlocal count
+            if frame.f_code is json_depth.__code__ and event == "line":
+                count += 1
+            return trace
+
+        sys.settrace(trace)
+        try:
+            json_depth(text)
+        finally:
+            sys.settrace(None)
+        return count
+
+    small = json.dumps({"a": [{"b": "x" * 10}] * 10})
+    large = json.dumps({"a": [{"b": "x" * 10}] * 10_000})
+    assert json_depth(small) == json_depth(large) == 3
+    assert lines_run(large) == lines_run(small)
+
+
+def test_grammars_compile_at_a_lower_priority_than_the_caller(monkeypatch):
+    """A tenant can keep a compile running back to back: it must give way to the engine
+    and the event loop on a busy machine (Linux keeps a nice value per thread)."""
+    import os
+    import threading
+
+    seen = []
+    compile_with = GrammarCompiler._compile_with
+
+    def recording(compiler, spec):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return compile_with(compiler, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_with", staticmethod(recording))
+    grammars = GrammarCompiler(ByteTokenizer(), VOCAB, {EOS})
+    assert grammars.compile(StructuredSpec("regex", "[a-c]{2}nice")) is not None
+    assert seen == [min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + COMPILE_NICENESS, 19)]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import pytest
 
 from harness.hf_checkpoints import BOS_ID, EOS_ID, write_tokenizer
@@ -70,3 +74,33 @@ def test_hf_tokenizer_missing_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot read"):
         HFTokenizer.from_dir(tmp_path)
+
+
+def test_hf_encode_lets_other_threads_run(tokenizer_dir):
+    """Tokenizing a long prompt must not hold the GIL throughout: the engine and the cache
+    session's heartbeat run on threads of the same process. With a switch interval longer
+    than the test, another thread gets the GIL only where the encoding gives it up."""
+    tokenizer = HFTokenizer.from_dir(tokenizer_dir)
+    text = "hello world, " * 15_000
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)  # releases the GIL, then waits to take it back
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    sys.setswitchinterval(1000.0)
+    try:
+        before = ticks[0]
+        ids = tokenizer.encode(text)
+        during = ticks[0] - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join()
+    assert len(ids) > 15_000
+    assert during > 0, "no other thread ran while a long prompt was tokenized: the GIL was held throughout"

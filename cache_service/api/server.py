@@ -10,7 +10,8 @@ import structlog
 
 from cache_service.api import metrics
 from cache_service.events.publisher import KvEventPublisher
-from cache_service.events.settings import DEFAULT_REPLAY_MAX_BATCHES, DEFAULT_REPLAY_REQUESTS_PER_S, EventSettings
+from cache_service.events.settings import (DEFAULT_REPLAY_BATCHES_PER_S, DEFAULT_REPLAY_MAX_BATCHES,
+                                             DEFAULT_REPLAY_REQUESTS_PER_S, EventSettings)
 from cache_service.core.ledger import DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, SessionLimits
 from cache_service.core.pool import MAX_BLOCK_SIZE, KvPool, PoolSettings, parse_block_size
 from cache_service.api.servicer import CacheServicer
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="event batches one replay request is answered with at most (the oldest first)")
     add_flag(parser, "--kv-events-replay-rate", default=DEFAULT_REPLAY_REQUESTS_PER_S, type=float,
              help="replay requests one peer address may make per second (and in one burst); the rest are dropped")
+    add_flag(parser, "--kv-events-replay-batches-per-s", default=DEFAULT_REPLAY_BATCHES_PER_S, type=float,
+             help="event batches the replay socket sends per second, every peer together (bursts of one whole "
+                  "answer); past it the replay thread waits and unread requests queue in the socket, so peers "
+                  "from many addresses cannot take more of the service's CPU than this")
     add_flag(parser, "--kv-events-curve-secret-key", default=None,
              help="CURVE for the KV event sockets: the service's secret key file (zmq.auth's format, "
                   "NAME.key_secret); subscribers need its public key (default: plain TCP, no encryption)")

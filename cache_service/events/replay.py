@@ -11,8 +11,12 @@ peer cost is bounded:
   first; the subscriber asks again from the seq after the last it got);
 - one peer address may make ``replay_requests_per_s`` requests a second (a token bucket,
   the burst as large as the rate); the rest are dropped unanswered and counted;
+- every peer together gets ``replay_batches_per_s`` batches a second (a bucket whose burst
+  holds one whole answer): past it the thread waits before it reads the next request, so
+  requests queue in the socket and then in their senders, and peers from many addresses
+  take no more CPU than that together;
 - replies are sent without blocking into a queue of ``replay_max_batches + 1`` messages
-  per connection: a peer that does not read loses replies, the thread never waits.
+  per connection: a peer that does not read loses replies, the thread never waits for one.
 
 The thread shares nothing with the event loop but the buffer, under a lock held for an
 append or for slicing at most one answer.
@@ -39,6 +43,8 @@ REPLAY_REQUESTS = Counter(
     ["outcome"],
 )
 REPLAY_BATCHES = Counter("pagedkv_cache_kv_events_replay_batches", "Event batches sent in replay answers")
+REPLAY_WAIT_SECONDS = Counter("pagedkv_cache_kv_events_replay_wait_seconds",
+                              "Seconds the replay thread waited for its batch budget (--kv-events-replay-batches-per-s)")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # Peers whose request budget is remembered; past it the least recently seen is forgotten.
@@ -75,6 +81,11 @@ class ReplayBuffer:
         return len(self._entries)
 
 
+def refill(tokens: float, last: float, now: float, rate: float, burst: float) -> float:
+    """A token bucket's tokens at ``now``: ``tokens`` at ``last``, plus ``rate`` a second, at most ``burst``."""
+    return min(burst, tokens + (now - last) * rate)
+
+
 class PeerRate:
     """A token bucket per peer address: ``rate`` requests a second, bursts of ``rate``."""
 
@@ -87,12 +98,34 @@ class PeerRate:
     def allow(self, peer: str) -> bool:
         now = self._clock()
         tokens, last = self._peers.pop(peer, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        tokens = refill(tokens, last, now, self.rate, self.burst)
         allowed = tokens >= 1.0
         self._peers[peer] = (tokens - 1.0 if allowed else tokens, now)
         if len(self._peers) > MAX_TRACKED_PEERS:
             self._peers.popitem(last=False)
         return allowed
+
+
+class BatchBudget:
+    """One token bucket for every peer: ``rate`` batches a second, at most ``burst`` banked."""
+
+    def __init__(self, rate: float, burst: float, clock=time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._tokens = burst
+        self._last = clock()
+
+    def take(self, count: int) -> float:
+        """Takes ``count`` tokens and returns 0, or takes none and returns the seconds until
+        they are there (``count`` at most ``burst``)."""
+        now = self._clock()
+        self._tokens = refill(self._tokens, self._last, now, self.rate, self.burst)
+        self._last = now
+        if self._tokens >= count:
+            self._tokens -= count
+            return 0.0
+        return (count - self._tokens) / self.rate
 
 
 class ReplayServer:
@@ -105,6 +138,9 @@ class ReplayServer:
         self._topic = topic
         self._max_batches = settings.replay_max_batches
         self._rate = PeerRate(settings.replay_requests_per_s)
+        # A whole answer (its batches and the end message) always fits in one burst.
+        self._budget = BatchBudget(settings.replay_batches_per_s,
+                                   max(settings.replay_batches_per_s, settings.replay_max_batches + 1))
         self._model = model
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-replay", daemon=True)
@@ -152,12 +188,25 @@ class ReplayServer:
             REPLAY_REQUESTS.labels("rate_limited").inc()
             return
         batches = self._buffer.since(int.from_bytes(request, "big", signed=True), self._max_batches)
-        send = self._socket.send_multipart
+        while (wait_s := self._budget.take(len(batches) + 1)) > 0:
+            REPLAY_WAIT_SECONDS.inc(wait_s)
+            if self._stop.wait(wait_s):
+                return
         for seq, payload in batches:
-            send((*envelope, self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-        send((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            self._send((*envelope, self._topic, seq.to_bytes(8, "big"), payload))
+        self._send((*envelope, b"", END_SEQ, b""))
         REPLAY_BATCHES.inc(len(batches))
         REPLAY_REQUESTS.labels("answered").inc()  # once its replies are queued
+
+    def _send(self, frames: tuple[bytes, ...]) -> None:
+        """send_multipart without its enum arithmetic a frame, a good part of a flood's cost."""
+        send = self._socket.send
+        for frame in frames[:-1]:
+            send(frame, _MORE)
+        send(frames[-1], _LAST)
+
+
+_MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 
 
 def _peer(frame: zmq.Frame) -> str:

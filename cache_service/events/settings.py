@@ -12,6 +12,7 @@ DEFAULT_SUBSCRIBER_BUFFER_BYTES = 8 * 1024 * 1024
 DEFAULT_REPLAY_BUFFER_BYTES = 32 * 1024 * 1024
 DEFAULT_REPLAY_MAX_BATCHES = 1000
 DEFAULT_REPLAY_REQUESTS_PER_S = 10.0
+DEFAULT_REPLAY_BATCHES_PER_S = 2000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,11 @@ class EventSettings:
     # Replay requests one peer address may make per second (and in one burst); the rest
     # are dropped unanswered.
     replay_requests_per_s: float = DEFAULT_REPLAY_REQUESTS_PER_S
+    # Batches the replay socket sends a second, every peer together (bursts of one whole
+    # answer): past it the thread waits and unread requests queue in the socket. Peers
+    # from many addresses each have their request budget; this bounds what all of them
+    # cost the service's CPU together.
+    replay_batches_per_s: float = DEFAULT_REPLAY_BATCHES_PER_S
     # CURVE: the service's secret key file (zmq.auth's format); None: plain TCP.
     curve_secret_key: str | None = None
     # CURVE: a folder of the public key files of the subscribers allowed in (None with a
@@ -43,6 +49,8 @@ class EventSettings:
             raise ValueError(f"--kv-events-replay-max-batches must be at least 1, got {self.replay_max_batches}")
         if not self.replay_requests_per_s > 0:
             raise ValueError(f"--kv-events-replay-rate must be positive, got {self.replay_requests_per_s}")
+        if not self.replay_batches_per_s > 0:
+            raise ValueError(f"--kv-events-replay-batches-per-s must be positive, got {self.replay_batches_per_s}")
         if self.curve_clients and not self.curve_secret_key:
             raise ValueError("--kv-events-curve-clients needs --kv-events-curve-secret-key: the service's own key")
 

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict, deque
@@ -50,6 +48,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from pagedkv.thread_priority import lower_this_thread
 from cache_service.events.block_event_log import BlockEventLog
 from cache_service.blocks.block_pool import Block, BlockPool
 from cache_service.events.kv_events import MEDIUM_CPU, MEDIUM_REMOTE, MEDIUM_STORAGE
@@ -88,10 +87,7 @@ WORKER_NICENESS = 10
 
 
 def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
-    except (OSError, AttributeError):
-        pass  # not Linux, or not allowed: the copies run at the service's priority
+    lower_this_thread(WORKER_NICENESS)
 
 
 @dataclass(slots=True)

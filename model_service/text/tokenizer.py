@@ -117,7 +117,10 @@ class HFTokenizer:
         return self._bos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works; encode holds it throughout, and a
+        # prompt of megabytes takes seconds: every other thread (the engine, the cache
+        # session's heartbeat, the event loop) would stop for as long.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

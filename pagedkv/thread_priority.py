@@ -1,0 +1,19 @@
+"""Background threads at a lower CPU priority than the threads that answer calls.
+
+Linux keeps a nice value per thread (and a thread starts with its creator's), so a
+worker that lowers its own gives way, on a busy machine, to the event loop and the
+engine of the same process; where that is not possible the work runs as before.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+def lower_this_thread(niceness: int) -> None:
+    """Raises the calling thread's nice value by ``niceness`` (and that of any thread it starts)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+    except (OSError, AttributeError):
+        pass  # not Linux, or not allowed: the work runs at the service's priority
