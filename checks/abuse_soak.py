@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 import re
 import resource
@@ -152,6 +153,8 @@ def flooder(endpoint: str, peer: int, deadline: float, answers: Counter, lock: t
 def abuse(model_address: str, http_url: str, replay_endpoint: str, args, vocab: int, max_model_len: int,
           deadline: float, out) -> None:
     """The abusive side of a run, in a process of its own."""
+    if args.pin:  # stands for other machines: it takes only the CPU that the rest leaves idle
+        os.nice(19)
     answers: Counter[str] = Counter()
     lock = threading.Lock()
     threads = [threading.Thread(target=flooder, args=(replay_endpoint, 2 + index, deadline, answers, lock))
@@ -289,10 +292,15 @@ def run(args) -> int:
     }))
     keys.chmod(0o600)
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pinned = ["--threads", "1"] if args.pin else []
+    if args.pin:  # as soak.py's --pin: the services inherit CPU 0, the clients move to CPU 1 once they run
+        os.sched_setaffinity(0, {0})
     with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes, "--shm-dir", workdir / "shm",
                              "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep) as cache, \
             start_model_service(workdir, cache.address, "--model", args.model, "--max-model-len", args.max_model_len,
-                                "--api-keys", keys, "--served-model-name", "soak") as model:
+                                "--api-keys", keys, "--served-model-name", "soak", *pinned) as model:
+        if args.pin:
+            os.sched_setaffinity(0, {1})
         stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
         info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10,
                                  metadata=bearer_metadata(NORMAL_KEYS[0]))
@@ -322,7 +330,8 @@ def latency_cell(runs: list[dict], name: str) -> str:
 def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: dict, attaches: int) -> int:
     print(f"model {info.model_id}; {args.concurrency} clients of two normal tenants; beside them "
           f"{args.abusive_concurrency} abusive clients, {args.replay_flooders} replay flooders, "
-          f"{args.grammar_bombers} grammar bombers; {args.duration_s:g} s a run, {args.rounds} round(s) in turns; "
+          f"{args.grammar_bombers} grammar bombers; {args.duration_s:g} s a run, {args.rounds} round(s) in turns"
+          f"{' (pinned: the services on CPU 0, the clients on CPU 1, the abusers at nice 19)' if args.pin else ''}; "
           f"a probe every {args.probe_interval_s:g} s\n")
     print("| | normal tenants alone | beside the abuse |\n| --- | --- | --- |")
 
