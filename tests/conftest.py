@@ -36,10 +36,10 @@ def smollm2_stack(tmp_path_factory):
     import grpc
 
     from pagedkv.model.v1 import model_pb2_grpc
-    from harness.processes import start_cache_service, start_model_service
+    from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 
     tmp_path = tmp_path_factory.mktemp("smollm2")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "64MiB", "--host-cache-bytes", "32MiB",
+    with start_cache_service(tmp_path, *SHARED_LEASE_TTL, "--kv-cache-bytes", "64MiB", "--host-cache-bytes", "32MiB",
                              "--disk-cache-dir", tmp_path / "disk-tier", "--disk-cache-bytes", "128MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", "smollm2", "--max-model-len", "512",
                                 "--max-batch-prefill-tokens", "512", timeout_s=600) as model, \

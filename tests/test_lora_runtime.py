@@ -24,7 +24,7 @@ import torch
 import grpc_generate
 from cache_service.events.kv_events import BlockStored, decode_batch
 from harness.cache_helpers import no_block_leased, wait_for
-from harness.processes import free_port, start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, free_port, start_cache_service, start_model_service
 from kv_replay import replay
 from lora_adapters import hf_llama_of, write_adapter
 from model_service.loading.tiny import tiny_config
@@ -66,7 +66,8 @@ def stack(adapters, replay_endpoint, tmp_path_factory):
                                 TEAM_A: {"tenant": "a", "loras": ["alpha"]},
                                 TEAM_B: {"tenant": "b"}}))
     os.chmod(keys, 0o600)
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB", "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB",
+                             "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
                              "--kv-events-replay-endpoint", replay_endpoint) as cache, \
             start_model_service(tmp, cache.address, "--served-model-name", BASE, "--dtype", "float32",
                                 "--lora-load-dir", str(load_dir), "--max-loras", "2", "--max-num-seqs", "1",
