@@ -44,7 +44,8 @@ run: $(RUN_STAMP)
 	$(PY) -m pagedkv.stack --model $(MODEL)
 
 # The suite's tests mostly wait on the service processes they start, so two pytest
-# processes keep two cores busy; a module's tests stay in one (its fixtures start once).
+# processes keep two cores busy; a module's tests stay in one (its fixtures start once), and
+# so do all the modules that share the SmolLM2 stack (tests/conftest.py's scheduler).
 # TEST_WORKERS=0 runs everything in this one process.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)

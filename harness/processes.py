@@ -218,6 +218,13 @@ class ServiceProcess:
         return f"ServiceProcess({self.name}, pid={self.pid}, address={self.address}, {state})"
 
 
+# For a stack that a whole module or session shares: a lease TTL that no load outlasts. With
+# the default (5 s), a heavily loaded machine delayed the model services' heartbeats past it
+# and they lost their sessions mid-suite. Tests of expiry start services of their own, with
+# short TTLs.
+SHARED_LEASE_TTL = ("--lease-ttl-ms", "600000")
+
+
 def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if not name.startswith("PAGEDKV_")}
     env.update(extra or {})

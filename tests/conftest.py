@@ -12,6 +12,8 @@ os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 # Imported after the setting above: they import grpc.
 import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -36,10 +38,10 @@ def smollm2_stack(tmp_path_factory):
     import grpc
 
     from pagedkv.model.v1 import model_pb2_grpc
-    from harness.processes import start_cache_service, start_model_service
+    from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 
     tmp_path = tmp_path_factory.mktemp("smollm2")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "64MiB", "--host-cache-bytes", "32MiB",
+    with start_cache_service(tmp_path, *SHARED_LEASE_TTL, "--kv-cache-bytes", "64MiB", "--host-cache-bytes", "32MiB",
                              "--disk-cache-dir", tmp_path / "disk-tier", "--disk-cache-bytes", "128MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", "smollm2", "--max-model-len", "512",
                                 "--max-batch-prefill-tokens", "512", timeout_s=600) as model, \
@@ -62,6 +64,43 @@ def smollm2_reference():
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return tokenizer, model
+
+
+SMOLLM2_FIXTURES = ("smollm2_stack", "smollm2_reference")
+SMOLLM2_UNIT = "smollm2"  # the one xdist work unit of every module that uses them
+
+
+def _smollm2_modules() -> frozenset[str]:
+    """The test modules that use SMOLLM2_FIXTURES, found by their text: the scheduler sees
+    only node ids, in the controller, where no test module is imported."""
+    used = re.compile(rf"\b({'|'.join(SMOLLM2_FIXTURES)})\b")  # a whole name: not test_smollm2_stack_...
+    here = pathlib.Path(__file__).parent
+    return frozenset(path.name for path in here.glob("test_*.py") if used.search(path.read_text()))
+
+
+def work_unit(nodeid: str, smollm2_modules: frozenset[str]) -> str:
+    """--dist loadfile's unit (the test's file), except that the modules using the SmolLM2
+    session fixtures are one unit, so one xdist worker runs them all: each worker that ran
+    one would start a stack and read the reference of its own, about half a minute of the
+    two cores each."""
+    path = nodeid.split("::", 1)[0]
+    return SMOLLM2_UNIT if pathlib.PurePath(path).name in smollm2_modules else path
+
+
+# tryfirst: ahead of pytest-xdist's own, which would make the plain loadfile scheduler.
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    smollm2_modules = _smollm2_modules()
+
+    class LoadFileSmolLM2Together(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid, smollm2_modules)
+
+    return LoadFileSmolLM2Together(config, log)
 
 
 _WORKERS_LEVELS = pytest.StashKey[dict]()  # family -> levels forced in any xdist worker

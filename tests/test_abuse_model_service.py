@@ -29,7 +29,7 @@ import torch
 
 from harness.cache_helpers import cache_stub, stats, wait_for
 from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
@@ -56,7 +56,7 @@ def services(tmp_path_factory):
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(KEYS))
     keys.chmod(0o600)
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp, cache.address, "--model", str(checkpoint), "--served-model-name", MODEL,
                                 "--api-keys", str(keys), "--auth-token", TOKEN,
                                 "--max-prompts-per-request", str(MAX_PROMPTS),

@@ -261,10 +261,10 @@ SERVED_DEFAULT_MAX_NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from harness.cache_helpers import cache_stub
-    from harness.processes import start_cache_service, start_model_service
+    from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 
     tmp_path = tmp_path_factory.mktemp("fuzz")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp_path, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--max-model-len", SERVED_MAX_MODEL_LEN,
                                 "--default-max-new-tokens", SERVED_DEFAULT_MAX_NEW_TOKENS) as model:
         channel = grpc.insecure_channel(model.address)

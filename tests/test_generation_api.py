@@ -18,7 +18,7 @@ from transformers.generation.logits_process import MinPLogitsWarper
 
 from harness.cache_helpers import cache_stub, stats, wait_for
 from harness.hf_checkpoints import EOS_ID, write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from harness.reference_generate import prompt_ids, reference_greedy
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -33,7 +33,7 @@ def stack(tmp_path_factory):
     directory = tmp_path_factory.mktemp("generation-api")
     path = write_checkpoint("llama", directory / "llama")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with start_cache_service(directory, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(directory, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(directory, cache.address, "--model", str(path), "--max-model-len", "256") as model:
         channel = grpc.insecure_channel(model.address)
         yield model_pb2_grpc.ModelServiceStub(channel), cache_stub(cache.address), reference

@@ -9,6 +9,7 @@ adapter's blocks carry its name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -23,12 +24,13 @@ import torch
 
 import grpc_generate
 from cache_service.events.kv_events import BlockStored, decode_batch
-from harness.cache_helpers import no_block_leased, wait_for
-from harness.processes import free_port, start_cache_service, start_model_service
+from harness.cache_helpers import allocate, attach, cache_stub, lease, no_block_leased, release, stats, wait_for
+from harness.processes import SHARED_LEASE_TTL, free_port, start_cache_service, start_model_service
 from kv_replay import replay
 from lora_adapters import hf_llama_of, write_adapter
 from model_service.loading.tiny import tiny_config
 from model_service.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter
+from pagedkv.cache.v1 import cache_pb2
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 from scrape import metric
@@ -66,7 +68,8 @@ def stack(adapters, replay_endpoint, tmp_path_factory):
                                 TEAM_A: {"tenant": "a", "loras": ["alpha"]},
                                 TEAM_B: {"tenant": "b"}}))
     os.chmod(keys, 0o600)
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB", "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB",
+                             "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
                              "--kv-events-replay-endpoint", replay_endpoint) as cache, \
             start_model_service(tmp, cache.address, "--served-model-name", BASE, "--dtype", "float32",
                                 "--lora-load-dir", str(load_dir), "--max-loras", "2", "--max-num-seqs", "1",
@@ -296,39 +299,55 @@ def test_bad_paths_refused_and_nothing_kept(adapters, stack, clean, tmp_path):
     assert load(model, "beta", "beta").status_code == 200
 
 
-def test_unload_under_a_running_request_waits_for_it(adapters, stack, clean):
-    """--max-num-seqs 1: a long request of alpha runs, a request with beta queues behind it
-    (holding beta); beta is unloaded meanwhile. Its slot and bytes stay held, so gamma does
-    not fit the two slots, until the queued request, released by aborting the long one,
-    has run with beta to its end."""
+@contextlib.contextmanager
+def every_block_held(cache):
+    """Leases every block of the pool to a session of the test's own, and gives them back at
+    the end: meanwhile a new request of the model service waits for blocks (its allocation
+    refused, asked again), admitted but not running, for as long as the test wants."""
+    stub = cache_stub(cache.address)
+    now = stats(stub)
+    assert now.blocks_leased == 0, "the model service still holds blocks: it would serve from them"
+    block_size = stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10).block_size
+    tokens = now.blocks_total * block_size
+    session = attach(stub, "holds-every-block", max_model_len=tokens).session_id
+    answer = lease(stub, session, allocate(tokens))
+    held = answer.results[0]
+    assert held.status == cache_pb2.LEASE_STATUS_OK and answer.blocks_available == 0, answer
+    try:
+        yield
+    finally:
+        lease(stub, session, release(held.sequence_id))
+        stub.Detach(cache_pb2.DetachRequest(session_id=session), timeout=10)
+
+
+def test_unload_under_a_waiting_request_waits_for_it(adapters, stack, clean):
+    """A request with beta is admitted while the pool has no free block (the test holds them
+    all), so it waits, holding beta; beta is unloaded meanwhile. Its slot and bytes stay
+    held, so gamma does not fit the two slots, until the test gives the blocks back and the
+    request has run with beta to its end."""
     cache, model, stub = stack
     assert load(model, "alpha", "alpha").status_code == 200
     assert load(model, "beta", "beta").status_code == 200
     both = nbytes(adapters, "alpha") + nbytes(adapters, "beta")
     assert resident_bytes(model) == both
     expected, _ = grpc_generate.greedy(stub, PROMPT, 8, lora_name="beta", metadata=bearer_metadata(OPS))
-    long_request = model_pb2.GenerateRequest(request_id="blocker", prompt_token_ids=PROMPT, lora_name="alpha",
-                                             sampling=model_pb2.SamplingParams(max_new_tokens=1900, temperature=0,
-                                                                               ignore_eos=True))
-    blocker = stub.Generate(long_request, metadata=bearer_metadata(OPS), timeout=300)
-    next(blocker)  # it runs, holding blocks under alpha's name
-    wait_for(lambda: metric(model, "pagedkv_model_lora_kv_blocks", adapter="alpha") > 0, 30, "alpha's blocks counted")
+    no_block_leased(cache)  # the finished request's release has gone out
     results = {}
 
-    def queued() -> None:
+    def waiting() -> None:
         results["beta"] = grpc_generate.greedy(stub, PROMPT, 8, lora_name="beta", metadata=bearer_metadata(OPS))
 
-    thread = threading.Thread(target=queued)
-    thread.start()
-    wait_for(lambda: metric(model, "pagedkv_model_lora_requests_total", adapter="beta") == 2, 30,
-             "the queued request accepted")
-    assert unload(model, "beta").status_code == 200
-    assert models(model) == {BASE, "alpha"}
-    full = load(model, "gamma", "gamma")
-    assert full.status_code == 400 and "still used by running requests" in full.json()["error"]["message"]
-    assert resident_bytes(model) == both
-    assert stub.Abort(model_pb2.AbortRequest(request_ids=["blocker"]), metadata=bearer_metadata(OPS)).aborted == 1
-    assert list(blocker)[-1].finish_reason == model_pb2.FINISH_REASON_ABORT  # it was still running
+    thread = threading.Thread(target=waiting)
+    with every_block_held(cache):
+        thread.start()
+        wait_for(lambda: metric(model, "pagedkv_model_lora_requests_total", adapter="beta") == 2, 30,
+                 "the waiting request accepted")
+        assert unload(model, "beta").status_code == 200
+        assert models(model) == {BASE, "alpha"}
+        full = load(model, "gamma", "gamma")
+        assert full.status_code == 400 and "still used by running requests" in full.json()["error"]["message"]
+        assert resident_bytes(model) == both
+        assert thread.is_alive() and "beta" not in results  # it cannot have run: no block was free
     thread.join(120)
     tokens, last = results["beta"]
     assert tokens == expected and last.finish_reason == model_pb2.FINISH_REASON_LENGTH

@@ -16,7 +16,7 @@ import pytest
 from grpc_generate import greedy
 from harness.cache_helpers import no_block_leased
 from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from harness.reference_generate import prompt_ids, reference_greedy
 from pagedkv.model.v1 import model_pb2_grpc
 from lora_adapters import ALL_TARGETS, write_adapter
@@ -51,7 +51,7 @@ def stack(setup, tmp_path_factory):
     modules = [arg for name, path in directories.items() for arg in ("--lora-modules", f"{name}={path}")]
     modules += ["--lora-modules", f"copy-of-team0={directories['team0']}"]
     tmp_path = tmp_path_factory.mktemp("stack")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp_path, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", str(checkpoint), "--served-model-name", MODEL,
                                 "--dtype", "float32", *modules) as model, \
             grpc.insecure_channel(model.address) as channel:

@@ -25,9 +25,27 @@ from pagedkv.model.v1 import model_pb2_grpc
 
 KINDS = ["llama", "mistral", "qwen2"]  # mistral: sliding window 7, shorter than the sequences
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Through both services, each kind once and each dtype at least once: a stack per case is
+# most of this module's time, and test_paged_logits_within_dtype_tolerance crosses them all.
+SERVICE_CASES = [("llama", "bfloat16"), ("mistral", "float16"), ("qwen2", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_of(tmp_path_factory):
+    """The kind's checkpoint, written once for the module."""
+    written = {}
+
+    def of(kind: str):
+        if kind not in written:
+            written[kind] = write_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return written[kind]
+
+    return of
+
+
 @pytest.fixture(scope="module", params=KINDS)
-def checkpoint(request, tmp_path_factory):
-    return request.param, write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+def checkpoint(request, checkpoint_of):
+    return request.param, checkpoint_of(request.param)
 
 
 def load_reference(path, dtype):
@@ -59,9 +77,9 @@ def test_paged_logits_within_dtype_tolerance(checkpoint, dtype_name):
         (logits,) = runner.step([("a", [prompt[position]])], num_decode_seqs=1)
         assert_close_in_dtype(logits, expected[position : position + 1], dtype, f"{kind} {dtype_name} decode {position}")
 
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_greedy_through_both_services(checkpoint, dtype_name, tmp_path):
-    kind, path = checkpoint
+@pytest.mark.parametrize(("kind", "dtype_name"), SERVICE_CASES)
+def test_greedy_through_both_services(checkpoint_of, kind, dtype_name, tmp_path):
+    path = checkpoint_of(kind)
     dtype = DTYPES[dtype_name]
     reference = load_reference(path, dtype)
     generator = torch.Generator().manual_seed(5)

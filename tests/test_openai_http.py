@@ -25,7 +25,7 @@ from scrape import metric
 
 from harness.cache_helpers import cache_stub, no_block_leased, stats, wait_for
 from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with start_cache_service(tmp_path_factory.mktemp("cache"), "--kv-cache-bytes", "16MiB",
+    with start_cache_service(tmp_path_factory.mktemp("cache"), *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB",
                              "--auth-token", TOKEN) as service:
         yield service
 

@@ -24,7 +24,7 @@ from scrape import metric
 
 from harness.cache_helpers import cache_stub, stats, wait_for
 from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from model_service import client as cli
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
@@ -60,7 +60,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def services(checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chat")
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp, cache.address, "--model", str(checkpoint), "--served-model-name", MODEL) as model:
         channel = grpc.insecure_channel(model.address)
         yield cache, model, model_pb2_grpc.ModelServiceStub(channel)

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from harness.hf_checkpoints import write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -20,7 +20,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 def services(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("generation")
     checkpoint = write_checkpoint("llama", tmp / "llama")
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp, cache.address, "--model", str(checkpoint)) as model:
         channel = grpc.insecure_channel(model.address)
         client = openai.OpenAI(base_url=model.http_url, api_key="unused", max_retries=0, timeout=120)

@@ -41,7 +41,7 @@ from remote_replica import (
 from cache_service.tiers.disk_tier import DiskGeometry
 from cache_service.tiers.remote_values import RemoteValues
 from harness.cache_helpers import attach, cache_stub, stats, wait_for
-from harness.processes import start_replicas, stop_all
+from harness.processes import SHARED_LEASE_TTL, start_replicas, stop_all
 from pagedkv.model.v1 import model_pb2_grpc
 from scrape import metric
 from test_kv_tiers import BS, GEOMETRY, MODEL
@@ -237,7 +237,8 @@ def cluster(store, tmp_path_factory):
     """Two replicas (a cache service with the remote tier and a model service each), started at once."""
     tmp_path = tmp_path_factory.mktemp(f"{store.backend}-cluster")
     key = write_key(tmp_path / "remote.key")
-    replicas = start_replicas(tmp_path, 2, [*SERVICE_ARGS, "--remote-kv", store.url, "--remote-kv-key-file", key],
+    replicas = start_replicas(tmp_path, 2, [*SHARED_LEASE_TTL, *SERVICE_ARGS, "--remote-kv", store.url,
+                                            "--remote-kv-key-file", key],
                               ["--max-model-len", "128"])
     yield replicas
     stop_all([model for _, model in replicas])

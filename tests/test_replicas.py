@@ -40,7 +40,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.cache_helpers import cache_stub, leased_blocks, wait_for
-from harness.processes import free_port, start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, free_port, start_cache_service, start_model_service
 from cache_service.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from cache_service.events.vllm_block_hash import chain, external
 
@@ -70,7 +70,7 @@ def start_replica(tmp: Path) -> tuple:
     at most MAX_PAIRS pairs, so even two calls after a test warmed its prompts cannot push
     those out of the cache."""
     events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    cache = start_cache_service(tmp, "--kv-cache-bytes", "32MiB", "--kv-events-endpoint", events,
+    cache = start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "32MiB", "--kv-events-endpoint", events,
                                 "--kv-events-replay-endpoint", replay)
     try:
         return cache, start_model_service(tmp, cache.address, "--served-model-name", MODEL), events, replay

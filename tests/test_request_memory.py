@@ -24,7 +24,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from harness.processes import start_cache_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service
 from model_service.api.generation import GenerateError, GenerationService, deliver_on_loop
 from model_service.api.tenants import Tenant
 from model_service.cache.client import CacheClient
@@ -54,7 +54,7 @@ CONCURRENCY = 32
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("request-memory")
     loop = asyncio.new_event_loop()
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache:
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache:
         engine = Engine(load_model("tiny"), EngineSettings(max_model_len=256, max_num_seqs=64),
                         CacheClient(cache.address), torch.device("cpu"), torch.float32, deliver=deliver_on_loop(loop))
         engine.start()

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
 PROMPTS = [
@@ -45,7 +45,7 @@ def run_stack(tmp_path_factory, kv_dtype: str):
     """(model info, [(tokens, chosen logprobs, top-2 margins)] per prompt) of a stack whose
     pool holds kv_dtype; the stacks run one after the other (two cores)."""
     tmp_path = tmp_path_factory.mktemp(f"smollm2-{kv_dtype}")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "32MiB") as cache, \
+    with start_cache_service(tmp_path, *SHARED_LEASE_TTL, "--kv-cache-bytes", "32MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", "smollm2", "--dtype", "bfloat16",
                                 "--kv-cache-dtype", kv_dtype, "--max-model-len", "256",
                                 "--max-batch-prefill-tokens", "256", timeout_s=600) as model, \

@@ -15,7 +15,7 @@ from scrape import metric
 from grpc_generate import GREEDY, generate
 
 from harness.cache_helpers import cache_stub, stats, wait_for
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from harness.reference_generate import prompt_ids
 from model_service.server import build_parser
 from pagedkv.model.v1 import model_pb2_grpc
@@ -26,7 +26,7 @@ LOOPED = prompt_ids(12, seed=3) * 3
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("speculative-stack")
-    with start_cache_service(tmp, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache, \
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache, \
             start_model_service(tmp, cache.address, "--speculative-method", "ngram", "--num-speculative-tokens", "4",
                                 "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
                                 # No blocks ahead: a block that a rejected proposal filled goes back at once.

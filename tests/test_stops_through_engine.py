@@ -21,7 +21,7 @@ import torch
 
 from harness.cache_helpers import cache_stub, stats, wait_for
 from harness.hf_checkpoints import BOS_ID, EOS_ID, EXTRA_ID, write_checkpoint
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from harness.reference_generate import reference_greedy
 from model_service.text.detokenizer import IncrementalDetokenizer
 from model_service.text.tokenizer import HFTokenizer
@@ -48,7 +48,7 @@ def reference_and_path(tmp_path_factory):
 def stack(reference_and_path, tmp_path_factory):
     _, path, _ = reference_and_path
     tmp_path = tmp_path_factory.mktemp("stack")
-    with start_cache_service(tmp_path, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp_path, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp_path, cache.address, "--model", str(path)) as model:
         yield model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address)), cache_stub(cache.address)
 

@@ -15,7 +15,7 @@ import grpc
 import openai
 import pytest
 
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
@@ -28,7 +28,7 @@ def services(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenant-ids")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a"}, KEY_B: {"tenant": "b"}}))
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB") as cache, \
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB") as cache, \
             start_model_service(tmp, cache.address, "--api-keys", str(keys), "--max-model-len", "2048") as model:
         channel = grpc.insecure_channel(model.address)
         yield model, model_pb2_grpc.ModelServiceStub(channel)

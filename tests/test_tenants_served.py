@@ -20,7 +20,7 @@ from scrape import metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.cache_helpers import cache_stub, stats, wait_for
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
@@ -37,7 +37,8 @@ def services(tmp_path_factory):
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "max_concurrent_requests": 1},
                                 KEY_B: {"tenant": "b"}, KEY_C: {"tenant": "c", "kv_blocks": 4}}))
-    with start_cache_service(tmp, "--kv-cache-bytes", "16MiB", "--max-blocks", str(POOL_BLOCKS)) as cache, \
+    with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB",
+                             "--max-blocks", str(POOL_BLOCKS)) as cache, \
             start_model_service(tmp, cache.address, "--api-keys", str(keys), "--auth-token", SINGLE_TOKEN,
                                 "--max-model-len", "512") as model:
         channel = grpc.insecure_channel(model.address)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from harness.processes import start_cache_service, start_model_service
+from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model_service
 from model_service.cache.client import CacheClient
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.health_probe import check
@@ -52,7 +52,7 @@ def tls_stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tls")
     cert, key = make_certificate(tmp, "pagedkv-test")
     tls = ("--tls-cert", str(cert), "--tls-key", str(key))
-    with start_cache_service(tmp, *tls, "--kv-cache-bytes", "4MiB", wait_serving=False) as cache:
+    with start_cache_service(tmp, *tls, *SHARED_LEASE_TTL, "--kv-cache-bytes", "4MiB", wait_serving=False) as cache:
         wait_serving_tls(cache, cert)
         with start_model_service(tmp, cache.address, *tls, "--cache-tls-ca", str(cert), "--max-model-len", "256",
                                  wait_serving=False) as model:
