@@ -16,7 +16,8 @@ static inline __attribute__((always_inline)) void tile_avx512_n(const float *pan
         PANEL_UNROLL for (int p = 0; p < NP; p++)
             _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + F32_PREFETCH) * PANEL_ROWS),
                          _MM_HINT_T0);
-        PANEL_UNROLL for (int p = 0; p < NP; p++) lines[p] = _mm512_loadu_ps(panel + p * panel_elems + (int64_t)k * PANEL_ROWS);
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
+            lines[p] = _mm512_loadu_ps(panel + p * panel_elems + (int64_t)k * PANEL_ROWS);
         PANEL_UNROLL for (int t = 0; t < NT; t++) {
             const __m512 xs = _mm512_set1_ps(x[t * x_stride + k]);
             PANEL_UNROLL for (int p = 0; p < NP; p++) acc[p][t] = _mm512_fmadd_ps(lines[p], xs, acc[p][t]);
