@@ -3,10 +3,13 @@ built with, MKL), oneDNN on the weight packed once (PackedLinear, what pack_line
 float32 lm_head) and the C panel kernel (PanelLinear, what the decoder layers get).
 
     .venv/bin/python -m bench.kernels.f32_lm_head [--shapes 32000x256,49152x576]
-        [--tokens 1,8,32,128] [--threads 2] [--rounds 3] [--seconds 0.3]
+        [--tokens 1,8,32,128] [--threads 2] [--rounds 3] [--seconds 0.3] [--clock wall]
 
 Each cell is the best round's milliseconds a product (rounds alternate the three paths);
-the last columns are torch's time over each packed path's.
+the last columns are torch's time over each packed path's. The decoder layers' shapes at
+prefill sizes go through it too (--shapes 1376x256,256x688,576x1536,3072x576). With
+--threads 1 --clock thread it times the calling thread's CPU time, which holds steadier than
+the wall clock on a machine other work shares.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from model_service.models.packed_linear import PackedLinear
 from model_service.models.panel_linear import PanelLinear
 
 
-def per_call_ms(call, seconds: float) -> float:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def per_call_ms(call, seconds: float, clock=time.perf_counter) -> float:
     call()
-    calls, started = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - started) < seconds:
+    calls, started = 0, clock()
+    while (elapsed := clock() - started) < seconds:
         call()
         calls += 1
     return elapsed / max(calls, 1) * 1e3
@@ -38,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=0.3, help="per path and round")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="thread: the calling thread's CPU time (only with --threads 1)")
     args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread times the calling thread alone: use it with --threads 1")
     torch.set_num_threads(args.threads)
     level = f32_matmul.chosen_level()
     print("| shape | tokens | torch ms | oneDNN packed ms | panels ms | torch / oneDNN | torch / panels |")
@@ -55,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode():
                 for _ in range(args.rounds):
                     for name, path in paths.items():
-                        best[name] = min(best[name], per_call_ms(lambda: path(x), args.seconds))
+                        best[name] = min(best[name], per_call_ms(lambda: path(x), args.seconds, CLOCKS[args.clock]))
             panels = best.get("panels", float("nan"))
             print(f"| {shape} | {tokens} | {best['torch']:.2f} | {best['onednn']:.2f} | {panels:.2f} | "
                   f"{best['torch'] / best['onednn']:.2f} | {best['torch'] / panels:.2f} |", flush=True)

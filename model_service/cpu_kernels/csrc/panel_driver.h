@@ -20,6 +20,13 @@
 #define PANEL_ROWS 16
 #define PANEL_TOKEN_BLOCK 128
 
+/* Put before every loop that indexes a tile's array of register sums (over its panels,
+ * halves or tokens, constants where the tile is inlined): GCC keeps such an array in
+ * registers only when each index is a constant, that is when every loop over it is unrolled
+ * whole; otherwise it stores each sum to the stack at every column, and the stores, not the
+ * FMAs, set the tile's pace. */
+#define PANEL_UNROLL _Pragma("GCC unroll 16")
+
 /* A tile: np panels (panel_elems apart) times nt tokens (x rows x_stride elements apart),
  * y rows y_stride apart from column row0; `depth` the panels' columns (or column pairs). */
 typedef void (*panel_tile_fn)(const void *panel, int64_t panel_elems, int np, const void *x, int64_t x_stride,

@@ -11,7 +11,8 @@ static void tile_portable(const void *panel_v, int64_t panel_elems, int np, cons
             const float *xt = x + t * x_stride;
             float acc[PANEL_ROWS] = {0};
             for (int k = 0; k < cols; k++)
-                for (int r = 0; r < PANEL_ROWS; r++) acc[r] = fmaf(w[(int64_t)k * PANEL_ROWS + r], xt[k], acc[r]);
+                PANEL_UNROLL for (int r = 0; r < PANEL_ROWS; r++)
+                    acc[r] = fmaf(w[(int64_t)k * PANEL_ROWS + r], xt[k], acc[r]);
             store_rows(y + t * y_stride, acc, row0 + p * PANEL_ROWS, rows);
         }
     }

@@ -28,19 +28,19 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *pa
                                                               int64_t y_stride, int row0, int rows) {
     __m256 acc[4][2][BF16_AVX2_TOKEN_TILE];
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
+    PANEL_UNROLL for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
     for (int k = 0; k < pairs; k++) {
-        for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
             _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + BF16_PREFETCH) * 2 * BF16_PANEL_ROWS),
                          _MM_HINT_T0);
-        for (int p = 0; p < NP; p++) {
+        PANEL_UNROLL for (int p = 0; p < NP; p++) {
             const uint16_t *line = panel + p * panel_elems + (int64_t)k * 2 * BF16_PANEL_ROWS;
-            for (int h = 0; h < 2; h++) {
+            PANEL_UNROLL for (int h = 0; h < 2; h++) {
                 const __m256i words = _mm256_loadu_si256((const __m256i *)(line + 16 * h));
                 const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
                 const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-                for (int t = 0; t < NT; t++) {
+                PANEL_UNROLL for (int t = 0; t < NT; t++) {
                     const float *xt = x + t * x_stride + 2 * k;
                     acc[p][h][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xt), acc[p][h][t]);
                     acc[p][h][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xt + 1), acc[p][h][t]);
@@ -48,9 +48,9 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *pa
             }
         }
     }
-    for (int p = 0; p < NP; p++) {
+    PANEL_UNROLL for (int p = 0; p < NP; p++) {
         const int first = row0 + p * BF16_PANEL_ROWS, valid = rows - first;
-        for (int t = 0; t < NT; t++) {
+        PANEL_UNROLL for (int t = 0; t < NT; t++) {
             uint16_t *yt = y + t * y_stride + first;
             if (valid >= BF16_PANEL_ROWS) {
                 _mm_storeu_si128((__m128i *)yt, avx2_to_bf16(acc[p][0][t]));

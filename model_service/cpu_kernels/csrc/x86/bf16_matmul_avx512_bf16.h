@@ -11,26 +11,26 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *pa
                                                               const int NT, int pairs, uint16_t *y,
                                                               int64_t y_stride, int row0, int rows) {
     __m512 acc[4][BF16_TOKEN_TILE];
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) acc[p][t] = _mm512_setzero_ps();
+    PANEL_UNROLL for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++) acc[p][t] = _mm512_setzero_ps();
     for (int k = 0; k < pairs; k++) {
         __m512bh lines[4];
-        for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
             _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + BF16_PREFETCH) * 2 * BF16_PANEL_ROWS),
                          _MM_HINT_T0);
-        for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
             lines[p] = (__m512bh)_mm512_loadu_si512(panel + p * panel_elems + (int64_t)k * 2 * BF16_PANEL_ROWS);
-        for (int t = 0; t < NT; t++) {
+        PANEL_UNROLL for (int t = 0; t < NT; t++) {
             int32_t pair;
             memcpy(&pair, x + t * x_stride + 2 * k, sizeof pair);
             const __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);
-            for (int p = 0; p < NP; p++) acc[p][t] = _mm512_dpbf16_ps(acc[p][t], lines[p], xs);
+            PANEL_UNROLL for (int p = 0; p < NP; p++) acc[p][t] = _mm512_dpbf16_ps(acc[p][t], lines[p], xs);
         }
     }
-    for (int p = 0; p < NP; p++) {
+    PANEL_UNROLL for (int p = 0; p < NP; p++) {
         const int first = row0 + p * BF16_PANEL_ROWS, valid = rows - first;
         const __mmask16 mask = valid >= BF16_PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-        for (int t = 0; t < NT; t++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++)
             _mm256_mask_storeu_epi16(y + t * y_stride + first, mask, (__m256i)_mm512_cvtneps_pbh(acc[p][t]));
     }
 }

@@ -11,24 +11,24 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const float *panel
                                                               int cols, float *y, int64_t y_stride, int row0,
                                                               int rows) {
     __m256 acc[4][2][F32_AVX2_TOKEN_TILE];
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
+    PANEL_UNROLL for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
     for (int k = 0; k < cols; k++) {
-        for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
             _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + F32_PREFETCH) * PANEL_ROWS),
                          _MM_HINT_T0);
-        for (int p = 0; p < NP; p++) {
+        PANEL_UNROLL for (int p = 0; p < NP; p++) {
             const float *line = panel + p * panel_elems + (int64_t)k * PANEL_ROWS;
             const __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);
-            for (int t = 0; t < NT; t++) {
+            PANEL_UNROLL for (int t = 0; t < NT; t++) {
                 const __m256 xs = _mm256_broadcast_ss(x + t * x_stride + k);
                 acc[p][0][t] = _mm256_fmadd_ps(w0, xs, acc[p][0][t]);
                 acc[p][1][t] = _mm256_fmadd_ps(w1, xs, acc[p][1][t]);
             }
         }
     }
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) {
+    PANEL_UNROLL for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++) {
             float sums[PANEL_ROWS];
             _mm256_storeu_ps(sums, acc[p][0][t]);
             _mm256_storeu_ps(sums + 8, acc[p][1][t]);

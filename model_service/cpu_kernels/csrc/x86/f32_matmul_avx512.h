@@ -9,23 +9,24 @@ static inline __attribute__((always_inline)) void tile_avx512_n(const float *pan
                                                                 const int NT, int cols, float *y, int64_t y_stride,
                                                                 int row0, int rows) {
     __m512 acc[4][F32_AVX512_TOKEN_TILE];
-    for (int p = 0; p < NP; p++)
-        for (int t = 0; t < NT; t++) acc[p][t] = _mm512_setzero_ps();
+    PANEL_UNROLL for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++) acc[p][t] = _mm512_setzero_ps();
     for (int k = 0; k < cols; k++) {
         __m512 lines[4];
-        for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
             _mm_prefetch((const char *)(panel + p * panel_elems + (int64_t)(k + F32_PREFETCH) * PANEL_ROWS),
                          _MM_HINT_T0);
-        for (int p = 0; p < NP; p++) lines[p] = _mm512_loadu_ps(panel + p * panel_elems + (int64_t)k * PANEL_ROWS);
-        for (int t = 0; t < NT; t++) {
+        PANEL_UNROLL for (int p = 0; p < NP; p++)
+            lines[p] = _mm512_loadu_ps(panel + p * panel_elems + (int64_t)k * PANEL_ROWS);
+        PANEL_UNROLL for (int t = 0; t < NT; t++) {
             const __m512 xs = _mm512_set1_ps(x[t * x_stride + k]);
-            for (int p = 0; p < NP; p++) acc[p][t] = _mm512_fmadd_ps(lines[p], xs, acc[p][t]);
+            PANEL_UNROLL for (int p = 0; p < NP; p++) acc[p][t] = _mm512_fmadd_ps(lines[p], xs, acc[p][t]);
         }
     }
-    for (int p = 0; p < NP; p++) {
+    PANEL_UNROLL for (int p = 0; p < NP; p++) {
         const int first = row0 + p * PANEL_ROWS, valid = rows - first;
         const __mmask16 mask = valid >= PANEL_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-        for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * y_stride + first, mask, acc[p][t]);
+        PANEL_UNROLL for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * y_stride + first, mask, acc[p][t]);
     }
 }
 
