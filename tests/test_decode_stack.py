@@ -108,15 +108,15 @@ def test_a_bfloat16_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monke
 @pytest.mark.skipif(load() is None, reason="the CPU kernel library did not build")
 @pytest.mark.parametrize("level", level_params(f32_matmul.FAMILY))
 def test_a_float32_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monkeypatch, level):
-    """A float32 checkpoint's layer linears in f32_matmul's panels (its lm_head torch's):
-    17 sequences decoding take the stack, and give the per-layer path's bits."""
+    """A float32 checkpoint's linears in f32_matmul's panels (its lm_head too, outside the
+    stack): 17 sequences decoding take the stack, and give the per-layer path's bits."""
     force(monkeypatch, f32_matmul.FAMILY, level)
     loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.float32, "cpu")
     layer = loaded.model.layers[0]
     assert all(isinstance(module, PanelLinear) and module.panels.dtype == torch.float32
                and f32_matmul.LEVELS[module.level] == level
                for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj))
-    assert not isinstance(loaded.model.lm_head, PanelLinear)
+    assert isinstance(loaded.model.lm_head, PanelLinear) and f32_matmul.LEVELS[loaded.model.lm_head.level] == level
     prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 2)] for i in range(17)]
     assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.cpu_kernels import f32_matmul, levels, load
-from model_service.models.packed_linear import PackedLinear, pack_linears
+from model_service.models.packed_linear import pack_linears
 from model_service.models.panel_linear import PanelLinear
 
 library = load()
@@ -129,10 +129,9 @@ def test_panel_linear_is_the_kernels_product_in_every_shape_of_input(level, bias
             module(x.bfloat16())
 
 
-def test_pack_linears_puts_layers_in_panels_and_the_lm_head_in_onednn(monkeypatch):
-    """The decoder layers' linears go to panels; the lm_head (tied here) to oneDNN's packed
-    weight, its plain weight kept for the embedding; PAGEDKV_F32_KERNELS=torch leaves every
-    linear plain."""
+def test_pack_linears_puts_every_float32_linear_in_panels(monkeypatch):
+    """The decoder layers' linears and the lm_head go to panels, a tied lm_head keeping its
+    plain weight for the embedding; PAGEDKV_F32_KERNELS=torch leaves every linear plain."""
     def model():
         built = nn.Module()
         built.embed = nn.Embedding(50, 32)
@@ -147,7 +146,7 @@ def test_pack_linears_puts_layers_in_panels_and_the_lm_head_in_onednn(monkeypatc
     expected = F.linear(x, packed.lm_head.weight)
     assert pack_linears(packed) == 3
     assert all(isinstance(linear, PanelLinear) and linear.weight is None for linear in packed.layers)
-    assert type(packed.lm_head) is PackedLinear and packed.lm_head.weight is packed.embed.weight
+    assert type(packed.lm_head) is PanelLinear and packed.lm_head.weight is packed.embed.weight
     torch.testing.assert_close(packed.lm_head(x), expected, rtol=1e-5, atol=1e-6)
     monkeypatch.setenv(f32_matmul.ENV, "torch")
     plain = model()

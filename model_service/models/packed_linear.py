@@ -16,13 +16,14 @@ it, so it stays at no cost, and the lm_head's packed copy is the one weight held
 (SmolLM2: 57 MB). Unpacked, that lm_head would save it but reorder its 28 M weights every
 step, which measured slower than the packed copy at batch 1 and at batch 48 alike.
 
-float32 decoder-layer linears go to the float32 panel kernel (panel_linear.py) where
+float32 linears go to the float32 panel kernel (panel_linear.py) where
 f32_matmul.chosen_level says so, which lets a decode step's layers run in one C call
-(cpu_decode_stack.py), and stay plain torch linears otherwise. A float32 lm_head is packed
-for oneDNN: its plain product goes to the BLAS that torch was built with (MKL), which on
-CPUs it does not tune for (AMD's) multiplies a step's rows at a fraction of oneDNN's rate
-on the packed weight (bench/kernels/f32_lm_head.py compares the three); like a bfloat16
-one, a tied lm_head's packed copy is the one weight held twice.
+(cpu_decode_stack.py), and stay plain torch linears otherwise. The lm_head too: torch's
+plain product goes to the BLAS that torch was built with (MKL), which on CPUs it does not
+tune for (AMD's) multiplies a step's rows at a fraction of the panels' rate
+(bench/kernels/f32_lm_head.py compares torch, oneDNN's packed weight and the panels), and
+in panels a token's logits are the same bits at any batch. As in bfloat16, a tied
+lm_head's panels are the one weight held twice.
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ def pack_linears(model: nn.Module) -> int:
     """Swaps every nn.Linear of a CPU bfloat16 or float32 model for one that multiplies by a
     packed copy of its weight; returns how many. bfloat16: the C kernel's panels
     (panel_linear.py) where bf16_matmul.chosen_level says so, oneDNN's PackedLinear
-    otherwise; float32: the decoder layers' linears in the C kernel's panels where
-    f32_matmul.chosen_level says so (else they stay), the lm_head in oneDNN's PackedLinear. A no-op (0) on other devices and dtypes. Each plain weight is freed as its
+    otherwise; float32: the C kernel's panels where f32_matmul.chosen_level says so, else none. A no-op (0) on other devices and dtypes. Each plain weight is freed as its
     linear is swapped (unless shared): packing needs one linear's copy more than the model,
     not two models' worth."""
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
@@ -100,12 +100,9 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     del weight
     if dtype == torch.float32:
-        # oneDNN for the lm_head only, beside the layers' panels (PAGEDKV_F32_KERNELS=torch,
-        # or a CPU without AVX2: every linear stays torch's plain one)
-        level = f32_matmul.chosen_level()
-        onednn, lm_head_onednn = False, level is not None and torch.backends.mkldnn.is_available()
+        level, onednn = f32_matmul.chosen_level(), False
     else:
-        level, onednn, lm_head_onednn = bf16_matmul.chosen_level(), packing_supported("cpu", torch.bfloat16), False
+        level, onednn = bf16_matmul.chosen_level(), packing_supported("cpu", torch.bfloat16)
     holders = Counter(parameter.data_ptr() for module in model.modules()
                       for parameter in module._parameters.values() if parameter is not None)
     swapped = 0
@@ -116,14 +113,8 @@ def pack_linears(model: nn.Module) -> int:
         if linear.weight.dtype != dtype:
             continue
         shared = holders[linear.weight.data_ptr()] > 1
-        if dtype == torch.float32 and not name.startswith("layers."):
-            # float32 outside the layers (the lm_head): oneDNN on the packed weight, which no
-            # one-call decode step needs in panels
-            if not lm_head_onednn:
-                continue
-            setattr(parent, child, PackedLinear.from_linear(linear, keep_weight=shared))
         # bfloat16 panels hold pairs of columns
-        elif level is not None and (dtype == torch.float32 or linear.in_features % 2 == 0):
+        if level is not None and (dtype == torch.float32 or linear.in_features % 2 == 0):
             setattr(parent, child, PanelLinear.from_linear(linear, level, keep_weight=shared))
         elif onednn:
             setattr(parent, child, PackedLinear.from_linear(linear, keep_weight=shared))
