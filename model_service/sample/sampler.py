@@ -163,11 +163,14 @@ def sample(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value (the first one on ties, as torch.argmax), int64."""
     if logits.device.type == "cpu":
-        library = layer_ops.library_for(logits) if logits.dim() == 2 and logits.shape[1] else None
-        if library is not None:  # in the logits' own dtype: no float32 copy (cpu_kernels/argmax.py)
+        # 16-bit logits: the C kernel reads them in their own dtype, with no float32 copy
+        # (cpu_kernels/argmax.py). float32 ones: numpy's argmax, vectorized for the CPU it
+        # runs on, measured several times faster than that kernel's portable build (and
+        # than torch's argmax), a difference that showed in a whole decode step at batch 32.
+        library = (layer_ops.library_for(logits) if logits.dtype != torch.float32 and logits.dim() == 2
+                   and logits.shape[1] else None)
+        if library is not None:
             return cpu_argmax.argmax_rows(library, logits)
-        # numpy's argmax over a batch of rows measured several times faster than torch's on
-        # CPU, a difference that showed in a whole decode step at batch 48.
         rows = logits.float().contiguous().numpy()  # numpy has no bfloat16
         return torch.from_numpy(rows.argmax(axis=-1).astype("int64", copy=False))
     return logits.argmax(dim=-1)
