@@ -17,8 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-from model_service.cpu_kernels import argmax as cpu_argmax
-from model_service.cpu_kernels import layer_ops
 from model_service.device_copies import to_device
 from model_service.sample.grammar import TokenMask
 from model_service.sample.logits_processing import LogitsAdjustments, TokenHistory, apply_min_p
@@ -163,14 +161,10 @@ def sample(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value (the first one on ties, as torch.argmax), int64."""
     if logits.device.type == "cpu":
-        # 16-bit logits: the C kernel reads them in their own dtype, with no float32 copy
-        # (cpu_kernels/argmax.py). float32 ones: numpy's argmax, vectorized for the CPU it
-        # runs on, measured several times faster than that kernel's portable build (and
-        # than torch's argmax), a difference that showed in a whole decode step at batch 32.
-        library = (layer_ops.library_for(logits) if logits.dtype != torch.float32 and logits.dim() == 2
-                   and logits.shape[1] else None)
-        if library is not None:
-            return cpu_argmax.argmax_rows(library, logits)
+        # numpy's argmax, vectorized for the CPU it runs on: over a batch of rows it measured
+        # faster than torch's, and than the C kernel of cpu_kernels/argmax.py on an AVX2 CPU
+        # in float32 and in bfloat16, the float32 copy counted (bench/kernels/argmax_paths.py
+        # compares the three; the kernel stays, tested, for the machines where it wins).
         rows = logits.float().contiguous().numpy()  # numpy has no bfloat16
         return torch.from_numpy(rows.argmax(axis=-1).astype("int64", copy=False))
     return logits.argmax(dim=-1)
