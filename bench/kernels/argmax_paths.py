@@ -11,21 +11,12 @@ Each cell is the best round's milliseconds a call.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from bench.kernels.f32_lm_head import per_call_ms
 from model_service import cpu_kernels
 from model_service.cpu_kernels import argmax as cpu_argmax
-
-
-def per_call_ms(call, seconds: float) -> float:
-    call()
-    calls, started = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - started) < seconds:
-        call()
-        calls += 1
-    return elapsed / max(calls, 1) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
