@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from bench.kernels.f32_lm_head import per_call_ms
+from bench.kernels.quant_product import add_turn_arguments, best_in_turns
 from model_service import cpu_kernels
 from model_service.cpu_kernels import argmax as cpu_argmax
 
@@ -24,9 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32,48")
     parser.add_argument("--vocab", default="32000,49152")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.2, help="per path and round")
+    add_turn_arguments(parser, seconds=0.2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     library = cpu_kernels.load()
@@ -40,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                          "torch": lambda: logits.argmax(dim=-1)}
                 if library is not None:
                     paths["C"] = lambda: cpu_argmax.argmax_rows(library, logits)
-                best = {name: float("inf") for name in paths}
-                for _ in range(args.rounds):
-                    for name, path in paths.items():
-                        best[name] = min(best[name], per_call_ms(path, args.seconds))
+                best = {name: us / 1e3 for name, us in best_in_turns(paths, args.rounds, args.seconds).items()}
                 print(f"| {str(dtype).removeprefix('torch.')} | {rows} x {vocab} | {best['numpy']:.3f} | "
                       f"{best['torch']:.3f} | {best.get('C', float('nan')):.3f} |", flush=True)
     return 0

@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from bench.kernels.quant_product import add_turn_arguments, best_in_turns
 from model_service.cpu_kernels import f32_matmul
 from model_service.models.packed_linear import PackedLinear
 from model_service.models.panel_linear import PanelLinear
@@ -28,22 +29,11 @@ from model_service.models.panel_linear import PanelLinear
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
-def per_call_ms(call, seconds: float, clock=time.perf_counter) -> float:
-    call()
-    calls, started = 0, clock()
-    while (elapsed := clock() - started) < seconds:
-        call()
-        calls += 1
-    return elapsed / max(calls, 1) * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="32000x256,49152x576", help="ROWSxCOLS of the lm_head, comma-separated")
     parser.add_argument("--tokens", default="1,8,32,128")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.3, help="per path and round")
+    add_turn_arguments(parser, seconds=0.3)
     parser.add_argument("--clock", choices=CLOCKS, default="wall",
                         help="thread: the calling thread's CPU time (only with --threads 1)")
     args = parser.parse_args(argv)
@@ -61,11 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             paths["panels"] = PanelLinear.from_linear(linear, level, keep_weight=True)
         for tokens in map(int, args.tokens.split(",")):
             x = torch.randn(tokens, cols)
-            best = {name: float("inf") for name in paths}
             with torch.inference_mode():
-                for _ in range(args.rounds):
-                    for name, path in paths.items():
-                        best[name] = min(best[name], per_call_ms(lambda: path(x), args.seconds, CLOCKS[args.clock]))
+                best_us = best_in_turns({name: lambda path=path: path(x) for name, path in paths.items()},
+                                        args.rounds, args.seconds, CLOCKS[args.clock])
+            best = {name: us / 1e3 for name, us in best_us.items()}
             panels = best.get("panels", float("nan"))
             print(f"| {shape} | {tokens} | {best['torch']:.2f} | {best['onednn']:.2f} | {panels:.2f} | "
                   f"{best['torch'] / best['onednn']:.2f} | {best['torch'] / panels:.2f} |", flush=True)
