@@ -292,15 +292,12 @@ def run(args) -> int:
     }))
     keys.chmod(0o600)
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    pinned = ["--threads", "1"] if args.pin else []
-    if args.pin:  # as soak.py's --pin: the services inherit CPU 0, the clients move to CPU 1 once they run
-        os.sched_setaffinity(0, {0})
+    pinned = soak.pin_services(args.pin)
     with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes, "--shm-dir", workdir / "shm",
                              "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", rep) as cache, \
             start_model_service(workdir, cache.address, "--model", args.model, "--max-model-len", args.max_model_len,
                                 "--api-keys", keys, "--served-model-name", "soak", *pinned) as model:
-        if args.pin:
-            os.sched_setaffinity(0, {1})
+        soak.pin_clients(args.pin)
         stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
         info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10,
                                  metadata=bearer_metadata(NORMAL_KEYS[0]))

@@ -405,6 +405,21 @@ def run_phase(model, args, vocab: int, max_model_len: int, abusive: int) -> tupl
     return normal, abuses, elapsed
 
 
+def pin_services(pin: bool) -> list[str]:
+    """--pin, before the services start: they inherit CPU 0 from this process. Returns the
+    model service's flags for it (one compute thread, on that core)."""
+    if not pin:
+        return []
+    os.sched_setaffinity(0, {0})
+    return ["--threads", "1"]
+
+
+def pin_clients(pin: bool) -> None:
+    """--pin, once the services run: this process (the clients) moves to CPU 1."""
+    if pin:
+        os.sched_setaffinity(0, {1})
+
+
 def two_tenants(args) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pagedkv-soak-tenants-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -417,14 +432,11 @@ def two_tenants(args) -> int:
                      "kv_blocks": args.abuser_kv_blocks},
     }))
     metadata = bearer_metadata(NORMAL_KEY)
-    pinned = ["--threads", "1"] if args.pin else []
-    if args.pin:  # the services inherit CPU 0; this process (the clients) moves to CPU 1 once they run
-        os.sched_setaffinity(0, {0})
+    pinned = pin_services(args.pin)
     with start_cache_service(workdir, "--kv-cache-bytes", args.kv_cache_bytes, "--shm-dir", shm_dir) as cache, \
             start_model_service(workdir, cache.address, "--model", args.model, "--max-model-len", args.max_model_len,
                                 "--api-keys", keys, *pinned) as model:
-        if args.pin:
-            os.sched_setaffinity(0, {1})
+        pin_clients(args.pin)
         stub = model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address))
         cache_stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address))
         info = stub.GetModelInfo(model_pb2.GetModelInfoRequest(), timeout=10, metadata=metadata)
