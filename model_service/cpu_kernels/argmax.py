@@ -1,5 +1,7 @@
 """Greedy sampling's argmax by the C kernel (csrc/argmax.c), in the logits' own dtype:
-torch.argmax's answer (first index of the maximum, NaN largest) without a float32 copy."""
+torch.argmax's answer (first index of the maximum, NaN largest) without a float32 copy.
+Not on the serving path: sample/sampler.py's argmax_rows takes numpy's, which measured
+faster (bench/kernels/argmax_paths.py compares them)."""
 
 from __future__ import annotations
 

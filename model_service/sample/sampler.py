@@ -164,7 +164,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         # numpy's argmax, vectorized for the CPU it runs on: over a batch of rows it measured
         # faster than torch's, and than the C kernel of cpu_kernels/argmax.py on an AVX2 CPU
         # in float32 and in bfloat16, the float32 copy counted (bench/kernels/argmax_paths.py
-        # compares the three; the kernel stays, tested, for the machines where it wins).
+        # compares the three; the kernel stays, tested, but nothing serves it until it is
+        # measured faster than this somewhere).
         rows = logits.float().contiguous().numpy()  # numpy has no bfloat16
         return torch.from_numpy(rows.argmax(axis=-1).astype("int64", copy=False))
     return logits.argmax(dim=-1)
