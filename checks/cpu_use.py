@@ -21,6 +21,32 @@ def cpu_seconds(pid: int) -> float:
     return _stat_seconds(Path(f"/proc/{pid}/stat").read_text())
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, live now."""
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        tree.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                pending += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:  # the thread or process ended meanwhile
+                continue
+    return tree
+
+
+def tree_seconds(pid: int, *, with_root: bool = True) -> float:
+    """CPU seconds of `pid`'s process tree so far, or of the processes below it alone
+    (with_root=False); processes that ended are not counted."""
+    total = 0.0
+    for member in process_tree(pid)[0 if with_root else 1:]:
+        try:
+            total += cpu_seconds(member)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def thread_seconds(pid: int) -> dict[int, tuple[str, float]]:
     """Each live thread's name and CPU seconds so far, by thread id."""
     found = {}

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from harness.peers.vllm_offline import KV_GIB, SERVED_NAME, VLLM_CLI, ensure_vllm_venv, smollm2_checkpoint, tail, vllm_server
 from harness.processes import start_cache_service, start_model_service
+from harness.peers.settle import settle
 
 RANDOM = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
           "--random-range-ratio", '{"input": 0.5, "output": 0}']
@@ -172,6 +173,7 @@ def main() -> int:
                 # random prompts from one seed, and the second would find the first's cached.
                 seed = 1000 * round_index + cell_index
                 for server in order:
+                    settle()
                     result = run_client(python, urls[server], model_dir, cell.client_args(args.num_prompts),
                                         seed, tmp, f"{cell.name}-{file_name(server)}-{round_index}")
                     results[cell.name][server].append(result)

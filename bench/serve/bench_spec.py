@@ -52,6 +52,7 @@ from bench.serve.bench_generate import workload as w48_workload
 from bench.serve.bench_vs_vllm import pagedkv_services, rate, redraw
 from harness.peers import vllm_cores
 from harness.peers.vllm_offline import VllmRefused, VllmWorker, ensure_vllm_venv, smollm2_checkpoint, tail
+from harness.peers.settle import settle
 
 from model_service.loading.embedded import embedded_model_path
 
@@ -187,6 +188,7 @@ def main() -> int:
                         prompts[(round_index, work)] = [prompt for prompt, _ in requests]
                         order = list(paths.items())
                         for name, run in order if round_index % 2 == 0 else order[::-1]:
+                            settle()
                             rows.setdefault((concurrency, work, name), []).append(run(requests, concurrency))
                         print(f"  concurrency {concurrency}, round {round_index + 1}, {work}: " + ", ".join(
                             f"{name} {rate(rows[(concurrency, work, name)][-1]):.0f}" for name in paths) + " tok/s",

@@ -25,7 +25,8 @@ new prompt tokens (same lengths), so neither engine's prefix cache can help.
     comparison without the gRPC server and its streams, so the two tables together say
     what serving costs.
 
-The engines take turns within each round (who goes first alternates), 2 threads each;
+The engines take turns within each round (who goes first alternates; a turn starts once the
+other engine has stopped computing: harness/peers/settle.py), 2 threads each;
 the table shows median tokens/s and the median of the per-round ratios. Also printed:
 how many greedy outputs agree token for token (float32 should agree nearly everywhere;
 bfloat16 rounding lets long random-model continuations drift), and the share of engine
@@ -55,6 +56,7 @@ from bench.serve.bench_generate import metric, workload, write_w48_checkpoint
 from harness.peers import vllm_cores
 from harness.peers.vllm_offline import MAX_MODEL_LEN, VllmWorker, ensure_vllm_venv, smollm2_checkpoint
 from harness.peers.vllm_grpc import VllmGrpcServer
+from harness.peers.settle import settle
 from harness.processes import start_cache_service, start_model_service
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -181,6 +183,7 @@ def main() -> int:
     models = args.models.split(",")
     workloads = args.workloads.split(",")
     cells: list[dict] = []
+    settled = 0.0  # the longest wait for the other engine to go idle before a turn
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = {}
@@ -211,6 +214,7 @@ def main() -> int:
                                 requests = redraw(shapes[work], round_index, vocab)
                                 order = [("vllm", vllm.run), ("pagedkv", pagedkv)]
                                 for name, engine in order if round_index % 2 == 0 else order[::-1]:
+                                    settled = max(settled, settle())
                                     rows[work][name].append(engine(requests))
                                 v, p = rows[work]["vllm"][-1], rows[work]["pagedkv"][-1]
                                 print(f"  round {round_index + 1} {work}: pagedkv {rate(p):.0f} tok/s, "
@@ -236,7 +240,8 @@ def main() -> int:
     print(f"\n{args.rounds} rounds, {args.threads} threads, pagedkv over {args.pagedkv_path}, vLLM {args.vllm_path}, "
           f"{'whole completions (stream false)' if args.no_stream else f'stream_interval {args.stream_interval}'}; "
           f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; vLLM with "
-          f"VLLM_CPU_NUM_OF_RESERVED_CPU=0 (every core)\n")
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU=0 (every core); each turn started once the other engine's processes "
+          f"were idle (the longest wait {settled:.1f} s)\n")
     print("| model, workload, dtype | pagedkv tok/s | vLLM CPU tok/s | ratio (median of rounds) | every round "
           "| same greedy outputs | cache wait, max | vLLM's cores |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -14,29 +14,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from checks.cpu_use import process_tree
+
 
 def environment(threads: int, **extra: str) -> dict[str, str]:
     """os.environ for a vLLM process computing on `threads` cores, none held back."""
     return dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", OMP_NUM_THREADS=str(threads), **extra)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-def _process_tree(pid: int) -> list[int]:
-    tree, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        tree.append(current)
-        pending += _children(current)
-    return tree
 
 
 def _busy_threads(pid: int) -> list[tuple[str, str, int]]:
@@ -58,7 +41,7 @@ def binding(pid: int) -> str:
     "VLLM::EngineCor: cpus 0, 1 (2 busy threads)": the busiest process's, and every
     affinity its busy threads have. Linux /proc only; "unknown" elsewhere."""
     per_process: dict[str, tuple[int, set[str], int]] = {}
-    for member in _process_tree(pid):
+    for member in process_tree(pid):
         threads = _busy_threads(member)
         busy = [(cpus, ticks) for _, cpus, ticks in threads if ticks > 0]
         if not threads or not busy:
