@@ -47,6 +47,7 @@ import grpc
 import torch
 
 from harness.processes import start_cache_service, start_model_service
+from harness.peers.settle import settle
 
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 
@@ -237,9 +238,12 @@ def main() -> int:
                     rounds.setdefault(HF_GENERATE, []).append(run_hf_generate(model, round_requests))
                 # Paths of one round get prompts of their own (the cache service is shared).
                 others = iter(range(100 + 10 * round_index, 110 + 10 * round_index))
-                if run_baseline is not None:
-                    rounds.setdefault(BASELINE, []).append(run_baseline(redraw_tokens(requests, next(others))))
-                rounds.setdefault(PAGEDKV, []).append(run_pagedkv(round_requests))
+                turns = [(PAGEDKV, run_pagedkv, round_requests)]
+                if run_baseline is not None:  # who goes first alternates
+                    turns.insert(round_index % 2, (BASELINE, run_baseline, redraw_tokens(requests, next(others))))
+                for name, run, turn_requests in turns:
+                    settle()  # the other path's processes idle first (harness/peers/settle.py)
+                    rounds.setdefault(name, []).append(run(turn_requests))
                 if args.variants:
                     rounds.setdefault(LOGPROBS, []).append(
                         run_pagedkv(redraw_tokens(requests, next(others)), logprobs=5))
