@@ -1,4 +1,4 @@
-"""checks/cpu_use.py's process tree and harness/peers/settle.py, on real child processes."""
+"""checks/cpu_use.py's process tree, harness/peers/settle.py and the environment harness/processes.py gives services."""
 
 from __future__ import annotations
 
@@ -37,3 +37,13 @@ def test_the_tree_holds_children_and_grandchildren_and_settle_waits_for_them_to_
         child.stdin.close()
         child.wait(timeout=30)
     assert child.pid not in process_tree(os.getpid())
+
+
+def test_services_get_the_kernel_level_switches_and_no_other_pagedkv_setting(monkeypatch):
+    from harness.processes import _test_env
+
+    monkeypatch.setenv("PAGEDKV_F32_KERNELS", "avx2")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", "/somewhere/else")
+    env = _test_env({"EXTRA": "1"})
+    assert env["PAGEDKV_F32_KERNELS"] == "avx2" and env["EXTRA"] == "1"
+    assert "PAGEDKV_KERNEL_CACHE" not in env
