@@ -206,8 +206,12 @@ def main() -> int:
                                     if args.pagedkv_path == "grpc"
                                     else pagedkv_engine(model_dir, dtype, tmp, args.threads))
                     with pagedkv_path as pagedkv:
-                        for engine in (vllm.run, pagedkv):  # warm up, on prompts no round uses
-                            engine(redraw(shapes["w48"][:4], -1, vocab))
+                        # Warm up on a whole round of each workload, on prompts no round uses, so
+                        # that no measured round is an engine's first meeting with a batch shape
+                        # (vLLM's CPU path builds oneDNN primitives per shape).
+                        for engine in (vllm.run, pagedkv):
+                            for work in workloads:
+                                engine(redraw(shapes[work], -1, vocab))
                         rows: dict[str, dict[str, list[dict]]] = {w: {"vllm": [], "pagedkv": []} for w in workloads}
                         for round_index in range(args.rounds):
                             for work in workloads:
