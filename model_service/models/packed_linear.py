@@ -21,7 +21,7 @@ f32_matmul.chosen_level says so, which lets a decode step's layers run in one C 
 (cpu_decode_stack.py), and stay plain torch linears otherwise. The lm_head too: torch's
 plain product goes to the BLAS that torch was built with (MKL), which on CPUs it does not
 tune for (AMD's) multiplies a step's rows at a fraction of the panels' rate
-(bench/kernels/f32_lm_head.py compares torch, oneDNN's packed weight and the panels), and
+(bench/kernels/f32_panel_product.py compares torch, oneDNN's packed weight and the panels), and
 in panels a token's logits are the same bits at any batch. As in bfloat16, a tied
 lm_head's panels are the one weight held twice.
 """
