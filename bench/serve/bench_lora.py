@@ -58,6 +58,7 @@ from checks.memory_soak import status_kib
 from harness.lora_adapters import write_adapter
 from harness.peers.vllm_offline import VllmRefused, VllmWorker, ensure_vllm_venv
 from harness.processes import start_cache_service, start_model_service
+from harness.peers.settle import settle
 
 VOCAB = 32000  # the W48 checkpoint's
 GOALS = {"adapters / base": 0.85, "pagedkv / vLLM": 1.3}
@@ -166,6 +167,7 @@ def one_dtype(args, dtype: str, model_dir: Path, adapters: dict[str, Path], pyth
                 requests = redraw(shapes, round_index, VOCAB)
                 shift = round_index % len(order)
                 for name, path in order[shift:] + order[:shift]:
+                    settle()
                     cell["rows"][name].append(path(requests))
                 print(f"  round {round_index + 1}: " + ", ".join(
                     f"{name} {rate(cell['rows'][name][-1]):.0f} tok/s" for name in paths_by_name), flush=True)
