@@ -154,9 +154,9 @@ def one_dtype(args, dtype: str, model_dir: Path, adapters: dict[str, Path], pyth
             paths_by_name = {"adapters": adapters_path, "base": run_base}
             if vllm is not None:
                 paths_by_name["vllm"] = vllm_path
-            for name, path in list(paths_by_name.items()):  # warm up, on prompts no round uses
+            for name, path in list(paths_by_name.items()):  # warm up on a whole round, on prompts no round uses
                 try:
-                    path(redraw(shapes[:4], -1, VOCAB))
+                    path(redraw(shapes, -1, VOCAB))
                 except VllmRefused as refusal:  # vLLM took LoRA at start but not in a step
                     print(f"  vLLM refused a LoRA batch in {dtype}: {refusal}", flush=True)
                     cell["vllm_note"] = f"refused: {refusal}"
