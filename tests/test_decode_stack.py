@@ -18,7 +18,7 @@ from kernel_levels import force, level_params
 from harness.hf_checkpoints import write_checkpoint
 from harness.paged_runner import PagedRunner
 from model_service.attention.metadata import AttentionMetadata
-from model_service.cpu_kernels import bf16_matmul, f32_matmul, load, quant_matmul
+from model_service.cpu_kernels import bf16_matmul, f32_matmul, load, lora_sgmv, quant_matmul
 from model_service.cpu_kernels.quant_matmul import KERNEL_TYPES
 from model_service.loading.loader import load_model
 from model_service.models.cpu_decode_stack import DecodeStack
@@ -29,30 +29,32 @@ DECODE_STEPS = 6
 
 
 def run(model, config, stack: bool, pool_dtype: torch.dtype | None = None,
-        prompts: list[list[int]] = PROMPTS) -> tuple[list[torch.Tensor], torch.Tensor]:
+        prompts: list[list[int]] = PROMPTS, adapters: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each decode step's logits and the pool after them (pool_dtype: an 8-bit pool, the
-    model's scales set by the caller)."""
+    model's scales set by the caller; adapters: {prompt index: LoRA adapter})."""
     model.decode_stack_enabled = stack
     runner = PagedRunner(model, config)
     if pool_dtype is not None:
         runner.pool = runner.pool.float().clamp(-400, 400).to(pool_dtype)
-    logits = runner.step([(str(i), prompt) for i, prompt in enumerate(prompts)], num_decode_seqs=0)
+    by_seq = {str(i): adapter for i, adapter in (adapters or {}).items()}
+    logits = runner.step([(str(i), prompt) for i, prompt in enumerate(prompts)], 0, by_seq)
     tokens = [int(rows[-1].argmax()) for rows in logits]
     steps = []
     for _ in range(DECODE_STEPS):
-        logits = runner.step([(str(i), [token]) for i, token in enumerate(tokens)], num_decode_seqs=len(prompts))
+        logits = runner.step([(str(i), [token]) for i, token in enumerate(tokens)], len(prompts), by_seq)
         steps.append(torch.cat(logits))
         tokens = [int(rows[-1].argmax()) for rows in logits]
     return steps, runner.pool
 
 
-def assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype=None, prompts=PROMPTS) -> None:
+def assert_stack_is_the_layer_path(loaded, monkeypatch, pool_dtype=None, prompts=PROMPTS, adapters=None) -> None:
     model, config = loaded.model, loaded.config
-    reference_steps, reference_pool = run(model, config, stack=False, pool_dtype=pool_dtype, prompts=prompts)
+    reference_steps, reference_pool = run(model, config, stack=False, pool_dtype=pool_dtype, prompts=prompts,
+                                          adapters=adapters)
     first_layer_calls = []
     layer_forward = model.layers[0].forward
     monkeypatch.setattr(model.layers[0], "forward", lambda *args: first_layer_calls.append(1) or layer_forward(*args))
-    steps, pool = run(model, config, stack=True, pool_dtype=pool_dtype, prompts=prompts)
+    steps, pool = run(model, config, stack=True, pool_dtype=pool_dtype, prompts=prompts, adapters=adapters)
     assert len(first_layer_calls) == 1, "a decode step took the per-layer path"  # the prefill alone
     assert isinstance(model._decode_stack, DecodeStack)
     for index, (ours, theirs) in enumerate(zip(steps, reference_steps, strict=True)):
@@ -119,6 +121,55 @@ def test_a_float32_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monkey
     assert isinstance(loaded.model.lm_head, PanelLinear) and f32_matmul.LEVELS[loaded.model.lm_head.level] == level
     prompts = [[(7 * i + j) % 50 + 1 for j in range(1 + i % 2)] for i in range(17)]
     assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts)
+
+
+@pytest.mark.skipif(load() is None, reason="the CPU kernel library did not build")
+@pytest.mark.parametrize("level", level_params(lora_sgmv.FAMILY))
+def test_a_float32_step_with_adapters_takes_the_stack_and_gives_the_layer_paths_bits(tmp_path, monkeypatch, level):
+    """Decode steps mixing two adapters (one on every target, one on q and v) and the base,
+    in runs the base splits: the stack adds the deltas with lora_sgmv's kernel, as the
+    per-layer path does, to the same bits; and they are deltas (the logits differ from the
+    base's)."""
+    pytest.importorskip("peft")
+    from lora_adapters import ALL_TARGETS, hf_llama_of, write_adapter
+    from model_service.lora.peft_adapter import load_adapter
+
+    force(monkeypatch, lora_sgmv.FAMILY, level)
+    loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.float32, "cpu")
+    adapters = [load_adapter(f"a{index}", write_adapter(tmp_path / f"a{index}", hf_llama_of(loaded.config), rank=8,
+                                                        alpha=16, targets=targets, seed=index, scale=0.3),
+                             loaded.config, max_rank=64)
+                for index, targets in enumerate([ALL_TARGETS, ["q_proj", "v_proj"]])]
+    prompts = [[(5 * i + j) % 40 + 1 for j in range(2 + i % 3)] for i in range(6)]
+    chosen = {0: adapters[0], 1: adapters[0], 3: adapters[1], 4: adapters[0], 5: adapters[0]}  # 2: the base
+    assert_stack_is_the_layer_path(loaded, monkeypatch, prompts=prompts, adapters=chosen)
+    monkeypatch.undo()
+    base_steps, _ = run(loaded.model, loaded.config, stack=True, prompts=prompts)
+    with_adapters, _ = run(loaded.model, loaded.config, stack=True, prompts=prompts, adapters=chosen)
+    assert not torch.equal(base_steps[0], with_adapters[0])
+
+
+def test_adapters_the_c_kernel_does_not_serve_run_the_layer_path(tmp_path, monkeypatch):
+    """With PAGEDKV_LORA_KERNELS=torch (torch's matmuls add the deltas) a step with adapter
+    rows never takes the stack, and a step of the base alone still does."""
+    pytest.importorskip("peft")
+    from lora_adapters import ALL_TARGETS, hf_llama_of, write_adapter
+    from model_service.lora.peft_adapter import load_adapter
+
+    monkeypatch.setenv(lora_sgmv.ENV, "torch")
+    loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.float32, "cpu")
+    adapter = load_adapter("a", write_adapter(tmp_path / "a", hf_llama_of(loaded.config), rank=8, alpha=16,
+                                              targets=ALL_TARGETS, seed=0, scale=0.3), loaded.config, max_rank=64)
+    stack = DecodeStack.of(loaded.model)
+    assert stack is not None
+    calls = []
+    layer_forward = loaded.model.layers[0].forward
+    monkeypatch.setattr(loaded.model.layers[0], "forward", lambda *args: calls.append(1) or layer_forward(*args))
+    run(loaded.model, loaded.config, stack=True, adapters={0: adapter})
+    assert len(calls) == 1 + DECODE_STEPS  # the prefill and every decode step, layer by layer
+    calls.clear()
+    run(loaded.model, loaded.config, stack=True)
+    assert len(calls) == 1  # the prefill alone
 
 
 def test_smollm2_in_bfloat16_stack_matches_the_layer_path(monkeypatch):

@@ -18,6 +18,11 @@
  *   mlp_out = silu_mul(normed W_gate_up^T) W_down^T
  * and after the last layer hidden += mlp_out, out = final_norm(hidden).
  *
+ * With LoRA adapters (float32 only), each projection's output then takes its adapters'
+ * deltas, run by run, through lora_sgmv.c's lora_shrink_expand: the order and the kernel
+ * models/lora_delta.py's LoraStep.add uses on the per-layer path (q, k, v into the fused
+ * qkv's columns before rotary; o; gate, up before silu_mul; down).
+ *
  * What it does not take (the caller checks, and the per-layer path serves instead): biases,
  * a pool of another dtype than the activations, but for an 8-bit pool under float32
  * activations (what paged_decode_attention reads).
@@ -59,6 +64,42 @@ struct stack_model { /* pagedkv_kernels.h names it */
     int32_t f32_level;  /* f32_linear's, for float32 panel linears */
 };
 
+/* LoRA: an adapter's factors for one (layer, target), row-major a [rank, in], b [out, rank];
+ * a == 0 where the adapter does not train that target on that layer. */
+typedef struct {
+    int64_t a, b;
+    int32_t rank, out_features;
+} stack_lora_factor;
+
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, STACK_LORA_TARGETS };
+
+struct stack_lora_run { /* pagedkv_kernels.h names it */
+    int32_t start, end; /* the step's rows [start, end) */
+    float scaling;
+    const stack_lora_factor *factors; /* [num_layers][STACK_LORA_TARGETS] */
+};
+
+typedef struct {
+    const stack_lora_run *runs;
+    int num_runs, level;
+} stack_lora;
+
+/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target). */
+static int add_lora(const stack_lora *lora, int layer, int target, const void *x, int64_t x_stride, int in_features,
+                    void *y, int64_t y_stride, int column, int num_threads) {
+    for (int i = 0; i < lora->num_runs; i++) {
+        const stack_lora_run *run = &lora->runs[i];
+        const stack_lora_factor *f = &run->factors[layer * STACK_LORA_TARGETS + target];
+        if (f->a == 0) continue;
+        const int status = lora_shrink_expand(
+            (const float *)x + (int64_t)run->start * x_stride, x_stride, run->end - run->start, in_features,
+            (const float *)(intptr_t)f->a, f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling,
+            (float *)y + (int64_t)run->start * y_stride + column, y_stride, lora->level, num_threads);
+        if (status != 0) return status;
+    }
+    return 0;
+}
+
 static size_t dtype_bytes(int dtype) {
     return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2 ? 1 : 2;
 }
@@ -85,8 +126,11 @@ static int linear(const stack_model *m, const stack_linear *w, const void *x, in
  * call, and the caller fails it), -2 without scratch memory. */
 int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
                  const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
-                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, int num_threads) {
+                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const stack_lora_run *lora_runs,
+                 int lora_num_runs, int lora_level, int num_threads) {
     const int dtype = m->dtype, width = m->hidden, head_dim = m->head_dim;
+    const stack_lora lora = {lora_runs, lora_num_runs, lora_level};
+    if (lora_num_runs > 0 && dtype != DTYPE_F32) return -1;
     const int q_size = m->q_heads * head_dim, kv_size = m->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const size_t elem = dtype_bytes(dtype), kv_elem = dtype_bytes(kv_dtype);
     /* One scratch allocation: normed, qkv, attention out, o / mlp out, gate_up, act. */
@@ -110,6 +154,14 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
                          m->eps, dtype, num_threads);
         status = linear(m, &layer->qkv, normed, tokens, width, qkv, qkv_size, num_threads);
         if (status != 0) break;
+        if (lora.num_runs > 0) {
+            status = add_lora(&lora, l, LORA_Q, normed, width, width, qkv, qkv_size, 0, num_threads);
+            if (status == 0)
+                status = add_lora(&lora, l, LORA_K, normed, width, width, qkv, qkv_size, q_size, num_threads);
+            if (status == 0)
+                status = add_lora(&lora, l, LORA_V, normed, width, width, qkv, qkv_size, q_size + kv_size, num_threads);
+            if (status != 0) break;
+        }
         rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
                         (const void *)(intptr_t)m->cos_table, (const void *)(intptr_t)m->sin_table, positions,
                         dtype, num_threads);
@@ -125,13 +177,23 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
                                         layer->v_scale);
         if (status != 0) break;
         status = linear(m, &layer->o, attn, tokens, q_size, delta, width, num_threads);
+        if (status == 0 && lora.num_runs > 0)
+            status = add_lora(&lora, l, LORA_O, attn, q_size, q_size, delta, width, 0, num_threads);
         if (status != 0) break;
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
                      width, m->eps, dtype, num_threads);
         status = linear(m, &layer->gate_up, normed, tokens, width, gate_up, 2 * m->intermediate, num_threads);
+        if (status == 0 && lora.num_runs > 0) {
+            status = add_lora(&lora, l, LORA_GATE, normed, width, width, gate_up, 2 * m->intermediate, 0, num_threads);
+            if (status == 0)
+                status = add_lora(&lora, l, LORA_UP, normed, width, width, gate_up, 2 * m->intermediate,
+                                  m->intermediate, num_threads);
+        }
         if (status != 0) break;
         silu_mul(gate_up, act, tokens, m->intermediate, dtype, num_threads);
         status = linear(m, &layer->down, act, tokens, m->intermediate, delta, width, num_threads);
+        if (status == 0 && lora.num_runs > 0)
+            status = add_lora(&lora, l, LORA_DOWN, act, m->intermediate, m->intermediate, delta, width, 0, num_threads);
         if (status != 0) break;
     }
     if (status == 0)

@@ -20,6 +20,8 @@
 
 /* decode_stack.c's description of a model (its layout is mirrored by the Python side). */
 typedef struct stack_model stack_model;
+/* And of a step's runs of rows of one LoRA adapter (the same). */
+typedef struct stack_lora_run stack_lora_run;
 
 /* ---- paged decode attention (paged_decode.c) ---- */
 
@@ -68,7 +70,8 @@ int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int 
 
 int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
                  const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
-                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, int num_threads);
+                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const stack_lora_run *lora_runs,
+                 int lora_num_runs, int lora_level, int num_threads);
 
 /* ---- bfloat16 linears (bf16_matmul.c) ---- */
 
