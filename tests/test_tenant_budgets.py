@@ -160,3 +160,46 @@ def drive_until(scheduler, cache, done, max_steps=500) -> list:
         step, pending = run_step(scheduler, cache, pending)
         steps.append(step)
     raise AssertionError("never done")
+
+
+def test_a_speculating_sequence_proposes_only_what_its_tenant_s_bucket_still_holds():
+    from model_service.sample.params import SamplingOptions
+    from model_service.sched.sequence import Sequence
+    from model_service.sched.step import StepOutput
+    from model_service.spec.settings import SpeculativeSettings
+    from model_service.spec.speculator import Speculator
+
+    clock = Clock()
+    speculator = Speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1),
+                            BLOCK, max_model_len=0)
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100, clock=clock,
+                          speculator=speculator, tenant_budgets={"a": ComputeBudget(tokens_per_s=40, burst_tokens=8)})
+    cache = LedgerCache(100)
+    prompt = [1, 2, 3, 4, 5, 6] * 2 + [1]  # the lookup proposes the cycle's next tokens
+    seq = Sequence(request_id="r0", token_ids=prompt, prompt_len=len(prompt),
+                   options=SamplingOptions(max_new_tokens=30), arrival=0, tenant="a")
+    scheduler.add(seq)
+    pending, proposed = None, []
+    for _ in range(500):
+        if pending is not None:
+            assert not scheduler.apply(*pending)
+        if not scheduler.has_work() and pending is None:
+            break
+        step = scheduler.schedule()
+        held = scheduler.budgets.tokens("a")  # refilled for this step, not yet charged
+        assert sum(tokens for _, tokens in step.batch) <= held
+        pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
+        sampled = []
+        for s, new_tokens in step.batch:
+            proposal = step.proposals.get(s, [])
+            proposed.append(len(proposal))
+            if s.num_computed + new_tokens == len(s.token_ids) + len(proposal):
+                # Every proposal kept: the cycle's tokens, the one after them sampled.
+                tokens = [*proposal, (proposal[-1] if proposal else s.token_ids[-1]) % 6 + 1]
+                sampled += [(s, token) for token in tokens[: s.options.max_new_tokens - s.num_output]]
+        scheduler.update_from_output(step, StepOutput(sampled=sampled))
+        clock.now += 0.1  # 4 tokens a step
+    else:
+        raise AssertionError("the scheduler did not finish its work")
+    assert seq.num_output == 30 and max(proposed) > 0
+    assert max(proposed) < 6, "a proposal as long as the speculator's 6 would pass the bucket's 4 a step"
