@@ -4,7 +4,8 @@ replay flooder and a grammar bomber, in turns with the normal tenants alone.
     .venv/bin/python -m checks.soak --abuse --duration-s 60 --rounds 2 --concurrency 4
 
 The cache service publishes KV events and answers replay requests (its default caps); the
-model service runs --api-keys with two normal tenants, an abusive one and a bomber, and
+model service runs --api-keys with two normal tenants, an abusive one (its compute budget:
+--abuser-tokens-per-s, 0 for none) and a bomber, and
 compiles one small grammar before the first run (xgrammar's import and the vocabulary are a
 cost once a process, not the abuse's). Every run has --concurrency clients of the normal tenants (checks/soak.py's streams with random
 cancels, half a tenant) and a probe that calls the cache service as an engine does, once
@@ -29,7 +30,8 @@ grammars' share); then the sessions the cache service expired, its replay reques
 outcome. So that the server's part of a gap can be told from the clients', it gives the
 CPU seconds of each process a run (the services, the abusive clients' process, this one)
 and the services' in the AFTER_S seconds after it with no client (work a run left
-running), the model service's tokens by tenant, and its threads' CPU by name; then the
+running), the model service's tokens by tenant (and the steps and tokens a compute budget
+deferred), and its threads' CPU by name; then the
 abuses' answers. Exits 1 if
 a normal tenant's request failed, a probe call failed or took the lease TTL or longer, a
 session expired, or blocks stayed leased.
@@ -263,14 +265,24 @@ def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> 
                 grammar_cache=soak.metric(model.metrics_url, "pagedkv_model_grammar_cache_bytes"))
 
 
+DEFERRED = {"pagedkv_model_tenant_budget_deferred_steps_total": "deferred steps",
+            "pagedkv_model_tenant_budget_deferred_tokens_total": "deferred tokens"}
+
+
 def tenant_tokens(model) -> Counter[str]:
-    """The tokens the model service computed for each tenant so far, prompt and completion."""
+    """The tokens the model service computed for each tenant so far, prompt and completion,
+    and the steps and tokens its compute budget deferred ("TENANT deferred steps")."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(model.metrics_url, timeout=10).read().decode()
-    return Counter({f"{sample.labels['tenant']} {sample.labels['kind']}": sample.value
-                    for family in text_string_to_metric_families(text) for sample in family.samples
-                    if sample.name == "pagedkv_model_tenant_tokens_total"})
+    counts = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pagedkv_model_tenant_tokens_total":
+                counts[f"{sample.labels['tenant']} {sample.labels['kind']}"] = sample.value
+            elif sample.name in DEFERRED:
+                counts[f"{sample.labels['tenant']} {DEFERRED[sample.name]}"] = sample.value
+    return counts
 
 
 def cpu_snapshot(model, cache) -> dict:
@@ -286,8 +298,7 @@ def run(args) -> int:
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({
         **{key: {"tenant": f"normal-{key[-1]}"} for key in NORMAL_KEYS},
-        soak.ABUSER_KEY: {"tenant": "abuser", "max_concurrent_requests": soak.ABUSER_MAX_CONCURRENT,
-                          "max_queued_requests": 2, "kv_blocks": args.abuser_kv_blocks},
+        soak.ABUSER_KEY: soak.abuser_limits(args),
         BOMBER_KEY: {"tenant": "bomber", "max_concurrent_requests": 2},
     }))
     keys.chmod(0o600)
@@ -355,12 +366,17 @@ def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: d
     print("| CPU seconds a run (median of rounds) | alone | beside the abuse |\n| --- | ---: | ---: |")
     for name in runs["alone"][0]["cpu"]:
         row(name, lambda rs, name=name: f"{statistics.median(r['cpu'][name] for r in rs):.1f}")
-    print("\nTokens the model service computed for each tenant a run (prompt / completion), every round:\n")
+    print(f"\nTokens the model service computed for each tenant a run (prompt / completion), every round; "
+          f"with a compute budget (the abuser's: --abuser-tokens-per-s {args.abuser_tokens_per_s}), the steps "
+          f"and tokens it deferred:\n")
     for kind, kind_runs in runs.items():
         for index, run in enumerate(kind_runs):
             tenants = sorted({name.split()[0] for name in run["tokens"]})
             print(f"- {kind} {index + 1}: " + ", ".join(
                 f"{tenant} {run['tokens'][tenant + ' prompt']:.0f} / {run['tokens'][tenant + ' completion']:.0f}"
+                + (f" (deferred: {run['tokens'][tenant + ' deferred steps']:.0f} steps, "
+                   f"{run['tokens'][tenant + ' deferred tokens']:.0f} tokens)"
+                   if run["tokens"][tenant + " deferred steps"] else "")
                 for tenant in tenants))
     for key, what in (("threads", "during"), ("after_threads", f"the {AFTER_S:g} s after")):
         print(f"\nModel service threads by name, CPU seconds {what} each run (the five busiest):\n")

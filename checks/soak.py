@@ -26,7 +26,7 @@ table; exits 1 if blocks leaked or a request failed with an unexpected status.
 With --abusive-concurrency N, the model service runs --api-keys with two tenants, and the
 soak runs twice on the same services: the normal tenant's clients alone, then again with
 N clients of an abusive tenant (max_concurrent_requests 4, max_queued_requests 2, a
-kv_blocks share) beside them. Each abusive client loops over four abuses at random:
+kv_blocks share, a compute budget of --abuser-tokens-per-s) beside them. Each abusive client loops over four abuses at random:
 an oversized HTTP body sent without a token (401 or 413 before it is read), a prompt of
 max_model_len - 1 tokens, the whole vocabulary as stop ids with min_tokens, and a burst of
 3 × its max_concurrent_requests at once (RESOURCE_EXHAUSTED past the limit). The table
@@ -227,6 +227,9 @@ def main() -> int:
     parser.add_argument("--abusive-concurrency", type=int, default=0,
                         help="clients of an abusive tenant; > 0 runs the normal clients alone, then beside them")
     parser.add_argument("--abuser-kv-blocks", type=int, default=32, help="the abusive tenant's kv_blocks share")
+    parser.add_argument("--abuser-tokens-per-s", type=int, default=512,
+                        help="the abusive tenant's compute budget (--api-keys max_tokens_per_s: one max-size prompt "
+                             "of the default --max-model-len a second); 0: none")
     parser.add_argument("--abuses", default="body,prompt,stop,burst",
                         help="which abuses to run, by a word of their name (body, prompt, stop, burst), comma-separated")
     parser.add_argument("--abusive-body-bytes", type=int, default=32 * 1024 * 1024,
@@ -420,6 +423,12 @@ def pin_clients(pin: bool) -> None:
         os.sched_setaffinity(0, {1})
 
 
+def abuser_limits(args) -> dict:
+    """The abusive tenant's entry in the --api-keys file."""
+    return {"tenant": "abuser", "max_concurrent_requests": ABUSER_MAX_CONCURRENT, "max_queued_requests": 2,
+            "kv_blocks": args.abuser_kv_blocks, "max_tokens_per_s": args.abuser_tokens_per_s}
+
+
 def two_tenants(args) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pagedkv-soak-tenants-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -428,8 +437,7 @@ def two_tenants(args) -> int:
     keys = workdir / "keys.json"
     keys.write_text(json.dumps({
         NORMAL_KEY: {"tenant": "normal"},
-        ABUSER_KEY: {"tenant": "abuser", "max_concurrent_requests": ABUSER_MAX_CONCURRENT, "max_queued_requests": 2,
-                     "kv_blocks": args.abuser_kv_blocks},
+        ABUSER_KEY: abuser_limits(args),
     }))
     metadata = bearer_metadata(NORMAL_KEY)
     pinned = pin_services(args.pin)
@@ -450,6 +458,7 @@ def two_tenants(args) -> int:
                       f"ITL p99 {percentile(normal.itl, 0.99) * 1e3:.2f} ms", file=sys.stderr, flush=True)
         preempted = label_samples(model.metrics_url, "pagedkv_model_tenant_preemptions_total")
         peaks = label_samples(model.metrics_url, "pagedkv_model_tenant_kv_blocks_peak")
+        deferred = label_samples(model.metrics_url, "pagedkv_model_tenant_budget_deferred_steps_total")
         sizing = cache_stub.GetSizing(cache_pb2.GetSizingRequest(), timeout=10)
 
     def rate(run) -> float:
@@ -485,7 +494,8 @@ def two_tenants(args) -> int:
         abuses.cpu += answered.cpu
     leased = max(run[3].blocks_leased for name in runs for run in runs[name])
     print(f"\nthe abusive clients' own CPU: {abuses.cpu:.1f} s (a process of their own); "
-          f"preemptions by tenant: {preempted}; peak KV blocks by tenant: {peaks}; "
+          f"preemptions by tenant: {preempted}; peak KV blocks by tenant: {peaks}; steps its compute budget "
+          f"(--abuser-tokens-per-s {args.abuser_tokens_per_s}) deferred a tenant's tokens in: {deferred}; "
           f"most blocks leased after a run: {leased}\n")
     print("| abuse: answer | count |\n| --- | --- |")
     for name, count in sorted(abuses.abuses.items()):

@@ -29,6 +29,13 @@ TENANT_KV_BLOCKS_PEAK = Gauge("pagedkv_model_tenant_kv_blocks_peak", "The most K
                               "held at once since the model service started", ["tenant"])
 TENANT_PREEMPTIONS = Counter("pagedkv_model_tenant_preemptions", "The tenant's sequences preempted for recompute",
                              ["tenant"])
+TENANT_BUDGET_DEFERRED_TOKENS = Counter(
+    "pagedkv_model_tenant_budget_deferred_tokens", "Tokens the tenant's sequences would have run in a step but for its "
+    "compute budget (--api-keys max_tokens_per_s), summed over steps: one held back three steps counts three",
+    ["tenant"])
+TENANT_BUDGET_DEFERRED_STEPS = Counter(
+    "pagedkv_model_tenant_budget_deferred_steps", "Engine steps in which the tenant's compute budget "
+    "(--api-keys max_tokens_per_s) held back some of its sequences' tokens", ["tenant"])
 PROMPT_TOKENS = Counter("pagedkv_model_prompt_tokens", "Prompt tokens of accepted requests")
 GENERATED_TOKENS = Counter("pagedkv_model_generated_tokens", "Tokens generated")
 QUEUE_LENGTH = Gauge("pagedkv_model_queue_length", "Requests waiting for blocks or a batch slot")

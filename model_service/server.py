@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "--auth-token apply as on gRPC")
     add_flag(parser, "--api-keys", default=None,
              help="YAML or JSON file mapping each bearer key to {tenant, max_concurrent_requests, "
-                  "max_queued_requests, min_priority, kv_blocks, admin} (all but tenant optional), on gRPC and "
-                  "HTTP; read again on SIGHUP; --auth-token is the single-tenant form")
+                  "max_queued_requests, min_priority, kv_blocks, max_tokens_per_s, burst_tokens, admin, loras, "
+                  "may_load_loras} (all but tenant optional), on gRPC and HTTP; read again on SIGHUP; "
+                  "--auth-token is the single-tenant form")
     add_flag(parser, "--max-prompts-per-request", default=DEFAULT_MAX_PROMPTS, type=int,
              help="prompts one /v1/completions body may list (each is a request); 400 past it")
     add_flag(parser, "--grammar-compile-threads", default=CompileLimits().threads, type=int,
@@ -322,6 +323,7 @@ async def serve(args: argparse.Namespace) -> int:
         model_fingerprint=fingerprint, lease_ahead_blocks=args.lease_ahead_blocks, kv_cache_dtype=kv_dtype,
         served_model_name=args.served_model_name or loaded.model_id,
         tenant_kv_blocks=api_keys.kv_block_shares() if api_keys else (),
+        tenant_compute_budgets=api_keys.compute_budgets() if api_keys else (),
         speculative=speculative,
         cuda_graphs=use_cuda_graphs(args.cuda_graphs, device, args.attention_backend,
                                     device.type == "cuda" and load_triton_kernels() is not None),

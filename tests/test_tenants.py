@@ -60,6 +60,9 @@ def test_lora_fields_are_optional_and_read(tmp_path):
     ('{"sk-aaaaaaaa": {"tenant": "a", "loras": "sql"}}', "loras must list the names"),
     ('{"sk-aaaaaaaa": {"tenant": "a", "loras": [1]}}', "loras must list the names"),
     ('{"sk-aaaaaaaa": {"tenant": "a", "may_load_loras": "yes"}}', "may_load_loras must be true or false"),
+    ('{"sk-aaaaaaaa": {"tenant": "a", "max_tokens_per_s": -5}}', "max_tokens_per_s must be a non-negative integer"),
+    ('{"sk-aaaaaaaa": {"tenant": "a", "max_tokens_per_s": 1.5}}', "max_tokens_per_s must be a non-negative integer"),
+    ('{"sk-aaaaaaaa": {"tenant": "a", "burst_tokens": 100}}', "burst_tokens is the most of a max_tokens_per_s"),
 ])
 def test_a_broken_keys_file_is_refused_without_naming_a_key(tmp_path, content, message):
     (tmp_path / "keys.json").write_text(content)
@@ -120,6 +123,26 @@ def test_a_reload_drops_revoked_keys_and_updates_a_tenant_in_place(tmp_path):
     path.write_text("{not json")
     assert not keys.reload()  # a broken file changes nothing
     assert keys.tenant_of(b"sk-cccccccc") is not None
+
+
+def test_compute_budgets_go_to_the_scheduler_and_a_reload_leaves_them_as_they_were(tmp_path):
+    from structlog.testing import capture_logs
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-aaaaaaaa": {"tenant": "a", "max_tokens_per_s": 500},
+                                "sk-bbbbbbbb": {"tenant": "b", "max_tokens_per_s": 50, "burst_tokens": 200},
+                                "sk-cccccccc": {"tenant": "c", "max_tokens_per_s": 0}}))
+    path.chmod(0o600)
+    keys = ApiKeys.configure(None, str(path))
+    assert keys.compute_budgets() == (("a", 500, 0), ("b", 50, 200)), "0: no budget"
+    assert keys.tenant_of(b"sk-aaaaaaaa") == Tenant("a", max_tokens_per_s=500)
+    path.write_text(json.dumps({"sk-aaaaaaaa": {"tenant": "a", "max_tokens_per_s": 5, "max_concurrent_requests": 3},
+                                "sk-bbbbbbbb": {"tenant": "b", "max_tokens_per_s": 50, "burst_tokens": 200}}))
+    with capture_logs() as logs:
+        assert keys.reload()
+    a = keys.tenant_of(b"sk-aaaaaaaa")
+    assert a.max_concurrent_requests == 3 and a.max_tokens_per_s == 500, "the scheduler has the start-up budget"
+    assert [log["tenant"] for log in logs if log["event"] == "api_keys_compute_budget_unchanged"] == ["a"]
 
 
 def test_an_unknown_adapter_is_not_found_and_leaves_no_request_id_bound():

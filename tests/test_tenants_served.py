@@ -3,7 +3,8 @@ file, three tenants) and --auth-token (a key of no tenant), on a pool of 32 bloc
 map to tenants on gRPC and HTTP alike, a tenant past its max_concurrent_requests gets
 RESOURCE_EXHAUSTED / 429 while the other runs, cached prefixes are not shared between
 tenants (each salt is scoped to its tenant), a tenant past its kv_blocks share is the one
-preempted when the pool runs short, and the per-tenant Prometheus series, scraped from
+preempted when the pool runs short, a tenant past its compute budget (max_tokens_per_s)
+waits while another's requests run, and the per-tenant Prometheus series, scraped from
 /metrics, count what each ran, held and lost to preemption.
 """
 
@@ -24,7 +25,7 @@ from harness.processes import SHARED_LEASE_TTL, start_cache_service, start_model
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
-KEY_A, KEY_B, KEY_C = "sk-tenant-a-key", "sk-tenant-b-key", "sk-tenant-c-key"
+KEY_A, KEY_B, KEY_C, KEY_D = "sk-tenant-a-key", "sk-tenant-b-key", "sk-tenant-c-key", "sk-tenant-d-key"
 SINGLE_TOKEN = "sk-no-tenant-token"  # --auth-token: requests of no tenant
 POOL_BLOCKS = 32  # of 16 tokens: two completions of 300 tokens cannot run side by side
 # Long enough for several full blocks: the prefix cache keys whole blocks.
@@ -36,7 +37,8 @@ def services(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "max_concurrent_requests": 1},
-                                KEY_B: {"tenant": "b"}, KEY_C: {"tenant": "c", "kv_blocks": 4}}))
+                                KEY_B: {"tenant": "b"}, KEY_C: {"tenant": "c", "kv_blocks": 4},
+                                KEY_D: {"tenant": "d", "max_tokens_per_s": 400, "burst_tokens": 16}}))
     with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB",
                              "--max-blocks", str(POOL_BLOCKS)) as cache, \
             start_model_service(tmp, cache.address, "--api-keys", str(keys), "--auth-token", SINGLE_TOKEN,
@@ -149,4 +151,23 @@ def test_the_tenant_past_its_kv_blocks_share_is_preempted_not_the_newer_request_
     assert preempted.get("c", 0) > preempted_before.get("c", 0), "c was never preempted"
     assert preempted.get("b", 0) == preempted_before.get("b", 0), "b was preempted though c was past its share"
     assert c_last.usage.recomputed_tokens > 0 and b_last.usage.recomputed_tokens == 0
+    wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
+
+
+def test_a_tenant_past_its_compute_budget_is_deferred_while_the_other_s_requests_complete(services):
+    cache, model, stub = services
+    deferred_before = by_tenant(model, "pagedkv_model_tenant_budget_deferred_tokens_total")
+    # d's bucket holds 16 tokens: its 120-token prompt cannot go in one step, so its
+    # sequence waits between chunks (about 0.3 s in all at 400 tokens a second).
+    sampling = model_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0)
+    d_call = stub.Generate(model_pb2.GenerateRequest(prompt_token_ids=[5 + i % 50 for i in range(120)],
+                                                     sampling=sampling), timeout=120, metadata=bearer_metadata(KEY_D))
+    for _ in range(3):
+        assert generate(stub, KEY_B, prompt="b runs").usage.completion_tokens == 2
+    d_last = [response for response in d_call][-1]
+    assert d_last.usage.completion_tokens == 8 and d_last.usage.recomputed_tokens == 0
+    deferred = by_tenant(model, "pagedkv_model_tenant_budget_deferred_tokens_total")
+    steps = by_tenant(model, "pagedkv_model_tenant_budget_deferred_steps_total")
+    assert deferred["d"] > deferred_before.get("d", 0) and steps["d"] > 0
+    assert "b" not in deferred, "b has no budget: nothing of its is ever deferred"
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")

@@ -3,6 +3,7 @@
 `--api-keys FILE` (YAML or JSON) maps each key to a tenant:
 
     sk-team-a: {tenant: team-a, max_concurrent_requests: 8, max_queued_requests: 4, min_priority: 0}
+    sk-batch: {tenant: batch, max_tokens_per_s: 2000, burst_tokens: 4000}
     sk-team-b: {tenant: team-b}
     sk-ops: {tenant: ops, admin: true}
     sk-team-c: {tenant: team-c, loras: [sql, chat], may_load_loras: true}
@@ -13,7 +14,11 @@ counted against its limits (RESOURCE_EXHAUSTED, HTTP 429, past them), a priority
 below its `min_priority` becomes `min_priority` (lower runs first), its cached prefixes
 live in a namespace of its own (cache_namespace: the tenant and the salt it sends, so no
 salt reaches another tenant's), and its `kv_blocks` goes to the scheduler by its name
-(kv_block_shares). `admin` keys may also drop the prefix cache, which every tenant shares.
+(kv_block_shares). `max_tokens_per_s` is its compute budget: the tokens the engine computes for
+it (prompt tokens prefilled, tokens decoded) refill a bucket of `burst_tokens` (0 or absent:
+one second's worth) at that rate, and its sequences past it are skipped in a step, not
+preempted nor failed, until it refills (sched/tenant_budgets.py, compute_budgets); its
+streams only get slower. `admin` keys may also drop the prefix cache, which every tenant shares.
 `loras` lists the LoRA adapters the tenant may use (absent: every one loaded): any other is
 an unknown model to it (404 / NOT_FOUND, and left out of /v1/models), so adapter names do
 not leak between tenants. `may_load_loras` lets its keys load and unload adapters at run
@@ -40,9 +45,12 @@ from model_service.metrics import NO_TENANT
 
 log = structlog.get_logger()
 
-FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "admin",
-          "loras", "may_load_loras")
-COUNTS = ("max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks")
+FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks",
+          "max_tokens_per_s", "burst_tokens", "admin", "loras", "may_load_loras")
+COUNTS = ("max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "max_tokens_per_s",
+          "burst_tokens")
+# Given to the scheduler at start-up: a SIGHUP leaves them as they were (logged).
+START_UP_ONLY = ("kv_blocks", "max_tokens_per_s", "burst_tokens")
 
 
 @dataclass(slots=True)
@@ -54,6 +62,10 @@ class Tenant:
     # Its share of the pool, in blocks (0: none): past it, its sequences are preempted
     # first and its waiting ones admitted after other tenants' (sched/scheduler.py).
     kv_blocks: int = 0
+    # Its compute budget: tokens computed for it a second, and the most its bucket holds
+    # (0: one second's worth); 0: no budget. Past it, its sequences wait (sched/tenant_budgets.py).
+    max_tokens_per_s: int = 0
+    burst_tokens: int = 0
     admin: bool = False  # may drop the prefix cache (POST /reset_prefix_cache), every tenant's
     loras: frozenset[str] | None = None  # the LoRA adapters it may use; None: every one
     may_load_loras: bool = False  # may load and unload LoRA adapters at run time
@@ -114,8 +126,11 @@ class ApiKeys:
                 if current.kv_blocks != tenant.kv_blocks:
                     log.warning("api_keys_kv_blocks_unchanged", tenant=tenant.name,
                                 reason="the scheduler's kv_blocks shares are set at start-up; restart to change them")
+                if (current.max_tokens_per_s, current.burst_tokens) != (tenant.max_tokens_per_s, tenant.burst_tokens):
+                    log.warning("api_keys_compute_budget_unchanged", tenant=tenant.name,
+                                reason="the scheduler's compute budgets are set at start-up; restart to change them")
                 for limit in fields(Tenant):
-                    if limit.compare and limit.name not in ("name", "kv_blocks"):
+                    if limit.compare and limit.name != "name" and limit.name not in START_UP_ONLY:
                         setattr(current, limit.name, getattr(tenant, limit.name))
                 loaded[key] = current
         self._use(loaded)
@@ -128,6 +143,11 @@ class ApiKeys:
     def kv_block_shares(self) -> tuple[tuple[str, int], ...]:
         """(tenant, kv_blocks) of each tenant given a share of the pool, for the scheduler."""
         return tuple(sorted((name, tenant.kv_blocks) for name, tenant in self.tenants.items() if tenant.kv_blocks))
+
+    def compute_budgets(self) -> tuple[tuple[str, int, int], ...]:
+        """(tenant, max_tokens_per_s, burst_tokens) of each tenant given a compute budget, for the scheduler."""
+        return tuple(sorted((name, tenant.max_tokens_per_s, tenant.burst_tokens)
+                            for name, tenant in self.tenants.items() if tenant.max_tokens_per_s))
 
 
 def _digest(key: bytes) -> bytes:
@@ -181,6 +201,8 @@ def load_api_keys(path: Path) -> dict[str, Tenant]:
         if name == NO_TENANT:
             raise ValueError(f"{where}: tenant {NO_TENANT!r} is the metrics' label of requests without a tenant; "
                              "give this one another name")
+        if entry.get("burst_tokens") and not entry.get("max_tokens_per_s"):
+            raise ValueError(f"{where}: burst_tokens is the most of a max_tokens_per_s budget; it needs one")
         admin, may_load_loras = (_flag(entry, flag, where) for flag in ("admin", "may_load_loras"))
         tenants[key] = Tenant(name, admin=admin, may_load_loras=may_load_loras, loras=_loras(entry, where),
                               **{name_: _count(entry, name_, where) for name_ in COUNTS

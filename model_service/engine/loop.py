@@ -280,6 +280,7 @@ class Engine:
             self._apply_answer()
             self._retire_ended()
             step = self._schedule()
+        self._count_deferred(step)
         self._send(step.lease_ops)
         if step.batch:
             self._session.check_lease_deadline()
@@ -318,6 +319,14 @@ class Engine:
                 metrics.TENANT_PREEMPTIONS.labels(metrics.tenant_label(seq.tenant)).inc()
             log.info("preempted", requests=[s.request_id for s in step.preempted])
         return step
+
+    @staticmethod
+    def _count_deferred(step: Step) -> None:
+        """The tokens tenants' compute budgets held back from the step that runs."""
+        for tenant, tokens in step.deferred.items():
+            label = metrics.tenant_label(tenant)
+            metrics.TENANT_BUDGET_DEFERRED_TOKENS.labels(label).inc(tokens)
+            metrics.TENANT_BUDGET_DEFERRED_STEPS.labels(label).inc()
 
     def _send(self, ops: LeaseOps) -> None:
         if ops:

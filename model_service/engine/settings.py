@@ -55,6 +55,8 @@ class EngineSettings:
     # (tenant, blocks): each tenant's share of the pool (--api-keys kv_blocks), which the
     # scheduler makes it give up first when the pool is short.
     tenant_kv_blocks: tuple[tuple[str, int], ...] = ()
+    # (tenant, max_tokens_per_s, burst_tokens) from --api-keys (sched/tenant_budgets.py).
+    tenant_compute_budgets: tuple[tuple[str, int, int], ...] = ()
     # Speculative decoding (--speculative-method and its flags); off by default.
     speculative: SpeculativeSettings = SpeculativeSettings()
 

@@ -34,6 +34,9 @@ Under either, tenants with a share of the pool (`tenant_kv_blocks`, from --api-k
 `kv_blocks`) may hold more while there is room, but a tenant past its share is preempted
 before any other, and its waiting sequences that would put it past its share are
 admitted only after every other tenant's that can be (tenant_blocks.py keeps the counts).
+A tenant with a compute budget (`tenant_budgets`, from --api-keys `max_tokens_per_s`) runs
+only the tokens its bucket holds: past it, its sequences are skipped in a step, neither
+preempted nor failed (tenant_budgets.py).
 
 A request with n completions is admitted as its completion 0, holding seats for all n.
 Once completion 0 has prefilled the prompt and sampled its first token (the engine
@@ -59,6 +62,7 @@ from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
 from model_service.sched.spec_tails import truncation
 from model_service.sched.tenant_blocks import TenantBlocks
+from model_service.sched.tenant_budgets import ComputeBudget, TenantBudgets
 from model_service.spec.speculator import Speculator
 
 
@@ -71,7 +75,8 @@ class Scheduler(LeaseAnswers):
 
     def __init__(self, limits: SchedulerLimits, blocks_available: int, policy: str = "fcfs",
                  clock=time.monotonic, eos_token_ids: Collection[int] = (),
-                 tenant_kv_blocks: Mapping[str, int] | None = None, speculator: Speculator | None = None) -> None:
+                 tenant_kv_blocks: Mapping[str, int] | None = None, speculator: Speculator | None = None,
+                 tenant_budgets: Mapping[str, ComputeBudget] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
@@ -95,6 +100,7 @@ class Scheduler(LeaseAnswers):
         self.preemptions = 0
         self.steps = 0  # schedule() calls so far: how long a prompt has waited (_prefill_order)
         self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
+        self.budgets = TenantBudgets(tenant_budgets, clock)
         # The same count by LoRA adapter name (no shares: for its metric only).
         self.adapter_blocks = TenantBlocks()
         self._block_chains = BlockChains(limits.block_size)  # what InflightPrefixes hashed, kept
@@ -217,6 +223,7 @@ class Scheduler(LeaseAnswers):
         tokens, and the ends they made (their blocks go back with the next lease call).
         Returns the sequences that ended."""
         for seq, new_tokens in step.batch:
+            self.budgets.charge(seq.tenant, new_tokens)
             start = seq.num_computed
             # A proposal's positions count as computed only as their tokens are kept (below).
             seq.num_computed = start + new_tokens - len(step.proposals.get(seq, ()))
@@ -262,19 +269,22 @@ class Scheduler(LeaseAnswers):
 
         budget = self.limits.max_batch_tokens
         batch: list[tuple[Sequence, int]] = []
+        # Tenants past their compute budget (tenant_budgets.py) skip this step, keeping their blocks.
+        self.budgets.open_step()
         decodes = [s for s in self.running
                    if s.num_uncomputed == 1 and not s.starved and s.capacity(block_size) > s.num_computed]
         proposals: dict[Sequence, list[int]] = {}
-        decodes = decodes[:budget]
+        decodes = [seq for seq in decodes[:budget] if self.budgets.grant(seq.tenant, 1)]
         budget -= len(decodes)
         speculating: list[tuple[Sequence, int]] = []
         for seq in decodes:
-            proposal = self.speculator.propose(seq, budget) if self.speculator else []
+            proposal = self.speculator.propose(seq, self.budgets.spare(seq.tenant, budget)) if self.speculator else []
             if proposal:
                 # After the plain decodes: the attention's decode rows lead the batch.
                 proposals[seq] = proposal
                 speculating.append((seq, 1 + len(proposal)))
                 budget -= len(proposal)
+                self.budgets.take(seq.tenant, len(proposal))
             else:
                 batch.append((seq, 1))
         batch.extend(speculating)
@@ -283,9 +293,10 @@ class Scheduler(LeaseAnswers):
         for seq in self._prefill_order():
             if budget <= 0:
                 break
-            chunk = min(seq.num_uncomputed, budget)
-            batch.append((seq, chunk))
-            budget -= chunk
+            chunk = self.budgets.grant(seq.tenant, min(seq.num_uncomputed, budget), least=block_size)
+            if chunk:
+                batch.append((seq, chunk))
+                budget -= chunk
         self.steps += 1
 
         ops = LeaseOps(truncates=truncates)
@@ -318,7 +329,8 @@ class Scheduler(LeaseAnswers):
         if ops and self.limits.lookahead_tokens and not self.waiting:  # no blocks ahead while others wait
             ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
                                   self.limits.max_model_len)
-        return Step(batch=batch, lease_ops=ops, preempted=preempted, proposals=proposals)
+        return Step(batch=batch, lease_ops=ops, preempted=preempted, proposals=proposals,
+                    deferred=self.budgets.close_step())
 
     def _truncate_rejected(self) -> list[tuple[Sequence, int]]:
         """Cuts the tables that rejected proposals left holding whole blocks past their

@@ -25,6 +25,8 @@ class Step:
     # Speculating sequences' proposed tokens: each one's batch entry is 1 + len(proposal)
     # tokens, its last token then the proposal (model_service/spec/speculator.py).
     proposals: dict[Sequence, list[int]] = field(default_factory=dict)
+    # Tokens each tenant's compute budget held back from this step (tenant_budgets.py).
+    deferred: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
