@@ -47,5 +47,7 @@ def shrink_expand(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     status = library.lora_shrink_expand(x.data_ptr(), x.stride(0), rows, in_features, a.data_ptr(), rank,
                                         b.data_ptr(), b.shape[0], scaling, out.data_ptr(), out.stride(0), level,
                                         torch.get_num_threads())
+    if status == 3:
+        raise MemoryError(f"lora_shrink_expand could not allocate B's transposed copy ({rank} x {b.shape[0]})")
     if status != 0:
         raise ValueError(f"lora_shrink_expand refused rank {rank} at level {LEVELS[level]}")

@@ -84,20 +84,23 @@ typedef struct {
     int num_runs, level;
 } stack_lora;
 
-/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target). */
+/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target). A
+ * decode step's runs are a few rows each: they share out one parallel region, a run to a
+ * thread, rather than a region (and its fork and join) each. */
 static int add_lora(const stack_lora *lora, int layer, int target, const void *x, int64_t x_stride, int in_features,
                     void *y, int64_t y_stride, int column, int num_threads) {
+    int status = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic) reduction(| : status)
     for (int i = 0; i < lora->num_runs; i++) {
         const stack_lora_run *run = &lora->runs[i];
         const stack_lora_factor *f = &run->factors[layer * STACK_LORA_TARGETS + target];
         if (f->a == 0) continue;
-        const int status = lora_shrink_expand(
+        status |= lora_shrink_expand(
             (const float *)x + (int64_t)run->start * x_stride, x_stride, run->end - run->start, in_features,
             (const float *)(intptr_t)f->a, f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling,
-            (float *)y + (int64_t)run->start * y_stride + column, y_stride, lora->level, num_threads);
-        if (status != 0) return status;
+            (float *)y + (int64_t)run->start * y_stride + column, y_stride, lora->level, 1);
     }
-    return 0;
+    return status;
 }
 
 static size_t dtype_bytes(int dtype) {

@@ -1,7 +1,11 @@
-/* lora_sgmv.c's portable level (included by it): a dot product a value at a time. */
+/* lora_sgmv.c's portable level (included by it): a value at a time. */
 
 static float dot_portable(const float *x, const float *y, int n) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) sum += x[i] * y[i];
     return sum;
+}
+
+static void axpy_portable(float alpha, const float *x, float *y, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
 }

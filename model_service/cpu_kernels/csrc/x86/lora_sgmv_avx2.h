@@ -1,4 +1,4 @@
-/* lora_sgmv.c's AVX2 level (included by it on x86): dot products eight lanes at a time. */
+/* lora_sgmv.c's AVX2 level (included by it on x86): eight lanes at a time, with FMA. */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -19,6 +19,14 @@ static float dot_avx2(const float *x, const float *y, int n) {
     float sum = _mm_cvtss_f32(half);
     for (; i < n; i++) sum += x[i] * y[i];
     return sum;
+}
+
+static void axpy_avx2(float alpha, const float *x, float *y, int n) {
+    const __m256 scale = _mm256_set1_ps(alpha);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += alpha * x[i];
 }
 
 #pragma GCC pop_options
