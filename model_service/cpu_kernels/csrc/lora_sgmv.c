@@ -9,7 +9,11 @@
  * scales one of its rows into the output row, whole vectors of outputs at a time, where dot
  * products over b's rows are `rank` long (often a single vector) and each ends in a
  * horizontal sum. A shorter run (a decode step's few rows of one adapter) takes the dot
- * products: the copy would cost more than it saves.
+ * products: the copy would cost more than it saves. A run of LORA_PANEL_ROWS rows or more (a
+ * prefill chunk's) at the AVX2 level or above goes through f32_matmul.c's panels instead,
+ * both factors packed once a call: its register tiles reuse each loaded factor across
+ * tokens, where the row-at-a-time loops reload them for every row. The delta is then scaled
+ * and added: x · Aᵀ · Bᵀ rounds differently from the other two ways, to float32 rounding.
  *
  * Levels (lora_sgmv.py's LEVELS; cpu_levels.h's scheme): portable, a value at a time; AVX2,
  * eight lanes with FMA; AVX-512F, sixteen. The lanes sum in another order, so the levels
@@ -19,12 +23,14 @@
 #include "cpu_levels.h"
 #include "cpu_math.h"
 #include "pagedkv_kernels.h"
+#include "panel_driver.h"
 
 enum { LORA_PORTABLE = 0, LORA_AVX2 = 1, LORA_AVX512 = 2 };
 /* The rank ceiling (pagedkv/lora_slots.py's RANK_CEILING): the shrunk row lives on the stack. */
 #define LORA_MAX_RANK 512
-/* Rows from which the expand transposes b (see above). */
+/* Rows from which the expand transposes b, and from which a run goes through the panels (see above). */
 #define LORA_TRANSPOSE_ROWS 8
+#define LORA_PANEL_ROWS 64
 
 typedef float (*dot_fn)(const float *x, const float *y, int n);
 typedef void (*axpy_fn)(float alpha, const float *x, float *y, int n); /* y += alpha * x */
@@ -51,6 +57,29 @@ static const cpu_check_fn lora_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL
 /* The highest level this CPU runs. */
 int lora_best_level(void) { return best_level(lora_checks); }
 
+static int64_t panel_floats(int rows, int cols) { return (int64_t)(rows + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS * cols; }
+
+/* A long run through f32_matmul.c's panels (the LoRA levels' indices are f32_linear's):
+ * shrunk = x · Aᵀ, delta = shrunk · Bᵀ, out += scaling * delta. */
+static int through_panels(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
+                          const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level,
+                          axpy_fn axpy, int num_threads) {
+    const int64_t a_n = panel_floats(rank, in_f), b_n = panel_floats(out_f, rank);
+    float *scratch = malloc((size_t)(a_n + b_n + (int64_t)rows * rank + (int64_t)rows * out_f) * sizeof(float));
+    if (scratch == NULL) return 3;
+    float *a_panels = scratch, *b_panels = a_panels + a_n, *shrunk = b_panels + b_n, *delta = shrunk + (int64_t)rows * rank;
+    int status = f32_pack_panels(a, in_f, rank, in_f, a_panels) || f32_pack_panels(b, rank, out_f, rank, b_panels) ||
+                 f32_linear(x, x_row_stride, rows, in_f, rank, a_panels, shrunk, rank, level, num_threads) ||
+                 f32_linear(shrunk, rank, rows, rank, out_f, b_panels, delta, out_f, level, num_threads);
+    if (status == 0) {
+#pragma omp parallel for num_threads(num_threads)
+        for (int row = 0; row < rows; row++)
+            axpy(scaling, delta + (int64_t)row * out_f, out + (int64_t)row * out_row_stride, out_f);
+    }
+    free(scratch);
+    return status == 0 ? 0 : 2;
+}
+
 /* Returns 0, or 1 for a rank outside 1..LORA_MAX_RANK, 2 for a level above lora_best_level,
  * 3 without memory for b's transposed copy. */
 int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
@@ -60,6 +89,9 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
     if (level < LORA_PORTABLE || level > lora_best_level()) return 2;
     const dot_fn dot = LEVEL_PICK(lora_levels, level);
     const axpy_fn axpy = LEVEL_PICK(lora_axpy_levels, level);
+    if (rows >= LORA_PANEL_ROWS && level >= LORA_AVX2) return through_panels(x, x_row_stride, rows, in_f, a, rank, b,
+                                                                            out_f, scaling, out, out_row_stride,
+                                                                            level, axpy, num_threads);
     float *b_t = NULL;
     if (rows >= LORA_TRANSPOSE_ROWS) {
         b_t = malloc((size_t)rank * out_f * sizeof(float));
