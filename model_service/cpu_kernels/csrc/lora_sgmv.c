@@ -30,7 +30,7 @@ enum { LORA_PORTABLE = 0, LORA_AVX2 = 1, LORA_AVX512 = 2 };
 #define LORA_MAX_RANK 512
 /* Rows from which the expand transposes b, and from which a run goes through the panels (see above). */
 #define LORA_TRANSPOSE_ROWS 8
-#define LORA_PANEL_ROWS 64
+#define LORA_PANEL_ROWS 32
 
 typedef float (*dot_fn)(const float *x, const float *y, int n);
 typedef void (*axpy_fn)(float alpha, const float *x, float *y, int n); /* y += alpha * x */
