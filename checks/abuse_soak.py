@@ -57,7 +57,8 @@ from pathlib import Path
 
 import grpc
 
-from checks import cpu_use, soak
+from checks import soak
+from harness import cpu_use
 from harness.cache_helpers import allocate, attach, lease, release
 from checks.memory_soak import status_kib
 from harness.processes import free_port, start_cache_service, start_model_service

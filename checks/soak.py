@@ -60,7 +60,7 @@ from pathlib import Path
 
 import grpc
 
-from checks.cpu_use import cpu_seconds
+from harness.cpu_use import cpu_seconds
 from harness.processes import start_cache_service, start_model_service
 
 from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc

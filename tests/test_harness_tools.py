@@ -1,4 +1,4 @@
-"""checks/cpu_use.py's process tree, harness/peers/settle.py and the environment harness/processes.py gives services."""
+"""harness/cpu_use.py's process tree, harness/peers/settle.py and the environment harness/processes.py gives services."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from checks.cpu_use import process_tree, tree_seconds
+from harness.cpu_use import process_tree, tree_seconds
 from harness.peers.settle import settle
 
 # A child that starts a grandchild, says both pids, burns CPU until told to stop, then waits.

@@ -21,7 +21,8 @@ COMPILER = shutil.which("cc") or shutil.which("gcc")
 def test_the_header_gives_every_signature():
     signatures = header.signatures()
     i32, i64, f32, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    assert signatures["decode_stack"] == ([ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i64, ptr, i32, i32], i32)
+    assert signatures["decode_stack"] == ([ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i64, ptr, i32, ptr, i32, i32,
+                                          i32], i32)
     assert signatures["rms_norm"] == ([ptr, i64, ptr, ptr, i32, i32, f32, i32, i32], None)
     assert signatures["quant_best_level"] == ([], i32)
     best = [name for name in signatures if name.endswith(("_best_level", "_cpu_level"))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from checks.cpu_use import tree_seconds
+from harness.cpu_use import tree_seconds
 
 # The quiet window: this long with the children's CPU under IDLE_SHARE of a core (Linux
 # counts CPU time in ticks of 10 ms, so the window holds a few).

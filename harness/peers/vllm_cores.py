@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from checks.cpu_use import process_tree
+from harness.cpu_use import process_tree
 
 
 def environment(threads: int, **extra: str) -> dict[str, str]:
