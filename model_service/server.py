@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "--auth-token apply as on gRPC")
     add_flag(parser, "--api-keys", default=None,
              help="YAML or JSON file mapping each bearer key to {tenant, max_concurrent_requests, "
-                  "max_queued_requests, min_priority, kv_blocks, max_tokens_per_s, burst_tokens, admin, loras, "
+                  "max_queued_requests, min_priority, kv_blocks, max_tokens_per_s, burst_tokens, max_requests_per_s, "
+                  "admin, loras, "
                   "may_load_loras} (all but tenant optional), on gRPC and HTTP; read again on SIGHUP; "
                   "--auth-token is the single-tenant form")
     add_flag(parser, "--max-prompts-per-request", default=DEFAULT_MAX_PROMPTS, type=int,

@@ -220,7 +220,20 @@ def test_requests_beyond_max_queued_requests_are_resource_exhausted(stack):
                      "--max-queued-requests 1")
     finally:
         running.cancel()
+    # The cancel reaches the server in its own time; until it has, the stream holds the
+    # one queued slot and a request is refused as the one above was.
+    wait_for(lambda: slot_free(stub), 30, "the cancelled stream's queued slot given back")
     assert_healthy(stack)
+
+
+def slot_free(stub) -> bool:
+    try:
+        good_request(stub)
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return False
+    return True
 
 
 def test_pool_momentarily_full_queues_instead_of_failing(stack):

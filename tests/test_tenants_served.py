@@ -4,13 +4,17 @@ map to tenants on gRPC and HTTP alike, a tenant past its max_concurrent_requests
 RESOURCE_EXHAUSTED / 429 while the other runs, cached prefixes are not shared between
 tenants (each salt is scoped to its tenant), a tenant past its kv_blocks share is the one
 preempted when the pool runs short, a tenant past its compute budget (max_tokens_per_s)
-waits while another's requests run, and the per-tenant Prometheus series, scraped from
+waits while another's requests run, a tenant past its max_requests_per_s is refused on
+both doors (on HTTP before its body is read), and the per-tenant Prometheus series, scraped from
 /metrics, count what each ran, held and lost to preemption.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import time
 import urllib.request
 
 import grpc
@@ -26,6 +30,7 @@ from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.serving import bearer_metadata
 
 KEY_A, KEY_B, KEY_C, KEY_D = "sk-tenant-a-key", "sk-tenant-b-key", "sk-tenant-c-key", "sk-tenant-d-key"
+KEY_E = "sk-tenant-e-key"  # max_requests_per_s: 1
 SINGLE_TOKEN = "sk-no-tenant-token"  # --auth-token: requests of no tenant
 POOL_BLOCKS = 32  # of 16 tokens: two completions of 300 tokens cannot run side by side
 # Long enough for several full blocks: the prefix cache keys whole blocks.
@@ -38,7 +43,8 @@ def services(tmp_path_factory):
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "a", "max_concurrent_requests": 1},
                                 KEY_B: {"tenant": "b"}, KEY_C: {"tenant": "c", "kv_blocks": 4},
-                                KEY_D: {"tenant": "d", "max_tokens_per_s": 400, "burst_tokens": 16}}))
+                                KEY_D: {"tenant": "d", "max_tokens_per_s": 400, "burst_tokens": 16},
+                                KEY_E: {"tenant": "e", "max_requests_per_s": 1}}))
     with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "16MiB",
                              "--max-blocks", str(POOL_BLOCKS)) as cache, \
             start_model_service(tmp, cache.address, "--api-keys", str(keys), "--auth-token", SINGLE_TOKEN,
@@ -171,3 +177,73 @@ def test_a_tenant_past_its_compute_budget_is_deferred_while_the_other_s_requests
     assert deferred["d"] > deferred_before.get("d", 0) and steps["d"] > 0
     assert "b" not in deferred, "b has no budget: nothing of its is ever deferred"
     wait_for(lambda: stats(cache_stub(cache.address)).blocks_leased == 0, 30, "every block released")
+
+
+def counted_refusals(calls: int, call) -> tuple[int, int, float]:
+    """(let through, refused for the rate, seconds taken) of `calls` calls made back to back:
+    `call()` answers whether the rate refused it. A bucket of 1 a second starting full lets
+    through at most 1 + the seconds taken (rounded up); the bound holds however slow the machine."""
+    started = time.monotonic()
+    refused = sum(call() for _ in range(calls))
+    return calls - refused, refused, time.monotonic() - started
+
+
+def test_a_tenant_past_its_request_rate_is_refused_on_both_doors_before_its_body_is_read(services):
+    _, model, stub = services
+    host, port = model.http_url.split("//")[1].split("/")[0].split(":")
+    client = openai.OpenAI(base_url=model.http_url, api_key=KEY_E, max_retries=0, timeout=30)
+
+    def post_without_its_body() -> tuple[int, dict] | None:
+        """A POST that declares a large body and sends none: (status, error) when answered,
+        None when the server waited for the body (the rate let it through)."""
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in (("Authorization", f"Bearer {KEY_E}"), ("Content-Type", "application/json"),
+                            ("Content-Length", "1000000")):
+            connection.putheader(name, value)
+        connection.endheaders()
+        try:
+            answer = connection.getresponse()
+            return answer.status, json.loads(answer.read() or b"{}")
+        except TimeoutError:
+            return None
+        finally:
+            connection.close()
+
+    # Right after a request that empties the bucket, the POST is answered 429 at once: the
+    # gate refuses before reading (had it read, it would wait for the bytes).
+    for _ in range(3):
+        with contextlib.suppress(openai.RateLimitError):
+            client.models.list()
+        answered = post_without_its_body()
+        if answered is not None and answered[0] == 429:
+            break
+    assert answered is not None and answered[0] == 429, "the rate never refused a body it had not read"
+    error = answered[1]["error"]
+    assert error["code"] == "rate_limit_exceeded" and "max_requests_per_s 1" in error["message"]
+
+    def models_list() -> bool:
+        try:
+            client.models.list()
+        except openai.RateLimitError as error:
+            assert "max_requests_per_s" in str(error)
+            return True
+        return False
+
+    through, refused, seconds = counted_refusals(12, models_list)
+    assert through <= 2 + int(seconds) and (refused > 0 or seconds > 10)
+
+    def empty_generate() -> bool:  # refused by validation, if the rate lets it that far
+        try:
+            generate(stub, KEY_E, prompt="")
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "max_requests_per_s" in error.details()
+                return True
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return False
+
+    through, refused, seconds = counted_refusals(12, empty_generate)
+    assert through <= 2 + int(seconds) and (refused > 0 or seconds > 10)
+    # Another tenant's requests are not counted against e's rate, nor refused by it.
+    assert generate(stub, KEY_B, prompt="b runs").usage.completion_tokens == 2

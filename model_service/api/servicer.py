@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 
+import grpc
+
 from model_service.api.admit import admit
 from model_service.api.generation import GenerateError, GenerationService
 from model_service.api.lora_admin import LoraAdmin
+from model_service.api.request_rate import throttled
 from model_service.api.tenants import SINGLE, ApiKeys, Tenant
 from pagedkv.bearer import presented_token
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -39,6 +42,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         remaining_s = context.time_remaining()
         deadline = time.monotonic() + remaining_s if remaining_s is not None else None
         tenant = self._tenant(context)
+        refused = throttled(tenant)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:
             await admit(self.generation, [request], tenant, self.api_keys)
         except GenerateError as error:

@@ -3,7 +3,7 @@
 `--api-keys FILE` (YAML or JSON) maps each key to a tenant:
 
     sk-team-a: {tenant: team-a, max_concurrent_requests: 8, max_queued_requests: 4, min_priority: 0}
-    sk-batch: {tenant: batch, max_tokens_per_s: 2000, burst_tokens: 4000}
+    sk-batch: {tenant: batch, max_tokens_per_s: 2000, burst_tokens: 4000, max_requests_per_s: 20}
     sk-team-b: {tenant: team-b}
     sk-ops: {tenant: ops, admin: true}
     sk-team-c: {tenant: team-c, loras: [sql, chat], may_load_loras: true}
@@ -18,7 +18,10 @@ salt reaches another tenant's), and its `kv_blocks` goes to the scheduler by its
 it (prompt tokens prefilled, tokens decoded) refill a bucket of `burst_tokens` (0 or absent:
 one second's worth) at that rate, and its sequences past it are skipped in a step, not
 preempted nor failed, until it refills (sched/tenant_budgets.py, compute_budgets); its
-streams only get slower. `admin` keys may also drop the prefix cache, which every tenant shares.
+streams only get slower. `max_requests_per_s` bounds how many requests its keys make, each
+refused past it (429 before the body is read; RESOURCE_EXHAUSTED) so that bodies a limit
+would refuse anyway cannot keep the event loop busy parsing them (request_rate.py).
+`admin` keys may also drop the prefix cache, which every tenant shares.
 `loras` lists the LoRA adapters the tenant may use (absent: every one loaded): any other is
 an unknown model to it (404 / NOT_FOUND, and left out of /v1/models), so adapter names do
 not leak between tenants. `may_load_loras` lets its keys load and unload adapters at run
@@ -46,9 +49,9 @@ from model_service.metrics import NO_TENANT
 log = structlog.get_logger()
 
 FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks",
-          "max_tokens_per_s", "burst_tokens", "admin", "loras", "may_load_loras")
+          "max_tokens_per_s", "burst_tokens", "max_requests_per_s", "admin", "loras", "may_load_loras")
 COUNTS = ("max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "max_tokens_per_s",
-          "burst_tokens")
+          "burst_tokens", "max_requests_per_s")
 # Given to the scheduler at start-up: a SIGHUP leaves them as they were (logged).
 START_UP_ONLY = ("kv_blocks", "max_tokens_per_s", "burst_tokens")
 
@@ -66,12 +69,18 @@ class Tenant:
     # (0: one second's worth); 0: no budget. Past it, its sequences wait (sched/tenant_budgets.py).
     max_tokens_per_s: int = 0
     burst_tokens: int = 0
+    # Requests a second its keys may make (HTTP: every route but /health, refused before the
+    # body is read; gRPC: Generate); 0: no limit (request_rate.py).
+    max_requests_per_s: int = 0
     admin: bool = False  # may drop the prefix cache (POST /reset_prefix_cache), every tenant's
     loras: frozenset[str] | None = None  # the LoRA adapters it may use; None: every one
     may_load_loras: bool = False  # may load and unload LoRA adapters at run time
     # Counted on the event loop by GenerationService.
     open_requests: int = field(default=0, compare=False)
     queued_requests: int = field(default=0, compare=False)
+    # Its max_requests_per_s bucket (request_rate.py): what it holds, and when it was last asked.
+    request_tokens: float = field(default=0.0, compare=False)
+    request_checked_at: float = field(default=0.0, compare=False)
 
     def may_use_lora(self, name: str) -> bool:
         return self.loras is None or name in self.loras

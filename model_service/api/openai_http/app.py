@@ -25,6 +25,7 @@ from model_service.api.openai_http import render, to_generate
 from model_service.api.openai_http.to_generate import DEFAULT_MAX_PROMPTS
 from model_service.api.openai_http.errors import ApiError, from_generate_error, install_handlers
 from model_service.api.openai_http.gate import PRINCIPAL, Gate
+from model_service.api.request_rate import throttled
 from model_service.api.openai_http.logprobs import TokenNames
 from model_service.api.openai_http.protocol import (
     ChatCompletionRequest,
@@ -63,7 +64,7 @@ def create_app(generation: GenerationService, *, served_model_name: str | None =
     # Token and body size are checked in front of FastAPI, which reads the body first (gate.py).
     api_keys = api_keys or ApiKeys.configure(auth_token, None)
     app.add_middleware(Gate, max_request_bytes=max_request_bytes,
-                       authenticate=api_keys.tenant_of if api_keys else None)
+                       authenticate=api_keys.tenant_of if api_keys else None, throttle=throttled)
     loaded = generation.engine.loaded
     model_name = served_model_name or loaded.model_id
     created = int(time.time())

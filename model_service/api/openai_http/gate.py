@@ -1,10 +1,11 @@
-"""The HTTP door's gate, in front of FastAPI: the token, then the body's size, before any
-byte of the body is read.
+"""The HTTP door's gate, in front of FastAPI: the token, the tenant's request rate, then the
+body's size, before any byte of the body is read.
 
 FastAPI reads and parses a body before it runs a route's dependencies, so a check there
 comes after the cost: a huge body without a token was read and parsed whole, in time and
 memory in proportion to it, before being refused, stalling every stream sharing the event loop. Here a request without a valid
-token gets 401 and one whose Content-Length is over --max-request-bytes gets 413, both
+token gets 401, one past its tenant's max_requests_per_s 429 (request_rate.py), and one
+whose Content-Length is over --max-request-bytes 413, all three
 without reading the body (and with `connection: close`, so the unread body goes nowhere);
 a body without a length is read up to the limit and no further. Only /health is open.
 """
@@ -27,13 +28,16 @@ PRINCIPAL = "pagedkv.principal"
 
 class Gate:
     """ASGI middleware. `authenticate(token)`: whose the token is (kept in the scope under
-    PRINCIPAL), or None to refuse it; itself None when no token is required."""
+    PRINCIPAL), or None to refuse it; itself None when no token is required. `throttle(principal)`:
+    None to let the request in (counting it), else the reason to refuse it with 429."""
 
     def __init__(self, app: ASGIApp, *, max_request_bytes: int,
-                 authenticate: Callable[[bytes], object | None] | None = None) -> None:
+                 authenticate: Callable[[bytes], object | None] | None = None,
+                 throttle: Callable[[object], str | None] | None = None) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.authenticate = authenticate
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,6 +54,10 @@ class Gate:
                              scope, receive, send)
                 return
             scope[PRINCIPAL] = principal
+            refused = self.throttle(principal) if self.throttle is not None else None
+            if refused is not None:
+                await refuse(ApiError(429, refused, code="rate_limit_exceeded"), scope, receive, send)
+                return
         declared = headers.get(b"content-length")
         if declared is not None:
             try:

@@ -1,0 +1,54 @@
+"""Each tenant's request rate (--api-keys `max_requests_per_s`), checked by both front doors
+before a request costs anything: on the HTTP door in the gate, after the token and before
+a byte of the body is read or parsed; on the gRPC door before Generate's checks.
+
+A tenant's compute budget (sched/tenant_budgets.py) bounds what its admitted requests
+compute; it cannot bound what its refused ones cost. A body is read and parsed before any
+limit that depends on it can refuse it (a grammar past the depth limit, a tenant past its
+open requests), so a tenant that sends many large refused bodies takes the event loop and
+the GIL from every other tenant's streams. This bounds how many it may send.
+
+The bucket holds one second's worth (at least one request) and starts full; its state
+lives on the Tenant, so a SIGHUP that changes the rate applies to the next request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from model_service import metrics
+
+
+def take_request(tenant, clock=time.monotonic) -> float:
+    """0.0 when the tenant may make one more request now (it is counted), else the seconds
+    until it may. Tenants without a rate always may."""
+    rate = tenant.max_requests_per_s
+    if not rate:
+        return 0.0
+    now = clock()
+    capacity = max(1.0, float(rate))
+    if tenant.request_checked_at:
+        tokens = min(capacity, tenant.request_tokens + (now - tenant.request_checked_at) * rate)
+    else:
+        tokens = capacity  # its first request
+    tenant.request_checked_at = now
+    if tokens >= 1.0:
+        tenant.request_tokens = tokens - 1.0
+        return 0.0
+    tenant.request_tokens = tokens
+    return (1.0 - tokens) / rate
+
+
+def refusal(tenant, wait_s: float) -> str:
+    return (f"tenant {tenant.name!r} sends more than its max_requests_per_s {tenant.max_requests_per_s} "
+            f"(--api-keys); retry in {wait_s:.2f} s")
+
+
+def throttled(tenant) -> str | None:
+    """None when the tenant may make this request (counted), else why not: both doors' check
+    (counted in pagedkv_model_requests_rejected_total as RESOURCE_EXHAUSTED)."""
+    wait_s = take_request(tenant)
+    if not wait_s:
+        return None
+    metrics.REJECTED.labels("RESOURCE_EXHAUSTED").inc()
+    return refusal(tenant, wait_s)
