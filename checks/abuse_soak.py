@@ -5,7 +5,7 @@ replay flooder and a grammar bomber, in turns with the normal tenants alone.
 
 The cache service publishes KV events and answers replay requests (its default caps); the
 model service runs --api-keys with two normal tenants, an abusive one (its compute budget:
---abuser-tokens-per-s, 0 for none) and a bomber, and
+--abuser-tokens-per-s, 0 for none) and a bomber (both at --abuser-requests-per-s), and
 compiles one small grammar before the first run (xgrammar's import and the vocabulary are a
 cost once a process, not the abuse's). Every run has --concurrency clients of the normal tenants (checks/soak.py's streams with random
 cancels, half a tenant) and a probe that calls the cache service as an engine does, once
@@ -300,7 +300,7 @@ def run(args) -> int:
     keys.write_text(json.dumps({
         **{key: {"tenant": f"normal-{key[-1]}"} for key in NORMAL_KEYS},
         soak.ABUSER_KEY: soak.abuser_limits(args),
-        BOMBER_KEY: {"tenant": "bomber", "max_concurrent_requests": 2},
+        BOMBER_KEY: {"tenant": "bomber", "max_concurrent_requests": 2, "max_requests_per_s": args.abuser_requests_per_s},
     }))
     keys.chmod(0o600)
     pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"

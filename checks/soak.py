@@ -26,7 +26,8 @@ table; exits 1 if blocks leaked or a request failed with an unexpected status.
 With --abusive-concurrency N, the model service runs --api-keys with two tenants, and the
 soak runs twice on the same services: the normal tenant's clients alone, then again with
 N clients of an abusive tenant (max_concurrent_requests 4, max_queued_requests 2, a
-kv_blocks share, a compute budget of --abuser-tokens-per-s) beside them. Each abusive client loops over four abuses at random:
+kv_blocks share, a compute budget of --abuser-tokens-per-s, a request rate of
+--abuser-requests-per-s) beside them. Each abusive client loops over four abuses at random:
 an oversized HTTP body sent without a token (401 or 413 before it is read), a prompt of
 max_model_len - 1 tokens, the whole vocabulary as stop ids with min_tokens, and a burst of
 3 × its max_concurrent_requests at once (RESOURCE_EXHAUSTED past the limit). The table
@@ -230,6 +231,9 @@ def main() -> int:
     parser.add_argument("--abuser-tokens-per-s", type=int, default=512,
                         help="the abusive tenant's compute budget (--api-keys max_tokens_per_s: one max-size prompt "
                              "of the default --max-model-len a second); 0: none")
+    parser.add_argument("--abuser-requests-per-s", type=int, default=8,
+                        help="the abusive tenant's and the grammar bomber's request rate (--api-keys "
+                             "max_requests_per_s); 0: none")
     parser.add_argument("--abuses", default="body,prompt,stop,burst",
                         help="which abuses to run, by a word of their name (body, prompt, stop, burst), comma-separated")
     parser.add_argument("--abusive-body-bytes", type=int, default=32 * 1024 * 1024,
@@ -426,7 +430,8 @@ def pin_clients(pin: bool) -> None:
 def abuser_limits(args) -> dict:
     """The abusive tenant's entry in the --api-keys file."""
     return {"tenant": "abuser", "max_concurrent_requests": ABUSER_MAX_CONCURRENT, "max_queued_requests": 2,
-            "kv_blocks": args.abuser_kv_blocks, "max_tokens_per_s": args.abuser_tokens_per_s}
+            "kv_blocks": args.abuser_kv_blocks, "max_tokens_per_s": args.abuser_tokens_per_s,
+            "max_requests_per_s": args.abuser_requests_per_s}
 
 
 def two_tenants(args) -> int:

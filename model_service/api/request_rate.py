@@ -10,13 +10,23 @@ the GIL from every other tenant's streams. This bounds how many it may send.
 
 The bucket holds one second's worth (at least one request) and starts full; its state
 lives on the Tenant, so a SIGHUP that changes the rate applies to the next request.
+
+A refusal is answered only once the bucket would hold a request again, or after
+MAX_HOLD_S, whichever is first, as a limiter with a delay does: a client that sends its
+next request when the last is answered (every SDK's loop, and an attacker's) is slowed to
+the rate, instead of taking the event loop for refusals as fast as they come back. A held
+refusal costs a sleeping coroutine, no more; how many there can be is bounded by the
+connections the server accepts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from model_service import metrics
+
+MAX_HOLD_S = 1.0
 
 
 def take_request(tenant, clock=time.monotonic) -> float:
@@ -44,11 +54,12 @@ def refusal(tenant, wait_s: float) -> str:
             f"(--api-keys); retry in {wait_s:.2f} s")
 
 
-def throttled(tenant) -> str | None:
-    """None when the tenant may make this request (counted), else why not: both doors' check
-    (counted in pagedkv_model_requests_rejected_total as RESOURCE_EXHAUSTED)."""
+async def throttled(tenant) -> str | None:
+    """None when the tenant may make this request (counted), else, after the hold, why not:
+    both doors' check (counted in pagedkv_model_requests_rejected_total as RESOURCE_EXHAUSTED)."""
     wait_s = take_request(tenant)
     if not wait_s:
         return None
     metrics.REJECTED.labels("RESOURCE_EXHAUSTED").inc()
+    await asyncio.sleep(min(wait_s, MAX_HOLD_S))
     return refusal(tenant, wait_s)

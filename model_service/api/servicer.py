@@ -42,7 +42,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         remaining_s = context.time_remaining()
         deadline = time.monotonic() + remaining_s if remaining_s is not None else None
         tenant = self._tenant(context)
-        refused = throttled(tenant)
+        refused = await throttled(tenant)
         if refused is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:

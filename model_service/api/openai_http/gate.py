@@ -12,7 +12,7 @@ a body without a length is read up to the limit and no further. Only /health is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,12 +28,13 @@ PRINCIPAL = "pagedkv.principal"
 
 class Gate:
     """ASGI middleware. `authenticate(token)`: whose the token is (kept in the scope under
-    PRINCIPAL), or None to refuse it; itself None when no token is required. `throttle(principal)`:
-    None to let the request in (counting it), else the reason to refuse it with 429."""
+    PRINCIPAL), or None to refuse it; itself None when no token is required. `await
+    throttle(principal)`: None to let the request in (counting it), else the reason to refuse
+    it with 429."""
 
     def __init__(self, app: ASGIApp, *, max_request_bytes: int,
                  authenticate: Callable[[bytes], object | None] | None = None,
-                 throttle: Callable[[object], str | None] | None = None) -> None:
+                 throttle: Callable[[object], Awaitable[str | None]] | None = None) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.authenticate = authenticate
@@ -54,7 +55,7 @@ class Gate:
                              scope, receive, send)
                 return
             scope[PRINCIPAL] = principal
-            refused = self.throttle(principal) if self.throttle is not None else None
+            refused = await self.throttle(principal) if self.throttle is not None else None
             if refused is not None:
                 await refuse(ApiError(429, refused, code="rate_limit_exceeded"), scope, receive, send)
                 return
