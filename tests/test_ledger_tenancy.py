@@ -12,6 +12,7 @@ import torch
 from cache_service.core.ledger import InvalidLease, Ledger, LimitExceeded, SessionLimits
 from cache_service.core.pool import RELEASE_CHUNK_BLOCKS, KvPool, PoolSettings
 from pagedkv.kv_geometry import KvGeometry
+from fake_clock import Clock
 
 BS = 4
 MODEL_A = ("xxh3_128:aaaa", "")
@@ -138,14 +139,6 @@ def test_release_owner_some_releases_in_chunks_and_stays_consistent():
 # ------------------------------------------------------------------ KvPool: grace and chunked detach
 
 GEOMETRY = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_expired_sessions_blocks_wait_out_the_grace(tmp_path):

@@ -7,14 +7,7 @@ import pytest
 
 from model_service.api.request_rate import take_request
 from model_service.api.tenants import Tenant
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from fake_clock import Clock
 
 
 def test_a_full_bucket_then_one_request_each_refill():

@@ -11,14 +11,7 @@ from test_scheduler import drive, run_step, tenant_seq
 from model_service.sched.scheduler import Scheduler, SchedulerLimits
 from model_service.sched.sequence import Status
 from model_service.sched.tenant_budgets import ComputeBudget, TenantBudgets
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from fake_clock import Clock
 
 
 def test_the_bucket_starts_full_grants_what_it_holds_and_refills_at_its_rate_up_to_its_burst():
