@@ -26,10 +26,10 @@ import zmq.auth
 from harness.cache_helpers import TINY_GEOMETRY, allocate, attach, cache_stub, lease, release, wait_for
 from harness.processes import free_port, start_cache_service
 from cache_service.events.publisher import KvEventPublisher
-from cache_service.events.replay import BatchBudget
 from cache_service.events.kv_events import BlockStored, decode_batch
 from cache_service.tiers.disk_tier import DiskGeometry
 from pagedkv.cache.v1 import cache_pb2
+from pagedkv.token_bucket import TokenBucket
 from scrape import metric
 
 BS = 16  # the cache service's default --block-size
@@ -137,7 +137,7 @@ def test_peers_from_many_addresses_share_one_batch_budget(tmp_path):
 
 def test_the_batch_budget_refills_at_its_rate_up_to_its_burst():
     now = [100.0]
-    budget = BatchBudget(rate=10.0, burst=20.0, clock=lambda: now[0])
+    budget = TokenBucket(rate=10.0, burst=20.0, clock=lambda: now[0])
     assert budget.take(15) == 0.0
     assert budget.take(10) == pytest.approx(0.5)  # 5 left: 5 more come in half a second
     now[0] += 0.5

@@ -34,6 +34,7 @@ import zmq
 from prometheus_client import Counter
 
 from cache_service.events.settings import EventSettings
+from pagedkv.token_bucket import TokenBucket, refill
 
 log = structlog.get_logger()
 
@@ -81,11 +82,6 @@ class ReplayBuffer:
         return len(self._entries)
 
 
-def refill(tokens: float, last: float, now: float, rate: float, burst: float) -> float:
-    """A token bucket's tokens at ``now``: ``tokens`` at ``last``, plus ``rate`` a second, at most ``burst``."""
-    return min(burst, tokens + (now - last) * rate)
-
-
 class PeerRate:
     """A token bucket per peer address: ``rate`` requests a second, bursts of ``rate``."""
 
@@ -106,28 +102,6 @@ class PeerRate:
         return allowed
 
 
-class BatchBudget:
-    """One token bucket for every peer: ``rate`` batches a second, at most ``burst`` banked."""
-
-    def __init__(self, rate: float, burst: float, clock=time.monotonic) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._clock = clock
-        self._tokens = burst
-        self._last = clock()
-
-    def take(self, count: int) -> float:
-        """Takes ``count`` tokens and returns 0, or takes none and returns the seconds until
-        they are there (``count`` at most ``burst``)."""
-        now = self._clock()
-        self._tokens = refill(self._tokens, self._last, now, self.rate, self.burst)
-        self._last = now
-        if self._tokens >= count:
-            self._tokens -= count
-            return 0.0
-        return (count - self._tokens) / self.rate
-
-
 class ReplayServer:
     """Answers replay requests on ``socket`` (a bound ROUTER this thread owns from ``start`` on)."""
 
@@ -139,7 +113,7 @@ class ReplayServer:
         self._max_batches = settings.replay_max_batches
         self._rate = PeerRate(settings.replay_requests_per_s)
         # A whole answer (its batches and the end message) always fits in one burst.
-        self._budget = BatchBudget(settings.replay_batches_per_s,
+        self._budget = TokenBucket(settings.replay_batches_per_s,
                                    max(settings.replay_batches_per_s, settings.replay_max_batches + 1))
         self._model = model
         self._stop = threading.Event()

@@ -8,8 +8,9 @@ limit that depends on it can refuse it (a grammar past the depth limit, a tenant
 open requests), so a tenant that sends many large refused bodies takes the event loop and
 the GIL from every other tenant's streams. This bounds how many it may send.
 
-The bucket holds one second's worth (at least one request) and starts full; its state
-lives on the Tenant, so a SIGHUP that changes the rate applies to the next request.
+The bucket (pagedkv/token_bucket.py) holds one second's worth (at least one request) and
+starts full; it lives on the Tenant, and a SIGHUP that changes the rate starts a new one
+at the next request.
 
 A refusal is answered only once the bucket would hold a request again, or after
 MAX_HOLD_S, whichever is first, as a limiter with a delay does: a client that sends its
@@ -25,6 +26,7 @@ import asyncio
 import time
 
 from model_service import metrics
+from pagedkv.token_bucket import TokenBucket
 
 MAX_HOLD_S = 1.0
 
@@ -35,18 +37,10 @@ def take_request(tenant, clock=time.monotonic) -> float:
     rate = tenant.max_requests_per_s
     if not rate:
         return 0.0
-    now = clock()
-    capacity = max(1.0, float(rate))
-    if tenant.request_checked_at:
-        tokens = min(capacity, tenant.request_tokens + (now - tenant.request_checked_at) * rate)
-    else:
-        tokens = capacity  # its first request
-    tenant.request_checked_at = now
-    if tokens >= 1.0:
-        tenant.request_tokens = tokens - 1.0
-        return 0.0
-    tenant.request_tokens = tokens
-    return (1.0 - tokens) / rate
+    bucket = tenant.request_bucket
+    if bucket is None or bucket.rate != rate:  # its first request, or a SIGHUP changed the rate
+        bucket = tenant.request_bucket = TokenBucket(rate, max(1.0, float(rate)), clock)
+    return bucket.take(1)
 
 
 def refusal(tenant, wait_s: float) -> str:

@@ -45,6 +45,7 @@ from typing import Any
 import structlog
 
 from model_service.metrics import NO_TENANT
+from pagedkv.token_bucket import TokenBucket
 
 log = structlog.get_logger()
 
@@ -78,9 +79,8 @@ class Tenant:
     # Counted on the event loop by GenerationService.
     open_requests: int = field(default=0, compare=False)
     queued_requests: int = field(default=0, compare=False)
-    # Its max_requests_per_s bucket (request_rate.py): what it holds, and when it was last asked.
-    request_tokens: float = field(default=0.0, compare=False)
-    request_checked_at: float = field(default=0.0, compare=False)
+    # Its max_requests_per_s bucket (request_rate.py), made at its first request.
+    request_bucket: TokenBucket | None = field(default=None, compare=False)
 
     def may_use_lora(self, name: str) -> bool:
         return self.loras is None or name in self.loras
