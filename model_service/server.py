@@ -149,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--api-keys", default=None,
              help="YAML or JSON file mapping each bearer key to {tenant, max_concurrent_requests, "
                   "max_queued_requests, min_priority, kv_blocks, max_tokens_per_s, burst_tokens, max_requests_per_s, "
-                  "admin, loras, "
-                  "may_load_loras} (all but tenant optional), on gRPC and HTTP; read again on SIGHUP; "
+                  "admin, loras, may_load_loras} (all but tenant optional), on gRPC and HTTP; read again on SIGHUP; "
                   "--auth-token is the single-tenant form")
     add_flag(parser, "--max-prompts-per-request", default=DEFAULT_MAX_PROMPTS, type=int,
              help="prompts one /v1/completions body may list (each is a request); 400 past it")
