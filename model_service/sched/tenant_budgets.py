@@ -32,6 +32,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pagedkv.token_bucket import refill
+
 
 @dataclass(frozen=True, slots=True)
 class ComputeBudget:
@@ -62,11 +64,11 @@ class TenantBudgets:
         """Refills the buckets for the time since the last step and starts a step's grants."""
         if not self.budgets:
             return
-        now = self._clock()
-        elapsed = max(0.0, now - self._refilled_at)
-        self._refilled_at = now
+        now = max(self._clock(), self._refilled_at)
         for tenant, budget in self.budgets.items():
-            self._tokens[tenant] = min(budget.capacity, self._tokens[tenant] + elapsed * budget.tokens_per_s)
+            self._tokens[tenant] = refill(self._tokens[tenant], self._refilled_at, now, budget.tokens_per_s,
+                                          budget.capacity)
+        self._refilled_at = now
         self._left = dict(self._tokens)
         self._deferred = {}
 
