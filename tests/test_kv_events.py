@@ -282,9 +282,13 @@ def test_cache_service_publishes_and_replays(tmp_path):
     with start_cache_service(tmp_path, "--kv-cache-bytes", "1MiB", "--max-blocks", "4",
                              "--kv-events-endpoint", endpoint, "--kv-events-replay-endpoint", replay_endpoint,
                              env={"PYTHONHASHSEED": "0"}) as service:
-        subscriber = zmq.Context.instance().socket(zmq.SUB)
+        # A context of its own: the worker's shared one carries other tests' sockets. The
+        # monitor's events go into the message if nothing ever arrives.
+        context = zmq.Context()
+        subscriber = context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.LINGER, 0)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = subscriber.get_monitor_socket()
         subscriber.connect(endpoint)
         stub = cache_stub(service.address)
         session = attach(stub).session_id  # creates the pool: AllBlocksCleared
@@ -322,12 +326,25 @@ def test_cache_service_publishes_and_replays(tmp_path):
             if poller.poll(200):
                 frames = subscriber.recv_multipart()
                 break
-        assert frames is not None, "the SUB socket received nothing"
+        assert frames is not None, (f"the SUB socket received nothing in {attempt} attempts; its connection's "
+                                    f"events: {socket_events(monitor)}; the service's log:\n{service.logs()}")
         topic, seq_bytes, payload = frames
         assert topic == b"" and len(seq_bytes) == 8
         seq = int.from_bytes(seq_bytes, "big")
         assert dict(replay(replay_endpoint, seq))[seq] == payload  # the same batch on both sockets
-        subscriber.close()
+        subscriber.disable_monitor()
+        context.destroy(linger=0)
+
+
+def socket_events(monitor: zmq.Socket) -> list[str]:
+    """What a socket monitor has queued: the connection's life as ZMQ saw it."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    events = []
+    while monitor.poll(0):
+        message = recv_monitor_message(monitor)
+        events.append(f"{zmq.Event(message['event']).name} {message['value']} {message['endpoint']!r}")
+    return events
 
 
 def test_an_endpoint_per_model_carries_only_that_models_blocks_through_a_reset(tmp_path):
