@@ -14,7 +14,9 @@ sums in another order: close, not equal). --levels all runs every panel level th
 has, so one machine compares its AVX2 level with its best (a level it lacks is said and
 skipped). A step's lm_head takes each sequence's last row alone, so lm_head rows stop at
 64 tokens. With --threads 1 --clock thread it times the calling thread's CPU time, which
-holds steadier than the wall clock on a machine other work shares.
+holds steadier than the wall clock on a machine other work shares; with one thread each
+panel level's GFLOP/s is also read against that level's FMA peak on one thread
+(fma_peak.py: the ceiling any float32 product can reach there).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.kernels.fma_peak import peaks
 from bench.kernels.quant_product import add_turn_arguments, best_in_turns
 from model_service.cpu_kernels import f32_matmul, levels
 from model_service.models.packed_linear import PackedLinear
@@ -93,9 +96,14 @@ def main() -> int:
     paths = ["torch", "onednn", *(f"panels {name}" for name in panel_names)]
     print(f"{args.threads} threads, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.clock} clock")
+    peak = peaks() if args.threads == 1 else {}
+    against_peak = [name for name in panel_names if name in peak]
+    for name in against_peak:
+        print(f"{name} FMA peak, one thread: {peak[name]:.1f} GFLOP/s")
     print(f"| shape | rows x cols | tokens | {' | '.join(f'{path} µs' for path in paths)} | "
-          f"{' | '.join(f'torch / {path}' for path in paths[1:])} |")
-    print("| --- " * (3 + 2 * len(paths) - 1) + "|")
+          f"{' | '.join(f'torch / {path}' for path in paths[1:])} |"
+          + "".join(f" panels {name} GFLOP/s (of peak) |" for name in against_peak))
+    print("| --- " * (3 + 2 * len(paths) - 1 + len(against_peak)) + "|")
     with torch.inference_mode():
         for name, (rows, cols) in chosen_shapes(args.shapes).items():
             linear = nn.Linear(cols, rows, bias=False).requires_grad_(False)
@@ -116,7 +124,10 @@ def main() -> int:
                 best = best_in_turns(calls, args.rounds, args.seconds, CLOCKS[args.clock])
                 times = " | ".join(f"{best[path]:.1f}" for path in paths)
                 ratios = " | ".join(f"{best['torch'] / best[path]:.2f}" for path in paths[1:])
-                print(f"| {name} | {rows} x {cols} | {count} | {times} | {ratios} |", flush=True)
+                flops = 2 * rows * cols * count
+                rates = "".join(f" {flops / best[f'panels {level}'] / 1e3:.0f} "
+                                f"({flops / best[f'panels {level}'] / 1e3 / peak[level]:.0%}) |" for level in against_peak)
+                print(f"| {name} | {rows} x {cols} | {count} | {times} | {ratios} |{rates}", flush=True)
     return 0
 
 
