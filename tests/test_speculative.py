@@ -114,3 +114,50 @@ def test_suffix_speculation_proposes_from_the_same_tenants_earlier_outputs(check
     for end in (other_end, salted_end):
         assert (end.spec_proposed_tokens, end.spec_accepted_tokens) == (
             first_end.spec_proposed_tokens, first_end.spec_accepted_tokens)
+
+
+def test_a_verification_step_is_decode_rows_in_the_decode_stack_with_plain_decodes_bits(checkpoint, monkeypatch):
+    """A speculating sequence's last token and proposal run as decode rows, each attending up
+    to its own position: the step stays one call of the C decode stack, and each proposed
+    position's logits are the very bits a plain decode step there gives."""
+    from model_service.models.cpu_decode_stack import DecodeStack
+    from model_service.sched.sequence import Sequence
+    from model_service.worker.runner import ModelRunner
+
+    loaded, _ = checkpoint
+    model = loaded.model
+    stacked = []
+    original = DecodeStack.run
+
+    def run(self, hidden, *args, **kwargs):
+        out = original(self, hidden, *args, **kwargs)
+        stacked.append((hidden.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(DecodeStack, "run", run)
+    config, block_size = model.config, 16
+    prompt, proposal = prompt_ids(20, seed=6), prompt_ids(4, seed=7)
+
+    def prefilled():
+        pool = torch.zeros((config.num_layers, 2, 4, block_size, config.num_kv_heads, config.head_dim))
+        seq = Sequence(request_id="s", token_ids=list(prompt), prompt_len=len(prompt), options=None, arrival=0,
+                       block_table=[0, 1, 2, 3])
+        runner = ModelRunner(model, pool, block_size)
+        runner.execute([(seq, len(prompt))])
+        seq.num_computed = len(prompt) - 1  # its last prompt token runs again, as the decode below
+        return runner, seq
+
+    runner, seq = prefilled()  # plain decodes through the proposal, a step each
+    plain = []
+    for token in [None, *proposal]:
+        if token is not None:
+            seq.token_ids.append(token)
+            seq.num_computed += 1
+        plain.append(runner.execute([(seq, 1)])[1][0])
+    stacked.clear()
+    runner, seq = prefilled()
+    due, logits = runner.execute([(seq, 1 + len(proposal))], proposals={seq: proposal})
+    assert due == [seq] and stacked == [(1 + len(proposal), True)]
+    assert torch.equal(logits[0], plain[0])
+    for position, verified in enumerate(runner.verified[seq]):
+        assert torch.equal(verified, plain[position + 1]), position

@@ -77,7 +77,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.prepare(batch, proposals)
             hidden = self.model(input_ids, positions, self.kv_pool, meta, lora)  # [T, hidden]
-            rows = last_token_indices(meta.query_lens)
+            rows = last_token_indices([new_tokens for _, new_tokens in batch])
             if prompt_logits:
                 self._prompt_logits(batch, hidden, rows, prompt_logits)
             if proposals:
@@ -157,8 +157,10 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        # One entry per attention row: a sequence, or one position of a speculating one.
         query_lens: list[int] = []
         context_lens: list[int] = []
+        tables: list[list[int]] = []
         num_decode = 0
         for seq, new_tokens in batch:
             start = seq.num_computed
@@ -167,19 +169,31 @@ class ModelRunner:
                 raise RuntimeError(
                     f"request {seq.request_id}: {end} tokens scheduled but its table holds {seq.capacity(block_size)}"
                 )
-            if new_tokens == 1 and num_decode == len(query_lens):
-                num_decode += 1  # decodes lead the batch
             input_ids.extend(seq.token_ids[start:end])
+            table = seq.block_table
             if proposals and seq in proposals:  # the slice above ends at its last token
                 input_ids.extend(proposals[seq])
+                # Its last token and each proposed one attend as decode rows, each up to its
+                # own position (their K/V are all written before any row attends): each
+                # row's logits are the bits a plain decode step at that position gives, and
+                # a decode-only step stays one call of the decode stack.
+                for position in range(start, end):
+                    if num_decode == len(query_lens):
+                        num_decode += 1
+                    query_lens.append(1)
+                    context_lens.append(position + 1)
+                    tables.append(table)
+            else:
+                if new_tokens == 1 and num_decode == len(query_lens):
+                    num_decode += 1  # decodes lead the batch
+                query_lens.append(new_tokens)
+                context_lens.append(end)
+                tables.append(table)
             positions.extend(range(start, end))
-            table = seq.block_table
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            query_lens.append(new_tokens)
-            context_lens.append(end)
         # Exactly as wide as the longest table: on CPU, padding is gathered and costs time.
-        width = max(len(seq.block_table) for seq, _ in batch)
-        rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]
+        width = max(len(table) for table in tables)
+        rows = [table + [0] * (width - len(table)) for table in tables]
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=to_device(slots, torch.int64, device),
