@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="shortest suffix (in tokens) the ngram proposer looks up")
     add_flag(parser, "--prompt-lookup-max", default=5, type=int,
              help=f"longest suffix (in tokens) the ngram proposer looks up, tried first (at most {MAX_LOOKUP_N})")
+    add_flag(parser, "--speculative-always", action="store_true",
+             help="verify every proposal whatever the step costs; by default the engine verifies as many "
+                  "proposed tokens a step as its measured step times say add tokens a second (none where the "
+                  "products, not reading the weights, set a step's time: many streams at once)")
     add_flag(parser, "--suffix-cache-tokens", default=65536, type=int,
              help="output tokens of finished requests that the suffix proposer keeps, over every tenant "
                   "(each tenant and cache salt proposes only from its own), oldest out first "
@@ -249,7 +253,7 @@ async def serve(args: argparse.Namespace) -> int:
     speculative = SpeculativeSettings(  # checked here, before a model loads for minutes
         method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-        suffix_cache_tokens=args.suffix_cache_tokens)
+        suffix_cache_tokens=args.suffix_cache_tokens, always=args.speculative_always)
     if not args.grammar_compile_timeout_s > 0:
         raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
     # Before the model loads and the servers start their threads: a thread takes its arena

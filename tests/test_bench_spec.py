@@ -53,7 +53,7 @@ def test_spec_usage_comes_back_per_completion(tmp_path):
     prompt = [5, 6, 7, 8] * 12  # its own repetition gives the ngram proposer a match at once
     requests = [(prompt, 12), (prompt[1:], 12), (prompt[2:], 12)]
     runs = {}
-    for name, flags in (("plain", []), ("ngram", spec_flags("ngram", options()))):
+    for name, flags in (("plain", []), ("ngram", [*spec_flags("ngram", options()), "--speculative-always"])):
         (tmp_path / name).mkdir()
         with pagedkv_services("tiny", "float32", tmp_path / name, 1, flags) as run:
             runs[name] = run(requests, concurrency=2)

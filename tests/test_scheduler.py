@@ -951,3 +951,37 @@ def test_a_rejected_proposals_blocks_go_back_in_a_truncate(truncate_tables):
     assert bool(truncates) is truncate_tables
     assert (cache.ledger.stats().blocks_truncated > 0) is truncate_tables
     assert cache.leased() == 0 and seq.num_output == 30
+
+
+@pytest.mark.parametrize(("fixed_s", "seconds_a_row", "speculates"), [(0.010, 0.0, True), (0.0, 0.001, False)],
+                         ids=["weights-bound", "compute-bound"])
+def test_proposals_are_verified_where_measured_steps_say_they_add_tokens_a_second(fixed_s, seconds_a_row, speculates):
+    from model_service.spec.settings import SpeculativeSettings
+    from model_service.spec.speculator import Speculator
+
+    speculator = Speculator(SpeculativeSettings(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1),
+                            BLOCK, max_model_len=0)
+    for rows in (1, 4, 16, 28, 64):  # a step's seconds by its rows, as the engine records them
+        speculator.step_took(rows, fixed_s + seconds_a_row * rows)
+    scheduler = Scheduler(SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64), 100,
+                          speculator=speculator)
+    cache = LedgerCache(100)
+    prompt = [1, 2, 3, 4, 5, 6] * 2 + [1]  # the lookup proposes the cycle's next tokens
+    for arrival in range(4):
+        scheduler.add(Sequence(request_id=f"r{arrival}", token_ids=list(prompt), prompt_len=len(prompt),
+                               options=SamplingOptions(max_new_tokens=30), arrival=arrival))
+    pending = None
+    for _ in range(10):  # past the prompts, to the first step of four decodes
+        if pending is not None:
+            assert not scheduler.apply(*pending)
+        step = scheduler.schedule()
+        pending = (step.lease_ops, cache.answer(step.lease_ops)) if step.lease_ops else None
+        if len(step.batch) == 4 and all(s.num_uncomputed == 1 for s, _ in step.batch):
+            break
+        scheduler.update_from_output(step, StepOutput(sampled=[(s, s.token_ids[-1] % 6 + 1) for s, n in step.batch
+                                                                if s.num_computed + n == len(s.token_ids)]))
+    else:
+        raise AssertionError("no step of four decodes")
+    # Each proposes the cycle's next tokens; where a row costs as much as a kept token
+    # (half are kept, by the prior), none is worth verifying.
+    assert bool(step.proposals) is speculates

@@ -33,7 +33,7 @@ def speculative(smollm2_stack, tmp_path_factory):
     # so prefixes either computed are exact hits for the other.
     with start_model_service(tmp_path_factory.mktemp("smollm2-spec"), smollm2_stack.cache.address,
                              "--model", "smollm2", "--max-model-len", "512", "--max-batch-prefill-tokens", "512",
-                             "--speculative-method", "ngram", "--num-speculative-tokens", "4",
+                             "--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-always",
                              timeout_s=600) as model, grpc.insecure_channel(model.address) as channel:
         yield model_pb2_grpc.ModelServiceStub(channel)
 

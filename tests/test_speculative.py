@@ -16,7 +16,9 @@ from model_service.spec.settings import SpeculativeSettings
 from model_service.spec.speculator import Speculator
 from test_engine_requests import Streams, greedy, start_engine
 
-NGRAM = SpeculativeSettings(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+# always: these tests check what speculation does, so it must run whatever the steps cost.
+NGRAM = SpeculativeSettings(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                           always=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,8 @@ def test_greedy_and_seeded_output_is_token_identical_with_ngram_speculation(chec
         assert sum(a for _, a, g in settled if g is greedy_rows) > 0, greedy_rows
 
 
-SUFFIX = SpeculativeSettings(method="suffix", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+SUFFIX = SpeculativeSettings(method="suffix", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                            always=True)
 
 
 def test_suffix_speculation_proposes_from_the_same_tenants_earlier_outputs(checkpoint, tmp_path):
@@ -161,3 +164,22 @@ def test_a_verification_step_is_decode_rows_in_the_decode_stack_with_plain_decod
     assert torch.equal(logits[0], plain[0])
     for position, verified in enumerate(runner.verified[seq]):
         assert torch.equal(verified, plain[position + 1]), position
+
+
+def test_the_engine_times_its_decode_steps_by_rows_for_the_speculator(checkpoint, tmp_path, monkeypatch):
+    loaded, _ = checkpoint
+    timed: list[tuple[int, float]] = []
+    monkeypatch.setattr(Speculator, "step_took", lambda self, rows, seconds: timed.append((rows, seconds)))
+    streams = Streams()
+    with start_cache_service(tmp_path, "--kv-cache-bytes", "8MiB") as cache:
+        engine = start_engine(loaded, cache.address, streams, speculative=NGRAM)
+        try:
+            # Its output repeats a few of its own bigrams: three verifications.
+            run(engine, streams, {"plain": (prompt_ids(20, seed=4), greedy(30))})
+        finally:
+            engine.stop(grace_s=0)
+    rows = [count for count, _ in timed]
+    # One sequence: its decode steps, verifications among them (its token and up to four
+    # proposed), and never its 20-token prompt's step.
+    assert rows and max(rows) > 1 and all(1 <= count <= 5 for count in rows), rows
+    assert all(seconds > 0 for _, seconds in timed)

@@ -28,6 +28,7 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("speculative-stack")
     with start_cache_service(tmp, *SHARED_LEASE_TTL, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache, \
             start_model_service(tmp, cache.address, "--speculative-method", "ngram", "--num-speculative-tokens", "4",
+                                "--speculative-always",
                                 "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
                                 # No blocks ahead: a block that a rejected proposal filled goes back at once.
                                 "--lease-ahead-blocks", "0") as model, \

@@ -339,6 +339,7 @@ class Engine:
         completions = self._requests.completions
         output = StepOutput()
         prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
+        started = time.perf_counter()
         due, logits = self.runner.execute(step.batch, prompt_logits, step.proposals)
         if prompt_logits:
             output.prompt_logprobs_done = self._sampler.collect_prompt_logprobs(prompt_logits, completions,
@@ -350,9 +351,17 @@ class Engine:
             sampled = keep_verified(*self._sampler.sample(due, logits, completions), step.proposals,
                                     self.runner.verified)
             output.sampled = [(completion.seq, token) for completion, token in zip(sampled[0], sampled[1])]
+        self._time_decode_step(step, time.perf_counter() - started)
         finished = self.scheduler.update_from_output(step, output)
         if due:
             self._requests.emit(*sampled, {ended.seq: ended for ended in finished})
+
+    def _time_decode_step(self, step: Step, seconds: float) -> None:
+        """Tells the speculator what a step of only decoding sequences (and their proposals)
+        cost, by its rows: what it weighs proposals against (spec/step_costs.py)."""
+        speculator = self.scheduler.speculator
+        if speculator is not None and all(new_tokens == 1 or seq in step.proposals for seq, new_tokens in step.batch):
+            speculator.step_took(sum(new_tokens for _, new_tokens in step.batch), seconds)
 
     def _fence_writes(self, ops: LeaseOps) -> None:
         """Waits, before a lease call that releases or commits blocks, for every K/V write

@@ -277,9 +277,14 @@ class Scheduler(LeaseAnswers):
         decodes = [seq for seq in decodes[:budget] if self.budgets.grant(seq.tenant, 1)]
         budget -= len(decodes)
         speculating: list[tuple[Sequence, int]] = []
+        # Proposed rows this step may verify: as many as make the step's tokens a second the
+        # most, by the measured cost of steps of each size (spec/step_costs.py).
+        allowance = self.speculator.allowance(len(decodes), budget) if self.speculator else 0
         for seq in decodes:
-            proposal = self.speculator.propose(seq, self.budgets.spare(seq.tenant, budget)) if self.speculator else []
+            spare = min(self.budgets.spare(seq.tenant, budget), allowance)
+            proposal = self.speculator.propose(seq, spare) if spare > 0 else []
             if proposal:
+                allowance -= len(proposal)
                 # After the plain decodes: the attention's decode rows lead the batch.
                 proposals[seq] = proposal
                 speculating.append((seq, 1 + len(proposal)))

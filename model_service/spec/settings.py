@@ -25,6 +25,8 @@ class SpeculativeSettings:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_cache_tokens: int = 65536
+    # Verify every proposal, whatever a step costs (else spec/step_costs.py weighs them).
+    always: bool = False
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:

@@ -23,6 +23,7 @@ from model_service import metrics
 from model_service.sched.sequence import Sequence
 from model_service.spec.ngram import NgramIndex
 from model_service.spec.settings import SpeculativeSettings
+from model_service.spec.step_costs import StepCosts
 from model_service.spec.suffix import SuffixHistory
 
 # A sequence whose proposals are accepted less often than this, once it has had
@@ -41,6 +42,8 @@ class Speculator:
         # --speculative-method suffix: the outputs of finished requests, by tenant and cache salt.
         self.history = SuffixHistory(settings.prompt_lookup_max + settings.num_speculative_tokens,
                                      settings.suffix_cache_tokens) if settings.method == "suffix" else None
+        # Decode steps' seconds by their rows, recorded by the engine (`step_took`).
+        self.costs = StepCosts()
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -72,6 +75,16 @@ class Speculator:
                                             self.settings.prompt_lookup_max, room)
         return proposal
 
+    def allowance(self, decodes: int, budget: int) -> int:
+        """Proposed rows worth verifying this step beside `decodes` decoding sequences (the
+        step's token budget left is `budget`)."""
+        most = min(budget, decodes * self.settings.num_speculative_tokens)
+        return most if self.settings.always else self.costs.allowance(decodes, most)
+
+    def step_took(self, rows: int, seconds: float) -> None:
+        """A decode-only step (proposed rows included) of `rows` rows took `seconds`."""
+        self.costs.record(rows, seconds)
+
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: the suffix proposer keeps its output for its namespace's later requests."""
         if self.history is not None:
@@ -83,6 +96,7 @@ class Speculator:
         metrics.SPEC_ACCEPTED.labels(self.settings.method).inc(accepted)
         seq.spec_proposed += proposed
         seq.spec_accepted += accepted
+        self.costs.settle(proposed, accepted)
         if seq.spec_proposed >= LOW_ACCEPTANCE_AFTER and seq.spec_accepted < LOW_ACCEPTANCE * seq.spec_proposed:
             seq.spec_off = True
 
