@@ -51,6 +51,7 @@ from model_service.worker.decode_graphs import DecodeGraphPool
 from model_service.worker.runner import ModelRunner
 from model_service.worker.torch_threads import use_device
 from pagedkv.kv_geometry import KvGeometry
+from pagedkv.thread_names import name_this_thread
 
 log = structlog.get_logger()
 
@@ -202,6 +203,7 @@ class Engine:
     # -- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread("engine")  # so that its CPU can be told from the other threads' (harness/cpu_use.py)
         # This thread's OpenMP pool is the process's only one, and it launches on the
         # model's CUDA device, not cuda:0 (torch_threads.py).
         torch.set_num_threads(self._torch_threads)

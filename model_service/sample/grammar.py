@@ -31,6 +31,7 @@ import torch
 
 from model_service import metrics
 from model_service.sample.params import InvalidRequest, StructuredSpec
+from pagedkv.thread_names import name_this_thread
 from pagedkv.thread_priority import lower_this_thread
 
 log = structlog.get_logger()
@@ -52,6 +53,12 @@ _MAX_MESSAGE_CHARS = 400
 COMPILE_NICENESS = 10
 # json_depth: every byte but a bracket's (UTF-8 puts no ASCII byte inside another character).
 _NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+
+
+def compile_thread_name(tid: int) -> str:
+    """The operating system's name of the compile thread `tid` and of the threads it starts
+    (at most 15 characters: a Linux thread id has at most 7 digits)."""
+    return f"grammar-{tid}"
 
 
 class InvalidStructure(InvalidRequest):
@@ -219,6 +226,9 @@ class GrammarCompiler:
         # spreads one over threads of its own (started from this one, so they inherit the
         # priority): on a busy machine the engine and the event loop get the cores first.
         lower_this_thread(COMPILE_NICENESS)
+        # Named by its own id, a name xgrammar's threads take over when this one starts them:
+        # a compile's threads can be found, and its CPU told from the engine's.
+        name_this_thread(compile_thread_name(threading.get_native_id()))
         future = compiling.future
         try:
             compiler = self._xgrammar_compiler()
