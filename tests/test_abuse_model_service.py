@@ -183,7 +183,11 @@ def test_slow_compiles_time_out_and_their_stragglers_are_bounded_while_the_servi
     for answer in answers.values():
         assert answer.status_code == 400
         assert f"did not compile within {TIMEOUT_S:g} s (--grammar-compile-timeout-s)" in error_of(answer)
-    # Both still compile (a thread cannot be stopped), holding both compile threads.
+    # Both still compile (a thread cannot be stopped), holding both compile threads, each
+    # with the threads xgrammar started from it at SCHED_IDLE: CPU the engine does not want.
+    wait_for(lambda: straggling(model) == 2, 30, "both stragglers to move to SCHED_IDLE")
+    policies = compile_threads(model)
+    assert policies and all(policy == SCHED_IDLE for policy in policies.values()), policies
     # Meanwhile the service answers, and a plain prompt is tokenized and generated.
     assert health_answers(model)
     plain = client(model, KEY_B).completions.create(model=MODEL, prompt="hello there", max_tokens=2,
@@ -202,6 +206,23 @@ def test_slow_compiles_time_out_and_their_stragglers_are_bounded_while_the_servi
     wait_for(lambda: structured(model, KEY_A, slow_schema(1)).status_code == 200, 300, "the straggler to end",
              poll_s=0.5)
     no_block_leased(cache)
+
+
+SCHED_IDLE = 5  # os.SCHED_IDLE, as /proc/PID/task/TID/stat gives it
+
+
+def compile_threads(model) -> dict[int, int]:
+    """The model service's grammar compiles' threads (named grammar-TID by the compile, a
+    name xgrammar's threads inherit) and their scheduling policies."""
+    from harness.cpu_use import thread_stats
+
+    return {tid: policy for tid, (name, _, policy) in thread_stats(model.pid).items() if name.startswith("grammar-")}
+
+
+def straggling(model) -> float:
+    from checks.soak import metric
+
+    return metric(model.metrics_url, "pagedkv_model_grammar_compiles_straggling")
 
 
 # Tool calls: the parser scans, it does not backtrack.
