@@ -352,18 +352,29 @@ def test_sighup_reloads_the_keys_and_requests_in_flight_keep_their_tenant(servic
                                                          extra_body={"ignore_eos": True})
     chunks = iter(in_flight)
     next(chunks)  # b's request runs
-    keys.write_text(json.dumps({KEY_A: KEYS[KEY_A], KEY_LATER: {"tenant": "later"}}))
+    # The new tenant's compute budget reaches the engine with its key: its prompt, longer
+    # than the bucket holds, is held back in steps (deferred) rather than run at once.
+    keys.write_text(json.dumps({KEY_A: KEYS[KEY_A], KEY_LATER: {"tenant": "later", "max_tokens_per_s": 50}}))
     try:
         os.kill(model.pid, signal.SIGHUP)
         wait_for(lambda: models_status(model, KEY_LATER) == 200, 30, "the new key to work")
         assert models_status(model, KEY_B) == 401
         rest = list(chunks)  # the request b started before the reload runs to its end
         assert rest[-1].choices[0].finish_reason == "length"
+        later = client(model, KEY_LATER).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert later.usage.prompt_tokens > 50
+        assert deferred_tokens(model).get("later", 0) > 0
         assert model.returncode is None
     finally:
         keys.write_text(json.dumps(KEYS))
         os.kill(model.pid, signal.SIGHUP)
     wait_for(lambda: models_status(model, KEY_B) == 200, 30, "the key to work again")
+
+
+def deferred_tokens(model) -> dict[str, float]:
+    from checks.soak import label_samples
+
+    return label_samples(model.metrics_url, "pagedkv_model_tenant_budget_deferred_tokens_total")
 
 
 def models_status(model, key: str) -> int:
