@@ -55,8 +55,8 @@ FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_prior
           "max_tokens_per_s", "burst_tokens", "max_requests_per_s", "admin", "loras", "may_load_loras")
 COUNTS = ("max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "max_tokens_per_s",
           "burst_tokens", "max_requests_per_s")
-# Given to the scheduler at start-up: a SIGHUP leaves them as they were (logged). The
-# compute budgets (max_tokens_per_s, burst_tokens) reload: server.py hands them to the engine.
+# Given to the scheduler at start-up: a SIGHUP leaves it as it was (logged). The compute
+# budgets (max_tokens_per_s, burst_tokens) do reload: server.py hands them to the engine.
 START_UP_ONLY = ("kv_blocks",)
 
 
