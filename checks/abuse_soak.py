@@ -31,7 +31,8 @@ outcome. So that the server's part of a gap can be told from the clients', it gi
 CPU seconds of each process a run (the services, the abusive clients' process, this one)
 and the services' in the AFTER_S seconds after it with no client (work a run left
 running), the model service's tokens by tenant (and the steps and tokens a compute budget
-deferred), and its threads' CPU by name; then the
+deferred), and its threads' CPU by role (engine, event loop, grammar compiles, xgrammar's
+threads, the rest; harness/cpu_use.py's ThreadSampler); then the
 abuses' answers. Exits 1 if
 a normal tenant's request failed, a probe call failed or took the lease TTL or longer, a
 session expired, or blocks stayed leased.
@@ -224,6 +225,7 @@ class Probe:
 def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> dict:
     cache, model, replay_endpoint = services
     normal = soak.Results()
+    sampler = cpu_use.ThreadSampler(model.pid).start()
     before = cpu_snapshot(model, cache)
     tokens_before = tenant_tokens(model)
     stubs = [model_pb2_grpc.ModelServiceStub(grpc.insecure_channel(model.address)) for _ in NORMAL_KEYS]
@@ -249,19 +251,20 @@ def run_phase(services, args, vocab: int, max_model_len: int, abusive: bool) -> 
     if process:
         process.join()
     during = cpu_snapshot(model, cache)
-    time.sleep(AFTER_S)
+    sampler.stop()
+    with cpu_use.ThreadSampler(model.pid) as after_sampler:
+        time.sleep(AFTER_S)
     after = cpu_snapshot(model, cache)
     cpu = {"model service": during["model"] - before["model"], "cache service": during["cache"] - before["cache"],
            "abusive clients (a process)": abusers_cpu, "normal clients and probe (this process)": during["self"] - before["self"],
            f"model service, the {AFTER_S:g} s after": after["model"] - during["model"],
            f"cache service, the {AFTER_S:g} s after": after["cache"] - during["cache"]}
-    threads = cpu_use.by_name(before["threads"], during["threads"])
     tokens = tenant_tokens(model)
     tokens.subtract(tokens_before)
     # The probe's own session holds nothing between its calls.
     leased = soak.settled_stats(cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(cache.address)))
     return dict(normal=normal, elapsed=elapsed, probe=probe, answers=answers, leased=leased.blocks_leased,
-                cpu=cpu, threads=threads, tokens=tokens, after_threads=cpu_use.by_name(during["threads"], after["threads"]),
+                cpu=cpu, threads=sampler.roles, tokens=tokens, after_threads=after_sampler.roles,
                 model_rss=status_kib(model.pid)["RssAnon"], cache_rss=status_kib(cache.pid)["RssAnon"],
                 grammar_cache=soak.metric(model.metrics_url, "pagedkv_model_grammar_cache_bytes"))
 
@@ -289,7 +292,7 @@ def tenant_tokens(model) -> Counter[str]:
 def cpu_snapshot(model, cache) -> dict:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"model": cpu_use.cpu_seconds(model.pid), "cache": cpu_use.cpu_seconds(cache.pid),
-            "self": usage.ru_utime + usage.ru_stime, "threads": cpu_use.thread_seconds(model.pid)}
+            "self": usage.ru_utime + usage.ru_stime}
 
 
 def run(args) -> int:
@@ -380,10 +383,10 @@ def report(args, info, runs: dict, rss_before: tuple, expired: float, replays: d
                    if run["tokens"][tenant + " deferred steps"] else "")
                 for tenant in tenants))
     for key, what in (("threads", "during"), ("after_threads", f"the {AFTER_S:g} s after")):
-        print(f"\nModel service threads by name, CPU seconds {what} each run (the five busiest):\n")
+        print(f"\nModel service threads by role (harness/cpu_use.py's thread_role), CPU seconds {what} each run:\n")
         for kind, kind_runs in runs.items():
             for index, run in enumerate(kind_runs):
-                busiest = ", ".join(f"{name} {seconds:.1f}" for name, seconds in run[key].most_common(5))
+                busiest = ", ".join(f"{name} {seconds:.1f}" for name, seconds in run[key].most_common())
                 print(f"- {kind} {index + 1}: {busiest}")
     print()
     answers: Counter[str] = Counter()

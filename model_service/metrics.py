@@ -78,6 +78,15 @@ GRAMMAR_CACHE_BYTES = Gauge(
     "Bytes of the compiled grammars kept for reuse (xgrammar's estimate plus the specs' text; "
     "bounded by --grammar-cache-bytes)",
 )
+GRAMMAR_COMPILES_STRAGGLING = Gauge(
+    "pagedkv_model_grammar_compiles_straggling",
+    "Grammar compiles past --grammar-compile-timeout-s still running (a thread cannot be stopped), at idle "
+    "CPU priority; each holds one of --grammar-compile-threads until it ends",
+)
+GRAMMAR_COMPILES_ABANDONED = Counter(
+    "pagedkv_model_grammar_compiles_abandoned",
+    "Grammar compiles that ran past --grammar-compile-timeout-s and were moved to idle CPU priority (SCHED_IDLE)",
+)
 GRAMMAR_COMPILE_SECONDS = Histogram(
     "pagedkv_model_grammar_compile_seconds",
     "Time to compile one spec, refused ones included (the first compile also reads the vocabulary), by kind",

@@ -347,6 +347,13 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine = Engine(loaded, settings, cache, device, dtype, on_serving=on_serving, on_fatal=on_fatal,
                     deliver=deliver_on_loop(loop))
+    if api_keys is not None and api_keys.path is not None:
+        def reload_keys() -> None:
+            if api_keys.reload():
+                engine.set_compute_budgets(api_keys.compute_budgets())
+
+        # From here on a reload reaches the engine too: a tenant's compute budget changes with its keys.
+        loop.add_signal_handler(signal.SIGHUP, reload_keys)
     generation = GenerationService(engine, default_max_new_tokens=args.default_max_new_tokens,
                                    max_prompt_tokens=args.max_prompt_tokens or max_model_len - 1,
                                    max_concurrent_streams=args.max_concurrent_streams,

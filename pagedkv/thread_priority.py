@@ -17,3 +17,18 @@ def lower_this_thread(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + niceness)
     except (OSError, AttributeError):
         pass  # not Linux, or not allowed: the work runs at the service's priority
+
+
+def idle_threads(tids: list[int]) -> int:
+    """Moves these threads of this process to SCHED_IDLE: they run only on a core that
+    nothing else wants (a nice value still takes a share from the threads beside it), and
+    a thread they start afterwards inherits it. For work nobody waits for any more.
+    Returns how many were moved."""
+    moved = 0
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            moved += 1
+        except (OSError, AttributeError):  # ended meanwhile, or not Linux
+            continue
+    return moved

@@ -183,7 +183,11 @@ def test_slow_compiles_time_out_and_their_stragglers_are_bounded_while_the_servi
     for answer in answers.values():
         assert answer.status_code == 400
         assert f"did not compile within {TIMEOUT_S:g} s (--grammar-compile-timeout-s)" in error_of(answer)
-    # Both still compile (a thread cannot be stopped), holding both compile threads.
+    # Both still compile (a thread cannot be stopped), holding both compile threads, each
+    # with the threads xgrammar started from it at SCHED_IDLE: CPU the engine does not want.
+    wait_for(lambda: straggling(model) == 2, 30, "both stragglers to move to SCHED_IDLE")
+    policies = compile_threads(model)
+    assert policies and all(policy == SCHED_IDLE for policy in policies.values()), policies
     # Meanwhile the service answers, and a plain prompt is tokenized and generated.
     assert health_answers(model)
     plain = client(model, KEY_B).completions.create(model=MODEL, prompt="hello there", max_tokens=2,
@@ -202,6 +206,23 @@ def test_slow_compiles_time_out_and_their_stragglers_are_bounded_while_the_servi
     wait_for(lambda: structured(model, KEY_A, slow_schema(1)).status_code == 200, 300, "the straggler to end",
              poll_s=0.5)
     no_block_leased(cache)
+
+
+SCHED_IDLE = 5  # os.SCHED_IDLE, as /proc/PID/task/TID/stat gives it
+
+
+def compile_threads(model) -> dict[int, int]:
+    """The model service's grammar compiles' threads (named grammar-TID by the compile, a
+    name xgrammar's threads inherit) and their scheduling policies."""
+    from harness.cpu_use import thread_stats
+
+    return {tid: policy for tid, (name, _, policy) in thread_stats(model.pid).items() if name.startswith("grammar-")}
+
+
+def straggling(model) -> float:
+    from checks.soak import metric
+
+    return metric(model.metrics_url, "pagedkv_model_grammar_compiles_straggling")
 
 
 # Tool calls: the parser scans, it does not backtrack.
@@ -331,18 +352,29 @@ def test_sighup_reloads_the_keys_and_requests_in_flight_keep_their_tenant(servic
                                                          extra_body={"ignore_eos": True})
     chunks = iter(in_flight)
     next(chunks)  # b's request runs
-    keys.write_text(json.dumps({KEY_A: KEYS[KEY_A], KEY_LATER: {"tenant": "later"}}))
+    # The new tenant's compute budget reaches the engine with its key: its prompt, longer
+    # than the bucket holds, is held back in steps (deferred) rather than run at once.
+    keys.write_text(json.dumps({KEY_A: KEYS[KEY_A], KEY_LATER: {"tenant": "later", "max_tokens_per_s": 50}}))
     try:
         os.kill(model.pid, signal.SIGHUP)
         wait_for(lambda: models_status(model, KEY_LATER) == 200, 30, "the new key to work")
         assert models_status(model, KEY_B) == 401
         rest = list(chunks)  # the request b started before the reload runs to its end
         assert rest[-1].choices[0].finish_reason == "length"
+        later = client(model, KEY_LATER).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert later.usage.prompt_tokens > 50
+        assert deferred_tokens(model).get("later", 0) > 0
         assert model.returncode is None
     finally:
         keys.write_text(json.dumps(KEYS))
         os.kill(model.pid, signal.SIGHUP)
     wait_for(lambda: models_status(model, KEY_B) == 200, 30, "the key to work again")
+
+
+def deferred_tokens(model) -> dict[str, float]:
+    from checks.soak import label_samples
+
+    return label_samples(model.metrics_url, "pagedkv_model_tenant_budget_deferred_tokens_total")
 
 
 def models_status(model, key: str) -> int:

@@ -47,3 +47,45 @@ def test_services_get_the_kernel_level_switches_and_no_other_pagedkv_setting(mon
     env = _test_env({"EXTRA": "1"})
     assert env["PAGEDKV_F32_KERNELS"] == "avx2" and env["EXTRA"] == "1"
     assert "PAGEDKV_KERNEL_CACHE" not in env
+
+
+def test_the_thread_sampler_tells_the_engine_a_compile_and_its_pool_apart():
+    """Threads named as the model service names them (pagedkv/thread_names.py): a compile's
+    grammar-TID, inherited by the threads it starts; each burns some CPU, then waits until
+    the sampler has read them for the last time."""
+    import threading
+    import time
+
+    from harness.cache_helpers import wait_for
+    from harness.cpu_use import ThreadSampler
+    from pagedkv.thread_names import name_this_thread
+
+    done = threading.Event()
+
+    def burn() -> None:
+        started = time.thread_time()
+        while time.thread_time() - started < 0.05:
+            pass
+        done.wait()
+
+    def compile_like() -> None:
+        name_this_thread(f"grammar-{threading.get_native_id()}")
+        pool = threading.Thread(target=burn)
+        pool.start()
+        burn()
+        pool.join()
+
+    def engine() -> None:
+        name_this_thread("engine")
+        burn()
+
+    threads = [threading.Thread(target=compile_like), threading.Thread(target=engine)]
+    with ThreadSampler(os.getpid(), interval_s=0.01) as sampler:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: all(sampler.roles[role] > 0 for role in ("engine", "grammar-compile", "xgrammar pool")),
+                 30, "each thread's CPU to be read")
+    done.set()
+    for thread in threads:
+        thread.join()
+    assert {"engine", "grammar-compile", "xgrammar pool"} <= set(sampler.roles)

@@ -207,3 +207,66 @@ def test_grammars_compile_at_a_lower_priority_than_the_caller(monkeypatch):
     grammars = GrammarCompiler(ByteTokenizer(), VOCAB, {EOS})
     assert grammars.compile(StructuredSpec("regex", "[a-c]{2}nice")) is not None
     assert seen == [min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + COMPILE_NICENESS, 19)]
+
+
+def test_a_compile_past_its_deadline_runs_on_at_idle_priority_with_the_threads_it_started(monkeypatch):
+    """A straggler (nobody waits for it) must not take CPU from the engine: its thread and
+    the threads it started (xgrammar's pool) move to SCHED_IDLE at the deadline, and so
+    does a thread it starts afterwards; its grammar is still kept when it ends."""
+    import os
+    import threading
+
+    from harness.cache_helpers import wait_for
+    from model_service import metrics
+
+    release, started = threading.Event(), threading.Event()
+    tids: dict[str, int] = {}
+    compile_with = GrammarCompiler._compile_with
+
+    def stuck(compiler, spec):  # stands for a compile that runs long, over threads of its own
+        tids["compile"] = threading.get_native_id()
+        pool = threading.Thread(target=lambda: (tids.__setitem__("pool", threading.get_native_id()), release.wait()))
+        pool.start()
+        started.set()
+        release.wait()
+        late = threading.Thread(target=lambda: tids.__setitem__("late", os.sched_getscheduler(0)))
+        late.start()
+        late.join()
+        pool.join()
+        return compile_with(compiler, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_with", staticmethod(stuck))
+    grammars = GrammarCompiler(ByteTokenizer(), VOCAB, {EOS}, limits=CompileLimits(timeout_s=0.05))
+    straggling = metrics.GRAMMAR_COMPILES_STRAGGLING._value.get()
+    spec = StructuredSpec("regex", "[a-c]{2}late")
+    try:
+        with pytest.raises(InvalidStructure, match="did not compile within"):
+            grammars.compile(spec)
+        started.wait()
+        wait_for(lambda: "pool" in tids and os.sched_getscheduler(tids["compile"]) == os.SCHED_IDLE, 30,
+                 "the straggler to move to SCHED_IDLE")
+        assert os.sched_getscheduler(tids["pool"]) == os.SCHED_IDLE
+        assert metrics.GRAMMAR_COMPILES_STRAGGLING._value.get() == straggling + 1
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread keeps its policy
+    finally:
+        release.set()
+    wait_for(lambda: grammars.cached(spec) is not None, 30, "the straggler to end and be cached")
+    assert tids["late"] == os.SCHED_IDLE
+    assert metrics.GRAMMAR_COMPILES_STRAGGLING._value.get() == straggling
+
+
+def test_a_compile_within_its_deadline_keeps_its_priority(monkeypatch):
+    import os
+    import threading
+
+    seen = []
+    compile_with = GrammarCompiler._compile_with
+
+    def recording(compiler, spec):
+        seen.append(os.sched_getscheduler(threading.get_native_id()))
+        return compile_with(compiler, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_with", staticmethod(recording))
+    grammars = GrammarCompiler(ByteTokenizer(), VOCAB, {EOS}, limits=CompileLimits(timeout_s=60))
+    assert grammars.compile(StructuredSpec("regex", "[a-c]{2}soon")) is not None
+    assert seen == [os.SCHED_OTHER] and grammars._compiling == {}

@@ -196,3 +196,22 @@ def test_a_speculating_sequence_proposes_only_what_its_tenant_s_bucket_still_hol
         raise AssertionError("the scheduler did not finish its work")
     assert seq.num_output == 30 and max(proposed) > 0
     assert max(proposed) < 6, "a proposal as long as the speculator's 6 would pass the bucket's 4 a step"
+
+
+def test_a_reload_keeps_what_each_tenant_has_used_and_starts_new_ones_full():
+    clock = Clock()
+    budgets = TenantBudgets({"a": ComputeBudget(tokens_per_s=10, burst_tokens=20),
+                             "b": ComputeBudget(tokens_per_s=10)}, clock)
+    budgets.open_step()
+    budgets.charge("a", 18)  # a holds 2 of 20: it has used 18
+    budgets.charge("b", 4)  # b holds 6 of 10
+    clock.now += 0.5  # five more tokens each, at the old rates
+    budgets.update({"a": ComputeBudget(tokens_per_s=100, burst_tokens=200), "c": ComputeBudget(tokens_per_s=5)})
+    assert budgets.tokens("a") == 200 - 13, "its use carries over to the larger bucket"
+    assert budgets.tokens("b") is None and budgets.grant("b", 1000) == 1000, "taken out: no limit"
+    assert budgets.tokens("c") == 5, "new: full, as at start-up"
+    budgets.update({"a": ComputeBudget(tokens_per_s=1, burst_tokens=10)})
+    assert budgets.tokens("a") == 0, "more used than the new bucket holds: empty, not negative"
+    clock.now += 2
+    budgets.open_step()
+    assert budgets.tokens("a") == 2, "and it refills at the new rate"

@@ -30,7 +30,9 @@ Keys are looked up by their SHA-256, so no comparison runs over a key's own byte
 
 The file holds secrets: one that others may read is loaded with a warning. SIGHUP reads it
 again (server.py): a key taken out stops working at once, a tenant's changed limits apply
-to its next request, and requests in flight keep the tenant they started with.
+to its next request, its compute budget from the engine's next step (keeping what it has
+used: TenantBudgets.update), and requests in flight keep the tenant they started with;
+`kv_blocks` alone is read at start-up only.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ FIELDS = ("tenant", "max_concurrent_requests", "max_queued_requests", "min_prior
           "max_tokens_per_s", "burst_tokens", "max_requests_per_s", "admin", "loras", "may_load_loras")
 COUNTS = ("max_concurrent_requests", "max_queued_requests", "min_priority", "kv_blocks", "max_tokens_per_s",
           "burst_tokens", "max_requests_per_s")
-# Given to the scheduler at start-up: a SIGHUP leaves them as they were (logged).
-START_UP_ONLY = ("kv_blocks", "max_tokens_per_s", "burst_tokens")
+# Given to the scheduler at start-up: a SIGHUP leaves it as it was (logged). The compute
+# budgets (max_tokens_per_s, burst_tokens) do reload: server.py hands them to the engine.
+START_UP_ONLY = ("kv_blocks",)
 
 
 @dataclass(slots=True)
@@ -135,9 +138,6 @@ class ApiKeys:
                 if current.kv_blocks != tenant.kv_blocks:
                     log.warning("api_keys_kv_blocks_unchanged", tenant=tenant.name,
                                 reason="the scheduler's kv_blocks shares are set at start-up; restart to change them")
-                if (current.max_tokens_per_s, current.burst_tokens) != (tenant.max_tokens_per_s, tenant.burst_tokens):
-                    log.warning("api_keys_compute_budget_unchanged", tenant=tenant.name,
-                                reason="the scheduler's compute budgets are set at start-up; restart to change them")
                 for limit in fields(Tenant):
                     if limit.compare and limit.name != "name" and limit.name not in START_UP_ONLY:
                         setattr(current, limit.name, getattr(tenant, limit.name))

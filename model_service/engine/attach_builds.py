@@ -10,7 +10,7 @@ from model_service.spec.speculator import Speculator
 from model_service.cache.attachment import Attachment
 from model_service.engine.settings import EngineSettings
 from model_service.sched.scheduler import Scheduler, SchedulerLimits
-from model_service.sched.tenant_budgets import ComputeBudget
+from model_service.sched.tenant_budgets import compute_budgets
 from model_service.worker.decode_graphs import DecodeGraphPool
 from model_service.worker.runner import ModelRunner
 
@@ -51,7 +51,7 @@ def build_scheduler(settings: EngineSettings, attachment: Attachment, eos_token_
                         truncate_tables=attachment.supports_truncate),
         blocks_available=attachment.sizing.num_blocks, policy=settings.scheduling_policy,
         eos_token_ids=eos_token_ids, tenant_kv_blocks=dict(settings.tenant_kv_blocks),
-        tenant_budgets={tenant: ComputeBudget(rate, burst) for tenant, rate, burst in settings.tenant_compute_budgets},
+        tenant_budgets=compute_budgets(settings.tenant_compute_budgets),
         speculator=Speculator(settings.speculative, block_size, settings.max_model_len)
         if settings.speculative.enabled else None,
     )

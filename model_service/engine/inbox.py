@@ -1,7 +1,7 @@
 """What other threads tell the engine thread: one typed message each, through one queue.
 
-Callers' threads (submit, cancel, abort), the heartbeat thread (a failed session) and
-stop() post here; the engine thread alone takes messages out, between steps.
+Callers' threads (submit, cancel, abort), the heartbeat thread (a failed session), a
+keys reload (compute budgets) and stop() post here; the engine thread alone takes messages out, between steps.
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ class Wake:
     """Nothing to do but look again (stop() posts it)."""
 
 
-Message = Submit | Cancel | Abort | SessionFailed | Wake
+@dataclass(frozen=True, slots=True)
+class ComputeBudgets:
+    """The tenants' compute budgets of a reloaded keys file: (tenant, max_tokens_per_s, burst_tokens)."""
+
+    budgets: tuple[tuple[str, int, int], ...]
+
+
+Message = Submit | Cancel | Abort | SessionFailed | Wake | ComputeBudgets
 
 
 class Inbox:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 import structlog
@@ -34,7 +35,7 @@ from model_service.engine.admission import Admission
 from model_service.engine.attach_builds import build_runner, build_scheduler
 from model_service.engine.deltas import Delta, Sink
 from model_service.engine.failures import step_failure_status
-from model_service.engine.inbox import Abort, Cancel, Inbox, Message, SessionFailed, Submit, Wake
+from model_service.engine.inbox import Abort, Cancel, ComputeBudgets, Inbox, Message, SessionFailed, Submit, Wake
 from model_service.engine.live_requests import Deliver, LiveRequests
 from model_service.engine.output import RequestOutput, new_request
 from model_service.engine.settings import EngineSettings
@@ -47,10 +48,12 @@ from model_service.sched.lease_ops import LeaseLost, LeaseOps
 from model_service.sched.scheduler import Scheduler
 from model_service.sched.step import Step, StepOutput
 from model_service.sched.sequence import Finish
+from model_service.sched.tenant_budgets import compute_budgets
 from model_service.worker.decode_graphs import DecodeGraphPool
 from model_service.worker.runner import ModelRunner
 from model_service.worker.torch_threads import use_device
 from pagedkv.kv_geometry import KvGeometry
+from pagedkv.thread_names import name_this_thread
 
 log = structlog.get_logger()
 
@@ -191,6 +194,11 @@ class Engine:
             self._inbox.put(Abort(tuple(keys)))
         return len(keys)
 
+    def set_compute_budgets(self, budgets: tuple[tuple[str, int, int], ...]) -> None:
+        """Tenants' compute budgets (tenant, max_tokens_per_s, burst_tokens) from a reloaded
+        keys file: the scheduler takes them between steps, and every later attach starts with them."""
+        self._inbox.put(ComputeBudgets(tuple(budgets)))
+
     def record_counts(self) -> dict[str, int]:
         """Entries in each of the engine's per-request records. None outlives its request
         for long: each is bounded by the live requests (docs/operations.md, "Memory"), and what
@@ -202,6 +210,7 @@ class Engine:
     # -- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread("engine")  # so that its CPU can be told from the other threads' (harness/cpu_use.py)
         # This thread's OpenMP pool is the process's only one, and it launches on the
         # model's CUDA device, not cuda:0 (torch_threads.py).
         torch.set_num_threads(self._torch_threads)
@@ -423,6 +432,11 @@ class Engine:
                 # of the old session says nothing about the new one.
                 if session_id == self._session.session_id:
                     raise CacheFailed(error)
+            case ComputeBudgets(budgets):
+                self.settings = replace(self.settings, tenant_compute_budgets=budgets)
+                if self.scheduler is not None:
+                    self.scheduler.budgets.update(compute_budgets(budgets))
+                log.info("compute_budgets_reloaded", budgets=[list(budget) for budget in budgets])
             case Wake():
                 pass
 
@@ -448,6 +462,8 @@ class Engine:
                 request = message_.request
                 self._release(request)
                 self._requests.send(request.sink, Delta(finish=Finish.ABORTED, error=(code, message)))
+            elif isinstance(message_, ComputeBudgets):  # the next attach's scheduler starts with them
+                self._handle(message_)
             # Cancels have nothing left to cancel; stale session failures nothing left to fail.
 
     def _lose_cache(self, error: BaseException) -> None:

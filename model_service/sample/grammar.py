@@ -31,7 +31,8 @@ import torch
 
 from model_service import metrics
 from model_service.sample.params import InvalidRequest, StructuredSpec
-from pagedkv.thread_priority import lower_this_thread
+from pagedkv.thread_names import name_this_thread, threads_named
+from pagedkv.thread_priority import idle_threads, lower_this_thread
 
 log = structlog.get_logger()
 
@@ -48,10 +49,20 @@ MAX_JSON_WHITESPACE = 12
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the client needs the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")
 _MAX_MESSAGE_CHARS = 400
-# Nice value of the compile threads (Linux: per thread), relative to the service's.
-COMPILE_NICENESS = 10
+# Nice value of the compile threads (Linux: per thread), relative to the service's: the
+# most there is. On a core the engine keeps busy, a thread 10 nicer still gets about a
+# tenth of it, and a tenant can keep a compile running back to back (each spec new);
+# at 19 it gets about a seventieth, so compiles take what the engine leaves, while on a
+# core with room they run as fast as ever.
+COMPILE_NICENESS = 19
 # json_depth: every byte but a bracket's (UTF-8 puts no ASCII byte inside another character).
 _NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+
+
+def compile_thread_name(tid: int) -> str:
+    """The operating system's name of the compile thread `tid` and of the threads it starts
+    (at most 15 characters: a Linux thread id has at most 7 digits)."""
+    return f"grammar-{tid}"
 
 
 class InvalidStructure(InvalidRequest):
@@ -109,6 +120,8 @@ class _Compiling:
     # time.monotonic() past which its waiters give up: set when the compile itself starts,
     # after the vocabulary is read (once, at the first compile: not the request's cost).
     deadline: float = math.inf
+    tid: int = 0  # the compile thread's id (threading.get_native_id), once it runs
+    abandoned: bool = False  # past its deadline: its threads were moved to SCHED_IDLE
 
     def remaining_s(self) -> float:
         # While the deadline is unset, waiters look again this often.
@@ -123,10 +136,14 @@ class GrammarCompiler:
     waiters give up at its deadline with InvalidStructure naming the limit. Python cannot
     stop a thread, so one that timed out runs on to its end (a straggler) and keeps its
     place: while every place is taken, a new compile is refused (CompilerBusy) rather than
-    queued, and a spec that timed out is refused at once when sent again. (A subprocess
-    could be killed instead, but xgrammar's import brings torch, seconds a process, and
-    every compiled grammar would cross back serialized.) A grammar that finishes after its
-    deadline is still cached, so the spec costs nothing the next time."""
+    queued, and a spec that timed out is refused at once when sent again. At its deadline
+    a straggler's threads (its own and xgrammar's, found by the name they share) move to
+    SCHED_IDLE: nobody waits for it any more, so it runs only on CPU nobody else wants,
+    never on the engine's share. (A subprocess could be killed instead, but every compiled
+    grammar would cross back serialized, and xgrammar's serialized form of a deeply nested
+    schema's grammar is many times the grammar's size and slow to write and read.) A
+    grammar that finishes after its deadline is still cached, so the spec costs nothing
+    the next time."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int], max_threads: int = 2,
                  limits: CompileLimits = CompileLimits()) -> None:
@@ -219,23 +236,54 @@ class GrammarCompiler:
         # spreads one over threads of its own (started from this one, so they inherit the
         # priority): on a busy machine the engine and the event loop get the cores first.
         lower_this_thread(COMPILE_NICENESS)
+        compiling.tid = threading.get_native_id()
         future = compiling.future
+        deadline = None
         try:
             compiler = self._xgrammar_compiler()
             compiling.deadline = time.monotonic() + self.limits.timeout_s
+            # Its own thread: the waiters may all be gone (a client that hung up).
+            deadline = threading.Timer(self.limits.timeout_s, self._abandon, args=(spec, compiling))
+            deadline.name, deadline.daemon = "grammar-deadline", True
+            deadline.start()
+            # Named by its own id, a name the threads xgrammar starts from it take over (the
+            # timer's started before, so it does not): a compile's threads can be found, and
+            # their CPU told from the engine's.
+            name_this_thread(compile_thread_name(compiling.tid))
             compiled = self._compile(compiler, spec)
         except BaseException as error:  # InvalidStructure, or xgrammar's bad_alloc: the waiters get it
             with self._lock:
-                self._compiling.pop(spec, None)
-                self._too_slow.pop(spec, None)
+                self._ended(spec, compiling, deadline)
             future.set_exception(error)
             return
         with self._lock:
             self.compiles += 1
-            self._compiling.pop(spec, None)
-            self._too_slow.pop(spec, None)
+            self._ended(spec, compiling, deadline)
             self._keep(spec, compiled)
         future.set_result(compiled)
+
+    def _ended(self, spec: StructuredSpec, compiling: _Compiling, deadline: threading.Timer | None) -> None:
+        """A compile's thread is done with it; the caller holds the lock."""
+        if deadline is not None:
+            deadline.cancel()
+        self._compiling.pop(spec, None)
+        self._too_slow.pop(spec, None)
+        if compiling.abandoned:
+            metrics.GRAMMAR_COMPILES_STRAGGLING.dec()
+
+    def _abandon(self, spec: StructuredSpec, compiling: _Compiling) -> None:
+        """At a compile's deadline, if it still runs: its threads to SCHED_IDLE. Under the
+        lock, so the compile thread cannot end meanwhile and its id (in the name its threads
+        share) cannot be another's; a thread xgrammar starts after this inherits the policy."""
+        with self._lock:
+            if self._compiling.get(spec) is not compiling or compiling.abandoned:
+                return
+            moved = idle_threads(sorted({compiling.tid, *threads_named(compile_thread_name(compiling.tid))}))
+            compiling.abandoned = True
+            metrics.GRAMMAR_COMPILES_STRAGGLING.inc()
+        metrics.GRAMMAR_COMPILES_ABANDONED.inc()
+        log.warning("grammar_compile_abandoned", kind=spec.kind, tenant=compiling.tenant, chars=len(spec.text),
+                    timeout_s=self.limits.timeout_s, threads=moved)
 
     def _keep(self, spec: StructuredSpec, compiled) -> None:
         """Caches a compiled grammar, evicting the least recently used past either bound;

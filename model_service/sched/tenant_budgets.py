@@ -50,6 +50,11 @@ class ComputeBudget:
         return max(self.burst_tokens or self.tokens_per_s, 1.0)
 
 
+def compute_budgets(triples) -> dict[str, ComputeBudget]:
+    """Tenant -> ComputeBudget of (tenant, max_tokens_per_s, burst_tokens) triples (ApiKeys.compute_budgets)."""
+    return {tenant: ComputeBudget(rate, burst) for tenant, rate, burst in triples}
+
+
 class TenantBudgets:
     def __init__(self, budgets: Mapping[str, ComputeBudget] | None = None, clock=time.monotonic) -> None:
         # Tenant -> its budget; a tenant without one has no limit.
@@ -59,6 +64,28 @@ class TenantBudgets:
         self._refilled_at = clock() if self.budgets else 0.0
         self._left: dict[str, float] = {}  # what the open step may still grant
         self._deferred: dict[str, int] = {}  # the open step's tokens refused, by tenant
+
+    def update(self, budgets: Mapping[str, ComputeBudget]) -> None:
+        """The budgets of a reloaded keys file (SIGHUP), between steps. The time since the
+        last step refills at the old rates first; then a tenant whose budget changed keeps
+        what it has used (its capacity less what it holds), so a reload neither hands out a
+        fresh burst nor takes back what the tenant was owed: under a new capacity it holds
+        that less the same use, at least nothing. A tenant new to budgets starts full, as at
+        start-up; one taken out has no limit from its next step."""
+        self.open_step()  # brings every bucket to now at the rates it had
+        tokens = {}
+        for tenant, budget in budgets.items():
+            old = self.budgets.get(tenant)
+            if old is None:
+                tokens[tenant] = budget.capacity
+            else:
+                used = old.capacity - self._tokens[tenant]
+                tokens[tenant] = min(budget.capacity, max(0.0, budget.capacity - used))
+        self.budgets = dict(budgets)
+        self._tokens = tokens
+        self._refilled_at = max(self._clock(), self._refilled_at)
+        self._left = dict(tokens)
+        self._deferred = {}
 
     def open_step(self) -> None:
         """Refills the buckets for the time since the last step and starts a step's grants."""
