@@ -131,6 +131,27 @@ def requests_served(model) -> float:
     return total
 
 
+def remote_tier_outcomes(caches) -> dict[str, float]:
+    """What befell the shared pair's remote tier, both cache services together, by their
+    /metrics: its traffic (demotions: blocks written, promotions: blocks read, hit tokens,
+    seconds) and what it dropped (queue full, store down or full) or rejected."""
+    totals: dict[str, float] = {}
+    for cache in caches:
+        text = urllib.request.urlopen(cache.metrics_url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if family.name == "pagedkv_cache_remote_kv":
+                    name = sample.labels["outcome"]
+                elif family.name.startswith("pagedkv_cache_tier_") and sample.labels.get("tier") == "remote":
+                    name = sample.name.removeprefix("pagedkv_cache_tier_").removesuffix("_total")
+                    if "state" in sample.labels:
+                        name += "_" + sample.labels["state"]
+                else:
+                    continue
+                totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
+
+
 def store_stats(store: ValkeyServer | MooncakeMaster) -> dict:
     """What the shared store holds, as its own server tells."""
     if isinstance(store, ValkeyServer):
@@ -192,6 +213,8 @@ def main() -> None:
     started, routers = [], []
     store = None
 
+    shared_caches = []
+
     def start_pair(*cache_flags: str) -> list:
         pair = []
         for _ in range(2):
@@ -199,6 +222,8 @@ def main() -> None:
             cache = start_cache_service(tmp, "--kv-cache-bytes", args.kv_cache_bytes, "--kv-events-endpoint", events,
                                         *cache_flags)
             started.append(cache)
+            if cache_flags:
+                shared_caches.append(cache)
             threads = ["--threads", str(args.threads)] if args.threads else []
             model = start_model_service(tmp, cache.address, "--model", args.model, "--served-model-name", MODEL,
                                         *threads, *args.model_flag, timeout_s=600)
@@ -246,7 +271,8 @@ def main() -> None:
         for policy, (a, b) in spread.items():
             table[policy]["replica_a_b"] = f"{int(a)}/{int(b)}"
         if store is not None:
-            table["store"] = {"backend": args.shared_tier_backend, **store_stats(store)}
+            table["store"] = {"backend": args.shared_tier_backend, **store_stats(store),
+                              "remote_tier": remote_tier_outcomes(shared_caches)}
         print(json.dumps(table, indent=2))
         print("| routing | requests | prefix hit rate | prompt tokens prefilled | from the shared tier | TTFT p50 | "
               "TTFT p99 | served by A/B |")
