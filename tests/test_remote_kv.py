@@ -340,3 +340,18 @@ def test_a_service_refuses_a_url_it_does_not_understand_at_start(tmp_path, key_f
     with pytest.raises(RuntimeError, match="scheme must be one of"):
         remote_service(tmp_path, f"http://127.0.0.1:{free_port()}", key_file)
 
+
+
+def test_a_reads_wait_grows_with_its_bytes_past_the_round_trips_bound(key_file):
+    from cache_service.tiers.remote_tier import READ_FLOOR_BYTES_PER_S
+
+    replica = Replica(f"valkey://127.0.0.1:{free_port()}", key_file, timeout_ms=100)
+    try:
+        tier = replica.remote
+        assert tier.read_bound(0) == pytest.approx(0.1)
+        # A prompt of many large blocks waits for its bytes at the floor rate too.
+        blocks = 4 * READ_FLOOR_BYTES_PER_S // tier.values.value_bytes
+        assert tier.read_bound(blocks) == pytest.approx(0.1 + blocks * tier.values.value_bytes / READ_FLOOR_BYTES_PER_S)
+        assert 4.0 < tier.read_bound(blocks) < 4.2
+    finally:
+        replica.close()

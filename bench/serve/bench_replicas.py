@@ -26,6 +26,7 @@ used_memory, and its read hit rate, keyspace_hits over hits and misses; mooncake
 /metrics: master_allocated_bytes, master_key_count).
 
     .venv/bin/python -m bench.serve.bench_replicas [--conversations 32] [--turns 6] [--rounds 2] [--shared-tier]
+        [--think-s 0] [--model tiny|smollm2] [--threads 1]
         [--shared-tier-backend valkey|mooncake]
 """
 
@@ -68,10 +69,13 @@ def conversations(seed: int, count: int, system_words: int, user_words: int, tur
              "users": [text(rng, user_words) for _ in range(turns)]} for index in range(count)]
 
 
-async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, samples: list) -> None:
+async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, samples: list,
+               think_s: float = 0.0) -> None:
     history = conversation["system"]
     previous_prompt = 0
     for turn, user in enumerate(conversation["users"]):
+        if turn and think_s:
+            await asyncio.sleep(think_s)  # the user reads the answer and types the next turn
         history += f"\nUser: {user}\nAssistant:"
         started = time.perf_counter()
         first = None
@@ -96,14 +100,14 @@ async def chat(client: openai.AsyncOpenAI, conversation: dict, max_tokens: int, 
         history += "".join(answer)
 
 
-async def play(base_url: str, sets: list[dict], concurrency: int, max_tokens: int) -> list:
+async def play(base_url: str, sets: list[dict], concurrency: int, max_tokens: int, think_s: float = 0.0) -> list:
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     samples: list = []
     queue = list(sets)
 
     async def worker() -> None:
         while queue:
-            await chat(client, queue.pop(0), max_tokens, samples)
+            await chat(client, queue.pop(0), max_tokens, samples, think_s)
 
     await asyncio.gather(*[worker() for _ in range(concurrency)])
     await client.close()
@@ -196,6 +200,9 @@ def main() -> None:
     parser.add_argument("--user-words", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="seconds between an answer's last token and the conversation's next turn (a user "
+                             "reading and typing); 0: at once, which gives the shared tier no time to write")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per policy, in turns")
     parser.add_argument("--kv-cache-bytes", default="256MiB")
     parser.add_argument("--threads", type=int, default=0,
@@ -259,14 +266,15 @@ def main() -> None:
                 seed += 1
                 sets = conversations(seed, args.conversations, args.system_words, args.user_words, args.turns)
                 before = [requests_served(model) for model, _ in pair]
-                results[policy] += asyncio.run(play(urls[policy], sets, args.concurrency, args.max_tokens))
+                results[policy] += asyncio.run(play(urls[policy], sets, args.concurrency, args.max_tokens, args.think_s))
                 after = [requests_served(model) for model, _ in pair]
                 spread[policy] = [total + a - b for total, a, b in zip(spread[policy], after, before)]
                 print(f"round {round_index + 1} {policy}: {summary(results[policy][-len(sets) * args.turns:])}",
                       flush=True)
         seed += 1
         sets = conversations(seed, args.conversations, args.system_words, args.user_words, args.turns)
-        results["one_replica"] = asyncio.run(play(workers[0][0].http_url, sets, args.concurrency, args.max_tokens))
+        results["one_replica"] = asyncio.run(play(workers[0][0].http_url, sets, args.concurrency, args.max_tokens,
+                                                  args.think_s))
         table = {name: summary(samples) for name, samples in results.items()}
         for policy, (a, b) in spread.items():
             table[policy]["replica_a_b"] = f"{int(a)}/{int(b)}"

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "a block read from the store is used only if its MAC checks under it")
     add_flag(parser, "--remote-kv-timeout-ms", default=DEFAULT_REMOTE_KV_TIMEOUT_MS, type=int,
              help="how long a Lease call waits for the remote tier's blocks before it goes on without them "
-                  "(those prompt tokens are recomputed); a store that slow is asked nothing for a while")
+                  "(those prompt tokens are recomputed), plus the time the read's bytes take at 256 MiB/s; "
+                  "a store that slow is asked nothing for a while")
     add_flag(parser, "--remote-kv-queue-blocks", default=DEFAULT_REMOTE_KV_QUEUE_BLOCKS, type=int,
              help="blocks waiting to be written to the remote tier at most; past it, released blocks are not "
                   "written (counted in pagedkv_cache_remote_kv_total{outcome=\"dropped_queue_full\"})")

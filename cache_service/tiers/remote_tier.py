@@ -47,6 +47,10 @@ WRITE_BATCH_BLOCKS = 16
 # The first wait before asking a store that failed again, doubled per failure up to the most.
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
+# A read's wait grows past --remote-kv-timeout-ms by the time its bytes take at this rate:
+# a model with large blocks reads tens of MB for one prompt, which a healthy store moves
+# in more than the bound meant for its round trip, and prefilling them again costs far more.
+READ_FLOOR_BYTES_PER_S = 256 * 1024 * 1024
 # Digests this service wrote or read lately: a block promoted from the store, or written
 # once, is not sent again when its sequence is released; those it wrote are its KV events.
 KNOWN_DIGESTS = 65536
@@ -146,13 +150,14 @@ class RemoteTier:
         if not chains or self.down():
             return {}
         started = self.clock()
+        bound = self.read_bound(len({digest for chain in chains for digest in chain}))
         future = asyncio.get_running_loop().run_in_executor(self._reader, self._read, chains)
         try:
-            blocks, rejected = await asyncio.wait_for(future, self.timeout_s)
+            blocks, rejected = await asyncio.wait_for(future, bound)
         except (TimeoutError, asyncio.TimeoutError) as error:
             # A store this slow is treated as down for a while, so reads do not pile up behind it.
             self.remote.read_timeouts += 1
-            self._failed(error, f"read (no answer within {self.timeout_s} s)")
+            self._failed(error, f"read (no answer within {bound:.3g} s)")
             return {}
         except StoreDown as error:
             self._failed(error, "read")
@@ -170,6 +175,11 @@ class RemoteTier:
         for digest in blocks:
             self._know(digest)
         return blocks
+
+    def read_bound(self, blocks: int) -> float:
+        """Seconds a read of `blocks` blocks is waited for: the timeout, and its bytes' time
+        at READ_FLOOR_BYTES_PER_S."""
+        return self.timeout_s + blocks * self.values.value_bytes / READ_FLOOR_BYTES_PER_S
 
     def _read(self, chains: list[list[bytes]]) -> tuple[dict[bytes, torch.Tensor], int]:
         """(a reader thread) The chains' blocks, and how many values were rejected."""
