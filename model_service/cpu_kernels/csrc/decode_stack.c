@@ -18,10 +18,11 @@
  *   mlp_out = silu_mul(normed W_gate_up^T) W_down^T
  * and after the last layer hidden += mlp_out, out = final_norm(hidden).
  *
- * With LoRA adapters (float32 only), each projection's output then takes its adapters'
- * deltas, run by run, through lora_sgmv.c's lora_shrink_expand: the order and the kernel
- * models/lora_delta.py's LoraStep.add uses on the per-layer path (q, k, v into the fused
- * qkv's columns before rotary; o; gate, up before silu_mul; down).
+ * With LoRA adapters (float32 or bfloat16 activations, the factors in the same dtype),
+ * each projection's output then takes its adapters' deltas, run by run, through
+ * lora_sgmv.c's lora_shrink_expand or lora_sgmv_bf16.c's lora_shrink_expand_bf16: the
+ * order and the kernel models/lora_delta.py's LoraStep.add uses on the per-layer path (q,
+ * k, v into the fused qkv's columns before rotary; o; gate, up before silu_mul; down).
  *
  * What it does not take (the caller checks, and the per-layer path serves instead): biases,
  * a pool of another dtype than the activations, but for an 8-bit pool under float32
@@ -81,7 +82,7 @@ struct stack_lora_run { /* pagedkv_kernels.h names it */
 
 typedef struct {
     const stack_lora_run *runs;
-    int num_runs, level;
+    int num_runs, level, dtype; /* dtype: the activations' and the factors', DTYPE_F32 or DTYPE_BF16 */
 } stack_lora;
 
 /* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target). A
@@ -95,10 +96,17 @@ static int add_lora(const stack_lora *lora, int layer, int target, const void *x
         const stack_lora_run *run = &lora->runs[i];
         const stack_lora_factor *f = &run->factors[layer * STACK_LORA_TARGETS + target];
         if (f->a == 0) continue;
-        status |= lora_shrink_expand(
-            (const float *)x + (int64_t)run->start * x_stride, x_stride, run->end - run->start, in_features,
-            (const float *)(intptr_t)f->a, f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling,
-            (float *)y + (int64_t)run->start * y_stride + column, y_stride, lora->level, 1);
+        const int64_t x_at = (int64_t)run->start * x_stride, y_at = (int64_t)run->start * y_stride + column;
+        if (lora->dtype == DTYPE_BF16)
+            status |= lora_shrink_expand_bf16(
+                (const uint16_t *)x + x_at, x_stride, run->end - run->start, in_features,
+                (const uint16_t *)(intptr_t)f->a, f->rank, (const uint16_t *)(intptr_t)f->b, f->out_features,
+                run->scaling, (uint16_t *)y + y_at, y_stride, lora->level, 1);
+        else
+            status |= lora_shrink_expand(
+                (const float *)x + x_at, x_stride, run->end - run->start, in_features, (const float *)(intptr_t)f->a,
+                f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling, (float *)y + y_at, y_stride,
+                lora->level, 1);
     }
     return status;
 }
@@ -132,8 +140,8 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
                  int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const stack_lora_run *lora_runs,
                  int lora_num_runs, int lora_level, int num_threads) {
     const int dtype = m->dtype, width = m->hidden, head_dim = m->head_dim;
-    const stack_lora lora = {lora_runs, lora_num_runs, lora_level};
-    if (lora_num_runs > 0 && dtype != DTYPE_F32) return -1;
+    const stack_lora lora = {lora_runs, lora_num_runs, lora_level, dtype};
+    if (lora_num_runs > 0 && dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -1;
     const int q_size = m->q_heads * head_dim, kv_size = m->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const size_t elem = dtype_bytes(dtype), kv_elem = dtype_bytes(kv_dtype);
     /* One scratch allocation: normed, qkv, attention out, o / mlp out, gate_up, act. */

@@ -22,15 +22,9 @@
 
 #include "cpu_levels.h"
 #include "cpu_math.h"
+#include "lora_sgmv.h"
 #include "pagedkv_kernels.h"
 #include "panel_driver.h"
-
-enum { LORA_PORTABLE = 0, LORA_AVX2 = 1, LORA_AVX512 = 2 };
-/* The rank ceiling (pagedkv/lora_slots.py's RANK_CEILING): the shrunk row lives on the stack. */
-#define LORA_MAX_RANK 512
-/* Rows from which the expand transposes b, and from which a run goes through the panels (see above). */
-#define LORA_TRANSPOSE_ROWS 8
-#define LORA_PANEL_ROWS 32
 
 typedef float (*dot_fn)(const float *x, const float *y, int n);
 typedef void (*axpy_fn)(float alpha, const float *x, float *y, int n); /* y += alpha * x */
@@ -38,6 +32,8 @@ typedef void (*axpy_fn)(float alpha, const float *x, float *y, int n); /* y += a
 #include "generic/lora_sgmv_portable.h"
 
 #if CPU_LEVELS_X86
+/* Outside the levels' target pragmas: each intrinsic keeps its own instruction set. */
+#include <immintrin.h>
 #include "x86/lora_sgmv_avx2.h"
 #include "x86/lora_sgmv_avx512.h"
 #endif
@@ -57,27 +53,41 @@ static const cpu_check_fn lora_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL
 /* The highest level this CPU runs. */
 int lora_best_level(void) { return best_level(lora_checks); }
 
+int lora_check(int rank, int level) {
+    if (rank < 1 || rank > LORA_MAX_RANK) return 1;
+    if (level < LORA_PORTABLE || level > lora_best_level()) return 2;
+    return 0;
+}
+
 static int64_t panel_floats(int rows, int cols) { return (int64_t)(rows + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS * cols; }
 
-/* A long run through f32_matmul.c's panels (the LoRA levels' indices are f32_linear's):
- * shrunk = x · Aᵀ, delta = shrunk · Bᵀ, out += scaling * delta. */
-static int through_panels(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
-                          const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level,
-                          axpy_fn axpy, int num_threads) {
+int lora_panel_delta(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
+                     const float *b, int out_f, float *delta, int level, int num_threads) {
     const int64_t a_n = panel_floats(rank, in_f), b_n = panel_floats(out_f, rank);
-    float *scratch = malloc((size_t)(a_n + b_n + (int64_t)rows * rank + (int64_t)rows * out_f) * sizeof(float));
+    float *scratch = malloc((size_t)(a_n + b_n + (int64_t)rows * rank) * sizeof(float));
     if (scratch == NULL) return 3;
-    float *a_panels = scratch, *b_panels = a_panels + a_n, *shrunk = b_panels + b_n, *delta = shrunk + (int64_t)rows * rank;
+    float *a_panels = scratch, *b_panels = a_panels + a_n, *shrunk = b_panels + b_n;
     int status = f32_pack_panels(a, in_f, rank, in_f, a_panels) || f32_pack_panels(b, rank, out_f, rank, b_panels) ||
                  f32_linear(x, x_row_stride, rows, in_f, rank, a_panels, shrunk, rank, level, num_threads) ||
                  f32_linear(shrunk, rank, rows, rank, out_f, b_panels, delta, out_f, level, num_threads);
+    free(scratch);
+    return status == 0 ? 0 : 2;
+}
+
+/* A long run through the panels: out += scaling * delta. */
+static int through_panels(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
+                          const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level,
+                          axpy_fn axpy, int num_threads) {
+    float *delta = malloc((size_t)rows * out_f * sizeof(float));
+    if (delta == NULL) return 3;
+    const int status = lora_panel_delta(x, x_row_stride, rows, in_f, a, rank, b, out_f, delta, level, num_threads);
     if (status == 0) {
 #pragma omp parallel for num_threads(num_threads)
         for (int row = 0; row < rows; row++)
             axpy(scaling, delta + (int64_t)row * out_f, out + (int64_t)row * out_row_stride, out_f);
     }
-    free(scratch);
-    return status == 0 ? 0 : 2;
+    free(delta);
+    return status;
 }
 
 /* Returns 0, or 1 for a rank outside 1..LORA_MAX_RANK, 2 for a level above lora_best_level,
@@ -85,8 +95,8 @@ static int through_panels(const float *x, int64_t x_row_stride, int rows, int in
 int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
                        const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level,
                        int num_threads) {
-    if (rank < 1 || rank > LORA_MAX_RANK) return 1;
-    if (level < LORA_PORTABLE || level > lora_best_level()) return 2;
+    const int refused = lora_check(rank, level);
+    if (refused != 0) return refused;
     const dot_fn dot = LEVEL_PICK(lora_levels, level);
     const axpy_fn axpy = LEVEL_PICK(lora_axpy_levels, level);
     if (rows >= LORA_PANEL_ROWS && level >= LORA_AVX2) return through_panels(x, x_row_stride, rows, in_f, a, rank, b,
