@@ -85,15 +85,25 @@ typedef struct {
     int num_runs, level, dtype; /* dtype: the activations' and the factors', DTYPE_F32 or DTYPE_BF16 */
 } stack_lora;
 
-/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target). A
- * decode step's runs are a few rows each: they share out one parallel region, a run to a
- * thread, rather than a region (and its fork and join) each. */
-static int add_lora(const stack_lora *lora, int layer, int target, const void *x, int64_t x_stride, int in_features,
-                    void *y, int64_t y_stride, int column, int num_threads) {
+/* The targets whose deltas go into one projection's output, where their columns start. */
+typedef struct {
+    int count;
+    int targets[3], columns[3];
+} lora_outputs;
+
+/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target), for
+ * each of the projection's targets (q, k, v share one call, as do gate and up: they read the
+ * same x and write apart). A decode step's runs are a few rows each: every (run, target)
+ * pair shares out one parallel region, one to a thread at a time, rather than a region (and
+ * its fork and join, where a thread descheduled by another process holds up the step) each. */
+static int add_lora(const stack_lora *lora, int layer, lora_outputs outputs, const void *x, int64_t x_stride,
+                    int in_features, void *y, int64_t y_stride, int num_threads) {
     int status = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic) reduction(| : status)
-    for (int i = 0; i < lora->num_runs; i++) {
-        const stack_lora_run *run = &lora->runs[i];
+    const int pairs = lora->num_runs * outputs.count;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic) reduction(| : status) if (pairs > 1)
+    for (int i = 0; i < pairs; i++) {
+        const stack_lora_run *run = &lora->runs[i / outputs.count];
+        const int target = outputs.targets[i % outputs.count], column = outputs.columns[i % outputs.count];
         const stack_lora_factor *f = &run->factors[layer * STACK_LORA_TARGETS + target];
         if (f->a == 0) continue;
         const int64_t x_at = (int64_t)run->start * x_stride, y_at = (int64_t)run->start * y_stride + column;
@@ -166,11 +176,8 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         status = linear(m, &layer->qkv, normed, tokens, width, qkv, qkv_size, num_threads);
         if (status != 0) break;
         if (lora.num_runs > 0) {
-            status = add_lora(&lora, l, LORA_Q, normed, width, width, qkv, qkv_size, 0, num_threads);
-            if (status == 0)
-                status = add_lora(&lora, l, LORA_K, normed, width, width, qkv, qkv_size, q_size, num_threads);
-            if (status == 0)
-                status = add_lora(&lora, l, LORA_V, normed, width, width, qkv, qkv_size, q_size + kv_size, num_threads);
+            const lora_outputs qkv_targets = {3, {LORA_Q, LORA_K, LORA_V}, {0, q_size, q_size + kv_size}};
+            status = add_lora(&lora, l, qkv_targets, normed, width, width, qkv, qkv_size, num_threads);
             if (status != 0) break;
         }
         rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
@@ -189,22 +196,23 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         if (status != 0) break;
         status = linear(m, &layer->o, attn, tokens, q_size, delta, width, num_threads);
         if (status == 0 && lora.num_runs > 0)
-            status = add_lora(&lora, l, LORA_O, attn, q_size, q_size, delta, width, 0, num_threads);
+            status = add_lora(&lora, l, (lora_outputs){1, {LORA_O}, {0}}, attn, q_size, q_size, delta, width,
+                              num_threads);
         if (status != 0) break;
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
                      width, m->eps, dtype, num_threads);
         status = linear(m, &layer->gate_up, normed, tokens, width, gate_up, 2 * m->intermediate, num_threads);
         if (status == 0 && lora.num_runs > 0) {
-            status = add_lora(&lora, l, LORA_GATE, normed, width, width, gate_up, 2 * m->intermediate, 0, num_threads);
-            if (status == 0)
-                status = add_lora(&lora, l, LORA_UP, normed, width, width, gate_up, 2 * m->intermediate,
-                                  m->intermediate, num_threads);
+            const lora_outputs gate_up_targets = {2, {LORA_GATE, LORA_UP}, {0, m->intermediate}};
+            status = add_lora(&lora, l, gate_up_targets, normed, width, width, gate_up, 2 * m->intermediate,
+                              num_threads);
         }
         if (status != 0) break;
         silu_mul(gate_up, act, tokens, m->intermediate, dtype, num_threads);
         status = linear(m, &layer->down, act, tokens, m->intermediate, delta, width, num_threads);
         if (status == 0 && lora.num_runs > 0)
-            status = add_lora(&lora, l, LORA_DOWN, act, m->intermediate, m->intermediate, delta, width, 0, num_threads);
+            status = add_lora(&lora, l, (lora_outputs){1, {LORA_DOWN}, {0}}, act, m->intermediate, m->intermediate,
+                              delta, width, num_threads);
         if (status != 0) break;
     }
     if (status == 0)
