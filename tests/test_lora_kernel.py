@@ -25,6 +25,7 @@ def reference(out, x, a, b, scaling):
 
 @pytest.mark.parametrize(("rows", "in_features", "rank", "out_features"),
                          [(1, 64, 8, 64), (5, 67, 7, 33), (3, 256, 64, 172), (2, 17, 1, 5), (4, 40, 16, 16),
+                          (2, 100, 24, 40),  # whole sixteens of outputs, a rank tail of eight
                           # from lora_sgmv.c's LORA_TRANSPOSE_ROWS on, the expand runs over b transposed
                           (8, 67, 7, 33), (27, 256, 64, 172), (19, 40, 16, 17),
                           # from LORA_PANEL_ROWS on (AVX2 and up), through f32_matmul.c's panels

@@ -9,11 +9,13 @@
  * scales one of its rows into the output row, whole vectors of outputs at a time, where dot
  * products over b's rows are `rank` long (often a single vector) and each ends in a
  * horizontal sum. A shorter run (a decode step's few rows of one adapter) takes the dot
- * products: the copy would cost more than it saves. A run of LORA_PANEL_ROWS rows or more (a
- * prefill chunk's) at the AVX2 level or above goes through f32_matmul.c's panels instead,
- * both factors packed once a call: its register tiles reuse each loaded factor across
- * tokens, where the row-at-a-time loops reload them for every row. The delta is then scaled
- * and added: x · Aᵀ · Bᵀ rounds differently from the other two ways, to float32 rounding.
+ * products, the copy costing more than it saves, and at the SIMD levels reduces eight or
+ * sixteen outputs' registers together rather than each alone. A run of LORA_PANEL_ROWS
+ * rows or more (a prefill chunk's) at the AVX2 level or above goes through f32_matmul.c's
+ * panels instead, both factors packed once a call: its register tiles reuse each loaded
+ * factor across tokens, where the row-at-a-time loops reload them for every row. The delta
+ * is then scaled and added: x · Aᵀ · Bᵀ rounds differently from the other two ways, to
+ * float32 rounding.
  *
  * Levels (lora_sgmv.py's LEVELS; cpu_levels.h's scheme): portable, a value at a time; AVX2,
  * eight lanes with FMA; AVX-512F, sixteen. The lanes sum in another order, so the levels
@@ -28,6 +30,8 @@
 
 typedef float (*dot_fn)(const float *x, const float *y, int n);
 typedef void (*axpy_fn)(float alpha, const float *x, float *y, int n); /* y += alpha * x */
+/* out[o] += sum_j s[j] * b[o, j] for o < out_f (the expand's dot products). */
+typedef void (*expand_fn)(const float *s, int rank, const float *b, int out_f, float *out);
 
 #include "generic/lora_sgmv_portable.h"
 
@@ -47,6 +51,11 @@ static const axpy_fn lora_axpy_levels[] = {
     [LORA_PORTABLE] = axpy_portable,
     [LORA_AVX2] = X86_LEVEL(axpy_avx2),
     [LORA_AVX512] = X86_LEVEL(axpy_avx512),
+};
+static const expand_fn lora_expand_levels[] = {
+    [LORA_PORTABLE] = expand_portable,
+    [LORA_AVX2] = X86_LEVEL(expand_avx2),
+    [LORA_AVX512] = X86_LEVEL(expand_avx512),
 };
 static const cpu_check_fn lora_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512f)};
 
@@ -99,6 +108,7 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
     if (refused != 0) return refused;
     const dot_fn dot = LEVEL_PICK(lora_levels, level);
     const axpy_fn axpy = LEVEL_PICK(lora_axpy_levels, level);
+    const expand_fn expand = LEVEL_PICK(lora_expand_levels, level);
     if (rows >= LORA_PANEL_ROWS && level >= LORA_AVX2) return through_panels(x, x_row_stride, rows, in_f, a, rank, b,
                                                                             out_f, scaling, out, out_row_stride,
                                                                             level, axpy, num_threads);
@@ -118,7 +128,7 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
         if (b_t != NULL)
             for (int j = 0; j < rank; j++) axpy(shrunk[j], b_t + (int64_t)j * out_f, out_row, out_f);
         else
-            for (int o = 0; o < out_f; o++) out_row[o] += dot(shrunk, b + (int64_t)o * rank, rank);
+            expand(shrunk, rank, b, out_f, out_row);
     }
     free(b_t);
     return 0;

@@ -7,6 +7,8 @@
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
+#include "lora_sums_avx2.h"
+
 static inline __m256 widen8_avx2(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -28,13 +30,6 @@ static inline float sum8_avx2(__m256 v) {
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
     half = _mm_add_ss(half, _mm_movehdup_ps(half));
     return _mm_cvtss_f32(half);
-}
-
-/* Lane i: the sum of v[i]'s lanes. */
-static inline __m256 sums8_avx2(const __m256 *v) {
-    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
 static float bf16_dot_avx2(const uint16_t *x, const uint16_t *y, int n) {

@@ -8,6 +8,8 @@
 #pragma GCC target("avx512f")
 #include <immintrin.h>
 
+#include "lora_sums_avx512.h"
+
 static inline __m512 widen16_avx512(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -25,25 +27,6 @@ static inline void store16_avx512(uint16_t *p, __m512 v) {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     const __m512i chosen = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(chosen, 16)));
-}
-
-/* Lane i: the sum of v[i]'s lanes. Halves, then quarters, then the four lanes of each
- * quarter are added across registers, which leaves output 4i + k in lane 4k + i: one
- * permute puts them in order. */
-static inline __m512 sums16_avx512(const __m512 *v) {
-    __m512 w[8], x[4];
-    for (int i = 0; i < 8; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-    const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-    const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(y0), _mm512_castps_pd(y1));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(y0), _mm512_castps_pd(y1));
-    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
 static float bf16_dot_avx512(const uint16_t *x, const uint16_t *y, int n) {

@@ -4,6 +4,8 @@
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
+#include "lora_sums_avx2.h"
+
 static float dot_avx2(const float *x, const float *y, int n) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int i = 0;
@@ -27,6 +29,30 @@ static void axpy_avx2(float alpha, const float *x, float *y, int n) {
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] += alpha * x[i];
+}
+
+/* out[o] += s · b's row o for every output: eight outputs at a time, each one's products over
+ * the rank's whole vectors in a register, the eight registers reduced together
+ * (sums8_avx2), the rank's tail added. */
+static void expand_avx2(const float *s, int rank, const float *b, int out_f, float *out) {
+    const int whole = rank - rank % 8;
+    int o = 0;
+    for (; o + 8 <= out_f; o += 8) {
+        __m256 lanes[8];
+        float tails[8];
+        for (int i = 0; i < 8; i++) {
+            const float *b_row = b + (int64_t)(o + i) * rank;
+            __m256 sum = _mm256_setzero_ps();
+            for (int j = 0; j < whole; j += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(b_row + j), sum);
+            lanes[i] = sum;
+            float tail = 0.0f;
+            for (int j = whole; j < rank; j++) tail += s[j] * b_row[j];
+            tails[i] = tail;
+        }
+        _mm256_storeu_ps(out + o, _mm256_add_ps(_mm256_loadu_ps(out + o),
+                                                _mm256_add_ps(sums8_avx2(lanes), _mm256_loadu_ps(tails))));
+    }
+    for (; o < out_f; o++) out[o] += dot_avx2(s, b + (int64_t)o * rank, rank);
 }
 
 #pragma GCC pop_options
