@@ -4,8 +4,10 @@
  * the shrink (x · Aᵀ, rank values a row, kept on the stack) and the expand (· Bᵀ, added in
  * place) in one call, instead of torch's two matmuls, a scale and an add with their
  * temporaries. a is [rank, in_f] and b [out_f, rank], both contiguous (peft's layouts). The
- * shrink is dot products over a's rows. The expand, for a run of LORA_TRANSPOSE_ROWS rows or
- * more, runs over a copy of b transposed once a call ([rank, out_f]): each shrunk value
+ * shrink is dot products over a's rows, at the SIMD levels eight or sixteen rows at a time
+ * over each loaded piece of x (independent sums, reduced together). The expand, for a run
+ * of LORA_TRANSPOSE_ROWS rows or more, runs over a copy of b transposed once a call
+ * ([rank, out_f]): each shrunk value
  * scales one of its rows into the output row, whole vectors of outputs at a time, where dot
  * products over b's rows are `rank` long (often a single vector) and each ends in a
  * horizontal sum. A shorter run (a decode step's few rows of one adapter) takes the dot
@@ -28,8 +30,9 @@
 #include "pagedkv_kernels.h"
 #include "panel_driver.h"
 
-typedef float (*dot_fn)(const float *x, const float *y, int n);
 typedef void (*axpy_fn)(float alpha, const float *x, float *y, int n); /* y += alpha * x */
+/* shrunk[j] = scaling * sum_k x[k] * a[j, k] for j < rank (the shrink). */
+typedef void (*shrink_fn)(const float *x, const float *a, int rank, int in_f, float scaling, float *shrunk);
 /* out[o] += sum_j s[j] * b[o, j] for o < out_f (the expand's dot products). */
 typedef void (*expand_fn)(const float *s, int rank, const float *b, int out_f, float *out);
 
@@ -42,15 +45,15 @@ typedef void (*expand_fn)(const float *s, int rank, const float *b, int out_f, f
 #include "x86/lora_sgmv_avx512.h"
 #endif
 
-static const dot_fn lora_levels[] = {
-    [LORA_PORTABLE] = dot_portable,
-    [LORA_AVX2] = X86_LEVEL(dot_avx2),
-    [LORA_AVX512] = X86_LEVEL(dot_avx512),
-};
 static const axpy_fn lora_axpy_levels[] = {
     [LORA_PORTABLE] = axpy_portable,
     [LORA_AVX2] = X86_LEVEL(axpy_avx2),
     [LORA_AVX512] = X86_LEVEL(axpy_avx512),
+};
+static const shrink_fn lora_shrink_levels[] = {
+    [LORA_PORTABLE] = shrink_portable,
+    [LORA_AVX2] = X86_LEVEL(shrink_avx2),
+    [LORA_AVX512] = X86_LEVEL(shrink_avx512),
 };
 static const expand_fn lora_expand_levels[] = {
     [LORA_PORTABLE] = expand_portable,
@@ -106,9 +109,9 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
                        int num_threads) {
     const int refused = lora_check(rank, level);
     if (refused != 0) return refused;
-    const dot_fn dot = LEVEL_PICK(lora_levels, level);
     const axpy_fn axpy = LEVEL_PICK(lora_axpy_levels, level);
     const expand_fn expand = LEVEL_PICK(lora_expand_levels, level);
+    const shrink_fn shrink = LEVEL_PICK(lora_shrink_levels, level);
     if (rows >= LORA_PANEL_ROWS && level >= LORA_AVX2) return through_panels(x, x_row_stride, rows, in_f, a, rank, b,
                                                                             out_f, scaling, out, out_row_stride,
                                                                             level, axpy, num_threads);
@@ -123,7 +126,7 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
     for (int row = 0; row < rows; row++) {
         float shrunk[LORA_MAX_RANK];
         const float *x_row = x + (int64_t)row * x_row_stride;
-        for (int j = 0; j < rank; j++) shrunk[j] = scaling * dot(x_row, a + (int64_t)j * in_f, in_f);
+        shrink(x_row, a, rank, in_f, scaling, shrunk);
         float *out_row = out + (int64_t)row * out_row_stride;
         if (b_t != NULL)
             for (int j = 0; j < rank; j++) axpy(shrunk[j], b_t + (int64_t)j * out_f, out_row, out_f);

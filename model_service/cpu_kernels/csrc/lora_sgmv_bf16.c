@@ -8,8 +8,9 @@
  * bfloat16 rounding of the delta, not to the bit.
  *
  * The three paths are lora_sgmv.c's, by the run's rows: dot products for a few rows (the
- * expand's over b's rows, `rank` long, reduced sixteen or eight outputs at a time where
- * the level can); from LORA_TRANSPOSE_ROWS, b widened and transposed once a call
+ * shrink's over a's rows, sixteen or eight rows at a time over each widened piece of x
+ * where the level can; the expand's over b's rows, `rank` long, reduced sixteen or eight
+ * outputs at a time); from LORA_TRANSPOSE_ROWS, b widened and transposed once a call
  * ([rank, out_f] float32) and each output vector summed in registers over the rank; from
  * LORA_PANEL_ROWS at AVX2 and above, the run and both factors widened to float32 and
  * multiplied through f32_matmul.c's panels (lora_panel_delta), the delta then added.
@@ -23,9 +24,10 @@
 #include "cpu_math.h"
 #include "lora_sgmv.h"
 #include "pagedkv_kernels.h"
+#include "panel_driver.h"
 
-/* sum_k x[k] * y[k], both bfloat16 (the shrink). */
-typedef float (*bf16_dot_fn)(const uint16_t *x, const uint16_t *y, int n);
+/* shrunk[j] = scaling * sum_k x[k] * a[j, k] for j < rank (the shrink). */
+typedef void (*bf16_shrink_fn)(const uint16_t *x, const uint16_t *a, int rank, int in_f, float scaling, float *shrunk);
 /* out[o] = bf16(out[o] + sum_j s[j] * b[o, j]) for o < out_f, b [out_f, rank] bfloat16. */
 typedef void (*bf16_expand_fn)(const float *s, int rank, const uint16_t *b, int out_f, uint16_t *out);
 /* The same over b_t [rank, out_f] float32 (b transposed). */
@@ -42,10 +44,10 @@ typedef void (*bf16_add_fn)(float alpha, const float *delta, uint16_t *out, int 
 #include "x86/lora_bf16_avx512.h"
 #endif
 
-static const bf16_dot_fn dot_levels[] = {
-    [LORA_PORTABLE] = bf16_dot_portable,
-    [LORA_AVX2] = X86_LEVEL(bf16_dot_avx2),
-    [LORA_AVX512] = X86_LEVEL(bf16_dot_avx512),
+static const bf16_shrink_fn shrink_levels[] = {
+    [LORA_PORTABLE] = bf16_shrink_portable,
+    [LORA_AVX2] = X86_LEVEL(bf16_shrink_avx2),
+    [LORA_AVX512] = X86_LEVEL(bf16_shrink_avx512),
 };
 static const bf16_expand_fn expand_levels[] = {
     [LORA_PORTABLE] = bf16_expand_portable,
@@ -98,7 +100,7 @@ int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, i
     if (rows >= LORA_PANEL_ROWS && level >= LORA_AVX2)
         return through_panels(x, x_row_stride, rows, in_f, a, rank, b, out_f, scaling, out, out_row_stride, level,
                               LEVEL_PICK(add_levels, level), num_threads);
-    const bf16_dot_fn dot = LEVEL_PICK(dot_levels, level);
+    const bf16_shrink_fn shrink = LEVEL_PICK(shrink_levels, level);
     const bf16_expand_fn expand = LEVEL_PICK(expand_levels, level);
     const bf16_expand_t_fn expand_t = LEVEL_PICK(expand_t_levels, level);
     float *b_t = NULL;
@@ -112,7 +114,7 @@ int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, i
     for (int row = 0; row < rows; row++) {
         float shrunk[LORA_MAX_RANK];
         const uint16_t *x_row = x + (int64_t)row * x_row_stride;
-        for (int j = 0; j < rank; j++) shrunk[j] = scaling * dot(x_row, a + (int64_t)j * in_f, in_f);
+        shrink(x_row, a, rank, in_f, scaling, shrunk);
         uint16_t *out_row = out + (int64_t)row * out_row_stride;
         if (b_t != NULL)
             expand_t(shrunk, rank, b_t, out_f, out_row);

@@ -76,3 +76,8 @@ static void bf16_add_portable(float alpha, const float *delta, uint16_t *out, in
     for (; i + 16 <= n; i += 16) store16_portable(out + i, widen16_portable(out + i) + alpha * load16_portable(delta + i));
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(out[i]) + alpha * delta[i]);
 }
+
+static void bf16_shrink_portable(const uint16_t *x, const uint16_t *a, int rank, int in_f, float scaling,
+                                 float *shrunk) {
+    for (int j = 0; j < rank; j++) shrunk[j] = scaling * bf16_dot_portable(x, a + (int64_t)j * in_f, in_f);
+}

@@ -98,4 +98,32 @@ static void bf16_add_avx2(float alpha, const float *delta, uint16_t *out, int n)
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(out[i]) + alpha * delta[i]);
 }
 
+/* shrunk[j] = scaling * (x · a's row j) for eight rows of a: each widened vector of x serves
+ * the eight, whose sums are independent chains (a dot product a row is one chain of
+ * dependent FMAs), reduced together. */
+static void bf16_shrink8_avx2(const uint16_t *x, const uint16_t *a, int in_f, float scaling, float *shrunk) {
+    const int whole = in_f - in_f % 8;
+    __m256 lanes[8];
+    float tails[8];
+    PANEL_UNROLL
+    for (int i = 0; i < 8; i++) lanes[i] = _mm256_setzero_ps();
+    for (int k = 0; k < whole; k += 8) {
+        const __m256 xv = widen8_avx2(x + k);
+        PANEL_UNROLL
+        for (int i = 0; i < 8; i++) lanes[i] = _mm256_fmadd_ps(xv, widen8_avx2(a + (int64_t)i * in_f + k), lanes[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        float tail = 0.0f;
+        for (int k = whole; k < in_f; k++) tail += bf16_to_f32(x[k]) * bf16_to_f32(a[(int64_t)i * in_f + k]);
+        tails[i] = tail;
+    }
+    _mm256_storeu_ps(shrunk, _mm256_mul_ps(_mm256_set1_ps(scaling), _mm256_add_ps(sums8_avx2(lanes), _mm256_loadu_ps(tails))));
+}
+
+static void bf16_shrink_avx2(const uint16_t *x, const uint16_t *a, int rank, int in_f, float scaling, float *shrunk) {
+    int j = 0;
+    for (; j + 8 <= rank; j += 8) bf16_shrink8_avx2(x, a + (int64_t)j * in_f, in_f, scaling, shrunk + j);
+    for (; j < rank; j++) shrunk[j] = scaling * bf16_dot_avx2(x, a + (int64_t)j * in_f, in_f);
+}
+
 #pragma GCC pop_options

@@ -101,4 +101,43 @@ static void bf16_add_avx512(float alpha, const float *delta, uint16_t *out, int 
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(out[i]) + alpha * delta[i]);
 }
 
+/* shrunk[j] = scaling * (x · a's row j) for `n` rows of a (n constant where inlined, so the
+ * sums stay in registers): each widened vector of x serves the n rows, whose sums are
+ * independent chains, where a dot product a row is one chain of dependent FMAs. */
+static inline __attribute__((always_inline)) void bf16_shrink_rows_avx512(const uint16_t *x, const uint16_t *a, int n,
+                                                                          int in_f, float scaling, float *shrunk) {
+    __m512 lanes[16];
+    float tails[16] = {0};
+    PANEL_UNROLL
+    for (int i = 0; i < 16; i++) lanes[i] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= in_f; k += 16) {
+        const __m512 xv = widen16_avx512(x + k);
+        PANEL_UNROLL
+        for (int i = 0; i < n; i++) lanes[i] = _mm512_fmadd_ps(xv, widen16_avx512(a + (int64_t)i * in_f + k), lanes[i]);
+    }
+    if (k + 8 <= in_f) {
+        const __m512 xv = widen8_avx512(x + k);
+        PANEL_UNROLL
+        for (int i = 0; i < n; i++) lanes[i] = _mm512_fmadd_ps(xv, widen8_avx512(a + (int64_t)i * in_f + k), lanes[i]);
+        k += 8;
+    }
+    for (int i = 0; i < n; i++)
+        for (int t = k; t < in_f; t++) tails[i] += bf16_to_f32(x[t]) * bf16_to_f32(a[(int64_t)i * in_f + t]);
+    const __m512 sums = _mm512_add_ps(sums16_avx512(lanes), _mm512_loadu_ps(tails));
+    _mm512_mask_storeu_ps(shrunk, (__mmask16)((1u << n) - 1u), _mm512_mul_ps(_mm512_set1_ps(scaling), sums));
+}
+
+/* The shrink: sixteen rows of a at a time, then eight, then one by one. */
+static void bf16_shrink_avx512(const uint16_t *x, const uint16_t *a, int rank, int in_f, float scaling,
+                               float *shrunk) {
+    int j = 0;
+    for (; j + 16 <= rank; j += 16) bf16_shrink_rows_avx512(x, a + (int64_t)j * in_f, 16, in_f, scaling, shrunk + j);
+    if (j + 8 <= rank) {
+        bf16_shrink_rows_avx512(x, a + (int64_t)j * in_f, 8, in_f, scaling, shrunk + j);
+        j += 8;
+    }
+    for (; j < rank; j++) shrunk[j] = scaling * bf16_dot_avx512(x, a + (int64_t)j * in_f, in_f);
+}
+
 #pragma GCC pop_options

@@ -55,4 +55,32 @@ static void expand_avx2(const float *s, int rank, const float *b, int out_f, flo
     for (; o < out_f; o++) out[o] += dot_avx2(s, b + (int64_t)o * rank, rank);
 }
 
+/* shrunk[j] = scaling * (x · a's row j) for eight rows of a: each loaded vector of x serves
+ * the eight, whose sums are independent chains (a dot product a row is one chain of
+ * dependent FMAs), reduced together. */
+static void shrink8_avx2(const float *x, const float *a, int in_f, float scaling, float *shrunk) {
+    const int whole = in_f - in_f % 8;
+    __m256 lanes[8];
+    float tails[8];
+    PANEL_UNROLL
+    for (int i = 0; i < 8; i++) lanes[i] = _mm256_setzero_ps();
+    for (int k = 0; k < whole; k += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + k);
+        PANEL_UNROLL
+        for (int i = 0; i < 8; i++) lanes[i] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(a + (int64_t)i * in_f + k), lanes[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        float tail = 0.0f;
+        for (int k = whole; k < in_f; k++) tail += x[k] * a[(int64_t)i * in_f + k];
+        tails[i] = tail;
+    }
+    _mm256_storeu_ps(shrunk, _mm256_mul_ps(_mm256_set1_ps(scaling), _mm256_add_ps(sums8_avx2(lanes), _mm256_loadu_ps(tails))));
+}
+
+static void shrink_avx2(const float *x, const float *a, int rank, int in_f, float scaling, float *shrunk) {
+    int j = 0;
+    for (; j + 8 <= rank; j += 8) shrink8_avx2(x, a + (int64_t)j * in_f, in_f, scaling, shrunk + j);
+    for (; j < rank; j++) shrunk[j] = scaling * dot_avx2(x, a + (int64_t)j * in_f, in_f);
+}
+
 #pragma GCC pop_options

@@ -52,4 +52,40 @@ static void expand_avx512(const float *s, int rank, const float *b, int out_f, f
     for (; o < out_f; o++) out[o] += dot_avx512(s, b + (int64_t)o * rank, rank);
 }
 
+/* shrunk[j] = scaling * (x · a's row j) for `n` rows of a (n constant where inlined, so the
+ * sums stay in registers): each loaded vector of x serves the n rows, whose sums are
+ * independent chains, where a dot product a row is one chain of dependent FMAs. */
+static inline __attribute__((always_inline)) void shrink_rows_avx512(const float *x, const float *a, int n,
+                                                                     int in_f, float scaling, float *shrunk) {
+    const int whole = in_f - in_f % 16;
+    const __mmask16 tail = (__mmask16)((1u << (in_f % 16)) - 1u);
+    __m512 lanes[16];
+    PANEL_UNROLL
+    for (int i = 0; i < 16; i++) lanes[i] = _mm512_setzero_ps();
+    for (int k = 0; k < whole; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + k);
+        PANEL_UNROLL
+        for (int i = 0; i < n; i++) lanes[i] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(a + (int64_t)i * in_f + k), lanes[i]);
+    }
+    if (tail != 0) {
+        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + whole);
+        PANEL_UNROLL
+        for (int i = 0; i < n; i++)
+            lanes[i] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail, a + (int64_t)i * in_f + whole), lanes[i]);
+    }
+    _mm512_mask_storeu_ps(shrunk, (__mmask16)((1u << n) - 1u),
+                          _mm512_mul_ps(_mm512_set1_ps(scaling), sums16_avx512(lanes)));
+}
+
+/* The shrink: sixteen rows of a at a time, then eight, then one by one. */
+static void shrink_avx512(const float *x, const float *a, int rank, int in_f, float scaling, float *shrunk) {
+    int j = 0;
+    for (; j + 16 <= rank; j += 16) shrink_rows_avx512(x, a + (int64_t)j * in_f, 16, in_f, scaling, shrunk + j);
+    if (j + 8 <= rank) {
+        shrink_rows_avx512(x, a + (int64_t)j * in_f, 8, in_f, scaling, shrunk + j);
+        j += 8;
+    }
+    for (; j < rank; j++) shrunk[j] = scaling * dot_avx512(x, a + (int64_t)j * in_f, in_f);
+}
+
 #pragma GCC pop_options
