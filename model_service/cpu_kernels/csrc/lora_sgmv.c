@@ -102,6 +102,17 @@ static int through_panels(const float *x, int64_t x_row_stride, int rows, int in
     return status;
 }
 
+/* One row's shrink and expand (over b_t, b transposed, where the caller made one). */
+static inline void one_row(const float *x_row, const float *a, int rank, int in_f, const float *b, const float *b_t,
+                           int out_f, float scaling, float *out_row, shrink_fn shrink, expand_fn expand, axpy_fn axpy) {
+    float shrunk[LORA_MAX_RANK];
+    shrink(x_row, a, rank, in_f, scaling, shrunk);
+    if (b_t != NULL)
+        for (int j = 0; j < rank; j++) axpy(shrunk[j], b_t + (int64_t)j * out_f, out_row, out_f);
+    else
+        expand(shrunk, rank, b, out_f, out_row);
+}
+
 /* Returns 0, or 1 for a rank outside 1..LORA_MAX_RANK, 2 for a level above lora_best_level,
  * 3 without memory for b's transposed copy. */
 int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
@@ -122,16 +133,15 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
         for (int o = 0; o < out_f; o++)
             for (int j = 0; j < rank; j++) b_t[(int64_t)j * out_f + o] = b[(int64_t)o * rank + j];
     }
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * rank * (in_f + out_f) >= PARALLEL_MIN_ELEMENTS)
-    for (int row = 0; row < rows; row++) {
-        float shrunk[LORA_MAX_RANK];
-        const float *x_row = x + (int64_t)row * x_row_stride;
-        shrink(x_row, a, rank, in_f, scaling, shrunk);
-        float *out_row = out + (int64_t)row * out_row_stride;
-        if (b_t != NULL)
-            for (int j = 0; j < rank; j++) axpy(shrunk[j], b_t + (int64_t)j * out_f, out_row, out_f);
-        else
-            expand(shrunk, rank, b, out_f, out_row);
+    if (lora_parallel(rows, rank, in_f, out_f, num_threads)) {
+#pragma omp parallel for num_threads(num_threads)
+        for (int row = 0; row < rows; row++)
+            one_row(x + (int64_t)row * x_row_stride, a, rank, in_f, b, b_t, out_f, scaling,
+                    out + (int64_t)row * out_row_stride, shrink, expand, axpy);
+    } else {
+        for (int row = 0; row < rows; row++)
+            one_row(x + (int64_t)row * x_row_stride, a, rank, in_f, b, b_t, out_f, scaling,
+                    out + (int64_t)row * out_row_stride, shrink, expand, axpy);
     }
     free(b_t);
     return 0;

@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 
+#include "cpu_math.h"
+
 /* lora_sgmv.py's LEVELS; f32_matmul.c's f32_linear takes the same indices. */
 enum { LORA_PORTABLE = 0, LORA_AVX2 = 1, LORA_AVX512 = 2 };
 /* The rank ceiling (pagedkv/lora_slots.py's RANK_CEILING): the shrunk row lives on the stack. */
@@ -14,6 +16,14 @@ enum { LORA_PORTABLE = 0, LORA_AVX2 = 1, LORA_AVX512 = 2 };
  * panels at AVX2 and above (lora_sgmv.c says why). */
 #define LORA_TRANSPOSE_ROWS 8
 #define LORA_PANEL_ROWS 32
+
+/* Whether a run's rows are shared out between threads: not for one thread, nor below
+ * PARALLEL_MIN_ELEMENTS (cpu_math.h). The callers then run a plain loop, not a parallel
+ * region with a false `if`: that still sets up a team of one each call (nested, inside
+ * decode_stack.c's region over runs), which cost more than a one-row run's products. */
+static inline int lora_parallel(int rows, int rank, int in_f, int out_f, int num_threads) {
+    return num_threads > 1 && (int64_t)rows * rank * (in_f + out_f) >= PARALLEL_MIN_ELEMENTS;
+}
 
 /* 0 where the rank and level are ones the kernels take, else lora_shrink_expand's status. */
 int lora_check(int rank, int level);

@@ -90,6 +90,18 @@ static int through_panels(const uint16_t *x, int64_t x_row_stride, int rows, int
     return status;
 }
 
+/* One row's shrink and expand (over b_t, b widened and transposed, where the caller made one). */
+static inline void one_row(const uint16_t *x_row, const uint16_t *a, int rank, int in_f, const uint16_t *b,
+                           const float *b_t, int out_f, float scaling, uint16_t *out_row, bf16_shrink_fn shrink,
+                           bf16_expand_fn expand, bf16_expand_t_fn expand_t) {
+    float shrunk[LORA_MAX_RANK];
+    shrink(x_row, a, rank, in_f, scaling, shrunk);
+    if (b_t != NULL)
+        expand_t(shrunk, rank, b_t, out_f, out_row);
+    else
+        expand(shrunk, rank, b, out_f, out_row);
+}
+
 /* Returns lora_shrink_expand's statuses: 0, 1 for a rank outside 1..LORA_MAX_RANK, 2 for a
  * level above lora_best_level, 3 without scratch memory. */
 int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, int in_f, const uint16_t *a,
@@ -110,16 +122,15 @@ int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, i
         for (int o = 0; o < out_f; o++)
             for (int j = 0; j < rank; j++) b_t[(int64_t)j * out_f + o] = bf16_to_f32(b[(int64_t)o * rank + j]);
     }
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * rank * (in_f + out_f) >= PARALLEL_MIN_ELEMENTS)
-    for (int row = 0; row < rows; row++) {
-        float shrunk[LORA_MAX_RANK];
-        const uint16_t *x_row = x + (int64_t)row * x_row_stride;
-        shrink(x_row, a, rank, in_f, scaling, shrunk);
-        uint16_t *out_row = out + (int64_t)row * out_row_stride;
-        if (b_t != NULL)
-            expand_t(shrunk, rank, b_t, out_f, out_row);
-        else
-            expand(shrunk, rank, b, out_f, out_row);
+    if (lora_parallel(rows, rank, in_f, out_f, num_threads)) {
+#pragma omp parallel for num_threads(num_threads)
+        for (int row = 0; row < rows; row++)
+            one_row(x + (int64_t)row * x_row_stride, a, rank, in_f, b, b_t, out_f, scaling,
+                    out + (int64_t)row * out_row_stride, shrink, expand, expand_t);
+    } else {
+        for (int row = 0; row < rows; row++)
+            one_row(x + (int64_t)row * x_row_stride, a, rank, in_f, b, b_t, out_f, scaling,
+                    out + (int64_t)row * out_row_stride, shrink, expand, expand_t);
     }
     free(b_t);
     return 0;
