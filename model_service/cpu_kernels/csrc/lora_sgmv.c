@@ -93,8 +93,11 @@ static int through_panels(const float *x, int64_t x_row_stride, int rows, int in
     float *delta = malloc((size_t)rows * out_f * sizeof(float));
     if (delta == NULL) return 3;
     const int status = lora_panel_delta(x, x_row_stride, rows, in_f, a, rank, b, out_f, delta, level, num_threads);
-    if (status == 0) {
+    if (status == 0 && lora_parallel(rows, 1, out_f, 0, num_threads)) {
 #pragma omp parallel for num_threads(num_threads)
+        for (int row = 0; row < rows; row++)
+            axpy(scaling, delta + (int64_t)row * out_f, out + (int64_t)row * out_row_stride, out_f);
+    } else if (status == 0) {
         for (int row = 0; row < rows; row++)
             axpy(scaling, delta + (int64_t)row * out_f, out + (int64_t)row * out_row_stride, out_f);
     }

@@ -81,8 +81,11 @@ static int through_panels(const uint16_t *x, int64_t x_row_stride, int rows, int
     widen(a, in_f, rank, in_f, a_f);
     widen(b, rank, out_f, rank, b_f);
     const int status = lora_panel_delta(x_f, in_f, rows, in_f, a_f, rank, b_f, out_f, delta, level, num_threads);
-    if (status == 0) {
+    if (status == 0 && lora_parallel(rows, 1, out_f, 0, num_threads)) {
 #pragma omp parallel for num_threads(num_threads)
+        for (int row = 0; row < rows; row++)
+            add(scaling, delta + (int64_t)row * out_f, out + (int64_t)row * out_row_stride, out_f);
+    } else if (status == 0) {
         for (int row = 0; row < rows; row++)
             add(scaling, delta + (int64_t)row * out_f, out + (int64_t)row * out_row_stride, out_f);
     }
