@@ -124,21 +124,22 @@ def test_a_float32_model_in_panels_takes_the_stack_at_any_batch(tmp_path, monkey
 
 
 @pytest.mark.skipif(load() is None, reason="the CPU kernel library did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("level", level_params(lora_sgmv.FAMILY))
-def test_a_float32_step_with_adapters_takes_the_stack_and_gives_the_layer_paths_bits(tmp_path, monkeypatch, level):
+def test_a_step_with_adapters_takes_the_stack_and_gives_the_layer_paths_bits(tmp_path, monkeypatch, level, dtype):
     """Decode steps mixing two adapters (one on every target, one on q and v) and the base,
-    in runs the base splits: the stack adds the deltas with lora_sgmv's kernel, as the
-    per-layer path does, to the same bits; and they are deltas (the logits differ from the
-    base's)."""
+    in runs the base splits: the stack adds the deltas with lora_sgmv's kernel (its float32
+    or its bfloat16 one, the adapters held in the model's dtype), as the per-layer path
+    does, to the same bits; and they are deltas (the logits differ from the base's)."""
     pytest.importorskip("peft")
     from lora_adapters import ALL_TARGETS, hf_llama_of, write_adapter
     from model_service.lora.peft_adapter import load_adapter
 
     force(monkeypatch, lora_sgmv.FAMILY, level)
-    loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), torch.float32, "cpu")
+    loaded = load_model(str(write_checkpoint("llama", tmp_path / "llama")), dtype, "cpu")
     adapters = [load_adapter(f"a{index}", write_adapter(tmp_path / f"a{index}", hf_llama_of(loaded.config), rank=8,
                                                         alpha=16, targets=targets, seed=index, scale=0.3),
-                             loaded.config, max_rank=64)
+                             loaded.config, max_rank=64, dtype=dtype)
                 for index, targets in enumerate([ALL_TARGETS, ["q_proj", "v_proj"]])]
     prompts = [[(5 * i + j) % 40 + 1 for j in range(2 + i % 3)] for i in range(6)]
     chosen = {0: adapters[0], 1: adapters[0], 3: adapters[1], 4: adapters[0], 5: adapters[0]}  # 2: the base

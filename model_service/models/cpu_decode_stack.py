@@ -17,8 +17,9 @@ activations over an 8-bit pool, a batch large enough that quantized linears not 
 interleaved multiply in bfloat16: quant_matmul.FLOAT_PRODUCT_TOKENS), which the per-layer
 path serves.
 
-A float32 step with LoRA adapters runs in the call too, where lora_sgmv's C kernel serves
-them (PAGEDKV_LORA_KERNELS): each run of rows of one adapter is described with that
+A float32 or bfloat16 step with LoRA adapters runs in the call too, where lora_sgmv's C
+kernel serves them (PAGEDKV_LORA_KERNELS; the adapters' factors in the model's dtype, as
+lora/registry.py loads them): each run of rows of one adapter is described with that
 adapter's factors for every (layer, target), built once an adapter and kept while it lives,
 and the C side adds the deltas with the kernel and in the order LoraStep.add uses.
 """
@@ -76,13 +77,13 @@ class _LoraRun(ctypes.Structure):  # decode_stack.c's stack_lora_run
                 ("factors", ctypes.POINTER(_LoraFactor))]
 
 
-def _lora_factors(adapter, num_layers: int) -> ctypes.Array | None:
+def _lora_factors(adapter, num_layers: int, dtype: torch.dtype) -> ctypes.Array | None:
     """The adapter's factors by (layer, target) in decode_stack.c's order, or None where the C
-    kernel cannot take them (not float32, not contiguous, not on CPU)."""
+    kernel cannot take them (not in `dtype`, the activations', not contiguous, not on CPU)."""
     table = (_LoraFactor * (num_layers * len(TARGETS)))()
     for (layer, target), factors in adapter.weights.items():
         a, b = factors.a, factors.b
-        if not (a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu"
+        if not (a.dtype == b.dtype == dtype and a.device.type == b.device.type == "cpu"
                 and a.is_contiguous() and b.is_contiguous()) or layer >= num_layers:
             return None
         table[layer * len(TARGETS) + TARGETS.index(target)] = _LoraFactor(
@@ -231,7 +232,7 @@ class DecodeStack:
         if lora is None:
             return None, 0
         level = lora_sgmv.chosen_level()
-        if level is None or self.dtype != torch.float32:
+        if level is None or self.dtype not in lora_sgmv.DTYPES:
             return None, 0
         runs = (_LoraRun * len(lora.runs))()
         for index, run in enumerate(lora.runs):
@@ -247,6 +248,6 @@ class DecodeStack:
             return known[1]
         for key in [key for key, (ref, _) in self._lora_tables.items() if ref() is None]:
             del self._lora_tables[key]
-        table = _lora_factors(adapter, len(self._layers))
+        table = _lora_factors(adapter, len(self._layers), self.dtype)
         self._lora_tables[id(adapter)] = (weakref.ref(adapter), table)
         return table

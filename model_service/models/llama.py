@@ -162,8 +162,8 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] int64; kv_pool: [L, 2, NB, BS, Hkv, D] -> hidden [T, hidden]
         # lora: the step's rows of LoRA adapters (lora_delta.py), None when all are the base's.
         hidden = self.embed_tokens(input_ids)  # [T, hidden], the residual stream (added to in place)
-        # The one-call C decode stack adds float32 adapters' deltas itself; where it cannot
-        # (another dtype, torch's LoRA products), the step runs layer by layer.
+        # The one-call C decode stack adds float32 and bfloat16 adapters' deltas itself; where
+        # it cannot (float16, torch's LoRA products), the step runs layer by layer.
         if self.decode_stack_enabled and meta.num_decode_seqs == hidden.shape[0] and hidden.device.type == "cpu":
             stack = self._current_decode_stack()
             normed = stack.run(hidden, positions, kv_pool, meta, lora) if stack else None

@@ -8,7 +8,7 @@ of different adapters and of the base share the one base matmul. Rows of the bas
 belong to no run and cost nothing here.
 
 The fused projections (qkv_proj, gate_up_proj) take each target's delta into its columns
-(`column` is where they start). On CPU, float32 runs go to the C kernel of
+(`column` is where they start). On CPU, float32 and bfloat16 runs go to the C kernels of
 cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS). On CUDA all
 of a step's runs go to the Triton kernels of lora_triton.py, one shrink and one expand
 launch a projection, over the step's tables of factor addresses (lora_tables.py), where

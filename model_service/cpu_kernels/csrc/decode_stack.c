@@ -18,10 +18,11 @@
  *   mlp_out = silu_mul(normed W_gate_up^T) W_down^T
  * and after the last layer hidden += mlp_out, out = final_norm(hidden).
  *
- * With LoRA adapters (float32 only), each projection's output then takes its adapters'
- * deltas, run by run, through lora_sgmv.c's lora_shrink_expand: the order and the kernel
- * models/lora_delta.py's LoraStep.add uses on the per-layer path (q, k, v into the fused
- * qkv's columns before rotary; o; gate, up before silu_mul; down).
+ * With LoRA adapters (float32 or bfloat16 activations, the factors in the same dtype),
+ * each projection's output then takes its adapters' deltas, run by run, through
+ * lora_sgmv.c's lora_shrink_expand or lora_sgmv_bf16.c's lora_shrink_expand_bf16: the
+ * order and the kernel models/lora_delta.py's LoraStep.add uses on the per-layer path (q,
+ * k, v into the fused qkv's columns before rotary; o; gate, up before silu_mul; down).
  *
  * What it does not take (the caller checks, and the per-layer path serves instead): biases,
  * a pool of another dtype than the activations, but for an 8-bit pool under float32
@@ -81,24 +82,41 @@ struct stack_lora_run { /* pagedkv_kernels.h names it */
 
 typedef struct {
     const stack_lora_run *runs;
-    int num_runs, level;
+    int num_runs, level, dtype; /* dtype: the activations' and the factors', DTYPE_F32 or DTYPE_BF16 */
 } stack_lora;
 
-/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target). A
- * decode step's runs are a few rows each: they share out one parallel region, a run to a
- * thread, rather than a region (and its fork and join) each. */
-static int add_lora(const stack_lora *lora, int layer, int target, const void *x, int64_t x_stride, int in_features,
-                    void *y, int64_t y_stride, int column, int num_threads) {
+/* The targets whose deltas go into one projection's output, where their columns start. */
+typedef struct {
+    int count;
+    int targets[3], columns[3];
+} lora_outputs;
+
+/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target), for
+ * each of the projection's targets (q, k, v share one call, as do gate and up: they read the
+ * same x and write apart). A decode step's runs are a few rows each: every (run, target)
+ * pair shares out one parallel region, one to a thread at a time, rather than a region (and
+ * its fork and join, where a thread descheduled by another process holds up the step) each. */
+static int add_lora(const stack_lora *lora, int layer, lora_outputs outputs, const void *x, int64_t x_stride,
+                    int in_features, void *y, int64_t y_stride, int num_threads) {
     int status = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic) reduction(| : status)
-    for (int i = 0; i < lora->num_runs; i++) {
-        const stack_lora_run *run = &lora->runs[i];
+    const int pairs = lora->num_runs * outputs.count;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic) reduction(| : status) if (pairs > 1)
+    for (int i = 0; i < pairs; i++) {
+        const stack_lora_run *run = &lora->runs[i / outputs.count];
+        const int target = outputs.targets[i % outputs.count], column = outputs.columns[i % outputs.count];
         const stack_lora_factor *f = &run->factors[layer * STACK_LORA_TARGETS + target];
         if (f->a == 0) continue;
-        status |= lora_shrink_expand(
-            (const float *)x + (int64_t)run->start * x_stride, x_stride, run->end - run->start, in_features,
-            (const float *)(intptr_t)f->a, f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling,
-            (float *)y + (int64_t)run->start * y_stride + column, y_stride, lora->level, 1);
+        const int64_t x_at = (int64_t)run->start * x_stride, y_at = (int64_t)run->start * y_stride + column;
+        if (lora->dtype == DTYPE_BF16)
+            status |= lora_shrink_expand_bf16(
+                (const uint16_t *)x + x_at, x_stride, run->end - run->start, in_features,
+                (const uint16_t *)(intptr_t)f->a, f->rank, (const uint16_t *)(intptr_t)f->b, f->out_features,
+                run->scaling, (uint16_t *)y + y_at, y_stride, lora->level, 1);
+        else
+            status |= lora_shrink_expand(
+                (const float *)x + x_at, x_stride, run->end - run->start, in_features, (const float *)(intptr_t)f->a,
+                f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling, (float *)y + y_at, y_stride,
+                lora->level, 1);
     }
     return status;
 }
@@ -132,8 +150,8 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
                  int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const stack_lora_run *lora_runs,
                  int lora_num_runs, int lora_level, int num_threads) {
     const int dtype = m->dtype, width = m->hidden, head_dim = m->head_dim;
-    const stack_lora lora = {lora_runs, lora_num_runs, lora_level};
-    if (lora_num_runs > 0 && dtype != DTYPE_F32) return -1;
+    const stack_lora lora = {lora_runs, lora_num_runs, lora_level, dtype};
+    if (lora_num_runs > 0 && dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -1;
     const int q_size = m->q_heads * head_dim, kv_size = m->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const size_t elem = dtype_bytes(dtype), kv_elem = dtype_bytes(kv_dtype);
     /* One scratch allocation: normed, qkv, attention out, o / mlp out, gate_up, act. */
@@ -158,11 +176,8 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         status = linear(m, &layer->qkv, normed, tokens, width, qkv, qkv_size, num_threads);
         if (status != 0) break;
         if (lora.num_runs > 0) {
-            status = add_lora(&lora, l, LORA_Q, normed, width, width, qkv, qkv_size, 0, num_threads);
-            if (status == 0)
-                status = add_lora(&lora, l, LORA_K, normed, width, width, qkv, qkv_size, q_size, num_threads);
-            if (status == 0)
-                status = add_lora(&lora, l, LORA_V, normed, width, width, qkv, qkv_size, q_size + kv_size, num_threads);
+            const lora_outputs qkv_targets = {3, {LORA_Q, LORA_K, LORA_V}, {0, q_size, q_size + kv_size}};
+            status = add_lora(&lora, l, qkv_targets, normed, width, width, qkv, qkv_size, num_threads);
             if (status != 0) break;
         }
         rotary_in_place(qkv, qkv_size, tokens, m->q_heads + m->kv_heads, head_dim,
@@ -181,22 +196,23 @@ int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, cons
         if (status != 0) break;
         status = linear(m, &layer->o, attn, tokens, q_size, delta, width, num_threads);
         if (status == 0 && lora.num_runs > 0)
-            status = add_lora(&lora, l, LORA_O, attn, q_size, q_size, delta, width, 0, num_threads);
+            status = add_lora(&lora, l, (lora_outputs){1, {LORA_O}, {0}}, attn, q_size, q_size, delta, width,
+                              num_threads);
         if (status != 0) break;
         add_rms_norm(hidden, delta, width, (const void *)(intptr_t)layer->post_attention_norm, normed, tokens,
                      width, m->eps, dtype, num_threads);
         status = linear(m, &layer->gate_up, normed, tokens, width, gate_up, 2 * m->intermediate, num_threads);
         if (status == 0 && lora.num_runs > 0) {
-            status = add_lora(&lora, l, LORA_GATE, normed, width, width, gate_up, 2 * m->intermediate, 0, num_threads);
-            if (status == 0)
-                status = add_lora(&lora, l, LORA_UP, normed, width, width, gate_up, 2 * m->intermediate,
-                                  m->intermediate, num_threads);
+            const lora_outputs gate_up_targets = {2, {LORA_GATE, LORA_UP}, {0, m->intermediate}};
+            status = add_lora(&lora, l, gate_up_targets, normed, width, width, gate_up, 2 * m->intermediate,
+                              num_threads);
         }
         if (status != 0) break;
         silu_mul(gate_up, act, tokens, m->intermediate, dtype, num_threads);
         status = linear(m, &layer->down, act, tokens, m->intermediate, delta, width, num_threads);
         if (status == 0 && lora.num_runs > 0)
-            status = add_lora(&lora, l, LORA_DOWN, act, m->intermediate, m->intermediate, delta, width, 0, num_threads);
+            status = add_lora(&lora, l, (lora_outputs){1, {LORA_DOWN}, {0}}, act, m->intermediate, m->intermediate,
+                              delta, width, num_threads);
         if (status != 0) break;
     }
     if (status == 0)

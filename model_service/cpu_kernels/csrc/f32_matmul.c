@@ -48,7 +48,9 @@ enum { FLEVEL_PORTABLE = 0, FLEVEL_AVX2 = 1, FLEVEL_AVX512 = 2 };
 int f32_pack_panels(const float *w, int64_t w_stride, int rows, int cols, float *panels) {
     if (rows <= 0 || cols <= 0) return -1;
     const int num_panels = (rows + PANEL_ROWS - 1) / PANEL_ROWS;
-#pragma omp parallel for schedule(static)
+    /* A small matrix (a LoRA factor, packed at each call of lora_sgmv.c's panel path) on the
+     * calling thread: waking the others costs more than the copy. */
+#pragma omp parallel for schedule(static) if ((int64_t)rows * cols >= PARALLEL_MIN_ELEMENTS)
     for (int p = 0; p < num_panels; p++) {
         float *panel = panels + (int64_t)p * cols * PANEL_ROWS;
         for (int r = 0; r < PANEL_ROWS; r++) {

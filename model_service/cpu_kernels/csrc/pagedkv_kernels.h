@@ -106,11 +106,14 @@ int write_kv(const void *k, int64_t k_row_stride, const void *v, int64_t v_row_s
              int dtype, const int64_t *slots, void *k_cache, void *v_cache, int kv_dtype, float k_scale, float v_scale,
              int num_threads);
 
-/* ---- LoRA's segmented product (lora_sgmv.c) ---- */
+/* ---- LoRA's segmented product (lora_sgmv.c: float32 rows; lora_sgmv_bf16.c: bfloat16) ---- */
 
 int lora_best_level(void);
 int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
                        const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level,
                        int num_threads);
+int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, int in_f, const uint16_t *a,
+                            int rank, const uint16_t *b, int out_f, float scaling, uint16_t *out,
+                            int64_t out_row_stride, int level, int num_threads);
 
 #endif
