@@ -355,3 +355,27 @@ def test_a_reads_wait_grows_with_its_bytes_past_the_round_trips_bound(key_file):
         assert 4.0 < tier.read_bound(blocks) < 4.2
     finally:
         replica.close()
+
+
+def test_a_large_read_goes_as_two_halves_at_once_and_comes_back_in_order(key_file):
+    from cache_service.tiers.remote_tier import SPLIT_READ_BLOCKS
+
+    replica = Replica(f"valkey://127.0.0.1:{free_port()}", key_file, timeout_ms=100)
+    calls = []
+    try:
+        tier = replica.remote
+
+        def get_many(keys, max_bytes):
+            calls.append((threading.current_thread().name.split("_")[0], list(keys)))
+            return [key.encode() for key in keys]
+
+        tier.store.get_many = get_many
+        keys = [f"k{index}" for index in range(SPLIT_READ_BLOCKS + 1)]
+        assert tier._get_many(keys) == [key.encode() for key in keys]
+        assert sorted(chunk for _, chunk in calls) == sorted([keys[:4], keys[4:]])
+        assert {thread for thread, _ in calls} == {"MainThread", "kv-remote-read-half"}
+        calls.clear()
+        assert tier._get_many(keys[:3]) == [key.encode() for key in keys[:3]]
+        assert calls == [("MainThread", keys[:3])]  # a small read stays one round trip
+    finally:
+        replica.close()

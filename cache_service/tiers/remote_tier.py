@@ -51,6 +51,9 @@ BACKOFF_MAX_S = 5.0
 # a model with large blocks reads tens of MB for one prompt, which a healthy store moves
 # in more than the bound meant for its round trip, and prefilling them again costs far more.
 READ_FLOOR_BYTES_PER_S = 256 * 1024 * 1024
+# A read of at least this many blocks goes as two halves at once, on two connections: one
+# half's replies are parsed while the other's are still on the wire.
+SPLIT_READ_BLOCKS = 8
 # Digests this service wrote or read lately: a block promoted from the store, or written
 # once, is not sent again when its sequence is released; those it wrote are its KV events.
 KNOWN_DIGESTS = 65536
@@ -105,6 +108,9 @@ class RemoteTier:
         self._wake = asyncio.Event()
         # Reads and writes in threads of their own: a slow write never holds up a Lease call's read.
         self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-remote-read")
+        # The second half of a split read: a pool of its own, so a reader never waits on a
+        # worker of the pool it runs in.
+        self._half_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-remote-read-half")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-remote-write")
 
     # -- health -----------------------------------------------------------------------
@@ -181,11 +187,22 @@ class RemoteTier:
         at READ_FLOOR_BYTES_PER_S."""
         return self.timeout_s + blocks * self.values.value_bytes / READ_FLOOR_BYTES_PER_S
 
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        """(a reader thread) The store's values for `keys`, a large read split in two halves
+        read at once; a half's failure is the read's."""
+        max_bytes = self.values.value_bytes
+        if len(keys) < SPLIT_READ_BLOCKS:
+            return self.store.get_many(keys, max_bytes)
+        half = len(keys) // 2
+        second = self._half_reader.submit(self.store.get_many, keys[half:], max_bytes)
+        first = self.store.get_many(keys[:half], max_bytes)
+        return first + second.result()
+
     def _read(self, chains: list[list[bytes]]) -> tuple[dict[bytes, torch.Tensor], int]:
         """(a reader thread) The chains' blocks, and how many values were rejected."""
         digests = list(dict.fromkeys(digest for chain in chains for digest in chain))
         codec = self.values
-        values = dict(zip(digests, self.store.get_many([codec.key_of(d) for d in digests], codec.value_bytes)))
+        values = dict(zip(digests, self._get_many([codec.key_of(d) for d in digests])))
         blocks: dict[bytes, torch.Tensor] = {}
         rejected = 0
         for chain in chains:
@@ -303,5 +320,6 @@ class RemoteTier:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+        self._half_reader.shutdown(wait=False, cancel_futures=True)
         self._writer.shutdown(wait=False, cancel_futures=True)
         self.store.close()
