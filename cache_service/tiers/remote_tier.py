@@ -156,8 +156,9 @@ class RemoteTier:
         if not chains or self.down():
             return {}
         started = self.clock()
-        bound = self.read_bound(len({digest for chain in chains for digest in chain}))
-        future = asyncio.get_running_loop().run_in_executor(self._reader, self._read, chains)
+        digests = list(dict.fromkeys(digest for chain in chains for digest in chain))
+        bound = self.read_bound(len(digests))
+        future = asyncio.get_running_loop().run_in_executor(self._reader, self._read, chains, digests)
         try:
             blocks, rejected = await asyncio.wait_for(future, bound)
         except (TimeoutError, asyncio.TimeoutError) as error:
@@ -198,9 +199,9 @@ class RemoteTier:
         first = self.store.get_many(keys[:half], max_bytes)
         return first + second.result()
 
-    def _read(self, chains: list[list[bytes]]) -> tuple[dict[bytes, torch.Tensor], int]:
-        """(a reader thread) The chains' blocks, and how many values were rejected."""
-        digests = list(dict.fromkeys(digest for chain in chains for digest in chain))
+    def _read(self, chains: list[list[bytes]], digests: list[bytes]) -> tuple[dict[bytes, torch.Tensor], int]:
+        """(a reader thread) The chains' blocks, and how many values were rejected; `digests`
+        are the chains' own, each once, in order."""
         codec = self.values
         values = dict(zip(digests, self._get_many([codec.key_of(d) for d in digests])))
         blocks: dict[bytes, torch.Tensor] = {}

@@ -80,7 +80,7 @@ class TenantBudgets:
                 tokens[tenant] = budget.capacity
             else:
                 used = old.capacity - self._tokens[tenant]
-                tokens[tenant] = min(budget.capacity, max(0.0, budget.capacity - used))
+                tokens[tenant] = max(0.0, budget.capacity - used)  # used >= 0: never past the capacity
         self.budgets = dict(budgets)
         self._tokens = tokens
         self._refilled_at = max(self._clock(), self._refilled_at)
