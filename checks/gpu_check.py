@@ -833,12 +833,12 @@ def tier_round_trip(device: str, blocks: int, host_blocks: int, disk_dir: str | 
         first = ledger.allocate("check", len(tokens), tokens, namespace)
         originals = list(first.block_ids[:promote])
         ledger.release("check", first.sequence_id, cache_prefix=True, token_ids=tokens)
-        while tiers.queue:
-            tiers.demote_some(16)
+        while tiers.demotions.queue:
+            tiers.demotions.demote_some(16)
 
         async def write_all() -> None:
-            while tiers.disk_queue:
-                await tiers.write_some()
+            while tiers.demotions.disk_queue:
+                await tiers.demotions.write_some()
 
         asyncio.run(write_all())
         whole = ledger.allocate("check", blocks * block_size)  # evicts every cached block

@@ -65,12 +65,12 @@ class Stack:
         return allocation
 
     def demote_all(self) -> None:
-        while self.tiers.queue:
-            self.tiers.demote_some(16)
+        while self.tiers.demotions.queue:
+            self.tiers.demotions.demote_some(16)
 
     async def write_all(self) -> None:
-        while self.tiers.disk_queue:
-            await self.tiers.write_some()
+        while self.tiers.demotions.disk_queue:
+            await self.tiers.demotions.write_some()
 
     def evict_everything(self) -> None:
         """A sequence as large as the pool: every cached block is evicted."""
@@ -111,7 +111,7 @@ def test_a_block_evicted_before_its_demotion_is_lost_not_wrong():
     stack.run(tokens)
     stack.evict_everything()  # before the background copy ran
     stack.demote_all()
-    assert stack.tiers.missed_demotions == 3
+    assert stack.tiers.demotions.missed_demotions == 3
     assert stack.run(tokens).cached_tokens == 0
 
 
@@ -242,7 +242,7 @@ def test_a_full_disk_stops_demotions_and_fails_no_request(tmp_path, monkeypatch)
     stack.demote_all()
     asyncio.run(stack.write_all())
     assert stack.tiers.counters["disk"].errors == 1
-    assert stack.tiers.clock() < stack.tiers.disk_full_until
+    assert stack.tiers.clock() < stack.tiers.demotions.disk_full_until
     assert list((tmp_path / GEOMETRY.tag).iterdir()) == []  # no temporary file left behind
     stack.evict_everything()
     assert stack.run(tokens).cached_tokens == 0
@@ -306,11 +306,11 @@ def test_a_block_taken_while_its_copy_runs_is_not_indexed():
     tokens = tokens_of(10)
     stack.run(tokens)
     tiers = stack.tiers
-    batch = tiers._begin_demotion(16)  # chosen on the event loop; the copy would run in a thread
+    batch = tiers.demotions._begin_demotion(16)  # chosen on the event loop; the copy would run in a thread
     stack.evict_everything()  # meanwhile a Lease call takes the blocks, and their new holder writes them
-    tiers._copy(batch)
-    assert tiers._finish_demotion(batch) == 0
-    assert tiers.index.count("host") == 0 and tiers.missed_demotions == 3
+    tiers.demotions._copy(batch)
+    assert tiers.demotions._finish_demotion(batch) == 0
+    assert tiers.index.count("host") == 0 and tiers.demotions.missed_demotions == 3
     stack.ledger.check_invariants()
     assert stack.run(tokens).cached_tokens == 0
 
@@ -321,7 +321,7 @@ def test_the_background_copy_runs_in_a_thread_and_promotes_the_same_bytes():
     stack = Stack(TierSettings(host_cache_bytes=4 * BYTES_PER_BLOCK))
     tokens = tokens_of(11)
     stack.run(tokens)
-    assert asyncio.run(stack.tiers.demote_some_async(16)) == 3
+    assert asyncio.run(stack.tiers.demotions.demote_some_async(16)) == 3
     stack.evict_everything()
     assert stack.run(tokens).cached_tokens_host == 12
 
@@ -386,7 +386,7 @@ def test_kv_events_follow_every_block_between_the_pool_and_the_tiers(tmp_path):
             promoted["host"] += allocation.cached_tokens_host
             promoted["disk"] += allocation.cached_tokens_disk
         elif action < 0.75:
-            stack.tiers.demote_some(rng.randrange(1, 4))
+            stack.tiers.demotions.demote_some(rng.randrange(1, 4))
         elif action < 0.9:
             asyncio.run(stack.write_all())
         else:

@@ -21,7 +21,7 @@ from cuda_tier_fakes import FakeCuda, FakeCudaTensor, on_fake_cuda
 from test_kv_tiers import BS, BYTES_PER_BLOCK, Stack, tokens_of
 
 from harness.cache_helpers import allocate, attach, cache_stub, lease, release, stats, wait_for
-from cache_service.tiers import device_copies, kv_tiers
+from cache_service.tiers import demotion, device_copies
 from cache_service.tiers.settings import TierSettings
 from pagedkv.cache.v1 import cache_pb2
 
@@ -73,7 +73,7 @@ def test_a_disk_tier_alone_writes_a_cuda_pools_blocks_through_host_memory(tmp_pa
     stack.evict_everything()
     again = stack.run(tokens)  # checks the promoted bytes
     assert (again.cached_tokens, again.cached_tokens_disk) == (12, 12)
-    assert tiers.counters["disk"].errors == 0 and not tiers.disk_queue
+    assert tiers.counters["disk"].errors == 0 and not tiers.demotions.disk_queue
     tiers.close()
     assert sorted(fake_cuda.unregistered) == sorted(fake_cuda.registered), "pinned staging left registered"
 
@@ -81,12 +81,12 @@ def test_a_disk_tier_alone_writes_a_cuda_pools_blocks_through_host_memory(tmp_pa
 def test_a_demotion_waits_for_its_device_copy_before_checking_the_registration(tmp_path, fake_cuda, monkeypatch):
     stack = Stack(disk_only(tmp_path), device=on_fake_cuda)
     tiers = stack.tiers
-    finish = tiers._finish_demotion
-    monkeypatch.setattr(tiers, "_finish_demotion", lambda batch: fake_cuda.log.append("check") or finish(batch))
+    finish = tiers.demotions._finish_demotion
+    monkeypatch.setattr(tiers.demotions, "_finish_demotion", lambda batch: fake_cuda.log.append("check") or finish(batch))
     stack.run(tokens_of(22))
     stack.demote_all()
     assert fake_cuda.log == ["sync", "check"]
-    assert len(tiers.disk_queue) == 3
+    assert len(tiers.demotions.disk_queue) == 3
 
 
 def test_a_block_taken_while_its_device_copy_is_held_is_not_staged(tmp_path, fake_cuda):
@@ -97,19 +97,19 @@ def test_a_block_taken_while_its_device_copy_is_held_is_not_staged(tmp_path, fak
 
     async def scenario() -> int:
         fake_cuda.hold.set()
-        demotion = asyncio.create_task(tiers.demote_some_async(16))
+        demotion = asyncio.create_task(tiers.demotions.demote_some_async(16))
         await until(fake_cuda.holding.is_set, "the copy to be held")
         stack.evict_everything()  # a Lease call takes the blocks while they are copied
         fake_cuda.release()
         return await demotion
 
     assert asyncio.run(scenario()) == 0
-    assert tiers.missed_demotions == 3 and not tiers.disk_queue
+    assert tiers.demotions.missed_demotions == 3 and not tiers.demotions.disk_queue
     stack.ledger.check_invariants()
 
 
 def test_the_blocks_staged_for_disk_are_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_tiers, "MAX_STAGED_BLOCKS", 2)
+    monkeypatch.setattr(demotion, "MAX_STAGED_BLOCKS", 2)
     stack = Stack(disk_only(tmp_path))
     tiers = stack.tiers
     go = threading.Event()
@@ -121,19 +121,19 @@ def test_the_blocks_staged_for_disk_are_bounded(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiers.disk, "write", slow_write)
     staged_at_demotion = []
-    demote = tiers.demote_some_async
+    demote = tiers.demotions.demote_some_async
 
     async def recording_demote(limit):
-        staged_at_demotion.append(len(tiers.disk_queue))
+        staged_at_demotion.append(len(tiers.demotions.disk_queue))
         return await demote(limit)
 
-    monkeypatch.setattr(tiers, "demote_some_async", recording_demote)
+    monkeypatch.setattr(tiers.demotions, "demote_some_async", recording_demote)
 
     async def scenario() -> None:
         stack.run(tokens_of(24))
         task = asyncio.create_task(tiers.run())
         try:
-            await until(lambda: tiers.writing == 1, "the first write")
+            await until(lambda: tiers.demotions.writing == 1, "the first write")
             stack.run(tokens_of(25))  # three more blocks queued while two wait for the disk
             go.set()
             await until(lambda: tiers.counters["disk"].demotions == 6 or task.done(), "six blocks on disk")
@@ -162,7 +162,7 @@ def test_a_write_that_raises_is_logged_and_counted_and_the_next_blocks_are_writt
 
     monkeypatch.setattr(tiers.disk, "write", failing_once)
     stack.run(tokens_of(26))
-    asyncio.run(run_task_until(tiers, lambda: len(calls) == 3 and not tiers.writing, "three writes"))
+    asyncio.run(run_task_until(tiers, lambda: len(calls) == 3 and not tiers.demotions.writing, "three writes"))
     assert tiers.counters["disk"].errors == 1 and tiers.counters["disk"].demotions == 2
     assert "disk_cache_write_failed" in capsys.readouterr().out
     stack.ledger.check_invariants()
@@ -171,7 +171,7 @@ def test_a_write_that_raises_is_logged_and_counted_and_the_next_blocks_are_writt
 def test_a_demotion_that_raises_is_logged_and_counted_and_frees_its_slots(monkeypatch, capsys):
     stack = Stack(TierSettings(host_cache_bytes=4 * BYTES_PER_BLOCK))
     tiers = stack.tiers
-    copy = tiers._copy
+    copy = tiers.demotions._copy
     calls = []
 
     def failing_once(batch):
@@ -180,7 +180,7 @@ def test_a_demotion_that_raises_is_logged_and_counted_and_frees_its_slots(monkey
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return copy(batch)
 
-    monkeypatch.setattr(tiers, "_copy", failing_once)
+    monkeypatch.setattr(tiers.demotions, "_copy", failing_once)
     first, second = tokens_of(27), tokens_of(28)
     stack.run(first)
 
@@ -195,7 +195,7 @@ def test_a_demotion_that_raises_is_logged_and_counted_and_frees_its_slots(monkey
             task.cancel()
 
     asyncio.run(scenario())
-    assert tiers.counters["host"].errors == tiers.failed_steps == 1 and tiers.missed_demotions == 3
+    assert tiers.counters["host"].errors == tiers.demotions.failed_steps == 1 and tiers.demotions.missed_demotions == 3
     assert "kv_tier_step_failed" in capsys.readouterr().out
     tiers.check_invariants()  # the failed demotion's slots are free again
     stack.evict_everything()

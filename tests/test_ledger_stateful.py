@@ -538,13 +538,13 @@ class TieredLedgerMachine(LedgerMachine):
 
     @rule(count=st.integers(1, 6))
     def demote(self, count):
-        self.tiers.demote_some(count)
+        self.tiers.demotions.demote_some(count)
 
     @rule()
     def write_a_block_to_disk(self):
         import asyncio
 
-        asyncio.run(self.tiers.write_some())
+        asyncio.run(self.tiers.demotions.write_some())
 
     @invariant()
     def the_pool_tensor_holds_the_simulated_kv(self):
