@@ -15,6 +15,7 @@ import socket
 import threading
 
 import pytest
+import torch
 from remote_kv_stores import full_store
 from remote_replica import (
     FULL,
@@ -358,24 +359,33 @@ def test_a_reads_wait_grows_with_its_bytes_past_the_round_trips_bound(key_file):
 
 
 def test_a_large_read_goes_as_two_halves_at_once_and_comes_back_in_order(key_file):
-    from cache_service.tiers.remote_tier import SPLIT_READ_BLOCKS
+    from cache_service.tiers.remote_tier import REJECTED, SPLIT_READ_BLOCKS
 
     replica = Replica(f"valkey://127.0.0.1:{free_port()}", key_file, timeout_ms=100)
     calls = []
     try:
         tier = replica.remote
+        codec = tier.values
+        digests = [bytes([index]) * 32 for index in range(SPLIT_READ_BLOCKS + 1)]
+        payloads = [torch.full(codec.geometry.block_shape, index, dtype=codec.geometry.dtype)
+                    for index in range(len(digests))]
+        stored = {codec.key_of(digest): codec.encode(digest, payload) for digest, payload in zip(digests, payloads)}
+        stored[codec.key_of(digests[1])] = b"forged" + stored[codec.key_of(digests[1])][6:]
+        del stored[codec.key_of(digests[2])]
 
         def get_many(keys, max_bytes):
             calls.append((threading.current_thread().name.split("_")[0], list(keys)))
-            return [key.encode() for key in keys]
+            return [stored.get(key) for key in keys]
 
         tier.store.get_many = get_many
-        keys = [f"k{index}" for index in range(SPLIT_READ_BLOCKS + 1)]
-        assert tier._get_many(keys) == [key.encode() for key in keys]
+        got = tier._fetch(digests)
+        assert got[1] is REJECTED and got[2] is None
+        assert all(torch.equal(got[index], payloads[index]) for index in (0, *range(3, len(digests))))
+        keys = [codec.key_of(digest) for digest in digests]
         assert sorted(chunk for _, chunk in calls) == sorted([keys[:4], keys[4:]])
         assert {thread for thread, _ in calls} == {"MainThread", "kv-remote-read-half"}
         calls.clear()
-        assert tier._get_many(keys[:3]) == [key.encode() for key in keys[:3]]
-        assert calls == [("MainThread", keys[:3])]  # a small read stays one round trip
+        assert torch.equal(tier._fetch(digests[:1])[0], payloads[0])
+        assert calls == [("MainThread", keys[:1])]  # a small read stays one round trip
     finally:
         replica.close()

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "mooncake://HOST:PORT[?segment=BYTES&buffer=BYTES&host=ADDRESS] (docs/tiers.md); released prefix blocks are written to it in "
                   "the background, and a prompt's blocks no local tier holds are read from it (default: none)")
     add_flag(parser, "--remote-kv-key-file", default=None,
-             help="with --remote-kv: the HMAC key (32 bytes, mode 0600) every cache service of the cluster shares; "
+             help="with --remote-kv: the MAC key (32 bytes, mode 0600) every cache service of the cluster shares; "
                   "a block read from the store is used only if its MAC checks under it")
     add_flag(parser, "--remote-kv-timeout-ms", default=DEFAULT_REMOTE_KV_TIMEOUT_MS, type=int,
              help="how long a Lease call waits for the remote tier's blocks before it goes on without them "

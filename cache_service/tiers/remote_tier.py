@@ -76,6 +76,13 @@ class RemoteCounters:
     reconnects: int = 0  # calls that succeeded after the store had failed
 
 
+class _Rejected:
+    """A value read that failed its checks (length, magic, MAC)."""
+
+
+REJECTED = _Rejected()
+
+
 @dataclass(slots=True)
 class _Write:
     """A block on its way to the store, copied out of the pool."""
@@ -188,35 +195,44 @@ class RemoteTier:
         at READ_FLOOR_BYTES_PER_S."""
         return self.timeout_s + blocks * self.values.value_bytes / READ_FLOOR_BYTES_PER_S
 
-    def _get_many(self, keys: list[str]) -> list[bytes | None]:
-        """(a reader thread) The store's values for `keys`, a large read split in two halves
-        read at once; a half's failure is the read's."""
-        max_bytes = self.values.value_bytes
-        if len(keys) < SPLIT_READ_BLOCKS:
-            return self.store.get_many(keys, max_bytes)
-        half = len(keys) // 2
-        second = self._half_reader.submit(self.store.get_many, keys[half:], max_bytes)
-        first = self.store.get_many(keys[:half], max_bytes)
+    def _fetch(self, digests: list[bytes]) -> list[torch.Tensor | None | _Rejected]:
+        """(a reader thread) Each digest's block as the store holds it, checked: None where
+        the store has none, REJECTED where its value fails the checks. A read of
+        SPLIT_READ_BLOCKS or more goes as two halves at once, each read and checked in a
+        thread of its own (the MACs of one half are computed while the other's replies
+        come); a half's failure is the read's."""
+        if len(digests) < SPLIT_READ_BLOCKS:
+            return self._fetch_checked(digests)
+        half = len(digests) // 2
+        second = self._half_reader.submit(self._fetch_checked, digests[half:])
+        first = self._fetch_checked(digests[:half])
         return first + second.result()
+
+    def _fetch_checked(self, digests: list[bytes]) -> list[torch.Tensor | None | _Rejected]:
+        codec = self.values
+        values = self.store.get_many([codec.key_of(digest) for digest in digests], codec.value_bytes)
+        out: list[torch.Tensor | None | _Rejected] = []
+        for digest, value in zip(digests, values):
+            block = codec.decode(digest, value) if value is not None else None
+            out.append(REJECTED if value is not None and block is None else block)
+        return out
 
     def _read(self, chains: list[list[bytes]], digests: list[bytes]) -> tuple[dict[bytes, torch.Tensor], int]:
         """(a reader thread) The chains' blocks, and how many values were rejected; `digests`
         are the chains' own, each once, in order."""
-        codec = self.values
-        values = dict(zip(digests, self._get_many([codec.key_of(d) for d in digests])))
+        fetched = dict(zip(digests, self._fetch(digests)))
         blocks: dict[bytes, torch.Tensor] = {}
         rejected = 0
         for chain in chains:
             for digest in chain:
                 if digest in blocks:
                     continue
-                value = values[digest]
-                if value is None:
-                    break
-                block = codec.decode(digest, value)
+                block = fetched[digest]
                 if block is None:
+                    break
+                if block is REJECTED:
                     rejected += 1
-                    values[digest] = None  # another chain through it stops there too, counted once
+                    fetched[digest] = None  # another chain through it stops there too, counted once
                     break
                 blocks[digest] = block
         return blocks, rejected

@@ -19,7 +19,7 @@ class TierSettings:
     disk_cache_bytes: int = 0
     # The HMAC key file (None: .hmac-key in disk_cache_dir).
     disk_cache_key_file: str | None = None
-    # The remote tier shared by replicas: the store's URL (None: no remote tier), the HMAC
+    # The remote tier shared by replicas: the store's URL (None: no remote tier), the MAC
     # key file every cache service of the cluster shares, how long a Lease call waits for
     # the store's blocks, and how many blocks may wait to be written.
     remote_kv: str | None = None
@@ -41,7 +41,7 @@ class TierSettings:
         if self.remote_kv:
             parse_remote_url(self.remote_kv)
             if not self.remote_kv_key_file:
-                raise ValueError("--remote-kv needs --remote-kv-key-file: the HMAC key every cache service of the "
+                raise ValueError("--remote-kv needs --remote-kv-key-file: the MAC key every cache service of the "
                                  "cluster shares, which signs the store's blocks")
         elif self.remote_kv_key_file:
             raise ValueError("--remote-kv-key-file needs --remote-kv: it signs that store's blocks")
