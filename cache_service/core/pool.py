@@ -32,6 +32,7 @@ from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
 from cache_service.tiers.kv_tiers import KvTiers, ReadAhead
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
+from pagedkv.pool_memory.populate import populate_in_background
 from pagedkv.kv_geometry import KvGeometry
 
 log = structlog.get_logger()
@@ -331,6 +332,9 @@ class KvPool:
         shape = geometry.pool_shape(sizing.num_blocks, sizing.block_size)
         if geometry.device == "cpu":
             self._memory = pool_memory.create_shared_pool(shape, geometry.dtype, directory=self.settings.shm_dir)
+            # Promotions copy into blocks this process never touched: their pages are mapped
+            # now, off the Lease calls' path (pagedkv/pool_memory/populate.py says why).
+            populate_in_background(self._memory.tensor)
         else:
             self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
