@@ -15,7 +15,7 @@ Paths, taking turns within each round (who goes first alternates with the round)
     path, token ids in over gRPC, at most --concurrency requests in flight:
     without speculation, and with each of --methods (`--speculative-method ngram|suffix
     --num-speculative-tokens K --prompt-lookup-min --prompt-lookup-max`), and with
-    --speculative-max-tokens N each of them again with lengths adapting up to N;
+    --speculative-max-tokens N[,M] each of them again with lengths adapting up to N (and M);
   - vLLM: its CPU engine offline (harness/peers/vllm_worker.py, max_num_seqs =
     the concurrency), plain and with speculative_config {"method": "ngram", ...}; if its
     CPU backend refuses to speculate, the refusal is printed and the plain engine stays.
@@ -33,7 +33,7 @@ token, beside a plain one-stream token's time; vLLM's is not measured.
     .venv/bin/python -m bench.serve.bench_spec [--rounds 3] [--concurrency 1,8]
         [--workloads grounded,free] [--methods ngram,suffix] [--num-speculative-tokens 3]
         [--prompt-lookup-min 2] [--prompt-lookup-max 5] [--requests 64] [--max-new-tokens 128]
-        [--speculative-max-tokens N [--skip-fixed]] [--skip-vllm] [--threads 2]
+        [--speculative-max-tokens N[,M] [--skip-fixed]] [--skip-vllm] [--threads 2]
     .venv/bin/python -m bench.serve.bench_spec --rounds 1 --requests 4 --concurrency 1 \\
         --workloads grounded --skip-vllm           # a smoke run
 """
@@ -84,8 +84,10 @@ def spec_paths_of(methods: list[str], args) -> list[tuple[str, str, list[str]]]:
     """(path name, method, model-service flags) of each speculating path: each method at the
     fixed K (unless --skip-fixed), and with --speculative-max-tokens N also adapting up to N."""
     paths = [] if args.skip_fixed else [(f"pagedkv {m}", m, spec_flags(m, args)) for m in methods]
-    if args.speculative_max_tokens:
-        paths += [(f"pagedkv {m} adaptive", m, spec_flags(m, args, args.speculative_max_tokens)) for m in methods]
+    longest = [int(n) for n in str(args.speculative_max_tokens).split(",") if int(n)]
+    for n in longest:
+        label = "adaptive" if len(longest) == 1 else f"adaptive {n}"
+        paths += [(f"pagedkv {m} {label}", m, spec_flags(m, args, n)) for m in methods]
     return paths
 
 
@@ -172,8 +174,9 @@ def main() -> int:
     parser.add_argument("--workloads", default="grounded,free")
     parser.add_argument("--methods", default="ngram,suffix", help="pagedkv's --speculative-method values to run")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--speculative-max-tokens", type=int, default=0,
-                        help="N: also each method with pagedkv's --speculative-max-tokens N (adaptive lengths)")
+    parser.add_argument("--speculative-max-tokens", default="0",
+                        help="N[,M...]: also each method with pagedkv's --speculative-max-tokens N (adaptive "
+                             "lengths), a path for each value")
     parser.add_argument("--skip-fixed", action="store_true",
                         help="with --speculative-max-tokens: leave out the fixed-K paths")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
