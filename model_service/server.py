@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "or a grammar speculate, others decode as ever; default: off")
     add_flag(parser, "--num-speculative-tokens", default=3, type=int,
              help=f"tokens proposed per step for a speculating sequence (1 to {MAX_SPECULATIVE_TOKENS})")
+    add_flag(parser, "--speculative-max-tokens", default=0, type=int,
+             help="0: every speculating sequence proposes up to --num-speculative-tokens a step; N (from "
+                  f"--num-speculative-tokens to {MAX_SPECULATIVE_TOKENS}): each sequence's proposal length starts "
+                  "there and adapts between 1 and N, 2 longer after a proposal kept whole and 1 shorter after "
+                  "one cut, and a step verifies the proposed positions likeliest to be kept first")
     add_flag(parser, "--prompt-lookup-min", default=2, type=int,
              help="shortest suffix (in tokens) the ngram proposer looks up")
     add_flag(parser, "--prompt-lookup-max", default=5, type=int,
@@ -253,7 +258,8 @@ async def serve(args: argparse.Namespace) -> int:
     speculative = SpeculativeSettings(  # checked here, before a model loads for minutes
         method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-        suffix_cache_tokens=args.suffix_cache_tokens, always=args.speculative_always)
+        suffix_cache_tokens=args.suffix_cache_tokens, always=args.speculative_always,
+        max_speculative_tokens=args.speculative_max_tokens)
     if not args.grammar_compile_timeout_s > 0:
         raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
     # Before the model loads and the servers start their threads: a thread takes its arena

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from bench.serve import spec_workloads
-from bench.serve.bench_spec import proposer_cost, spec_flags, spec_totals
+from bench.serve.bench_spec import decode_rate, proposer_cost, spec_flags, spec_paths_of, spec_totals
 from bench.serve.bench_vs_vllm import pagedkv_services
 
 
@@ -40,6 +40,22 @@ def test_each_round_gets_its_own_system_message():
 
 def options(k: int = 3) -> argparse.Namespace:
     return argparse.Namespace(num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=5)
+
+
+def test_adaptive_paths_come_beside_the_fixed_ones_one_per_longest_length():
+    args = argparse.Namespace(**vars(options()), skip_fixed=False, speculative_max_tokens="16,32")
+    paths = spec_paths_of(["ngram", "suffix"], args)
+    assert [name for name, _, _ in paths] == ["pagedkv ngram", "pagedkv suffix", "pagedkv ngram adaptive 16",
+                                              "pagedkv suffix adaptive 16", "pagedkv ngram adaptive 32",
+                                              "pagedkv suffix adaptive 32"]
+    assert paths[4][2][-2:] == ["--speculative-max-tokens", "32"] and "--speculative-max-tokens" not in paths[0][2]
+    args.skip_fixed, args.speculative_max_tokens = True, "16"
+    assert [name for name, _, _ in spec_paths_of(["suffix"], args)] == ["pagedkv suffix adaptive"]
+
+
+def test_the_decode_rate_leaves_each_requests_first_token_out():
+    assert decode_rate({"decode": [(9, 1.0), (3, 0.5)]}) == 8.0
+    assert decode_rate({"tokens": 5}) is None  # vLLM's rows carry no per-request times
 
 
 def test_proposer_replay_times_every_token():

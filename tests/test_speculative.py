@@ -19,6 +19,9 @@ from test_engine_requests import Streams, greedy, start_engine
 # always: these tests check what speculation does, so it must run whatever the steps cost.
 NGRAM = SpeculativeSettings(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
                            always=True)
+# Lengths that adapt up to 12 (spec/adaptive.py), verified whatever the steps cost.
+ADAPTIVE = SpeculativeSettings(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3,
+                               max_speculative_tokens=12, always=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_greedy_and_seeded_output_is_token_identical_with_ngram_speculation(chec
         "penalised": (looped, greedy(20, temperature=0.8, seed=5, presence_penalty=0.5)),  # one token a step
     }
     outputs = {}
-    for label, spec in (("plain", SpeculativeSettings()), ("ngram", NGRAM)):
+    for label, spec in (("plain", SpeculativeSettings()), ("ngram", NGRAM), ("adaptive", ADAPTIVE)):
         streams = Streams()
         (tmp_path / label).mkdir()
         with start_cache_service(tmp_path / label, "--kv-cache-bytes", "8MiB", "--check-invariants") as cache:
@@ -80,6 +83,10 @@ def test_greedy_and_seeded_output_is_token_identical_with_ngram_speculation(chec
                 engine.stop(grace_s=0)
     assert outputs["ngram"] == outputs["plain"]
     assert list(outputs["ngram-again"].values()) == list(outputs["plain"].values())
+    assert outputs["adaptive"] == outputs["plain"]
+    assert list(outputs["adaptive-again"].values()) == list(outputs["plain"].values())
+    # The adaptive lengths went past what a fixed length proposes here.
+    assert max(p for p, _, _ in settled) > NGRAM.num_speculative_tokens
     assert outputs["ngram"]["looped"][0] == reference_greedy(reference, looped, 40)
     # Speculation ran, and some of it was kept, for greedy and sampled requests both.
     for greedy_rows in (True, False):

@@ -95,14 +95,15 @@ def grpc_runner(model, stream_interval: int = 1, stream: bool = True):
     """run(requests, concurrency=0) for a started model service: the requests from one asyncio
     gRPC client, at most `concurrency` in flight (0: all at once), timed here; a request is
     (prompt_token_ids, max_new_tokens[, lora_name]). Its row has each completion's
-    (spec_proposed_tokens, spec_accepted_tokens) in "spec"."""
+    (spec_proposed_tokens, spec_accepted_tokens) in "spec", and its (tokens, seconds) after
+    its first token in "decode"."""
 
-    async def send_all(items, concurrency: int) -> list[tuple[list[int], tuple[int, int]]]:
+    async def send_all(items, concurrency: int) -> list[tuple[list[int], tuple[int, int], tuple[int, float]]]:
         slots = asyncio.Semaphore(concurrency or len(items) or 1)
         async with grpc.aio.insecure_channel(model.address) as channel:
             stub = model_pb2_grpc.ModelServiceStub(channel)
 
-            async def one(prompt, max_new, lora_name=None) -> tuple[list[int], tuple[int, int]]:
+            async def one(prompt, max_new, lora_name=None) -> tuple[list[int], tuple[int, int], tuple[int, float]]:
                 request = model_pb2.GenerateRequest(
                     prompt_token_ids=prompt, stream=None if stream else False, lora_name=lora_name,
                     sampling=model_pb2.SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True,
@@ -111,12 +112,17 @@ def grpc_runner(model, stream_interval: int = 1, stream: bool = True):
                 )
                 tokens: list[int] = []
                 spec = (0, 0)
+                first = None
                 async with slots:
                     async for response in stub.Generate(request, timeout=900):
+                        if first is None and response.token_ids:
+                            first = time.perf_counter()
                         tokens.extend(response.token_ids)
                         if response.HasField("usage"):
                             spec = (response.usage.spec_proposed_tokens, response.usage.spec_accepted_tokens)
-                return tokens, spec
+                # After its first token: the request's decode alone, its prefill left out.
+                decode = (len(tokens) - 1, time.perf_counter() - first) if first is not None else (0, 0.0)
+                return tokens, spec, decode
 
             return list(await asyncio.gather(*(one(*item) for item in items)))
 
@@ -128,9 +134,10 @@ def grpc_runner(model, stream_interval: int = 1, stream: bool = True):
         seconds = time.perf_counter() - started
         wait = metric(model.metrics_url, "pagedkv_model_lease_wait_seconds_total") - wait_before
         step = metric(model.metrics_url, "pagedkv_model_engine_step_seconds_total") - step_before
-        outputs = [tokens for tokens, _ in replies]
+        outputs = [tokens for tokens, _, _ in replies]
         return {"tokens": sum(len(o) for o in outputs), "seconds": seconds, "outputs": outputs,
-                "spec": [spec for _, spec in replies], "lease_wait_share": wait / step if step else 0.0}
+                "spec": [spec for _, spec, _ in replies], "decode": [decode for _, _, decode in replies],
+                "lease_wait_share": wait / step if step else 0.0}
 
     return run
 

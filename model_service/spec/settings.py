@@ -1,5 +1,5 @@
 """What speculative decoding runs with (--speculative-method, --num-speculative-tokens,
---prompt-lookup-min/max, --suffix-cache-tokens), checked once so every front door gives
+--speculative-max-tokens, --prompt-lookup-min/max, --suffix-cache-tokens), checked once so every front door gives
 the same message."""
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class SpeculativeSettings:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_cache_tokens: int = 65536
+    # --speculative-max-tokens: 0 proposes num_speculative_tokens every step (vLLM's fixed K);
+    # N lets each sequence's proposal length move between 1 and N with what it keeps
+    # (spec/adaptive.py), starting at num_speculative_tokens.
+    max_speculative_tokens: int = 0
     # Verify every proposal, whatever a step costs (else spec/step_costs.py weighs them).
     always: bool = False
 
@@ -34,6 +38,11 @@ class SpeculativeSettings:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--num-speculative-tokens must be from 1 to {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
+        if self.max_speculative_tokens and not (
+                self.num_speculative_tokens <= self.max_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"--speculative-max-tokens must be 0 (a fixed length) or from --num-speculative-tokens "
+                             f"({self.num_speculative_tokens}) to {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.max_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= MAX_LOOKUP_N:
             raise ValueError(f"--prompt-lookup-min must be from 1 to {MAX_LOOKUP_N}, got {self.prompt_lookup_min}")
         if not self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_LOOKUP_N:
@@ -46,3 +55,12 @@ class SpeculativeSettings:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_speculative_tokens > 0
+
+    @property
+    def longest(self) -> int:
+        """The most tokens one proposal can hold."""
+        return self.max_speculative_tokens or self.num_speculative_tokens

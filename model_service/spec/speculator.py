@@ -1,12 +1,13 @@
 """Which decoding sequences speculate this step, and with what proposal: ngram looks up the
-sequence's own tokens (ngram.py); suffix, when they give nothing, the outputs of its
-tenant's earlier requests (suffix.py), which it is told of as they end (`finished`).
+sequence's own tokens (ngram.py); suffix takes the likelier of a proposal from its own
+tokens (request_trie.py) and one from the outputs of its tenant's earlier requests
+(suffix.py), which it is told of as they end (`finished`).
 
 The scheduler asks `propose` for each decoding sequence; a sequence that gets tokens runs
-them as a short chunk (its last token plus the proposal) through the prefill path, in
-the blocks it already holds: a proposal never asks the cache service for a block, and a
-rejected tail is rolled back by the scheduler (num_computed), so its slots are written
-over later and never committed to the prefix cache nor released as cached tokens.
+them beside its last token as decode rows of the step, in the blocks it already holds: a
+proposal never asks the cache service for a block, and a rejected tail is rolled back by
+the scheduler (num_computed), so its slots are written over later and never committed to
+the prefix cache nor released as cached tokens.
 
 Greedy and sampled sequences speculate (temperature, top-k/p, min_p, seeds: each
 proposed position's row is drawn as one-token steps draw it, spec/verify.py). Penalties,
@@ -21,7 +22,9 @@ import weakref
 
 from model_service import metrics
 from model_service.sched.sequence import Sequence
+from model_service.spec.adaptive import ProposalState, row_chances
 from model_service.spec.ngram import NgramIndex
+from model_service.spec.request_trie import RequestTrie
 from model_service.spec.settings import SpeculativeSettings
 from model_service.spec.step_costs import StepCosts
 from model_service.spec.suffix import SuffixHistory
@@ -38,9 +41,12 @@ class Speculator:
         self.settings = settings
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        # Each sequence's own tokens: an ngram index (ngram), a suffix trie (suffix: request_trie.py).
+        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex | RequestTrie] = weakref.WeakKeyDictionary()
+        # --speculative-max-tokens: each sequence's proposal length and counts (spec/adaptive.py).
+        self._states: weakref.WeakKeyDictionary[Sequence, ProposalState] = weakref.WeakKeyDictionary()
         # --speculative-method suffix: the outputs of finished requests, by tenant and cache salt.
-        self.history = SuffixHistory(settings.prompt_lookup_max + settings.num_speculative_tokens,
+        self.history = SuffixHistory(settings.prompt_lookup_max + settings.longest,
                                      settings.suffix_cache_tokens) if settings.method == "suffix" else None
         # Decode steps' seconds by their rows, recorded by the engine (`step_took`).
         self.costs = StepCosts()
@@ -56,7 +62,7 @@ class Speculator:
         """Tokens for `seq` to verify beside its next one (at most `spare_tokens`); []: it decodes as ever."""
         if not self.eligible(seq):
             return []
-        room = min(self.settings.num_speculative_tokens, spare_tokens,
+        room = min(self.length(seq), spare_tokens,
                    # slots its table holds past this step's token: no block is asked for a guess
                    seq.capacity(self.block_size) - seq.num_computed - 1,
                    # tokens it may still append, less the one the verification always gives
@@ -65,15 +71,52 @@ class Speculator:
             room = min(room, self.max_model_len - len(seq.token_ids) - 1)
         if room <= 0:
             return []
+        if self.history is not None:
+            return self._propose_suffix(seq, room)
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
         index.extend(seq.token_ids[len(index.tokens):])
-        proposal = index.propose(room)
-        if not proposal and self.history is not None:
-            proposal = self.history.propose(namespace(seq), seq.token_ids, self.settings.prompt_lookup_min,
-                                            self.settings.prompt_lookup_max, room)
-        return proposal
+        return index.propose(room)
+
+    def _propose_suffix(self, seq: Sequence, room: int) -> list[int]:
+        """The likelier of two proposals, by the tokens each expects kept: from the
+        sequence's own prompt and output, and from its namespace's earlier outputs (on a
+        tie its own, the text it is writing from)."""
+        trie = self._indexes.get(seq)
+        if trie is None:
+            trie = self._indexes[seq] = RequestTrie(self.history.depth)
+        trie.extend(seq.token_ids[trie.tokens:])
+        low, high = self.settings.prompt_lookup_min, self.settings.prompt_lookup_max
+        own, own_score = trie.propose_scored(seq.token_ids, low, high, room)
+        theirs, their_score = self.history.propose_scored(namespace(seq), seq.token_ids, low, high, room)
+        return theirs if their_score > own_score else own
+
+    def length(self, seq: Sequence) -> int:
+        """The most tokens `seq` proposes this step: K, or its adapted length."""
+        if not self.settings.adaptive:
+            return self.settings.num_speculative_tokens
+        return self._state(seq).length
+
+    def _state(self, seq: Sequence) -> ProposalState:
+        state = self._states.get(seq)
+        if state is None:
+            state = self._states[seq] = ProposalState(self.settings.num_speculative_tokens)
+        return state
+
+    def trim(self, decodes: int, budget: int, proposals: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+        """Of `proposals` (adaptive lengths), the rows a step verifies beside `decodes` decoding
+        sequences, at most `budget`: the likeliest positions first (spec/adaptive.py), as
+        many as make the step's tokens a second the most by its measured cost
+        (spec/step_costs.py), or all that fit with --speculative-always."""
+        prior = self.costs.continuation
+        chances = {seq: self._state(seq).continuation(prior) for seq in proposals}
+        rows = row_chances(proposals, chances)[:max(budget, 0)]
+        count = len(rows) if self.settings.always else self.costs.rows_worth(decodes, [r[0] for r in rows])
+        lengths: dict[Sequence, int] = {}
+        for _, seq, position in rows[:count]:
+            lengths[seq] = position
+        return {seq: proposals[seq][:n] for seq, n in lengths.items()}
 
     def allowance(self, decodes: int, budget: int) -> int:
         """Proposed rows worth verifying this step beside `decodes` decoding sequences (the
@@ -97,7 +140,14 @@ class Speculator:
         seq.spec_proposed += proposed
         seq.spec_accepted += accepted
         self.costs.settle(proposed, accepted)
-        if seq.spec_proposed >= LOW_ACCEPTANCE_AFTER and seq.spec_accepted < LOW_ACCEPTANCE * seq.spec_proposed:
+        kept = seq.spec_accepted / max(seq.spec_proposed, 1)
+        if self.settings.adaptive:
+            state = self._state(seq)
+            state.settle(proposed, accepted, self.settings.longest)
+            # Long proposals lower the share kept by their tails; what tells whether guessing
+            # pays is the chance of each next token being kept.
+            kept = state.continuation(0.0)
+        if seq.spec_proposed >= LOW_ACCEPTANCE_AFTER and kept < LOW_ACCEPTANCE:
             seq.spec_off = True
 
 

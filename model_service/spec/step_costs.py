@@ -31,6 +31,7 @@ class StepCosts:
         self._seconds: dict[int, float] = {}
         self._proposed = 0.0
         self._accepted = 0.0
+        self._cut = 0.0  # verifications that rejected a proposed token (decayed as the others)
 
     def record(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` query rows took `seconds`."""
@@ -47,10 +48,18 @@ class StepCosts:
         """A verification kept `accepted` of `proposed` tokens (the server's share, decayed)."""
         self._proposed = self._proposed * (1 - EMA_WEIGHT / 8) + proposed
         self._accepted = self._accepted * (1 - EMA_WEIGHT / 8) + accepted
+        self._cut = self._cut * (1 - EMA_WEIGHT / 8) + (accepted < proposed)
 
     @property
     def acceptance(self) -> float:
         return self._accepted / self._proposed if self._proposed > 0 else PRIOR_ACCEPTANCE
+
+    @property
+    def continuation(self) -> float:
+        """The server's chance that a proposed token is kept given that the one before it
+        was (spec/adaptive.py): kept tokens over kept tokens plus cut proposals."""
+        seen = self._accepted + self._cut
+        return self._accepted / seen if seen > 0 else PRIOR_ACCEPTANCE
 
     def estimate(self, rows: int) -> float | None:
         """Seconds a decode-only step of `rows` rows takes: measured, or read between the
@@ -69,21 +78,30 @@ class StepCosts:
 
     def allowance(self, decodes: int, most: int) -> int:
         """How many proposed rows, of at most `most`, to verify beside `decodes` plain decode
-        rows: the count whose step appends the most tokens a second by the estimates; a
-        count past the largest measured is taken, so that it gets measured."""
+        rows, each worth the server's share of proposed tokens kept (see `rows_worth`)."""
+        return self.rows_worth(decodes, [self.acceptance] * most)
+
+    def rows_worth(self, decodes: int, chances: list[float]) -> int:
+        """How many of the proposed rows whose chances of being kept are `chances` (likeliest
+        first) to verify beside `decodes` plain decode rows: the leading count whose step
+        appends the most tokens a second by the estimates; a count past the largest
+        measured is taken, so that it gets measured."""
+        most = len(chances)
         if most <= 0:
             return 0
         base = self.estimate(decodes)
         if base is None:
             return most
-        acceptance = self.acceptance
+        gained = [0.0]
+        for chance in chances:
+            gained.append(gained[-1] + chance)
         best, best_rate = 0, decodes / base
         stride = max(1, most // CANDIDATES)
         for proposed in sorted({*range(stride, most + 1, stride), most}):
             seconds = self.estimate(decodes + proposed)
             if seconds is None:
                 return proposed
-            rate = (decodes + acceptance * proposed) / seconds
+            rate = (decodes + gained[proposed]) / seconds
             if rate > best_rate:
                 best, best_rate = proposed, rate
         return best

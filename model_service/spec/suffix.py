@@ -65,6 +65,12 @@ class SuffixTrie:
     def propose(self, context: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
         """Up to k tokens that most often followed the longest suffix of `context`
         (max_n down to min_n tokens) seen in the outputs; [] when none was seen."""
+        return self.propose_scored(context, min_n, max_n, k)[0]
+
+    def propose_scored(self, context: Sequence[int], min_n: int, max_n: int, k: int) -> tuple[list[int], float]:
+        """`propose`'s tokens, and the tokens it expects kept: the sum over the proposal of
+        each position's share of occurrences that went on that way (Arctic Inference's
+        score), what a proposal from another trie is weighed against."""
         for n in range(min(max_n, len(context), self.depth - 1), min_n - 1, -1):
             node = self.root
             for token in context[len(context) - n:]:
@@ -74,16 +80,25 @@ class SuffixTrie:
             if node is None or not node.children:
                 continue
             proposal: list[int] = []
+            share, score = 1.0, 0.0
             # The match's path plus the proposal stay within the trie's depth.
             while node.children and len(proposal) < min(k, self.depth - n):
                 # The most frequent; on a tie the lowest id, so the answer does not hang on insertion order.
                 token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
-                if child.count < MIN_TOKEN_SHARE * node.count:
+                seen = self._followed(node)
+                if child.count < MIN_TOKEN_SHARE * seen:
                     break
                 proposal.append(token)
+                share *= child.count / seen
+                score += share
                 node = child
-            return proposal
-        return []
+            return proposal, score
+        return [], 0.0
+
+    def _followed(self, node: _Node) -> int:
+        """The occurrences of `node`'s path that a token could have followed: here all of
+        them (an output that ended there counts against every continuation)."""
+        return node.count
 
 
 def _size(node: _Node) -> int:
@@ -127,8 +142,12 @@ class SuffixHistory:
                 del self._tries[old_namespace]
 
     def propose(self, namespace: Hashable, context: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+        return self.propose_scored(namespace, context, min_n, max_n, k)[0]
+
+    def propose_scored(self, namespace: Hashable, context: Sequence[int], min_n: int, max_n: int,
+                       k: int) -> tuple[list[int], float]:
         trie = self._tries.get(namespace)
-        return trie.propose(context, min_n, max_n, k) if trie is not None else []
+        return trie.propose_scored(context, min_n, max_n, k) if trie is not None else ([], 0.0)
 
     @property
     def nodes(self) -> int:
