@@ -29,7 +29,7 @@ def test_tokens_taken_in_one_by_one_count_every_suffix_as_a_whole_add_does():
         whole = SuffixTrie(depth)
         whole.add(tokens)
         assert same_tree(grown.root, whole.root), depth
-        assert grown.nodes == whole.nodes and grown.tokens == len(tokens)
+        assert grown.nodes == whole.nodes and grown.taken == len(tokens)
 
 
 def test_the_most_frequent_continuation_is_proposed_with_its_expected_kept_tokens():
@@ -63,3 +63,24 @@ def test_the_suffix_method_takes_the_likelier_of_its_own_text_and_earlier_output
     # Nothing in the history: its own text alone, as the ngram method would find it.
     alone = sequence([3, 4, 5, 6, 3, 4])
     assert speculator.propose(alone, 99) == [5, 6, 3, 4]
+
+
+def test_a_long_sequences_own_index_is_over_its_last_tokens_and_stays_bounded():
+    """A prompt past twice the window is indexed from its last window on; as the sequence
+    grows the index is made again rather than growing past twice the window."""
+    from model_service.spec.ngram import NgramIndex
+    from model_service.spec.speculator import OWN_TEXT_WINDOW
+
+    for method in ("ngram", "suffix"):
+        spec = Speculator(SpeculativeSettings(method=method), block_size=16, max_model_len=0)
+        seq = Sequence.__new__(Sequence)
+        seq.token_ids = list(range(3 * OWN_TEXT_WINDOW))
+        make = (lambda: NgramIndex(2, 5)) if method == "ngram" else (lambda: RequestTrie(8))
+        index = spec._own_index(seq, make)
+        assert spec._indexes[seq][0] == 2 * OWN_TEXT_WINDOW and index.taken == OWN_TEXT_WINDOW
+        seq.token_ids += list(range(OWN_TEXT_WINDOW))  # the window's length more: 2 x the window held
+        assert spec._own_index(seq, make) is index and index.taken == 2 * OWN_TEXT_WINDOW
+        seq.token_ids.append(7)  # one past: made again over the last window
+        again = spec._own_index(seq, make)
+        assert again is not index and again.taken == OWN_TEXT_WINDOW
+        assert spec._indexes[seq][0] == len(seq.token_ids) - OWN_TEXT_WINDOW

@@ -39,6 +39,11 @@ class NgramIndex:
                 self._after[tuple(self.tokens[p - n:p])] = p
             self.tokens.append(token)
 
+    @property
+    def taken(self) -> int:
+        """Tokens indexed so far."""
+        return len(self.tokens)
+
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the longest (max_n down to min_n) earlier
         occurrence of the sequence's suffix; [] when no suffix of those lengths recurs."""

@@ -19,11 +19,11 @@ from model_service.spec.suffix import SuffixTrie, _Node
 
 
 class RequestTrie(SuffixTrie):
-    """One sequence's suffixes; `tokens` counts what it has taken in."""
+    """One sequence's suffixes; `taken` counts the tokens it has taken in."""
 
     def __init__(self, depth: int) -> None:
         super().__init__(depth)
-        self.tokens = 0
+        self.taken = 0
         # The nodes of the suffixes that can still grow (shorter than depth), longest first.
         self._open: list[_Node] = []
 
@@ -39,7 +39,7 @@ class RequestTrie(SuffixTrie):
                 grown.append(child)
             # The longest has reached the depth: it is counted, and grows no further.
             self._open = grown[-(self.depth - 1):] if self.depth > 1 else []
-            self.tokens += 1
+            self.taken += 1
 
     def _followed(self, node: _Node) -> int:
         # The occurrence that ends at the sequence's last token is where the proposal goes

@@ -34,6 +34,10 @@ from model_service.spec.suffix import SuffixHistory
 # query row in every step it is proposed in.
 LOW_ACCEPTANCE = 0.2
 LOW_ACCEPTANCE_AFTER = 32
+# A sequence's index of its own tokens holds at most twice this many (an ngram index takes
+# an entry per token and lookup length, a suffix trie up to its depth in nodes per token):
+# a long prompt's index is over its last tokens, the likeliest to be quoted next.
+OWN_TEXT_WINDOW = 1024
 
 
 class Speculator:
@@ -41,8 +45,10 @@ class Speculator:
         self.settings = settings
         self.block_size = block_size
         self.max_model_len = max_model_len
-        # Each sequence's own tokens: an ngram index (ngram), a suffix trie (suffix: request_trie.py).
-        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex | RequestTrie] = weakref.WeakKeyDictionary()
+        # Each sequence's own tokens from a position on: an ngram index (ngram), a suffix trie
+        # (suffix: request_trie.py); `_own_index` keeps them up to date and bounded.
+        self._indexes: weakref.WeakKeyDictionary[Sequence, tuple[int, NgramIndex | RequestTrie]] = \
+            weakref.WeakKeyDictionary()
         # --speculative-max-tokens: each sequence's proposal length and counts (spec/adaptive.py).
         self._states: weakref.WeakKeyDictionary[Sequence, ProposalState] = weakref.WeakKeyDictionary()
         # --speculative-method suffix: the outputs of finished requests, by tenant and cache salt.
@@ -73,20 +79,27 @@ class Speculator:
             return []
         if self.history is not None:
             return self._propose_suffix(seq, room)
-        index = self._indexes.get(seq)
-        if index is None:
-            index = self._indexes[seq] = NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
-        index.extend(seq.token_ids[len(index.tokens):])
+        index = self._own_index(seq, lambda: NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
         return index.propose(room)
+
+    def _own_index(self, seq: Sequence, make):
+        """`seq`'s index of its own tokens (made by `make`), brought up to date: over all of
+        them while they are at most 2 x OWN_TEXT_WINDOW, else made again over the last
+        OWN_TEXT_WINDOW each time it would pass that."""
+        tokens = seq.token_ids
+        held = self._indexes.get(seq)
+        if held is None or len(tokens) - held[0] > 2 * OWN_TEXT_WINDOW:
+            start = 0 if len(tokens) <= 2 * OWN_TEXT_WINDOW else len(tokens) - OWN_TEXT_WINDOW
+            held = self._indexes[seq] = (start, make())
+        start, index = held
+        index.extend(tokens[start + index.taken:])
+        return index
 
     def _propose_suffix(self, seq: Sequence, room: int) -> list[int]:
         """The likelier of two proposals, by the tokens each expects kept: from the
         sequence's own prompt and output, and from its namespace's earlier outputs (on a
         tie its own, the text it is writing from)."""
-        trie = self._indexes.get(seq)
-        if trie is None:
-            trie = self._indexes[seq] = RequestTrie(self.history.depth)
-        trie.extend(seq.token_ids[trie.tokens:])
+        trie = self._own_index(seq, lambda: RequestTrie(self.history.depth))
         low, high = self.settings.prompt_lookup_min, self.settings.prompt_lookup_max
         own, own_score = trie.propose_scored(seq.token_ids, low, high, room)
         theirs, their_score = self.history.propose_scored(namespace(seq), seq.token_ids, low, high, room)
