@@ -13,6 +13,7 @@ change what any row gets.
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -87,6 +88,14 @@ def describe(runs: Sequence, dtype: torch.dtype) -> ctypes.Array | None:
     return described
 
 
+@functools.lru_cache(maxsize=64)
+def _targets(targets: tuple[tuple[str, int], ...]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The targets' indices and columns as lora_add_runs takes them: a model asks the same few
+    every step, so each is built once."""
+    return ((ctypes.c_int * len(targets))(*(TARGET_INDEX[target] for target, _ in targets)),
+            (ctypes.c_int * len(targets))(*(column for _, column in targets)))
+
+
 def supports(out: torch.Tensor, x: torch.Tensor) -> bool:
     """CPU tensors of one of the kernel's dtypes, rows of x and out contiguous."""
     return (out.device.type == x.device.type == "cpu" and out.dtype in lora_sgmv.DTYPES and out.dtype == x.dtype
@@ -98,8 +107,7 @@ def add(described: ctypes.Array, out: torch.Tensor, x: torch.Tensor, layer: int,
     """out[run rows, column:column + out_features] += each run's delta for every (target,
     column) of `targets` its adapter trains on `layer`. Checked by `supports` first."""
     count = len(targets)
-    indices = (ctypes.c_int * count)(*(TARGET_INDEX[target] for target, _ in targets))
-    columns = (ctypes.c_int * count)(*(column for _, column in targets))
+    indices, columns = _targets(tuple(targets))
     status = load().lora_add_runs(described, len(described), layer, count, indices, columns, x.data_ptr(),
                                   x.stride(0), x.shape[1], out.data_ptr(), out.stride(0), DTYPE_CODES[x.dtype],
                                   level, torch.get_num_threads())
