@@ -39,7 +39,7 @@ log = structlog.get_logger()
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c", "quant_matmul.c", "decode_stack.c", "kv_write.c",
            "bf16_matmul.c", "f32_matmul.c", "prefill_attention.c", "lora_sgmv.c",
-           "lora_sgmv_bf16.c")
+           "lora_sgmv_bf16.c", "lora_runs.c")
 # Never -ffast-math: see csrc/cpu_math.h.
 BUILD_TIMEOUT_S = 300
 # -Werror=missing-prototypes: an exported function must be declared in csrc/pagedkv_kernels.h,

@@ -19,15 +19,14 @@ path serves.
 
 A float32 or bfloat16 step with LoRA adapters runs in the call too, where lora_sgmv's C
 kernel serves them (PAGEDKV_LORA_KERNELS; the adapters' factors in the model's dtype, as
-lora/registry.py loads them): each run of rows of one adapter is described with that
-adapter's factors for every (layer, target), built once an adapter and kept while it lives,
-and the C side adds the deltas with the kernel and in the order LoraStep.add uses.
+lora/registry.py loads them): the step's runs are described by cpu_kernels/lora_runs.py, as
+LoraStep describes them for the per-layer path, and the C side adds each projection's
+deltas with the call (lora_runs.c) and at the point LoraStep.add_targets does.
 """
 
 from __future__ import annotations
 
 import ctypes
-import weakref
 
 import torch
 
@@ -36,7 +35,6 @@ from model_service.attention.backend import PagedAttention
 from model_service.attention.metadata import AttentionMetadata
 from model_service.cpu_kernels import lora_sgmv, paged_decode, quant_matmul
 from model_service.cpu_kernels.build import DTYPE_CODES, KV_DTYPE_CODES
-from model_service.lora.peft_adapter import TARGETS
 from model_service.models.lora_delta import LoraStep
 from model_service.models.panel_linear import PanelLinear
 from model_service.models.quantized_linear import QuantizedLinear
@@ -65,30 +63,6 @@ class _Model(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("final_norm", ctypes.c_int64), ("cos_table", ctypes.c_int64), ("sin_table", ctypes.c_int64),
                 ("layers", ctypes.POINTER(_Layer)), ("bf16_level", ctypes.c_int32), ("f32_level", ctypes.c_int32)]
-
-
-class _LoraFactor(ctypes.Structure):  # decode_stack.c's stack_lora_factor
-    _fields_ = [("a", ctypes.c_int64), ("b", ctypes.c_int64), ("rank", ctypes.c_int32),
-                ("out_features", ctypes.c_int32)]
-
-
-class _LoraRun(ctypes.Structure):  # decode_stack.c's stack_lora_run
-    _fields_ = [("start", ctypes.c_int32), ("end", ctypes.c_int32), ("scaling", ctypes.c_float),
-                ("factors", ctypes.POINTER(_LoraFactor))]
-
-
-def _lora_factors(adapter, num_layers: int, dtype: torch.dtype) -> ctypes.Array | None:
-    """The adapter's factors by (layer, target) in decode_stack.c's order, or None where the C
-    kernel cannot take them (not in `dtype`, the activations', not contiguous, not on CPU)."""
-    table = (_LoraFactor * (num_layers * len(TARGETS)))()
-    for (layer, target), factors in adapter.weights.items():
-        a, b = factors.a, factors.b
-        if not (a.dtype == b.dtype == dtype and a.device.type == b.device.type == "cpu"
-                and a.is_contiguous() and b.is_contiguous()) or layer >= num_layers:
-            return None
-        table[layer * len(TARGETS) + TARGETS.index(target)] = _LoraFactor(
-            a.data_ptr(), b.data_ptr(), a.shape[0], b.shape[0])
-    return table
 
 
 def _linear(module) -> _Linear | None:
@@ -122,9 +96,6 @@ class DecodeStack:
         # panels, or quantized rows all interleaved (integer products)
         self.any_batch = any_batch
         self.dtype = model.norm.weight.dtype
-        # id(adapter) -> (a weak reference to it, its factors' table or None): built at its
-        # first step, dropped once the adapter is gone
-        self._lora_tables: dict[int, tuple[weakref.ref, ctypes.Array | None]] = {}
         self._described = _Model(
             num_layers=config.num_layers, hidden=config.hidden_size, q_heads=config.num_heads,
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
@@ -226,28 +197,13 @@ class DecodeStack:
         return out
 
     def _lora_runs(self, lora: LoraStep | None) -> tuple[ctypes.Array | None, int]:
-        """The step's runs described for the C side and the LoRA kernel's level; (None, 0)
-        without adapters, or where the C kernel does not serve them (then the per-layer path
-        adds them)."""
+        """The step's runs described for the C side (lora_runs.py, as the per-layer path
+        describes them) and the LoRA kernel's level; (None, 0) without adapters, or where the
+        C kernel does not serve them (then the per-layer path adds them)."""
         if lora is None:
             return None, 0
         level = lora_sgmv.chosen_level()
         if level is None or self.dtype not in lora_sgmv.DTYPES:
             return None, 0
-        runs = (_LoraRun * len(lora.runs))()
-        for index, run in enumerate(lora.runs):
-            table = self._lora_table(run.adapter)
-            if table is None:
-                return None, 0
-            runs[index] = _LoraRun(run.start, run.end, run.adapter.scaling, table)
-        return runs, level
-
-    def _lora_table(self, adapter) -> ctypes.Array | None:
-        known = self._lora_tables.get(id(adapter))
-        if known is not None and known[0]() is adapter:
-            return known[1]
-        for key in [key for key, (ref, _) in self._lora_tables.items() if ref() is None]:
-            del self._lora_tables[key]
-        table = _lora_factors(adapter, len(self._layers), self.dtype)
-        self._lora_tables[id(adapter)] = (weakref.ref(adapter), table)
-        return table
+        runs = lora.cpu_runs(self.dtype)
+        return (runs, level) if runs is not None else (None, 0)

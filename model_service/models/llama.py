@@ -66,9 +66,8 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
         if lora is not None:
-            lora.add(qkv, hidden, self.layer_index, "q_proj")
-            lora.add(qkv, hidden, self.layer_index, "k_proj", self.q_size)
-            lora.add(qkv, hidden, self.layer_index, "v_proj", self.q_size + self.kv_size)
+            lora.add_targets(qkv, hidden, self.layer_index,
+                             (("q_proj", 0), ("k_proj", self.q_size), ("v_proj", self.q_size + self.kv_size)))
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         # q and k heads rotated in one call (in place on the C path).
         qk = rotary.rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
@@ -98,8 +97,7 @@ class MLP(nn.Module):
         if lora is None:
             return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))  # [T, 2 I] -> [T, I] -> [T, hidden]
         gate_up = self.gate_up_proj(x)
-        lora.add(gate_up, x, self.layer_index, "gate_proj")
-        lora.add(gate_up, x, self.layer_index, "up_proj", self.intermediate_size)
+        lora.add_targets(gate_up, x, self.layer_index, (("gate_proj", 0), ("up_proj", self.intermediate_size)))
         activated = fused_ops.silu_mul(gate_up)
         out = self.down_proj(activated)
         lora.add(out, activated, self.layer_index, "down_proj")

@@ -9,11 +9,13 @@ belong to no run and cost nothing here.
 
 The fused projections (qkv_proj, gate_up_proj) take each target's delta into its columns
 (`column` is where they start). On CPU, float32 and bfloat16 runs go to the C kernels of
-cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS). On CUDA all
-of a step's runs go to the Triton kernels of lora_triton.py, one shrink and one expand
-launch a projection, over the step's tables of factor addresses (lora_tables.py), where
-triton imports and the factors are on the device in the activations' dtype. These matmuls
-are the kernels' reference and serve everything else.
+cpu_kernels/lora_sgmv.py (shrink and expand in one call, PAGEDKV_LORA_KERNELS), all of a
+step's runs for a projection's targets in one call (cpu_kernels/lora_runs.py: the call the
+decode stack makes too). On CUDA all of a step's runs go to the Triton kernels of
+lora_triton.py, one shrink and one expand launch a projection, over the step's tables of
+factor addresses (lora_tables.py), where triton imports and the factors are on the device
+in the activations' dtype. These matmuls are the kernels' reference and serve everything
+else.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from model_service.cpu_kernels import lora_sgmv
+from model_service.cpu_kernels import lora_runs, lora_sgmv
 from model_service.models.lora_tables import StepTables
 
 log = structlog.get_logger()
@@ -74,6 +76,8 @@ class LoraStep:
     runs: tuple[LoraRun, ...]
     # device -> StepTables (None: torch's matmuls serve), built at the first projection there.
     _tables: dict[torch.device, StepTables | None] = field(default_factory=dict, compare=False, repr=False)
+    # ("cpu", dtype) -> the runs described for lora_runs.c (None: some adapter's factors it cannot take)
+    _described: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of_sequences(cls, query_lens: Sequence[int], adapters: Sequence[Adapter | None]) -> LoraStep | None:
@@ -93,12 +97,30 @@ class LoraStep:
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, column: int = 0) -> None:
         """out[run rows, column:column + out_features] += scaling · (x[run rows] · Aᵀ) · Bᵀ
         for every run whose adapter trains `target` on `layer`."""
+        self.add_targets(out, x, layer, ((target, column),))
+
+    def add_targets(self, out: torch.Tensor, x: torch.Tensor, layer: int,
+                    targets: Sequence[tuple[str, int]]) -> None:
+        """`add` for each (target, column) of a fused projection's (q, k and v into qkv; gate
+        and up): they read the same x and write apart, so on CPU the C kernel takes all of
+        them, for every run, in one call."""
         if out.device.type == "cuda":
             tables = self.triton_tables(out.device)
             if tables is not None and tables.supports(out, x):
-                load_triton().add(tables, out, x, layer, target, column)
+                for target, column in targets:
+                    load_triton().add(tables, out, x, layer, target, column)
                 return
         level = lora_sgmv.chosen_level() if out.device.type == "cpu" else None
+        if level is not None and lora_runs.supports(out, x):
+            described = self.cpu_runs(x.dtype)
+            if described is not None:
+                lora_runs.add(described, out, x, layer, targets, level)
+                return
+        for target, column in targets:
+            self._add_run_by_run(out, x, layer, target, column, level)
+
+    def _add_run_by_run(self, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, column: int,
+                        level: int | None) -> None:
         for run in self.runs:
             factors = run.adapter.weights.get((layer, target))
             if factors is None:
@@ -110,6 +132,14 @@ class LoraStep:
             shrunk = x[run.start:run.end] @ factors.a.t()  # [n, r]
             shrunk.mul_(run.adapter.scaling)
             rows.addmm_(shrunk, factors.b.t())
+
+    def cpu_runs(self, dtype: torch.dtype):
+        """The runs described for lora_runs.c in `dtype` (built once a step), or None where
+        some adapter's factors are not ones it takes (run by run then)."""
+        key = ("cpu", dtype)
+        if key not in self._described:
+            self._described[key] = lora_runs.describe(self.runs, dtype)
+        return self._described[key]
 
     def triton_tables(self, device: torch.device) -> StepTables | None:
         """The step's tables for lora_triton on `device`, or None where torch's matmuls serve."""

@@ -19,10 +19,10 @@
  * and after the last layer hidden += mlp_out, out = final_norm(hidden).
  *
  * With LoRA adapters (float32 or bfloat16 activations, the factors in the same dtype),
- * each projection's output then takes its adapters' deltas, run by run, through
- * lora_sgmv.c's lora_shrink_expand or lora_sgmv_bf16.c's lora_shrink_expand_bf16: the
- * order and the kernel models/lora_delta.py's LoraStep.add uses on the per-layer path (q,
- * k, v into the fused qkv's columns before rotary; o; gate, up before silu_mul; down).
+ * each projection's output then takes its adapters' deltas, all runs of the step in one
+ * call of lora_runs.c's lora_add_runs: the call models/lora_delta.py's LoraStep makes on
+ * the per-layer path, at the same points (q, k, v into the fused qkv's columns before
+ * rotary; o; gate, up before silu_mul; down).
  *
  * What it does not take (the caller checks, and the per-layer path serves instead): biases,
  * a pool of another dtype than the activations, but for an 8-bit pool under float32
@@ -31,6 +31,7 @@
 #include <stdlib.h>
 
 #include "cpu_math.h"
+#include "lora_runs.h"
 #include "pagedkv_kernels.h"
 
 #define STACK_MAX_SEGMENTS 4
@@ -65,60 +66,22 @@ struct stack_model { /* pagedkv_kernels.h names it */
     int32_t f32_level;  /* f32_linear's, for float32 panel linears */
 };
 
-/* LoRA: an adapter's factors for one (layer, target), row-major a [rank, in], b [out, rank];
- * a == 0 where the adapter does not train that target on that layer. */
-typedef struct {
-    int64_t a, b;
-    int32_t rank, out_features;
-} stack_lora_factor;
-
-enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, STACK_LORA_TARGETS };
-
-struct stack_lora_run { /* pagedkv_kernels.h names it */
-    int32_t start, end; /* the step's rows [start, end) */
-    float scaling;
-    const stack_lora_factor *factors; /* [num_layers][STACK_LORA_TARGETS] */
-};
-
-typedef struct {
-    const stack_lora_run *runs;
-    int num_runs, level, dtype; /* dtype: the activations' and the factors', DTYPE_F32 or DTYPE_BF16 */
-} stack_lora;
-
-/* The targets whose deltas go into one projection's output, where their columns start. */
+/* The targets whose deltas go into one projection's output, where their columns start
+ * (lora_runs.c adds them, for all of a step's runs in one call). */
 typedef struct {
     int count;
     int targets[3], columns[3];
 } lora_outputs;
 
-/* y[run rows, column:] += the deltas of every run whose adapter trains (layer, target), for
- * each of the projection's targets (q, k, v share one call, as do gate and up: they read the
- * same x and write apart). A decode step's runs are a few rows each: every (run, target)
- * pair shares out one parallel region, one to a thread at a time, rather than a region (and
- * its fork and join, where a thread descheduled by another process holds up the step) each. */
+typedef struct {
+    const lora_run *runs;
+    int num_runs, level, dtype; /* dtype: the activations' and the factors', DTYPE_F32 or DTYPE_BF16 */
+} stack_lora;
+
 static int add_lora(const stack_lora *lora, int layer, lora_outputs outputs, const void *x, int64_t x_stride,
                     int in_features, void *y, int64_t y_stride, int num_threads) {
-    int status = 0;
-    const int pairs = lora->num_runs * outputs.count;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic) reduction(| : status) if (pairs > 1)
-    for (int i = 0; i < pairs; i++) {
-        const stack_lora_run *run = &lora->runs[i / outputs.count];
-        const int target = outputs.targets[i % outputs.count], column = outputs.columns[i % outputs.count];
-        const stack_lora_factor *f = &run->factors[layer * STACK_LORA_TARGETS + target];
-        if (f->a == 0) continue;
-        const int64_t x_at = (int64_t)run->start * x_stride, y_at = (int64_t)run->start * y_stride + column;
-        if (lora->dtype == DTYPE_BF16)
-            status |= lora_shrink_expand_bf16(
-                (const uint16_t *)x + x_at, x_stride, run->end - run->start, in_features,
-                (const uint16_t *)(intptr_t)f->a, f->rank, (const uint16_t *)(intptr_t)f->b, f->out_features,
-                run->scaling, (uint16_t *)y + y_at, y_stride, lora->level, 1);
-        else
-            status |= lora_shrink_expand(
-                (const float *)x + x_at, x_stride, run->end - run->start, in_features, (const float *)(intptr_t)f->a,
-                f->rank, (const float *)(intptr_t)f->b, f->out_features, run->scaling, (float *)y + y_at, y_stride,
-                lora->level, 1);
-    }
-    return status;
+    return lora_add_runs(lora->runs, lora->num_runs, layer, outputs.count, outputs.targets, outputs.columns, x,
+                         x_stride, in_features, y, y_stride, lora->dtype, lora->level, num_threads);
 }
 
 static size_t dtype_bytes(int dtype) {
@@ -147,7 +110,7 @@ static int linear(const stack_model *m, const stack_linear *w, const void *x, in
  * call, and the caller fails it), -2 without scratch memory. */
 int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
                  const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
-                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const stack_lora_run *lora_runs,
+                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const lora_run *lora_runs,
                  int lora_num_runs, int lora_level, int num_threads) {
     const int dtype = m->dtype, width = m->hidden, head_dim = m->head_dim;
     const stack_lora lora = {lora_runs, lora_num_runs, lora_level, dtype};

@@ -20,8 +20,8 @@
 
 /* decode_stack.c's description of a model (its layout is mirrored by the Python side). */
 typedef struct stack_model stack_model;
-/* And of a step's runs of rows of one LoRA adapter (the same). */
-typedef struct stack_lora_run stack_lora_run;
+/* A step's run of rows of one LoRA adapter (lora_runs.h; the same). */
+typedef struct lora_run lora_run;
 
 /* ---- paged decode attention (paged_decode.c) ---- */
 
@@ -70,7 +70,7 @@ int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int 
 
 int decode_stack(const stack_model *m, void *hidden, void *out, int tokens, const int64_t *positions,
                  const int64_t *slots, void *kv_pool, int64_t num_blocks, const int32_t *tables,
-                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const stack_lora_run *lora_runs,
+                 int64_t table_row_stride, const int32_t *context_lens, int kv_dtype, const lora_run *lora_runs,
                  int lora_num_runs, int lora_level, int num_threads);
 
 /* ---- bfloat16 linears (bf16_matmul.c) ---- */
@@ -115,5 +115,9 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
 int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, int in_f, const uint16_t *a,
                             int rank, const uint16_t *b, int out_f, float scaling, uint16_t *out,
                             int64_t out_row_stride, int level, int num_threads);
+/* A step's runs for one projection's targets, in one call (lora_runs.c). */
+int lora_add_runs(const lora_run *runs, int num_runs, int layer, int count, const int *targets, const int *columns,
+                  const void *x, int64_t x_stride, int in_features, void *y, int64_t y_stride, int dtype, int level,
+                  int num_threads);
 
 #endif
