@@ -263,31 +263,11 @@ class Scheduler(LeaseAnswers):
     # -- one step ---------------------------------------------------------------------
 
     def _proposals(self, decodes: list[Sequence], budget: int) -> dict[Sequence, list[int]]:
-        """What each decoding sequence proposes this step, cut to the proposed rows worth
-        verifying: as many as make the step's tokens a second the most, by the measured cost
-        of steps of each size (spec/step_costs.py). With a fixed K, the server's share kept
-        sets how many, and the sequences first in line take them; with adaptive lengths,
-        every sequence proposes first and the likeliest positions are kept (spec/adaptive.py).
-        A tenant's spare tokens bound its sequences' proposals as they are taken."""
+        """What each decoding sequence proposes this step (Speculator.proposals), a tenant's
+        spare tokens bounding its sequences' proposals."""
         if self.speculator is None:
             return {}
-        if self.speculator.settings.adaptive:
-            proposals = {}
-            for seq in decodes:
-                proposal = self.speculator.propose(seq, self.budgets.spare(seq.tenant, budget))
-                if proposal:
-                    proposals[seq] = proposal
-            return self.speculator.trim(len(decodes), budget, proposals)
-        allowance = self.speculator.allowance(len(decodes), budget)
-        proposals = {}
-        for seq in decodes:
-            spare = min(self.budgets.spare(seq.tenant, budget), allowance)
-            proposal = self.speculator.propose(seq, spare) if spare > 0 else []
-            if proposal:
-                allowance -= len(proposal)
-                budget -= len(proposal)
-                proposals[seq] = proposal
-        return proposals
+        return self.speculator.proposals(decodes, budget, lambda seq, most: self.budgets.spare(seq.tenant, most))
 
     def schedule(self) -> Step:
         block_size = self.limits.block_size

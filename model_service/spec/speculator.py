@@ -19,6 +19,7 @@ requests decode one token a step, with the same output as ever.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 from model_service import metrics
 from model_service.sched.sequence import Sequence
@@ -116,6 +117,32 @@ class Speculator:
         if state is None:
             state = self._states[seq] = ProposalState(self.settings.num_speculative_tokens)
         return state
+
+    def proposals(self, decodes: list[Sequence], budget: int,
+                  spare: Callable[[Sequence, int], int]) -> dict[Sequence, list[int]]:
+        """What each of `decodes` proposes this step, cut to the proposed rows worth verifying
+        (at most `budget`; `spare(seq, most)`: the tokens `seq`'s tenant may still take of
+        `most`): as many as make the step's tokens a second the most, by the measured cost of
+        steps of each size (spec/step_costs.py). With a fixed K, the server's share kept sets
+        how many, and the sequences first in line take them; with adaptive lengths, every
+        sequence proposes first and the likeliest positions are kept (spec/adaptive.py)."""
+        if self.settings.adaptive:
+            proposed = {}
+            for seq in decodes:
+                proposal = self.propose(seq, spare(seq, budget))
+                if proposal:
+                    proposed[seq] = proposal
+            return self.trim(len(decodes), budget, proposed)
+        allowance = self.allowance(len(decodes), budget)
+        proposed = {}
+        for seq in decodes:
+            room = min(spare(seq, budget), allowance)
+            proposal = self.propose(seq, room) if room > 0 else []
+            if proposal:
+                allowance -= len(proposal)
+                budget -= len(proposal)
+                proposed[seq] = proposal
+        return proposed
 
     def trim(self, decodes: int, budget: int, proposals: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
         """Of `proposals` (adaptive lengths), the rows a step verifies beside `decodes` decoding
