@@ -5,7 +5,8 @@ of it: one page fault a page. The cache service first touches a block when it pr
 into it (a host, disk or remote block copied in during a Lease call), and a block of a
 real model is hundreds of KiB, so a promotion of a few dozen fresh blocks would take
 thousands of faults on the Lease call's path (in a virtual machine each costs
-microseconds). ``MADV_POPULATE_WRITE`` (Linux 5.14) maps a range in one call without
+microseconds). (The model service's own first touches, a prompt's K/V written into a
+fresh block, are a small share of that prefill's time: it maps nothing ahead.) ``MADV_POPULATE_WRITE`` (Linux 5.14) maps a range in one call without
 changing its bytes; the pool's file is already allocated (``shm_file._reserve``), so
 populating takes no new memory, only page-table entries.
 
@@ -22,6 +23,7 @@ import threading
 import structlog
 import torch
 
+from pagedkv.thread_names import name_this_thread
 from pagedkv.thread_priority import lower_this_thread
 
 log = structlog.get_logger()
@@ -67,6 +69,7 @@ def populate_in_background(tensor: torch.Tensor, name: str = "pool-populate") ->
     its mapping) until it is done."""
 
     def run() -> None:
+        name_this_thread(name)
         lower_this_thread(NICENESS)
         populated = populate(tensor)
         log.info("pool_populated", populated_bytes=populated)
