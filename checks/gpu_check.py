@@ -845,7 +845,7 @@ def tier_round_trip(device: str, blocks: int, host_blocks: int, disk_dir: str | 
         ledger.release("check", whole.sequence_id)
         started = time.perf_counter()
         again = ledger.allocate("check", len(tokens), tokens, namespace)
-        tiers.settle()
+        tiers.promotions.settle()
         promote_s = time.perf_counter() - started
         got = pool[:, :, list(again.block_ids[:promote])].cpu()
         equal = again.cached_tokens == promote * block_size and torch.equal(

@@ -59,8 +59,8 @@ class Replica(Stack):
 
     async def run(self, tokens: list[int], namespace=MODEL):
         """``Stack.run`` as a Lease call makes it: after the read-ahead, with its blocks."""
-        ahead = await self.tiers.read_ahead([(tokens, namespace)])
-        with self.tiers.reading_ahead(ahead):
+        ahead = await self.tiers.promotions.read_ahead([(tokens, namespace)])
+        with self.tiers.promotions.reading_ahead(ahead):
             return super().run(tokens, namespace)
 
     async def flush(self) -> None:

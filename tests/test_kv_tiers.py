@@ -52,7 +52,7 @@ class Stack:
         """Allocate, check the cached blocks, write the rest, release into the prefix cache."""
         ledger = self.ledger
         allocation = ledger.allocate("owner", len(tokens), tokens, namespace)
-        self.tiers.settle()  # a CUDA pool's promotions: the wait a Lease call makes before its reply
+        self.tiers.promotions.settle()  # a CUDA pool's promotions: the wait a Lease call makes before its reply
         cached_blocks = allocation.cached_tokens // BS
         for index, block_id in enumerate(allocation.block_ids):
             if index < cached_blocks:

@@ -227,7 +227,7 @@ def test_a_batch_of_blocks_crosses_to_and_from_the_device_in_one_copy(fake_cuda,
     stack.evict_everything()
     FakeCudaTensor.ops.clear()
     allocation = stack.ledger.allocate("owner", len(tokens), tokens, ("model-1", ""))
-    stack.tiers.settle()
+    stack.tiers.promotions.settle()
     assert FakeCudaTensor.ops == ["copy_", "index_copy_"] * 3  # one DMA and one scatter a batch
     assert allocation.cached_tokens_host == 7 * BS
     assert [name.startswith("kv-tiers-copy") for name, _ in fake_cuda.devices_set] == [True], \

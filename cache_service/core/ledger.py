@@ -101,7 +101,7 @@ class Ledger:
             if tiers is None:
                 hits = pool.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace)
             else:
-                chain, payloads = tiers.prepare(tiers.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace))
+                chain, payloads = tiers.promotions.prepare(tiers.promotions.lookup(prompt_token_ids, (prompt_len - 1) // block_size, namespace))
                 hits = [hit for hit in chain if type(hit) is Block]
                 if len(hits) < len(chain):
                     entries = [hit for hit in chain if type(hit) is not Block]
@@ -128,7 +128,7 @@ class Ledger:
             promoted = taken[:len(entries)]
             fresh_blocks = iter(promoted)
             blocks = [hit if type(hit) is Block else next(fresh_blocks) for hit in chain] + taken[len(entries):]
-            cached_host, cached_disk, cached_remote = tiers.promote(entries, payloads, promoted)
+            cached_host, cached_disk, cached_remote = tiers.promotions.promote(entries, payloads, promoted)
             if self.events is not None:
                 keys = self.events.adopted(namespace[0], namespace[1], prompt_token_ids, blocks[:len(chain)], promoted,
                                            lora_name or None)

@@ -29,7 +29,8 @@ from cache_service.core.sizing import SizingError, SizingReport, measure_device_
 from cache_service.core.stats import PoolStats, pool_stats
 from cache_service.tiers.disk_folder import DiskFolder
 from cache_service.tiers.disk_tier import DiskGeometry, file_bytes
-from cache_service.tiers.kv_tiers import KvTiers, ReadAhead
+from cache_service.tiers.kv_tiers import KvTiers
+from cache_service.tiers.promotion import ReadAhead
 from cache_service.tiers.settings import TierSettings
 from pagedkv import pool_memory
 from pagedkv.pool_memory.populate import populate_in_background
@@ -381,16 +382,16 @@ class KvPool:
 
     async def read_ahead(self, prompts) -> ReadAhead:
         """The disk and remote blocks that allocating ``prompts`` ((token ids, namespace)
-        pairs) would promote, read in worker threads (``KvTiers.read_ahead``)."""
-        return await self.tiers.read_ahead(prompts) if self.tiers is not None else ReadAhead()
+        pairs) would promote, read in worker threads (``Promotions.read_ahead``)."""
+        return await self.tiers.promotions.read_ahead(prompts) if self.tiers is not None else ReadAhead()
 
     def reading_ahead(self, blocks: ReadAhead):
-        return self.tiers.reading_ahead(blocks) if self.tiers is not None else contextlib.nullcontext()
+        return self.tiers.promotions.reading_ahead(blocks) if self.tiers is not None else contextlib.nullcontext()
 
     async def promoted(self) -> None:
-        """Returns once the promotions' copies made so far are in the pool (``KvTiers.settled``)."""
+        """Returns once the promotions' copies made so far are in the pool (``Promotions.settled``)."""
         if self.tiers is not None:
-            await self.tiers.settled()
+            await self.tiers.promotions.settled()
 
     def _after_tier_step(self) -> None:
         self.publish_kv_events()

@@ -14,7 +14,7 @@ no copy and no hook: the pool drops its entry and the tier's stays. A Lease call
 waits for a demotion.
 
 The tiers themselves (the index, the host slots, the disk folder, the counters) are
-``KvTiers``'s, which also promotes; this holds what is on its way down.
+``KvTiers``'s; promotion, the way up, is ``promotion.py``'s; this holds what is on its way down.
 """
 
 from __future__ import annotations

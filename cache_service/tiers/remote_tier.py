@@ -7,9 +7,9 @@ is dropped and counted (``rejected``), never promoted.
 
 Writes are write-behind: a sequence's committed blocks (at commit, while it decodes, and
 at release) are offered (``offer``) to a bounded queue, copied out of the pool and checked to be still registered (as demotions
-are, ``kv_tiers.py``), then sent in batches from a worker thread; a full queue, a full
+are, ``demotion.py``), then sent in batches from a worker thread; a full queue, a full
 store or a store that is down drops them, counted. Reads happen before a Lease call
-applies its ops (``fetch``, from ``KvTiers.read_ahead``): one batch per call, in a worker
+applies its ops (``fetch``, from ``Promotions.read_ahead``): one batch per call, in a worker
 thread, awaited at most ``--remote-kv-timeout-ms``, after which the call goes on without
 them (its prompts' blocks are recomputed). A failed call to the store marks it down for a
 backoff that doubles up to BACKOFF_MAX_S; meanwhile nothing is asked of it, and the next
