@@ -62,6 +62,15 @@ def test_rows_come_likeliest_first_and_each_proposal_in_order():
     assert [i for _, _, i in sure] == [1, 1, 2, 2]  # ties keep positions in order
 
 
+def test_a_position_past_a_fork_the_proposer_saw_ranks_below_a_sure_one():
+    a, b = sequence("a"), sequence("b")
+    # Both sequences keep 90 % of their tokens; a's proposer saw its second token follow
+    # only half of the time, b's saw one way on.
+    rows = row_chances({a: [7, 7, 7], b: [8, 8]}, {a: 0.9, b: 0.9}, {a: [1.0, 0.5, 0.5]})
+    assert [(seq.request_id, i) for _, seq, i in rows] == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3)]
+    assert rows[3][0] == pytest.approx(0.81 * 0.5)
+
+
 def test_an_adaptive_sequence_proposes_more_as_its_proposals_are_kept():
     speculator = adaptive(max_tokens=12, k=3)
     seq = sequence("s")

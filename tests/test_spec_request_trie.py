@@ -36,9 +36,9 @@ def test_the_most_frequent_continuation_is_proposed_with_its_expected_kept_token
     trie = RequestTrie(8)
     trie.extend([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
     # After "1 2": 3 twice, 4 once; the last "1 2" is where the proposal goes on from.
-    tokens, score = trie.propose_scored([1, 2], 1, 2, 2)
+    tokens, shares = trie.propose_scored([1, 2], 1, 2, 2)
     assert tokens == [3, 1]
-    assert score == 2 / 3 + 2 / 3 * 2 / 2
+    assert shares == [2 / 3, 2 / 3 * 2 / 2]
 
 
 def sequence(tokens: list[int]) -> Sequence:

@@ -48,11 +48,16 @@ class ProposalState:
         return (self.kept + PRIOR_WEIGHT * prior) / (self.kept + self.cut + PRIOR_WEIGHT)
 
 
-def row_chances(proposals: dict, chance: dict) -> list[tuple[float, object, int]]:
+def row_chances(proposals: dict, chance: dict, shares: dict | None = None) -> list[tuple[float, object, int]]:
     """(chance kept, sequence, position from 1) of every proposed row, likeliest first;
-    `chance[seq]` is its q. Each sequence's rows come in order, so any leading part of the
-    list is a leading part of each proposal."""
-    rows = [(chance[seq] ** i, seq, i) for seq, proposal in proposals.items() for i in range(1, len(proposal) + 1)]
+    `chance[seq]` is its q, and `shares[seq]` (where given) each position's share of the
+    occurrences the proposer matched that went on that way up to it: a position past a
+    fork the proposer saw go two ways is that much less likely than q alone says. Both
+    fall along a proposal, so each sequence's rows come in order, and any leading part of
+    the list is a leading part of each proposal."""
+    shares = shares or {}
+    rows = [(chance[seq] ** i * (shares[seq][i - 1] if seq in shares else 1.0), seq, i)
+            for seq, proposal in proposals.items() for i in range(1, len(proposal) + 1)]
     # Ties (q of 1 or 0) keep each sequence's positions in order.
     rows.sort(key=lambda row: (-row[0], row[2]))
     return rows

@@ -67,8 +67,14 @@ class Speculator:
 
     def propose(self, seq: Sequence, spare_tokens: int) -> list[int]:
         """Tokens for `seq` to verify beside its next one (at most `spare_tokens`); []: it decodes as ever."""
+        return self._propose(seq, spare_tokens)[0]
+
+    def _propose(self, seq: Sequence, spare_tokens: int) -> tuple[list[int], list[float] | None]:
+        """`propose`'s tokens, and with the suffix method each position's share of the
+        matched occurrences that went on that way (SuffixTrie.propose_scored); None: no
+        shares (the ngram index follows one occurrence)."""
         if not self.eligible(seq):
-            return []
+            return [], None
         room = min(self.length(seq), spare_tokens,
                    # slots its table holds past this step's token: no block is asked for a guess
                    seq.capacity(self.block_size) - seq.num_computed - 1,
@@ -77,11 +83,11 @@ class Speculator:
         if self.max_model_len:
             room = min(room, self.max_model_len - len(seq.token_ids) - 1)
         if room <= 0:
-            return []
+            return [], None
         if self.history is not None:
             return self._propose_suffix(seq, room)
         index = self._own_index(seq, lambda: NgramIndex(self.settings.prompt_lookup_min, self.settings.prompt_lookup_max))
-        return index.propose(room)
+        return index.propose(room), None
 
     def _own_index(self, seq: Sequence, make):
         """`seq`'s index of its own tokens (made by `make`), brought up to date: over all of
@@ -96,15 +102,15 @@ class Speculator:
         index.extend(tokens[start + index.taken:])
         return index
 
-    def _propose_suffix(self, seq: Sequence, room: int) -> list[int]:
+    def _propose_suffix(self, seq: Sequence, room: int) -> tuple[list[int], list[float]]:
         """The likelier of two proposals, by the tokens each expects kept: from the
         sequence's own prompt and output, and from its namespace's earlier outputs (on a
         tie its own, the text it is writing from)."""
         trie = self._own_index(seq, lambda: RequestTrie(self.history.depth))
         low, high = self.settings.prompt_lookup_min, self.settings.prompt_lookup_max
-        own, own_score = trie.propose_scored(seq.token_ids, low, high, room)
-        theirs, their_score = self.history.propose_scored(namespace(seq), seq.token_ids, low, high, room)
-        return theirs if their_score > own_score else own
+        own = trie.propose_scored(seq.token_ids, low, high, room)
+        theirs = self.history.propose_scored(namespace(seq), seq.token_ids, low, high, room)
+        return theirs if sum(theirs[1]) > sum(own[1]) else own
 
     def length(self, seq: Sequence) -> int:
         """The most tokens `seq` proposes this step: K, or its adapted length."""
@@ -127,12 +133,14 @@ class Speculator:
         how many, and the sequences first in line take them; with adaptive lengths, every
         sequence proposes first and the likeliest positions are kept (spec/adaptive.py)."""
         if self.settings.adaptive:
-            proposed = {}
+            proposed, shares = {}, {}
             for seq in decodes:
-                proposal = self.propose(seq, spare(seq, budget))
+                proposal, proposal_shares = self._propose(seq, spare(seq, budget))
                 if proposal:
                     proposed[seq] = proposal
-            return self.trim(len(decodes), budget, proposed)
+                    if proposal_shares is not None:
+                        shares[seq] = proposal_shares
+            return self.trim(len(decodes), budget, proposed, shares)
         allowance = self.allowance(len(decodes), budget)
         proposed = {}
         for seq in decodes:
@@ -144,14 +152,16 @@ class Speculator:
                 proposed[seq] = proposal
         return proposed
 
-    def trim(self, decodes: int, budget: int, proposals: dict[Sequence, list[int]]) -> dict[Sequence, list[int]]:
+    def trim(self, decodes: int, budget: int, proposals: dict[Sequence, list[int]],
+             shares: dict[Sequence, list[float]] | None = None) -> dict[Sequence, list[int]]:
         """Of `proposals` (adaptive lengths), the rows a step verifies beside `decodes` decoding
-        sequences, at most `budget`: the likeliest positions first (spec/adaptive.py), as
-        many as make the step's tokens a second the most by its measured cost
-        (spec/step_costs.py), or all that fit with --speculative-always."""
+        sequences, at most `budget`: the likeliest positions first (spec/adaptive.py, with
+        the proposer's `shares` where it has them), as many as make the step's tokens a
+        second the most by its measured cost (spec/step_costs.py), or all that fit with
+        --speculative-always."""
         prior = self.costs.continuation
         chances = {seq: self._state(seq).continuation(prior) for seq in proposals}
-        rows = row_chances(proposals, chances)[:max(budget, 0)]
+        rows = row_chances(proposals, chances, shares)[:max(budget, 0)]
         count = len(rows) if self.settings.always else self.costs.rows_worth(decodes, [r[0] for r in rows])
         lengths: dict[Sequence, int] = {}
         for _, seq, position in rows[:count]:

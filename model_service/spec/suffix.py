@@ -67,10 +67,11 @@ class SuffixTrie:
         (max_n down to min_n tokens) seen in the outputs; [] when none was seen."""
         return self.propose_scored(context, min_n, max_n, k)[0]
 
-    def propose_scored(self, context: Sequence[int], min_n: int, max_n: int, k: int) -> tuple[list[int], float]:
-        """`propose`'s tokens, and the tokens it expects kept: the sum over the proposal of
-        each position's share of occurrences that went on that way (Arctic Inference's
-        score), what a proposal from another trie is weighed against."""
+    def propose_scored(self, context: Sequence[int], min_n: int, max_n: int, k: int) -> tuple[list[int], list[float]]:
+        """`propose`'s tokens, and each position's share of the matched context's
+        occurrences that went on that way up to it (Arctic Inference's probabilities):
+        their sum is the tokens the proposal expects kept, what a proposal from another trie
+        is weighed against, and each one how far a step should trust that position."""
         for n in range(min(max_n, len(context), self.depth - 1), min_n - 1, -1):
             node = self.root
             for token in context[len(context) - n:]:
@@ -80,7 +81,8 @@ class SuffixTrie:
             if node is None or not node.children:
                 continue
             proposal: list[int] = []
-            share, score = 1.0, 0.0
+            shares: list[float] = []
+            share = 1.0
             # The match's path plus the proposal stay within the trie's depth.
             while node.children and len(proposal) < min(k, self.depth - n):
                 # The most frequent; on a tie the lowest id, so the answer does not hang on insertion order.
@@ -90,10 +92,10 @@ class SuffixTrie:
                     break
                 proposal.append(token)
                 share *= child.count / seen
-                score += share
+                shares.append(share)
                 node = child
-            return proposal, score
-        return [], 0.0
+            return proposal, shares
+        return [], []
 
     def _followed(self, node: _Node) -> int:
         """The occurrences of `node`'s path that a token could have followed: here all of
@@ -145,9 +147,9 @@ class SuffixHistory:
         return self.propose_scored(namespace, context, min_n, max_n, k)[0]
 
     def propose_scored(self, namespace: Hashable, context: Sequence[int], min_n: int, max_n: int,
-                       k: int) -> tuple[list[int], float]:
+                       k: int) -> tuple[list[int], list[float]]:
         trie = self._tries.get(namespace)
-        return trie.propose_scored(context, min_n, max_n, k) if trie is not None else ([], 0.0)
+        return trie.propose_scored(context, min_n, max_n, k) if trie is not None else ([], [])
 
     @property
     def nodes(self) -> int:
