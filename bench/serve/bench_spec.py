@@ -7,7 +7,11 @@ Workloads, fixed seeds:
     copy their input (extract invoices as JSON, quote a sentence, rewrite with small
     edits; bench/serve/spec_workloads.py), --max-new-tokens each (128);
   - free: W48's prompts (bench_generate.workload: random token ids, max_new_tokens
-    8-128), redrawn each round as bench_vs_vllm.py does; little there repeats.
+    8-128), redrawn each round as bench_vs_vllm.py does; little there repeats, though
+    SmolLM2's greedy answers to random tokens fall into loops a proposer finds;
+  - chat: open questions (explain, advise, tell a story; spec_workloads.chat) whose
+    answers quote nothing and do not loop, --max-new-tokens each: the control for what
+    speculation costs where it finds little.
 
 Paths, taking turns within each round (who goes first alternates with the round):
 
@@ -31,7 +35,7 @@ timed apart, in this process: pagedkv's proposer replayed over the outputs, one 
 token, beside a plain one-stream token's time; vLLM's is not measured.
 
     .venv/bin/python -m bench.serve.bench_spec [--rounds 3] [--concurrency 1,8]
-        [--workloads grounded,free] [--methods ngram,suffix] [--num-speculative-tokens 3]
+        [--workloads grounded,free,chat] [--methods ngram,suffix] [--num-speculative-tokens 3]
         [--prompt-lookup-min 2] [--prompt-lookup-max 5] [--requests 64] [--max-new-tokens 128]
         [--speculative-max-tokens N[,M] [--skip-fixed]] [--skip-vllm] [--threads 2]
     .venv/bin/python -m bench.serve.bench_spec --rounds 1 --requests 4 --concurrency 1 \\
@@ -181,16 +185,17 @@ def main() -> int:
                         help="with --speculative-max-tokens: leave out the fixed-K paths")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=64, help="grounded requests (free: at most W48's 48)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="per grounded request (free keeps W48's)")
+    parser.add_argument("--requests", type=int, default=64, help="grounded and chat requests (free: at most W48's 48)")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="per grounded or chat request (free keeps W48's)")
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     workloads = args.workloads.split(",")
     methods = [m for m in args.methods.split(",") if m]
-    if any(c < 1 for c in concurrencies) or not set(workloads) <= {"grounded", "free"} \
+    if any(c < 1 for c in concurrencies) or not set(workloads) <= {"grounded", "free", "chat"} \
             or not set(methods) <= {"ngram", "suffix"} or args.requests < 1:
-        parser.error("--concurrency takes positive integers, --workloads grounded,free, --methods ngram,suffix, "
+        parser.error("--concurrency takes positive integers, --workloads grounded,free,chat, --methods ngram,suffix, "
                      "--requests at least 1")
     from transformers import AutoTokenizer
 
@@ -198,7 +203,8 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     base = {"grounded": spec_workloads.grounded(lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
                                                 args.requests),
-            "free": w48_workload()[:args.requests]}
+            "free": w48_workload()[:args.requests],
+            "chat": spec_workloads.chat(args.requests)}
     python = None if args.skip_vllm else ensure_vllm_venv()
     # vLLM reads a safetensors copy of the GGUF pagedkv's `--model smollm2` loads; then both read that copy.
     model = "smollm2" if args.skip_vllm else smollm2_checkpoint()

@@ -1,4 +1,5 @@
-"""The input-grounded workload of bench_spec.py: chat requests whose answers copy their input.
+"""The workloads of bench_spec.py made of chat requests: the input-grounded one, whose
+answers copy their input, and open questions (`chat`), whose answers do not.
 
 Deterministic synthetic documents (a fixed seed, fixed word lists, nothing downloaded) of
 300-1,500 tokens: invoice records (an id, a person, a date, a city, an item, an amount) set
@@ -8,6 +9,11 @@ repeat the document, where prompt lookup can guess the next tokens:
   - extract: every invoice as JSON with fields copied verbatim;
   - quote: the sentence that answers a question about one invoice, word for word;
   - rewrite: the passage again with small edits (dates reformatted, one city renamed).
+
+The open questions are the control where little repeats: short prompts (a template and a
+topic from fixed lists) asking for an explanation, advice or a story, whose greedy answers
+quote nothing and, unlike W48's random-token prompts, do not fall into loops a proposer
+finds.
 
 Prompts are rendered by the model's own chat template (transformers' apply_chat_template on
 the wheel's GGUF) into token ids, which both engines take as they are. A system message
@@ -45,6 +51,16 @@ ASKS = {
                "write every amount without the word EUR.",
 }
 KINDS = tuple(ASKS)
+
+SYSTEM_CHAT = "Round {round}. You are a helpful assistant."
+QUESTIONS = ("Explain to a curious teenager how {topic} works.", "Give three practical tips about {topic}.",
+             "Write a short story in which {topic} plays a part.", "What are the main arguments for and against {topic}?",
+             "Describe the history of {topic} in a few paragraphs.", "Write a friendly email inviting a colleague to "
+             "a talk about {topic}.")
+TOPICS = ("bicycle gears", "composting", "volcanoes", "public libraries", "jazz improvisation", "tide pools",
+          "solar panels", "beekeeping", "the printing press", "sourdough bread", "night trains", "chess openings",
+          "glaciers", "urban gardens", "lighthouses", "vaccines", "origami", "wind turbines", "coral reefs",
+          "typewriters", "hot air balloons", "mushroom foraging", "rainwater harvesting", "museum curation")
 
 
 def invoice(rng: random.Random) -> dict:
@@ -105,7 +121,17 @@ def grounded(count_tokens, num_requests: int, seed: int = 0) -> list[tuple[list[
     return requests
 
 
+def chat(num_requests: int, seed: int = 0) -> list[tuple[list[dict], str]]:
+    """(messages without the round's system message, "chat") for `num_requests` open
+    questions, each question and topic pair drawn without repeats while the pairs last."""
+    rng = random.Random(seed)
+    pairs = [(question, topic) for question in QUESTIONS for topic in TOPICS]
+    rng.shuffle(pairs)
+    return [([{"role": "user", "content": question.format(topic=topic)}], "chat")
+            for question, topic in (pairs * (num_requests // len(pairs) + 1))[:num_requests]]
+
+
 def for_round(requests, round_index: int) -> list[list[dict]]:
     """Each request's messages with the system message naming the round."""
-    system = {"role": "system", "content": SYSTEM.format(round=round_index)}
-    return [[system, *messages] for messages, _ in requests]
+    return [[{"role": "system", "content": (SYSTEM_CHAT if kind == "chat" else SYSTEM).format(round=round_index)},
+             *messages] for messages, kind in requests]
