@@ -145,3 +145,14 @@ def test_the_max_tokens_default_keeps_a_fixed_length():
     assert not SpeculativeSettings(method="ngram").adaptive
     assert SpeculativeSettings(method="ngram").longest == 3
     assert SpeculativeSettings(method="ngram", max_speculative_tokens=16).longest == 16
+
+
+def test_a_fresh_server_whose_first_proposal_failed_goes_on_proposing():
+    speculator = adaptive(max_tokens=8)
+    for rows in range(1, 20):
+        speculator.step_took(rows, 0.01)  # every count measured, all as cheap as one row
+    first = sequence("first")
+    assert speculator.proposals([first], 64, lambda seq, most: most) == {first: [2, 3, 4]}
+    speculator.settle(first, 3, 0)  # the server's only verification so far kept nothing
+    later = sequence("later")
+    assert speculator.proposals([first, later], 64, lambda seq, most: most) != {}

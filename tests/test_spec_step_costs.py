@@ -57,7 +57,17 @@ def test_the_kept_share_starts_at_the_prior_and_follows_verifications():
     costs = StepCosts()
     assert costs.acceptance == PRIOR_ACCEPTANCE
     costs.settle(10, 1)
-    assert costs.acceptance == 0.1
+    assert costs.acceptance == pytest.approx((1 + 1) / (10 + 2))  # the prior weighs two proposed tokens
     for _ in range(200):
         costs.settle(10, 9)
     assert 0.85 < costs.acceptance <= 0.9
+
+
+def test_a_server_whose_first_proposals_all_failed_still_finds_rows_worth_verifying():
+    costs = StepCosts()
+    for rows in range(1, 40):
+        costs.record(rows, 0.010)  # every count measured: no row is verified only to be timed
+    for _ in range(3):
+        costs.settle(3, 0)
+    assert 0 < costs.acceptance < 0.1 and 0 < costs.continuation < 0.5
+    assert costs.allowance(1, 3) > 0  # a row that costs nothing is still worth its small chance

@@ -19,8 +19,12 @@ import bisect
 # Each new measurement of a row count moves its estimate this far: steps vary with the
 # machine's other work, and one slow step must not turn speculation off for good.
 EMA_WEIGHT = 0.25
-# The share of proposed tokens kept, assumed before any verification has been counted.
+# The share of proposed tokens kept, assumed before any verification has been counted,
+# and the weight it keeps after (in proposed tokens): a server whose first verifications
+# all failed must not read its share as 0, or no row would ever be worth verifying again
+# and nothing would ever move the share.
 PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0
 # Candidate allowances looked at a step: every row count up to this many, then evenly spread.
 CANDIDATES = 32
 
@@ -52,14 +56,15 @@ class StepCosts:
 
     @property
     def acceptance(self) -> float:
-        return self._accepted / self._proposed if self._proposed > 0 else PRIOR_ACCEPTANCE
+        """The server's share of proposed tokens kept (leaning on the prior)."""
+        return (self._accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self._proposed + PRIOR_WEIGHT)
 
     @property
     def continuation(self) -> float:
         """The server's chance that a proposed token is kept given that the one before it
-        was (spec/adaptive.py): kept tokens over kept tokens plus cut proposals."""
-        seen = self._accepted + self._cut
-        return self._accepted / seen if seen > 0 else PRIOR_ACCEPTANCE
+        was (spec/adaptive.py): kept tokens over kept tokens plus cut proposals (leaning
+        on the prior)."""
+        return (self._accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self._accepted + self._cut + PRIOR_WEIGHT)
 
     def estimate(self, rows: int) -> float | None:
         """Seconds a decode-only step of `rows` rows takes: measured, or read between the
