@@ -31,6 +31,16 @@ def test_grounded_workload_is_deterministic_sized_and_answerable():
             assert ask.split("change the city ", 1)[1].split(" to ", 1)[0] in text
 
 
+def test_chat_workload_is_deterministic_and_asks_open_questions_without_repeats():
+    requests = spec_workloads.chat(40, seed=1)
+    assert requests == spec_workloads.chat(40, seed=1) and requests != spec_workloads.chat(40, seed=2)
+    questions = [messages[0]["content"] for messages, _ in requests]
+    assert len(set(questions)) == 40 and {kind for _, kind in requests} == {"chat"}
+    assert all(any(topic in question for topic in spec_workloads.TOPICS) for question in questions)
+    first = spec_workloads.for_round(requests, 0)[0][0]
+    assert first["role"] == "system" and "Copy names" not in first["content"]  # not the grounded ask
+
+
 def test_each_round_gets_its_own_system_message():
     requests = spec_workloads.grounded(words, 2)
     first, second = spec_workloads.for_round(requests, 0), spec_workloads.for_round(requests, 1)
