@@ -1,9 +1,9 @@
 """The engine: one thread that runs the continuous-batching loop.
 
 Each step: collect the answer to the lease call made last step and apply it, schedule,
-send the next lease call, execute the batch while that call is on the wire, sample, and
-hand the results to `scheduler.update_from_output`, the one writer of sequences; then
-stream what the tokens made. A step that admits new sequences while others run first
+send the next lease call, and run the batch while that call is on the wire
+(step_execution.py: the forward pass, sampling, the scheduler told what came out, and
+each token's delta queued); then stream what the tokens made. A step that admits new sequences while others run first
 sends its call and waits for the answer, then schedules again, so the new prompts start
 in that step rather than the next. Callers talk to it only through submit(), cancel() and
 abort(), which post typed messages (inbox.py; admission.py keeps the ids and the queue
@@ -34,19 +34,18 @@ from model_service.cache.session import CacheFailed, CacheSession, LeaseExpired,
 from model_service.engine.admission import Admission
 from model_service.engine.attach_builds import build_runner, build_scheduler
 from model_service.engine.deltas import Delta, Sink
-from model_service.engine.failures import step_failure_status
 from model_service.engine.inbox import Abort, Cancel, ComputeBudgets, Inbox, Message, SessionFailed, Submit, Wake
 from model_service.engine.live_requests import Deliver, LiveRequests
 from model_service.engine.output import RequestOutput, new_request
 from model_service.engine.settings import EngineSettings
+from model_service.engine.step_execution import StepExecution
 from model_service.engine.step_sampler import StepSampler
-from model_service.spec.verify import keep_verified
 from model_service.engine.tenant_gauges import TenantBlockGauges
 from model_service.loading.loader import LoadedModel
 from model_service.sample.params import SamplingOptions
 from model_service.sched.lease_ops import LeaseLost, LeaseOps
 from model_service.sched.scheduler import Scheduler
-from model_service.sched.step import Step, StepOutput
+from model_service.sched.step import Step
 from model_service.sched.sequence import Finish
 from model_service.sched.tenant_budgets import compute_budgets
 from model_service.worker.decode_graphs import DecodeGraphPool
@@ -121,6 +120,7 @@ class Engine:
         self.sizing = None
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
+        self._execution: StepExecution | None = None  # runs the steps on them (step_execution.py)
         self.connected = threading.Event()
         self._tenant_gauges = TenantBlockGauges()  # outlives attachments: the peaks are across them
 
@@ -258,6 +258,7 @@ class Engine:
         self.sizing = attachment.sizing
         self.runner = build_runner(self.loaded.model, attachment, self.device, self.decode_graph_pool)
         self.scheduler = build_scheduler(self.settings, attachment, self.eos_token_ids)
+        self._execution = StepExecution(self.runner, self.scheduler, self._sampler, self._requests)
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
         self._on_serving(True)
@@ -294,9 +295,9 @@ class Engine:
         if step.batch:
             self._session.check_lease_deadline()
             try:
-                self._execute(step)
+                self._execution.run(step)
             except Exception as error:  # noqa: BLE001 - one step's fault ends its requests, not the engine
-                self._fail_step(step, error)
+                self._execution.fail(step, error)
         elif not self._session.in_flight:
             # Nothing runnable and nothing asked: wait for an event instead of spinning.
             self._drain_inbox(block=True, timeout_s=0.05)
@@ -342,36 +343,6 @@ class Engine:
             self._fence_writes(ops)
             self._session.send(ops)
 
-    def _execute(self, step: Step) -> None:
-        """Runs the step's batch, samples the rows that are due, lets the scheduler write the
-        results into its sequences, and queues each token's delta."""
-        completions = self._requests.completions
-        output = StepOutput()
-        prompt_logits = self._sampler.prompt_logits_wanted(step.batch, completions)
-        started = time.perf_counter()
-        due, logits = self.runner.execute(step.batch, prompt_logits, step.proposals)
-        if prompt_logits:
-            output.prompt_logprobs_done = self._sampler.collect_prompt_logprobs(prompt_logits, completions,
-                                                                             self.runner.model.compute_logits)
-        sampled = ([], [], [])
-        if due:
-            # At the first token of an n-request's completion 0, its other completions
-            # sample theirs from the same row (and are forked by the scheduler).
-            sampled = keep_verified(*self._sampler.sample(due, logits, completions), step.proposals,
-                                    self.runner.verified)
-            output.sampled = [(completion.seq, token) for completion, token in zip(sampled[0], sampled[1])]
-        self._time_decode_step(step, time.perf_counter() - started)
-        finished = self.scheduler.update_from_output(step, output)
-        if due:
-            self._requests.emit(*sampled, {ended.seq: ended for ended in finished})
-
-    def _time_decode_step(self, step: Step, seconds: float) -> None:
-        """Tells the speculator what a step of only decoding sequences (and their proposals)
-        cost, by its rows: what it weighs proposals against (spec/step_costs.py)."""
-        speculator = self.scheduler.speculator
-        if speculator is not None and all(new_tokens == 1 or seq in step.proposals for seq, new_tokens in step.batch):
-            speculator.step_took(sum(new_tokens for _, new_tokens in step.batch), seconds)
-
     def _fence_writes(self, ops: LeaseOps) -> None:
         """Waits, before a lease call that releases or commits blocks, for every K/V write
         enqueued so far: both put full blocks in the prefix index, where another request
@@ -382,20 +353,6 @@ class Engine:
         returns after its writes), one event wait on CUDA."""
         if ops.releases or ops.commits:
             self.runner.wait_for_writes()
-
-    def _fail_step(self, step: Step, error: Exception) -> None:
-        """Ends the requests of a step whose forward pass or sampling raised, with a status
-        (failures.py), and leaves every other request and the engine running; their blocks
-        go back with the next lease call."""
-        requests = {}
-        for seq, _ in step.batch:
-            completion = self._requests.completions.get(seq)
-            if completion is not None:
-                requests[completion.request.key] = completion.request
-        log.exception("step_failed", requests=[request.request_id for request in requests.values()])
-        status = step_failure_status(error)
-        for request in requests.values():
-            self._requests.end_request(request, Finish.ABORTED, error=status)
 
     def _retire_ended(self) -> None:
         """Tells the scheduler which completions ended (a stop string, a cancel, an abort,
@@ -482,7 +439,7 @@ class Engine:
         self._session.lost(error)
         self._tenant_gauges.zero()  # the lost session held them
         metrics.LORA_KV_BLOCKS.clear()
-        self.scheduler = self.runner = None
+        self.scheduler = self.runner = self._execution = None
         if self.decode_graph_pool is not None:
             self.decode_graph_pool.drop()  # its graphs would replay into the lost pool
         self.sizing = None
