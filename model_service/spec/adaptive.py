@@ -11,7 +11,8 @@ every one before it was, so with q the chance that a token is kept given that th
 before it was, position i is kept with chance q^i. q is counted per sequence (tokens kept
 over tokens kept plus proposals cut short, the estimate for a run length that ends at each
 token with the same chance), leaning on the server's q until the sequence has some
-verifications of its own.
+verifications of its own. A proposer that counts what it saw (the suffix tries) also says
+how sure it is of each position, and that share scales the chance (`row_chances`).
 
 Plain bookkeeping over counts, no tensors.
 """
