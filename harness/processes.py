@@ -48,7 +48,6 @@ and the kernel SIGTERMs it if pytest itself is killed (Linux PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import itertools
 import json
 import os
@@ -59,6 +58,7 @@ import sys
 import time
 from pathlib import Path
 
+from pagedkv import libc
 from pagedkv.health_probe import wait_serving as _wait_serving
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -74,11 +74,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_PRCTL = libc.function("prctl")  # looked up before any fork: the child only calls it
+
+
 def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class ServiceProcess:

@@ -18,10 +18,12 @@ On a C library without these functions (musl, macOS) both are skipped, with a lo
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
+from types import SimpleNamespace
 
 import structlog
+
+from pagedkv import libc
 
 log = structlog.get_logger()
 
@@ -34,16 +36,13 @@ DEFAULT_ARENA_MAX = 2
 DEFAULT_TRIM_INTERVAL_S = 10.0
 
 
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc only: AttributeError elsewhere
-    except (OSError, AttributeError, TypeError):
+def _libc() -> SimpleNamespace | None:
+    """glibc's mallopt and malloc_trim; None where the C library lacks either (not glibc)."""
+    mallopt = libc.function("mallopt", [ctypes.c_int, ctypes.c_int])
+    malloc_trim = libc.function("malloc_trim", [ctypes.c_size_t])
+    if mallopt is None or malloc_trim is None:
         return None
-    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return libc
+    return SimpleNamespace(mallopt=mallopt, malloc_trim=malloc_trim)
 
 
 def configure(arena_max: int, trim_interval_s: float, stop: threading.Event | None = None) -> threading.Thread | None:
@@ -54,11 +53,11 @@ def configure(arena_max: int, trim_interval_s: float, stop: threading.Event | No
                          f"got {arena_max} and {trim_interval_s:g}")
     if not arena_max and not trim_interval_s:
         return None
-    libc = _libc()
-    if libc is None:
+    glibc = _libc()
+    if glibc is None:
         log.warning("malloc_settings_skipped", reason="the C library has no mallopt/malloc_trim (not glibc)")
         return None
-    if arena_max and libc.mallopt(M_ARENA_MAX, arena_max) != 1:
+    if arena_max and glibc.mallopt(M_ARENA_MAX, arena_max) != 1:
         log.warning("malloc_settings_skipped", reason=f"mallopt(M_ARENA_MAX, {arena_max}) refused")
     log.info("malloc_settings", arena_max=arena_max or "glibc default", trim_interval_s=trim_interval_s or "off")
     if not trim_interval_s:
@@ -67,7 +66,7 @@ def configure(arena_max: int, trim_interval_s: float, stop: threading.Event | No
 
     def trim() -> None:
         while not stop.wait(trim_interval_s):
-            libc.malloc_trim(0)
+            glibc.malloc_trim(0)
 
     thread = threading.Thread(target=trim, name="malloc-trim", daemon=True)
     thread.start()

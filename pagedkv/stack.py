@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import glob
 import json
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import grpc
 
+from pagedkv import libc
 from pagedkv.flags import add_flag
 from pagedkv.health_probe import check
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
@@ -91,14 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PRCTL = libc.function("prctl")  # looked up before any fork: the child only calls it
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: a stack killed with SIGKILL cannot stop its
     # children, so the kernel sends them SIGTERM instead (Linux only; elsewhere a no-op).
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Child:

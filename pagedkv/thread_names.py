@@ -8,16 +8,12 @@ afterwards (a C++ library's pool included) starts with the same name.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+from pagedkv import libc
 
 _PR_SET_NAME = 15
 MAX_CHARS = 15  # the kernel keeps 16 bytes, the terminating zero included
 
-try:
-    _prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: the names stay Python's own
-    _prctl = None
+_prctl = libc.function("prctl")  # None where not Linux: the names stay Python's own
 
 
 def name_this_thread(name: str) -> None:

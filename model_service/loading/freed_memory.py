@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 
+from pagedkv import libc
+
 
 def return_freed_memory() -> None:
     """glibc's malloc_trim(0): every arena's free pages go back; a no-op without glibc."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    trim = libc.function("malloc_trim", [ctypes.c_size_t])
     if trim is not None:
         trim(0)

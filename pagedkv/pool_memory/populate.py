@@ -17,12 +17,12 @@ first touches fault as before.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 
 import structlog
 import torch
 
+from pagedkv import libc
 from pagedkv.thread_names import name_this_thread
 from pagedkv.thread_priority import lower_this_thread
 
@@ -35,11 +35,7 @@ PAGE_BYTES = 4096
 # Nice value of the populating thread relative to the service's: it gives way to the calls.
 NICENESS = 10
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_madvise = getattr(_libc, "madvise", None)
-if _madvise is not None:
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _madvise.restype = ctypes.c_int
+_madvise = libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def populate(tensor: torch.Tensor) -> int:
