@@ -15,6 +15,7 @@
  * (quant_x8.h: Q4_0, Q4_1, Q8_0) goes a group of eight rows at a time instead, and at
  * the AVX-512 level two groups at a time, eight tokens a tile (x8_segment).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_levels.h"
@@ -32,6 +33,8 @@
  * 16 float accumulators, 8 weight vectors and the integer sums fill its 32 registers. */
 #define QUANT_X16_TOKENS 8
 #define QUANT_ROW_TILE 16
+/* Up to this many tokens every thread quantizes the activations itself (quant_linear). */
+#define QUANT_OWN_COPY_TOKENS 4
 
 enum { QLEVEL_PORTABLE = 0, QLEVEL_AVX2 = 1, QLEVEL_AVX512_VNNI = 2 };
 
@@ -128,6 +131,15 @@ static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int
     }
 }
 
+/* Token t of x quantized into its place in acts (whose arrays the caller owns). */
+static inline void quantize_token(quantize_fn quantize, const void *x, int64_t x_stride, int t, int cols, int dtype,
+                                  const quant_acts *acts) {
+    const int subs = cols / 32;
+    quantize(x, (int64_t)t * x_stride, cols, dtype, (int8_t *)acts->q + (int64_t)t * cols,
+             (float *)acts->d + (int64_t)t * subs, (float *)acts->scaled_sums + (int64_t)t * subs * 2,
+             (int32_t *)acts->isums + (int64_t)t * subs);
+}
+
 /* Rows QUANT_PREFETCH_ROWS ahead are asked for before a row is read: a decode step
  * reads each weight once, from memory rather than cache, and the hardware prefetcher
  * alone left the kernel at ~60 % of its in-cache speed there (BENCHMARKS.md, "One call a
@@ -196,10 +208,15 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
                  int level, int num_threads) {
     if (cols % 32 != 0 || tokens <= 0 || !qtype_segments_fit(segments, types, rows, cols)) return -1;
     const int subs = cols / 32;
-    int8_t *q = malloc((size_t)tokens * cols);
-    float *d = malloc((size_t)tokens * subs * sizeof(float));
-    float *sums = malloc((size_t)tokens * subs * 2 * sizeof(float));
-    int32_t *isums = malloc((size_t)tokens * subs * sizeof(int32_t));
+    /* Few tokens: each thread quantizes them all into its own copy, the same bytes, rather
+     * than waiting at a barrier for the others' share; a decode step makes a few hundred
+     * of these calls, and each barrier waits for the slower thread. */
+    const int own_copies = tokens <= QUANT_OWN_COPY_TOKENS ? (num_threads > 0 ? num_threads : 1) : 1;
+    const size_t n = (size_t)own_copies * tokens;
+    int8_t *q = malloc(n * cols);
+    float *d = malloc(n * subs * sizeof(float));
+    float *sums = malloc(n * subs * 2 * sizeof(float));
+    int32_t *isums = malloc(n * subs * sizeof(int32_t));
     if (q == NULL || d == NULL || sums == NULL || isums == NULL) {
         free(q);
         free(d);
@@ -207,15 +224,20 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
         free(isums);
         return -2;
     }
-    const quant_acts acts = {q, d, sums, isums, cols};
     const quant_level *at = &LEVEL_PICK(quant_levels, level);
     const quantize_fn quantize = at->quantize;
 #pragma omp parallel num_threads(num_threads)
     {
+        const int64_t copy = own_copies > 1 ? (int64_t)omp_get_thread_num() * tokens : 0;
+        const quant_acts acts = {q + copy * cols, d + copy * subs, sums + copy * subs * 2, isums + copy * subs, cols};
+        if (own_copies > 1)
+            for (int t = 0; t < tokens; t++)
+                quantize_token(quantize, x, x_stride, t, cols, dtype, &acts);
+        else {
 #pragma omp for schedule(static)
-        for (int t = 0; t < tokens; t++)
-            quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
-                     sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
+            for (int t = 0; t < tokens; t++)
+                quantize_token(quantize, x, x_stride, t, cols, dtype, &acts);
+        }
         int64_t row0 = 0;
         for (int i = 0; i < segments; i++) {
             if (qtype_is_x8(types[i])) {
@@ -274,11 +296,9 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
 int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int level,
                                int8_t *q, float *d, float *sums, int32_t *isums) {
     if (cols % 32 != 0) return -1;
-    const quantize_fn quantize = LEVEL_PICK(quant_levels, level).quantize;
-    const int subs = cols / 32;
+    const quant_acts acts = {q, d, sums, isums, cols};
     for (int t = 0; t < tokens; t++)
-        quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
-                 sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
+        quantize_token(LEVEL_PICK(quant_levels, level).quantize, x, x_stride, t, cols, dtype, &acts);
     return 0;
 }
 
