@@ -37,7 +37,7 @@ from model_service.cpu_kernels import header
 log = structlog.get_logger()
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c", "quant_matmul.c", "decode_stack.c", "kv_write.c",
+SOURCES = ("paged_decode.c", "layer_ops.c", "argmax.c", "quant_matmul.c", "quant_layout.c", "decode_stack.c", "kv_write.c",
            "bf16_matmul.c", "f32_matmul.c", "prefill_attention.c", "lora_sgmv.c",
            "lora_sgmv_bf16.c", "lora_runs.c")
 # Never -ffast-math: see csrc/cpu_math.h.

@@ -15,6 +15,7 @@
  * (quant_x8.h: Q4_0, Q4_1, Q8_0) goes a group of eight rows at a time instead, and at
  * the AVX-512 level two groups at a time, eight tokens a tile (x8_segment).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_levels.h"
@@ -32,6 +33,8 @@
  * 16 float accumulators, 8 weight vectors and the integer sums fill its 32 registers. */
 #define QUANT_X16_TOKENS 8
 #define QUANT_ROW_TILE 16
+/* Up to this many tokens every thread quantizes the activations itself (quant_linear). */
+#define QUANT_OWN_COPY_TOKENS 4
 
 enum { QLEVEL_PORTABLE = 0, QLEVEL_AVX2 = 1, QLEVEL_AVX512_VNNI = 2 };
 
@@ -128,6 +131,15 @@ static void quantize_row(const void *x, int64_t offset, int cols, int dtype, int
     }
 }
 
+/* Token t of x quantized into its place in acts (whose arrays the caller owns). */
+static inline void quantize_token(quantize_fn quantize, const void *x, int64_t x_stride, int t, int cols, int dtype,
+                                  const quant_acts *acts) {
+    const int subs = cols / 32;
+    quantize(x, (int64_t)t * x_stride, cols, dtype, (int8_t *)acts->q + (int64_t)t * cols,
+             (float *)acts->d + (int64_t)t * subs, (float *)acts->scaled_sums + (int64_t)t * subs * 2,
+             (int32_t *)acts->isums + (int64_t)t * subs);
+}
+
 /* Rows QUANT_PREFETCH_ROWS ahead are asked for before a row is read: a decode step
  * reads each weight once, from memory rather than cache, and the hardware prefetcher
  * alone left the kernel at ~60 % of its in-cache speed there (BENCHMARKS.md, "One call a
@@ -196,10 +208,15 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
                  int level, int num_threads) {
     if (cols % 32 != 0 || tokens <= 0 || !qtype_segments_fit(segments, types, rows, cols)) return -1;
     const int subs = cols / 32;
-    int8_t *q = malloc((size_t)tokens * cols);
-    float *d = malloc((size_t)tokens * subs * sizeof(float));
-    float *sums = malloc((size_t)tokens * subs * 2 * sizeof(float));
-    int32_t *isums = malloc((size_t)tokens * subs * sizeof(int32_t));
+    /* Few tokens: each thread quantizes them all into its own copy, the same bytes, rather
+     * than waiting at a barrier for the others' share; a decode step makes a few hundred
+     * of these calls, and each barrier waits for the slower thread. */
+    const int own_copies = tokens <= QUANT_OWN_COPY_TOKENS ? (num_threads > 0 ? num_threads : 1) : 1;
+    const size_t n = (size_t)own_copies * tokens;
+    int8_t *q = malloc(n * cols);
+    float *d = malloc(n * subs * sizeof(float));
+    float *sums = malloc(n * subs * 2 * sizeof(float));
+    int32_t *isums = malloc(n * subs * sizeof(int32_t));
     if (q == NULL || d == NULL || sums == NULL || isums == NULL) {
         free(q);
         free(d);
@@ -207,15 +224,20 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
         free(isums);
         return -2;
     }
-    const quant_acts acts = {q, d, sums, isums, cols};
     const quant_level *at = &LEVEL_PICK(quant_levels, level);
     const quantize_fn quantize = at->quantize;
 #pragma omp parallel num_threads(num_threads)
     {
+        const int64_t copy = own_copies > 1 ? (int64_t)omp_get_thread_num() * tokens : 0;
+        const quant_acts acts = {q + copy * cols, d + copy * subs, sums + copy * subs * 2, isums + copy * subs, cols};
+        if (own_copies > 1)
+            for (int t = 0; t < tokens; t++)
+                quantize_token(quantize, x, x_stride, t, cols, dtype, &acts);
+        else {
 #pragma omp for schedule(static)
-        for (int t = 0; t < tokens; t++)
-            quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
-                     sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
+            for (int t = 0; t < tokens; t++)
+                quantize_token(quantize, x, x_stride, t, cols, dtype, &acts);
+        }
         int64_t row0 = 0;
         for (int i = 0; i < segments; i++) {
             if (qtype_is_x8(types[i])) {
@@ -274,11 +296,9 @@ int quant_linear(const void *x, int64_t x_stride, int tokens, int cols, int dtyp
 int quant_quantize_activations(const void *x, int64_t x_stride, int tokens, int cols, int dtype, int level,
                                int8_t *q, float *d, float *sums, int32_t *isums) {
     if (cols % 32 != 0) return -1;
-    const quantize_fn quantize = LEVEL_PICK(quant_levels, level).quantize;
-    const int subs = cols / 32;
+    const quant_acts acts = {q, d, sums, isums, cols};
     for (int t = 0; t < tokens; t++)
-        quantize(x, (int64_t)t * x_stride, cols, dtype, q + (int64_t)t * cols, d + (int64_t)t * subs,
-                 sums + (int64_t)t * subs * 2, isums + (int64_t)t * subs);
+        quantize_token(LEVEL_PICK(quant_levels, level).quantize, x, x_stride, t, cols, dtype, &acts);
     return 0;
 }
 
@@ -320,52 +340,4 @@ int quant_dequantize_linear(int segments, const int64_t *weights, const int32_t 
         at->dequantize_row(type, row, cols / 32, out, out_offset, dtype);
     }
     return 0;
-}
-
-/* out[i] = row indices[i] of W dequantized (cols values, dtype), indices NULL: rows 0..n-1.
- * The embedding lookup of a quantized token_embd, and the tests' check of the layouts. */
-int quant_dequantize_rows(const uint8_t *weights, int type, int cols, const int64_t *indices, int n, void *out,
-                          int dtype, int num_threads) {
-    if (qtype_block_bytes(type) == 0 || cols % qtype_block_weights(type) != 0) return -1;
-    const int64_t row_bytes = qtype_row_bytes(type, cols);
-    const int x8 = qtype_is_x8(type);
-    type = qtype_base(type);
-#pragma omp parallel for num_threads(num_threads) if (n > 1)
-    for (int i = 0; i < n; i++) {
-        const int64_t index = indices ? indices[i] : i;
-        uint8_t gathered[x8 ? row_bytes : 1];
-        const uint8_t *row = weights + index * row_bytes;
-        if (x8) {
-            x8_gather_row(type | QTYPE_X8, weights, index, cols, gathered);
-            row = gathered;
-        }
-        int8_t v[32];
-        float scale[2], min, values[32];
-        for (int s = 0; s < cols / 32; s++) {
-            unpack_sub(type, row, s, v, scale, &min);
-            for (int k = 0; k < 32; k++) values[k] = scale[k / 16] * (float)v[k] + min;
-            store_row(out, (int64_t)i * cols + 32 * s, values, 32, dtype);
-        }
-    }
-    return 0;
-}
-
-/* Rearranges `rows` rows of cols weights of the type (the file's blocks) in place into
- * interleaved groups of eight (quant_x8.h). Returns the layout's type code (type |
- * QTYPE_X8), or -1 where there is none (another type, rows not a multiple of 8), -2
- * without scratch memory; the blocks are untouched then. */
-int quant_repack_x8(uint8_t *blocks, int type, int rows, int cols) {
-    if (!qtype_has_x8(type) || qtype_is_x8(type) || rows % 8 != 0 || cols % 32 != 0) return -1;
-    const int bytes = qtype_block_bytes(type);
-    const int64_t row_bytes = qtype_row_bytes(type, cols), group_bytes = 8 * row_bytes;
-    uint8_t *copy = malloc(group_bytes);
-    if (copy == NULL) return -2;
-    for (int64_t g = 0; g < rows / 8; g++) {
-        uint8_t *group = blocks + g * group_bytes;
-        memcpy(copy, group, group_bytes);
-        for (int r = 0; r < 8; r++)
-            for (int s = 0; s < cols / 32; s++) x8_scatter_block(type, group, s, r, copy + r * row_bytes + s * bytes);
-    }
-    free(copy);
-    return type | QTYPE_X8;
 }
