@@ -12,6 +12,10 @@
    the lookup reads one row), and the fraction of the read bandwidth that tokens/s x bytes
    a token reaches. The K/V a token reads (a few hundred KB at these contexts) is left out.
 
+A virtual machine's bandwidth moves with its neighbours' load, minute to minute, so each
+round also reads the bandwidth again right before its decodes, and the fraction is the
+median of the rounds' own fractions (each decode over the read measured beside it).
+
     .venv/bin/python -m bench.engine.bandwidth [--threads 2] [--rounds 3] [--mib 512] [--steps 32]
 """
 
@@ -49,10 +53,13 @@ def stream(mib: int, rounds: int) -> dict[str, float]:
     return {"read": size / read / 1e9, "copy": 2 * size / copy / 1e9}
 
 
-def decode_rates(models: dict, steps: int, rounds: int) -> dict[str, list[float]]:
-    """tokens/s of one greedy sequence a round, each model in turn (who goes first rotates)."""
+def decode_rates(models: dict, steps: int, rounds: int, mib: int) -> tuple[dict[str, list[float]], list[float]]:
+    """tokens/s of one greedy sequence a round, each model in turn (who goes first rotates),
+    and the read bandwidth (GB/s) measured at the start of each round."""
     rates: dict[str, list[float]] = {name: [] for name in models}
+    reads: list[float] = []
     for round_index in range(rounds):
+        reads.append(stream(mib, 3)["read"])
         names = list(models)
         names = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in names:
@@ -65,7 +72,7 @@ def decode_rates(models: dict, steps: int, rounds: int) -> dict[str, list[float]
                 (logits,) = runner.step([("a", [token])], 1)
                 token = int(logits[-1].argmax())
             rates[name].append(steps / (time.perf_counter() - started))
-    return rates
+    return rates, reads
 
 
 def main() -> int:
@@ -85,15 +92,18 @@ def main() -> int:
                                                                                weights="native"),
               "SmolLM2 bfloat16 (dequantized at load)": load_model("smollm2", torch.bfloat16, "cpu",
                                                                    weights="dequantize")}
-    rates = decode_rates(models, args.steps, args.rounds)
-    print("| model | weight bytes a token | tokens/s, median | rounds | GB/s of weights read | of the read bandwidth |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    rates, reads = decode_rates(models, args.steps, args.rounds, args.mib)
+    print(f"read bandwidth at the start of each round: {', '.join(f'{r:.1f}' for r in reads)} GB/s")
+    print("| model | weight bytes a token | tokens/s, median | rounds | GB/s of weights read | of the read bandwidth, "
+          "median of the rounds | each round's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, loaded in models.items():
         weight_bytes = sum(loaded.weights_bytes_by_type.values())
         rate = statistics.median(rates[name])
-        reached = rate * weight_bytes / 1e9
+        shares = [r * weight_bytes / 1e9 / read for r, read in zip(rates[name], reads)]
         print(f"| {name} | {weight_bytes:,} | {rate:.1f} | {', '.join(f'{r:.1f}' for r in rates[name])} "
-              f"| {reached:.1f} | {reached / bandwidth['read']:.0%} |", flush=True)
+              f"| {rate * weight_bytes / 1e9:.1f} | {statistics.median(shares):.0%} "
+              f"| {', '.join(f'{share:.0%}' for share in shares)} |", flush=True)
     return 0
 
 
