@@ -16,10 +16,10 @@
  * adapters with the most rows first (dynamic scheduling evens out the rest), each run on
  * one thread. A single item runs on all threads, the kernel sharing out its rows.
  *
- * In bfloat16, an item's short runs (under LORA_TRANSPOSE_ROWS rows: a decode step's, each
- * sequence its own run) go to lora_group_bf16 together where the level has a grouped path:
- * the adapter's factors widened once for all of those rows rather than once a row, each
- * row's delta still the bits its run gets alone. */
+ * An item's short runs (under LORA_TRANSPOSE_ROWS rows: a decode step's, each sequence its
+ * own run) go to lora_group or lora_group_bf16 together where the level has a grouped path:
+ * the adapter's factors transposed (and widened) once for all of those rows rather than
+ * used row by row, each row's delta still the bits its run gets alone. */
 #include <stdlib.h>
 
 #include "cpu_math.h"
@@ -27,12 +27,12 @@
 #include "lora_sgmv.h"
 #include "pagedkv_kernels.h"
 
-/* Rows of an adapter's short runs from which a bfloat16 item takes them together: one row
- * gains nothing from factors widened for it alone. */
+/* Rows of an adapter's short runs from which an item takes them together: one row gains
+ * nothing from factors transposed (and widened) for it alone. */
 #define LORA_GROUP_ROWS 2
 
 /* A run the kernels take row by row with dot products (lora_sgmv.c says why), whose rows
- * lora_group_bf16 may take together with the adapter's other such rows. */
+ * lora_group(_bf16) may take together with the adapter's other such rows. */
 static int is_short(const lora_run *run) { return run->end - run->start < LORA_TRANSPOSE_ROWS; }
 
 static int one_run(const lora_run *run, const lora_factor *f, int column, const void *x, int64_t x_stride,
@@ -54,23 +54,33 @@ typedef struct {
     int first, last;
     const int *short_rows;
     int short_count;
-} lora_group;
+} run_group;
 
-/* A group's runs for one target: in bfloat16 its short runs' rows together where they are
- * enough (lora_group_bf16: the factors widened once for all of them), the rest run by run.
+/* lora_group's or lora_group_bf16's status for a group's short rows. */
+static int group_rows(const run_group *g, const lora_factor *f, int column, const void *x, int64_t x_stride,
+                      int in_features, void *y, int64_t y_stride, int dtype, int level, float scaling) {
+    if (dtype == DTYPE_BF16)
+        return lora_group_bf16((const uint16_t *)x, x_stride, g->short_rows, g->short_count, in_features,
+                               (const uint16_t *)(intptr_t)f->a, f->rank, (const uint16_t *)(intptr_t)f->b,
+                               f->out_features, scaling, (uint16_t *)y + column, y_stride, level);
+    return lora_group((const float *)x, x_stride, g->short_rows, g->short_count, in_features,
+                      (const float *)(intptr_t)f->a, f->rank, (const float *)(intptr_t)f->b, f->out_features, scaling,
+                      (float *)y + column, y_stride, level);
+}
+
+/* A group's runs for one target: its short runs' rows together where they are enough and
+ * the level has a grouped path (lora_group, lora_group_bf16), the rest run by run.
  * The runs of one adapter share its scaling. */
-static int one_item(const lora_run *runs, const lora_group *g, int layer, int target, int column, const void *x,
+static int one_item(const lora_run *runs, const run_group *g, int layer, int target, int column, const void *x,
                     int64_t x_stride, int in_features, void *y, int64_t y_stride, int dtype, int level,
                     int num_threads) {
     if (layer >= runs[g->first].layers) return 0;
     const lora_factor *f = &runs[g->first].factors[layer * LORA_TARGETS + target];
     if (f->a == 0) return 0;
     int grouped = 0;
-    if (dtype == DTYPE_BF16 && g->short_count >= LORA_GROUP_ROWS) {
-        const int status = lora_group_bf16((const uint16_t *)x, x_stride, g->short_rows, g->short_count, in_features,
-                                           (const uint16_t *)(intptr_t)f->a, f->rank, (const uint16_t *)(intptr_t)f->b,
-                                           f->out_features, runs[g->first].scaling, (uint16_t *)y + column, y_stride,
-                                           level);
+    if (g->short_count >= LORA_GROUP_ROWS) {
+        const int status = group_rows(g, f, column, x, x_stride, in_features, y, y_stride, dtype, level,
+                                      runs[g->first].scaling);
         if (status > 0) return status;
         grouped = status == 0;
     }
@@ -96,19 +106,21 @@ int lora_add_runs(const lora_run *runs, int num_runs, int layer, int count, cons
     int short_total = 0;
     for (int r = 0; r < num_runs; r++)
         if (is_short(&runs[r])) short_total += runs[r].end - runs[r].start;
-    lora_group *groups = malloc((size_t)num_runs * sizeof(lora_group) + (size_t)(2 * num_runs + short_total) * sizeof(int));
+    run_group *groups =
+        malloc((size_t)num_runs * sizeof(run_group) + (size_t)(2 * num_runs + short_total) * sizeof(int));
     if (groups == NULL) return 3;
     int *rows = (int *)(groups + num_runs), *order = rows + num_runs, *short_rows = order + num_runs, count_groups = 0;
     for (int r = 0, listed = 0; r < num_runs; r++) {
         if (r == 0 || runs[r].factors != runs[r - 1].factors) {
-            groups[count_groups] = (lora_group){r, r, short_rows + listed, 0};
+            groups[count_groups] = (run_group){r, r, short_rows + listed, 0};
             rows[count_groups++] = 0;
         }
-        lora_group *g = &groups[count_groups - 1];
+        run_group *g = &groups[count_groups - 1];
         g->last = r + 1;
         rows[count_groups - 1] += runs[r].end - runs[r].start;
-        if (is_short(&runs[r]))
-            for (int row = runs[r].start; row < runs[r].end; row++, listed++) short_rows[listed] = row, g->short_count++;
+        if (!is_short(&runs[r])) continue;
+        for (int row = runs[r].start; row < runs[r].end; row++) short_rows[listed++] = row;
+        g->short_count += runs[r].end - runs[r].start;
     }
     for (int g = 0; g < count_groups; g++) {
         int at = g;

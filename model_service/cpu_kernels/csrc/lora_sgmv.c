@@ -43,6 +43,7 @@ typedef void (*expand_fn)(const float *s, int rank, const float *b, int out_f, f
 #include <immintrin.h>
 #include "x86/lora_sgmv_avx2.h"
 #include "x86/lora_sgmv_avx512.h"
+#include "x86/lora_group_f32_avx512.h"
 #endif
 
 static const axpy_fn lora_axpy_levels[] = {
@@ -59,6 +60,15 @@ static const expand_fn lora_expand_levels[] = {
     [LORA_PORTABLE] = expand_portable,
     [LORA_AVX2] = X86_LEVEL(expand_avx2),
     [LORA_AVX512] = X86_LEVEL(expand_avx512),
+};
+/* The grouped rows (lora_group) at each level; 0: none (the rows go run by run). */
+typedef void (*group_fn)(const float *x, int64_t x_stride, const int *rows, int count, int in_f, const float *a,
+                         int rank, const float *b, int out_f, float scaling, float *out, int64_t out_stride,
+                         float *scratch);
+static const group_fn lora_group_levels[] = {
+    [LORA_PORTABLE] = 0,
+    [LORA_AVX2] = 0,
+    [LORA_AVX512] = X86_LEVEL(f32_group_avx512),
 };
 static const cpu_check_fn lora_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512f)};
 
@@ -147,5 +157,17 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
                     out + (int64_t)row * out_row_stride, shrink, expand, axpy);
     }
     free(b_t);
+    return 0;
+}
+
+int lora_group(const float *x, int64_t x_row_stride, const int *rows, int count, int in_f, const float *a, int rank,
+               const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level) {
+    if (lora_check(rank, level) != 0 || rank % 16 != 0) return -1;
+    const group_fn group = LEVEL_PICK(lora_group_levels, level);
+    if (group == 0) return -1;
+    float *scratch = malloc((size_t)rank * out_f * sizeof(float));
+    if (scratch == NULL) return 3;
+    group(x, x_row_stride, rows, count, in_f, a, rank, b, out_f, scaling, out, out_row_stride, scratch);
+    free(scratch);
     return 0;
 }

@@ -42,7 +42,7 @@ typedef void (*bf16_add_fn)(float alpha, const float *delta, uint16_t *out, int 
 #include <immintrin.h>
 #include "x86/lora_bf16_avx2.h"
 #include "x86/lora_bf16_avx512.h"
-#include "x86/lora_group_avx512.h"
+#include "x86/lora_group_bf16_avx512.h"
 #endif
 
 static const bf16_shrink_fn shrink_levels[] = {

@@ -1,19 +1,17 @@
-/* lora_sgmv_bf16.c's grouped rows at the AVX-512F level (included by it on x86, after
- * lora_bf16_avx512.h): the short runs of one adapter in a step, taken together, as
- * lora_runs.c hands them over. Run by run, every row widens each of its adapter's bfloat16
- * factors again, and its expand sums each output over the rank in a register of its own,
- * sixteen registers then reduced across their lanes (sums16_avx512): at rank 16 that
- * reduction costs more than the products. Here the factors are widened once for all the
- * rows, a to float32 in its layout and b transposed ([rank, outputs], whole sixteens of
- * outputs), so a row's expand takes sixteen outputs in each register: lane l of every
- * output's sum is one register, and the registers are added in sums16_avx512's order
- * (tree16_avx512). Each row's products and sums are then those of lora_shrink_expand_bf16
- * for a run of its own, in the same order: the same bits. Ranks that are whole sixteens
- * only (the rank's tail would need the run-by-run kernel's masks and scalar sums). */
-
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-#include <immintrin.h>
+/* What the LoRA kernels' grouped rows share at the AVX-512F level (lora_group_bf16_avx512.h,
+ * lora_group_f32_avx512.h; included under each one's target pragma): the short runs of one
+ * adapter in a step, taken together, as lora_runs.c hands them over. Run by run, a row's
+ * expand sums each output over the rank in a register of its own, sixteen registers then
+ * reduced across their lanes (sums16_avx512): at rank 16 that reduction costs more than the
+ * products. Here b is transposed once for all the rows ([rank, outputs], float32, whole
+ * sixteens of outputs), so a row's expand takes sixteen outputs in each register: lane l of
+ * every output's sum is one register (grouped_lanes_avx512), and the registers are added in
+ * sums16_avx512's order (tree16_avx512). Each row's products and sums are then those of the
+ * run-by-run kernel for a run of its own, in the same order: the same bits. Ranks that are
+ * whole sixteens only (the rank's tail would need the run-by-run kernels' masks and scalar
+ * sums). */
+#ifndef PAGEDKV_LORA_GROUP_AVX512_H
+#define PAGEDKV_LORA_GROUP_AVX512_H
 
 #include "lora_sums_avx512.h"
 
@@ -51,64 +49,41 @@ static inline void transpose16_avx512(__m512 *r) {
     }
 }
 
-/* b_t[j, o] = b[o, j] widened, for o below `width` (whole sixteens of outputs) and j below
- * `rank` (whole sixteens). */
-static void widen_transposed_avx512(const uint16_t *b, int rank, int width, float *b_t) {
+/* Sixteen values of b from `at` as float32: b bfloat16 where `bf16`, else float32. */
+static inline __attribute__((always_inline)) __m512 row16_avx512(const void *b, int bf16, int64_t at) {
+    if (!bf16) return _mm512_loadu_ps((const float *)b + at);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* b_t[j, o] = b[o, j] as float32 (`bf16`, a constant where inlined, as row16_avx512's),
+ * for o below `width` (whole sixteens of outputs) and j below `rank` (whole sixteens). */
+static inline __attribute__((always_inline)) void transposed_avx512(const void *b, int bf16, int rank, int width,
+                                                                    float *b_t) {
     for (int o = 0; o < width; o += 16)
         for (int j = 0; j < rank; j += 16) {
             __m512 r[16];
-            for (int i = 0; i < 16; i++) r[i] = widen16_avx512(b + (int64_t)(o + i) * rank + j);
+            for (int i = 0; i < 16; i++) r[i] = row16_avx512(b, bf16, (int64_t)(o + i) * rank + j);
             transpose16_avx512(r);
             for (int l = 0; l < 16; l++) _mm512_storeu_ps(b_t + (int64_t)(j + l) * width + o, r[l]);
         }
 }
 
-static void widen_avx512(const uint16_t *src, int64_t n, float *dst) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16_avx512(src + i));
-    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
-}
-
-/* A row's expand over b_t: its first `width` outputs sixteen at a time, the rest as the
- * run-by-run kernel takes them. */
-static void expand_grouped_avx512(const float *s, int rank, const float *b_t, int width, const uint16_t *b,
-                                  int out_f, uint16_t *out) {
-    for (int o = 0; o < width; o += 16) {
-        __m512 lanes[16];
+/* Outputs [o, o + 16)'s sums over the rank by lane, as the run-by-run expand's registers hold
+ * them: lanes[l] = sum over the rank's sixteens c of s[16c + l] * b[o.., 16c + l], in c's
+ * order, the first a product added to zero. */
+static inline __attribute__((always_inline)) void grouped_lanes_avx512(const float *s, int rank, const float *b_t,
+                                                                       int width, int o, __m512 *lanes) {
+    PANEL_UNROLL
+    for (int l = 0; l < 16; l++)
+        lanes[l] = _mm512_fmadd_ps(_mm512_set1_ps(s[l]), _mm512_loadu_ps(b_t + (int64_t)l * width + o),
+                                   _mm512_setzero_ps());
+    for (int j = 16; j < rank; j += 16) {
         PANEL_UNROLL
         for (int l = 0; l < 16; l++)
-            lanes[l] = _mm512_fmadd_ps(_mm512_set1_ps(s[l]), _mm512_loadu_ps(b_t + (int64_t)l * width + o),
-                                       _mm512_setzero_ps());
-        for (int j = 16; j < rank; j += 16) {
-            PANEL_UNROLL
-            for (int l = 0; l < 16; l++)
-                lanes[l] = _mm512_fmadd_ps(_mm512_set1_ps(s[j + l]),
-                                           _mm512_loadu_ps(b_t + (int64_t)(j + l) * width + o), lanes[l]);
-        }
-        /* + 0: the run-by-run kernel adds its (zero) tails there */
-        const __m512 sums = _mm512_add_ps(tree16_avx512(lanes), _mm512_setzero_ps());
-        store16_avx512(out + o, _mm512_add_ps(widen16_avx512(out + o), sums));
-    }
-    bf16_expand_rest_avx512(s, rank, b, width, out_f, out);
-}
-
-/* The rows listed (x's and out's row indices), one adapter's factors for one target;
- * rank a whole number of sixteens. scratch: rank * (in_f + out_f) floats. */
-static void bf16_group_avx512(const uint16_t *x, int64_t x_stride, const int *rows, int count, int in_f,
-                              const uint16_t *a, int rank, const uint16_t *b, int out_f, float scaling, uint16_t *out,
-                              int64_t out_stride, float *scratch) {
-    const int width = out_f - out_f % 16;
-    float *a_wide = scratch, *b_t = scratch + (int64_t)rank * in_f;
-    widen_avx512(a, (int64_t)rank * in_f, a_wide);
-    widen_transposed_avx512(b, rank, width, b_t);
-    for (int r = 0; r < count; r++) {
-        const uint16_t *x_row = x + (int64_t)rows[r] * x_stride;
-        float shrunk[LORA_MAX_RANK];
-        for (int j = 0; j < rank; j += 16)
-            shrink_rows_of_avx512(x_row, a + (int64_t)j * in_f, a_wide + (int64_t)j * in_f, 1, 16, in_f, scaling,
-                                  shrunk + j);
-        expand_grouped_avx512(shrunk, rank, b_t, width, b, out_f, out + (int64_t)rows[r] * out_stride);
+            lanes[l] = _mm512_fmadd_ps(_mm512_set1_ps(s[j + l]), _mm512_loadu_ps(b_t + (int64_t)(j + l) * width + o),
+                                       lanes[l]);
     }
 }
 
-#pragma GCC pop_options
+#endif
