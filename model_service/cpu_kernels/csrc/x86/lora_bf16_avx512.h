@@ -110,7 +110,7 @@ static void bf16_add_avx512(float alpha, const float *delta, uint16_t *out, int 
  * sums stay in registers): each widened vector of x serves the n rows, whose sums are
  * independent chains, where a dot product a row is one chain of dependent FMAs. The rows
  * are read from a (bfloat16) or, where `wide` (a constant where inlined), from a_wide, the
- * same rows widened to float32 beforehand (lora_group_avx512.h): widening is exact, and the
+ * same rows widened to float32 beforehand (lora_group_bf16_avx512.h): widening is exact, and the
  * sums run in the same order either way, so both give the same bits. */
 static inline __attribute__((always_inline)) void shrink_rows_of_avx512(const uint16_t *x, const uint16_t *a,
                                                                         const float *a_wide, int wide, int n,
