@@ -4,8 +4,9 @@
  * decode stack (decode_stack.c) and the per-layer path (models/lora_delta.py, through
  * cpu_kernels/lora_runs.py) both call it, so a step's deltas are the same bits on either.
  *
- * Each run goes through lora_shrink_expand with its own rows, as it would alone, so a row's
- * delta does not depend on how the runs are shared out. What this adds is the order: the
+ * Each run's rows get the bits lora_shrink_expand gives the run alone (below: some go
+ * through a grouped path that keeps them), so a row's delta does not depend on how the runs
+ * are shared out. What this adds is the order: the
  * callers list the runs of one adapter next to each other (lora_runs.py sorts them), and
  * the work is shared out by (adapter, target), so one thread takes all of an adapter's runs
  * of a target back to back while its factors are in its cache. Requests spread over
