@@ -82,3 +82,43 @@ def test_runs_are_listed_by_adapter_and_keep_their_rows():
 
 def ctypes_address(pointer) -> int:
     return ctypes.cast(pointer, ctypes.c_void_p).value
+
+
+class WideAdapter:  # q and k of other widths than Adapter's, on layer 0
+    def __init__(self, seed: int, rank: int, in_features: int, dtype: torch.dtype):
+        generator = torch.Generator().manual_seed(seed)
+        self.scaling = 0.75
+        self.weights = {(0, target): types.SimpleNamespace(
+            a=torch.randn(rank, in_features, generator=generator).to(dtype) / 4,
+            b=torch.randn(out, rank, generator=generator).to(dtype)) for target, out in (("q_proj", 40), ("k_proj", 32))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("in_features", [45, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_adapters_short_runs_taken_together_keep_their_bits(level, dtype, in_features, threads):
+    """Ranks of whole sixteens (16, 32) whose short runs lora_runs.c takes together, a rank
+    it does not (8); x's width with and without a tail past its sixteens, q's outputs with
+    one past theirs; runs of one, three and nine rows."""
+    adapters = [WideAdapter(seed, rank, in_features, dtype) for seed, rank in ((4, 16), (5, 32), (6, 8))]
+    lens = [1] * 18 + [3, 9, 1]
+    chosen = [adapters[i % 3] for i in range(18)] + [adapters[1], adapters[1], None]
+    step = LoraStep.of_sequences(lens, chosen)
+    rows = sum(lens)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    base = torch.randn(rows, 40 + 32, generator=generator).to(dtype)
+    targets = (("q_proj", 0), ("k_proj", 40))
+    run_by_run = base.clone()
+    for target, column in targets:
+        step._add_run_by_run(run_by_run, x, 0, target, column, level)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one_call = base.clone()
+        step.add_targets(one_call, x, 0, targets)
+    finally:
+        torch.set_num_threads(previous)
+    assert step.cpu_runs(dtype) is not None
+    assert torch.equal(one_call, run_by_run)
+    assert torch.equal(one_call[-1], base[-1]) and not torch.equal(one_call[:-1], base[:-1])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import weakref
 from collections.abc import Sequence
 
@@ -70,21 +71,31 @@ def adapter_table(adapter, dtype: torch.dtype) -> ctypes.Array | None:
     return table
 
 
+# Run's fields as lora_runs.h lays them out (no padding: the pointer falls on 8 bytes), so a
+# step's runs are packed into one buffer, where a Run built a field at a time each, its
+# table converted to a pointer, cost a step more than the rest of describe.
+_PACKED_RUN = struct.Struct("=iifiq")
+assert ctypes.sizeof(Run) == _PACKED_RUN.size and Run.factors.offset == 16
+
+
 def describe(runs: Sequence, dtype: torch.dtype) -> ctypes.Array | None:
     """The runs (start, end, adapter with .scaling and .weights), one adapter's next to each
     other, or None where some adapter's factors are not ones the C kernel takes."""
-    tables, first = [], {}
-    for index, run in enumerate(runs):
-        table = adapter_table(run.adapter, dtype)
-        if table is None:
-            return None
-        tables.append(table)
-        first.setdefault(id(run.adapter), index)
-    order = sorted(range(len(runs)), key=lambda index: first[id(runs[index].adapter)])
-    described = (Run * len(runs))()
-    for slot, index in enumerate(order):
-        run, table = runs[index], tables[index]
-        described[slot] = Run(run.start, run.end, run.adapter.scaling, len(table) // len(TARGETS), table)
+    by_adapter: dict[int, tuple[ctypes.Array, list]] = {}  # in the order adapters first appear
+    for run in runs:
+        listed = by_adapter.get(id(run.adapter))
+        if listed is None:
+            table = adapter_table(run.adapter, dtype)
+            if table is None:
+                return None
+            listed = by_adapter[id(run.adapter)] = (table, [])
+        listed[1].append(run)
+    pack = _PACKED_RUN.pack
+    packed = b"".join(pack(run.start, run.end, run.adapter.scaling, len(table) // len(TARGETS),
+                           ctypes.addressof(table))
+                      for table, listed in by_adapter.values() for run in listed)
+    described = (Run * len(runs)).from_buffer_copy(packed)
+    described.tables = [table for table, _ in by_adapter.values()]  # what its pointers point at, kept alive
     return described
 
 

@@ -21,7 +21,11 @@
  *
  * Levels (lora_sgmv.py's LEVELS; cpu_levels.h's scheme): portable, a value at a time; AVX2,
  * eight lanes with FMA; AVX-512F, sixteen. The lanes sum in another order, so the levels
- * agree to float32 rounding, not to the bit. */
+ * agree to float32 rounding, not to the bit.
+ *
+ * lora_group takes the short runs of one adapter in a step together (lora_runs.c hands
+ * them over), at AVX2 and AVX-512F: b transposed once for all of their rows, each row's
+ * delta the bits the dot-product path gives it (x86/lora_group_avx512.h, lora_group_avx2.h). */
 #include <stdlib.h>
 
 #include "cpu_levels.h"
@@ -43,6 +47,8 @@ typedef void (*expand_fn)(const float *s, int rank, const float *b, int out_f, f
 #include <immintrin.h>
 #include "x86/lora_sgmv_avx2.h"
 #include "x86/lora_sgmv_avx512.h"
+#include "x86/lora_group_f32_avx2.h"
+#include "x86/lora_group_f32_avx512.h"
 #endif
 
 static const axpy_fn lora_axpy_levels[] = {
@@ -59,6 +65,15 @@ static const expand_fn lora_expand_levels[] = {
     [LORA_PORTABLE] = expand_portable,
     [LORA_AVX2] = X86_LEVEL(expand_avx2),
     [LORA_AVX512] = X86_LEVEL(expand_avx512),
+};
+/* The grouped rows (lora_group) at each level; 0: none (the rows go run by run). */
+typedef void (*group_fn)(const float *x, int64_t x_stride, const int *rows, int count, int in_f, const float *a,
+                         int rank, const float *b, int out_f, float scaling, float *out, int64_t out_stride,
+                         float *scratch);
+static const group_fn lora_group_levels[] = {
+    [LORA_PORTABLE] = 0,
+    [LORA_AVX2] = X86_LEVEL(f32_group_avx2),
+    [LORA_AVX512] = X86_LEVEL(f32_group_avx512),
 };
 static const cpu_check_fn lora_checks[] = {0, X86_LEVEL(cpu_avx2_fma), X86_LEVEL(cpu_avx512f)};
 
@@ -147,5 +162,18 @@ int lora_shrink_expand(const float *x, int64_t x_row_stride, int rows, int in_f,
                     out + (int64_t)row * out_row_stride, shrink, expand, axpy);
     }
     free(b_t);
+    return 0;
+}
+
+int lora_group(const float *x, int64_t x_row_stride, const int *rows, int count, int in_f, const float *a, int rank,
+               const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level) {
+    const int lanes = lora_group_lanes(level);
+    if (lora_check(rank, level) != 0 || lanes == 0 || rank % lanes != 0) return -1;
+    const group_fn group = LEVEL_PICK(lora_group_levels, level);
+    if (group == 0) return -1;
+    float *scratch = malloc((size_t)rank * out_f * sizeof(float));
+    if (scratch == NULL) return 3;
+    group(x, x_row_stride, rows, count, in_f, a, rank, b, out_f, scaling, out, out_row_stride, scratch);
+    free(scratch);
     return 0;
 }

@@ -34,4 +34,18 @@ int lora_check(int rank, int level);
 int lora_panel_delta(const float *x, int64_t x_row_stride, int rows, int in_f, const float *a, int rank,
                      const float *b, int out_f, float *delta, int level, int num_threads);
 
+/* Runs of under LORA_TRANSPOSE_ROWS rows of one adapter, for one target, taken together
+ * (lora_runs.c): out[r] += the delta of x[r] for each of the `count` rows listed, the
+ * bits lora_shrink_expand (float32) or lora_shrink_expand_bf16 gives each run alone.
+ * Returns 0, -1 where this level or rank has no grouped path (the caller goes run by run),
+ * 3 without memory. */
+/* The grouped paths' ranks are whole numbers of their level's lanes (lora_group_avx2.h and
+ * lora_group_avx512.h say why); 0: the level has none (portable). */
+static inline int lora_group_lanes(int level) { return level == LORA_AVX512 ? 16 : level == LORA_AVX2 ? 8 : 0; }
+int lora_group(const float *x, int64_t x_row_stride, const int *rows, int count, int in_f, const float *a, int rank,
+               const float *b, int out_f, float scaling, float *out, int64_t out_row_stride, int level);
+int lora_group_bf16(const uint16_t *x, int64_t x_row_stride, const int *rows, int count, int in_f, const uint16_t *a,
+                    int rank, const uint16_t *b, int out_f, float scaling, uint16_t *out, int64_t out_row_stride,
+                    int level);
+
 #endif

@@ -17,7 +17,12 @@
  *
  * Levels (lora_sgmv.py's LEVELS, the float32 kernel's): portable, GCC's vector extension
  * (no intrinsics; the compiler lowers it to what -march gives); AVX2 with FMA, eight lanes,
- * a bfloat16 widened by a 16-bit shift; AVX-512F, sixteen. */
+ * a bfloat16 widened by a 16-bit shift; AVX-512F, sixteen.
+ *
+ * lora_group_bf16 takes the short runs of one adapter in a step together (lora_runs.c
+ * hands them over), at AVX2 and AVX-512F: the factors widened once for all of their rows,
+ * each row's delta the bits the dot-product path gives it (x86/lora_group_avx512.h,
+ * lora_group_avx2.h). */
 #include <stdlib.h>
 
 #include "cpu_levels.h"
@@ -42,6 +47,8 @@ typedef void (*bf16_add_fn)(float alpha, const float *delta, uint16_t *out, int 
 #include <immintrin.h>
 #include "x86/lora_bf16_avx2.h"
 #include "x86/lora_bf16_avx512.h"
+#include "x86/lora_group_bf16_avx2.h"
+#include "x86/lora_group_bf16_avx512.h"
 #endif
 
 static const bf16_shrink_fn shrink_levels[] = {
@@ -63,6 +70,16 @@ static const bf16_add_fn add_levels[] = {
     [LORA_PORTABLE] = bf16_add_portable,
     [LORA_AVX2] = X86_LEVEL(bf16_add_avx2),
     [LORA_AVX512] = X86_LEVEL(bf16_add_avx512),
+};
+
+/* The grouped rows (lora_group_bf16) at each level; 0: none (the rows go run by run). */
+typedef void (*bf16_group_fn)(const uint16_t *x, int64_t x_stride, const int *rows, int count, int in_f,
+                              const uint16_t *a, int rank, const uint16_t *b, int out_f, float scaling, uint16_t *out,
+                              int64_t out_stride, float *scratch);
+static const bf16_group_fn group_levels[] = {
+    [LORA_PORTABLE] = 0,
+    [LORA_AVX2] = X86_LEVEL(bf16_group_avx2),
+    [LORA_AVX512] = X86_LEVEL(bf16_group_avx512),
 };
 
 static void widen(const uint16_t *src, int64_t src_stride, int rows, int cols, float *dst) {
@@ -136,5 +153,19 @@ int lora_shrink_expand_bf16(const uint16_t *x, int64_t x_row_stride, int rows, i
                     out + (int64_t)row * out_row_stride, shrink, expand, expand_t);
     }
     free(b_t);
+    return 0;
+}
+
+int lora_group_bf16(const uint16_t *x, int64_t x_row_stride, const int *rows, int count, int in_f, const uint16_t *a,
+                    int rank, const uint16_t *b, int out_f, float scaling, uint16_t *out, int64_t out_row_stride,
+                    int level) {
+    const int lanes = lora_group_lanes(level);
+    if (lora_check(rank, level) != 0 || lanes == 0 || rank % lanes != 0) return -1;
+    const bf16_group_fn group = LEVEL_PICK(group_levels, level);
+    if (group == 0) return -1;
+    float *scratch = malloc((size_t)rank * (in_f + out_f) * sizeof(float));
+    if (scratch == NULL) return 3;
+    group(x, x_row_stride, rows, count, in_f, a, rank, b, out_f, scaling, out, out_row_stride, scratch);
+    free(scratch);
     return 0;
 }

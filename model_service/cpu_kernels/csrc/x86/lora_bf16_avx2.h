@@ -45,6 +45,19 @@ static float bf16_dot_avx2(const uint16_t *x, const uint16_t *y, int n) {
     return sum;
 }
 
+/* Outputs [o, out_f) one at a time: an expand's outputs past its last whole eight. */
+static void bf16_expand_rest_avx2(const float *s, int rank, const uint16_t *b, int o, int out_f, uint16_t *out) {
+    const int whole = rank - rank % 8;
+    for (; o < out_f; o++) {
+        const uint16_t *b_row = b + (int64_t)o * rank;
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < whole; j += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(s + j), widen8_avx2(b_row + j), sum);
+        float tail = 0.0f;
+        for (int j = whole; j < rank; j++) tail += s[j] * bf16_to_f32(b_row[j]);
+        out[o] = f32_to_bf16(bf16_to_f32(out[o]) + (sum8_avx2(sum) + tail));
+    }
+}
+
 /* Eight outputs at a time: each output's products over the rank's whole vectors in a
  * register, the eight registers reduced together (sums8_avx2), the rank's tail added. */
 static void bf16_expand_avx2(const float *s, int rank, const uint16_t *b, int out_f, uint16_t *out) {
@@ -65,14 +78,7 @@ static void bf16_expand_avx2(const float *s, int rank, const uint16_t *b, int ou
         const __m256 sums = _mm256_add_ps(sums8_avx2(lanes), _mm256_loadu_ps(tails));
         store8_avx2(out + o, _mm256_add_ps(widen8_avx2(out + o), sums));
     }
-    for (; o < out_f; o++) {
-        const uint16_t *b_row = b + (int64_t)o * rank;
-        __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < whole; j += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(s + j), widen8_avx2(b_row + j), sum);
-        float tail = 0.0f;
-        for (int j = whole; j < rank; j++) tail += s[j] * bf16_to_f32(b_row[j]);
-        out[o] = f32_to_bf16(bf16_to_f32(out[o]) + (sum8_avx2(sum) + tail));
-    }
+    bf16_expand_rest_avx2(s, rank, b, o, out_f, out);
 }
 
 static void bf16_expand_t_avx2(const float *s, int rank, const float *b_t, int out_f, uint16_t *out) {
@@ -100,8 +106,12 @@ static void bf16_add_avx2(float alpha, const float *delta, uint16_t *out, int n)
 
 /* shrunk[j] = scaling * (x · a's row j) for eight rows of a: each widened vector of x serves
  * the eight, whose sums are independent chains (a dot product a row is one chain of
- * dependent FMAs), reduced together. */
-static void bf16_shrink8_avx2(const uint16_t *x, const uint16_t *a, int in_f, float scaling, float *shrunk) {
+ * dependent FMAs), reduced together. The rows are read from a (bfloat16) or, where `wide`
+ * (a constant where inlined), from a_wide, the same rows widened beforehand
+ * (lora_group_bf16_avx2.h): the same sums in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void shrink8_of_avx2(const uint16_t *x, const uint16_t *a,
+                                                                  const float *a_wide, int wide, int in_f,
+                                                                  float scaling, float *shrunk) {
     const int whole = in_f - in_f % 8;
     __m256 lanes[8];
     float tails[8];
@@ -110,14 +120,24 @@ static void bf16_shrink8_avx2(const uint16_t *x, const uint16_t *a, int in_f, fl
     for (int k = 0; k < whole; k += 8) {
         const __m256 xv = widen8_avx2(x + k);
         PANEL_UNROLL
-        for (int i = 0; i < 8; i++) lanes[i] = _mm256_fmadd_ps(xv, widen8_avx2(a + (int64_t)i * in_f + k), lanes[i]);
+        for (int i = 0; i < 8; i++) {
+            const int64_t at = (int64_t)i * in_f + k;
+            lanes[i] = _mm256_fmadd_ps(xv, wide ? _mm256_loadu_ps(a_wide + at) : widen8_avx2(a + at), lanes[i]);
+        }
     }
     for (int i = 0; i < 8; i++) {
         float tail = 0.0f;
-        for (int k = whole; k < in_f; k++) tail += bf16_to_f32(x[k]) * bf16_to_f32(a[(int64_t)i * in_f + k]);
+        for (int k = whole; k < in_f; k++) {
+            const int64_t at = (int64_t)i * in_f + k;
+            tail += bf16_to_f32(x[k]) * (wide ? a_wide[at] : bf16_to_f32(a[at]));
+        }
         tails[i] = tail;
     }
     _mm256_storeu_ps(shrunk, _mm256_mul_ps(_mm256_set1_ps(scaling), _mm256_add_ps(sums8_avx2(lanes), _mm256_loadu_ps(tails))));
+}
+
+static void bf16_shrink8_avx2(const uint16_t *x, const uint16_t *a, int in_f, float scaling, float *shrunk) {
+    shrink8_of_avx2(x, a, NULL, 0, in_f, scaling, shrunk);
 }
 
 static void bf16_shrink_avx2(const uint16_t *x, const uint16_t *a, int rank, int in_f, float scaling, float *shrunk) {

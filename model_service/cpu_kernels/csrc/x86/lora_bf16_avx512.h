@@ -61,6 +61,15 @@ static inline __m512 expand_lanes_avx512(const float *s, int rank, const uint16_
     return sum;
 }
 
+/* Outputs [o, out_f) one at a time: an expand's outputs past its last whole sixteen. */
+static void bf16_expand_rest_avx512(const float *s, int rank, const uint16_t *b, int o, int out_f, uint16_t *out) {
+    for (; o < out_f; o++) {
+        float tail;
+        const float sum = _mm512_reduce_add_ps(expand_lanes_avx512(s, rank, b + (int64_t)o * rank, &tail)) + tail;
+        out[o] = f32_to_bf16(bf16_to_f32(out[o]) + sum);
+    }
+}
+
 /* Sixteen outputs at a time, their sixteen registers reduced together (sums16_avx512). */
 static void bf16_expand_avx512(const float *s, int rank, const uint16_t *b, int out_f, uint16_t *out) {
     int o = 0;
@@ -71,11 +80,7 @@ static void bf16_expand_avx512(const float *s, int rank, const uint16_t *b, int 
         const __m512 sums = _mm512_add_ps(sums16_avx512(lanes), _mm512_loadu_ps(tails));
         store16_avx512(out + o, _mm512_add_ps(widen16_avx512(out + o), sums));
     }
-    for (; o < out_f; o++) {
-        float tail;
-        const float sum = _mm512_reduce_add_ps(expand_lanes_avx512(s, rank, b + (int64_t)o * rank, &tail)) + tail;
-        out[o] = f32_to_bf16(bf16_to_f32(out[o]) + sum);
-    }
+    bf16_expand_rest_avx512(s, rank, b, o, out_f, out);
 }
 
 static void bf16_expand_t_avx512(const float *s, int rank, const float *b_t, int out_f, uint16_t *out) {
@@ -103,9 +108,13 @@ static void bf16_add_avx512(float alpha, const float *delta, uint16_t *out, int 
 
 /* shrunk[j] = scaling * (x · a's row j) for `n` rows of a (n constant where inlined, so the
  * sums stay in registers): each widened vector of x serves the n rows, whose sums are
- * independent chains, where a dot product a row is one chain of dependent FMAs. */
-static inline __attribute__((always_inline)) void bf16_shrink_rows_avx512(const uint16_t *x, const uint16_t *a, int n,
-                                                                          int in_f, float scaling, float *shrunk) {
+ * independent chains, where a dot product a row is one chain of dependent FMAs. The rows
+ * are read from a (bfloat16) or, where `wide` (a constant where inlined), from a_wide, the
+ * same rows widened to float32 beforehand (lora_group_bf16_avx512.h): widening is exact, and the
+ * sums run in the same order either way, so both give the same bits. */
+static inline __attribute__((always_inline)) void shrink_rows_of_avx512(const uint16_t *x, const uint16_t *a,
+                                                                        const float *a_wide, int wide, int n,
+                                                                        int in_f, float scaling, float *shrunk) {
     __m512 lanes[16];
     float tails[16] = {0};
     PANEL_UNROLL
@@ -114,18 +123,33 @@ static inline __attribute__((always_inline)) void bf16_shrink_rows_avx512(const 
     for (; k + 16 <= in_f; k += 16) {
         const __m512 xv = widen16_avx512(x + k);
         PANEL_UNROLL
-        for (int i = 0; i < n; i++) lanes[i] = _mm512_fmadd_ps(xv, widen16_avx512(a + (int64_t)i * in_f + k), lanes[i]);
+        for (int i = 0; i < n; i++) {
+            const int64_t at = (int64_t)i * in_f + k;
+            lanes[i] = _mm512_fmadd_ps(xv, wide ? _mm512_loadu_ps(a_wide + at) : widen16_avx512(a + at), lanes[i]);
+        }
     }
     if (k + 8 <= in_f) {
         const __m512 xv = widen8_avx512(x + k);
         PANEL_UNROLL
-        for (int i = 0; i < n; i++) lanes[i] = _mm512_fmadd_ps(xv, widen8_avx512(a + (int64_t)i * in_f + k), lanes[i]);
+        for (int i = 0; i < n; i++) {
+            const int64_t at = (int64_t)i * in_f + k;
+            lanes[i] = _mm512_fmadd_ps(xv, wide ? _mm512_maskz_loadu_ps(0xff, a_wide + at) : widen8_avx512(a + at),
+                                       lanes[i]);
+        }
         k += 8;
     }
     for (int i = 0; i < n; i++)
-        for (int t = k; t < in_f; t++) tails[i] += bf16_to_f32(x[t]) * bf16_to_f32(a[(int64_t)i * in_f + t]);
+        for (int t = k; t < in_f; t++) {
+            const int64_t at = (int64_t)i * in_f + t;
+            tails[i] += bf16_to_f32(x[t]) * (wide ? a_wide[at] : bf16_to_f32(a[at]));
+        }
     const __m512 sums = _mm512_add_ps(sums16_avx512(lanes), _mm512_loadu_ps(tails));
     _mm512_mask_storeu_ps(shrunk, (__mmask16)((1u << n) - 1u), _mm512_mul_ps(_mm512_set1_ps(scaling), sums));
+}
+
+static inline __attribute__((always_inline)) void bf16_shrink_rows_avx512(const uint16_t *x, const uint16_t *a, int n,
+                                                                          int in_f, float scaling, float *shrunk) {
+    shrink_rows_of_avx512(x, a, NULL, 0, n, in_f, scaling, shrunk);
 }
 
 /* The shrink: sixteen rows of a at a time, then eight, then one by one. */

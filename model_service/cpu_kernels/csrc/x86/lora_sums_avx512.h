@@ -24,4 +24,16 @@ static inline __m512 sums16_avx512(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
+/* sums16_avx512's sums over vectors of outputs: lane o of the result is what sums16_avx512
+ * gives output o from a register whose lane l is lanes[l]'s lane o (so lanes[l] holds lane
+ * l of sixteen outputs' registers). Its adds, followed through the shuffles above:
+ * A_e = (l[e] + l[8 + e]) + (l[4 + e] + l[12 + e]) for e < 4, then (A_0 + A_2) + (A_1 + A_3),
+ * each add's operands in the same order, so the two give the same bits. */
+static inline __m512 tree16_avx512(const __m512 *lanes) {
+    __m512 quarter[4];
+    for (int e = 0; e < 4; e++)
+        quarter[e] = _mm512_add_ps(_mm512_add_ps(lanes[e], lanes[8 + e]), _mm512_add_ps(lanes[4 + e], lanes[12 + e]));
+    return _mm512_add_ps(_mm512_add_ps(quarter[0], quarter[2]), _mm512_add_ps(quarter[1], quarter[3]));
+}
+
 #endif
