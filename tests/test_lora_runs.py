@@ -43,6 +43,24 @@ def interleaved_step(dtype: torch.dtype) -> LoraStep:
     return LoraStep.of_sequences(lens, chosen)
 
 
+def one_call_against_run_by_run(step, x, base, layer, targets, dtype, level, threads):
+    """`base` plus the step's deltas for `targets` at `layer`, by the one C call on `threads`
+    threads, checked equal to the bit to run-by-run calls at `level`; returns the one call's."""
+    run_by_run = base.clone()
+    for target, column in targets:
+        step._add_run_by_run(run_by_run, x, layer, target, column, level)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one_call = base.clone()
+        step.add_targets(one_call, x, layer, targets)
+    finally:
+        torch.set_num_threads(previous)
+    assert step.cpu_runs(dtype) is not None  # the one call served it
+    assert torch.equal(one_call, run_by_run)
+    return one_call
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_call_gives_each_runs_own_bits(level, dtype, threads):
@@ -52,18 +70,7 @@ def test_one_call_gives_each_runs_own_bits(level, dtype, threads):
     x = torch.randn(rows, IN + 5, generator=generator).to(dtype)[:, :IN]  # rows further apart than a row
     base = torch.randn(rows, Q + K + 8, generator=generator).to(dtype)
     targets = (("q_proj", 0), ("k_proj", Q))
-    run_by_run = base.clone()
-    for target, column in targets:
-        step._add_run_by_run(run_by_run, x, 1, target, column, level)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        one_call = base.clone()
-        step.add_targets(one_call, x, 1, targets)
-    finally:
-        torch.set_num_threads(previous)
-    assert step.cpu_runs(dtype) is not None  # the one call served it
-    assert torch.equal(one_call, run_by_run)
+    one_call = one_call_against_run_by_run(step, x, base, 1, targets, dtype, level, threads)
     assert not torch.equal(one_call, base)
     assert torch.equal(one_call[3], base[3]) and torch.equal(one_call[:, -8:], base[:, -8:])
     untouched = base.clone()
@@ -109,16 +116,5 @@ def test_an_adapters_short_runs_taken_together_keep_their_bits(level, dtype, in_
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     base = torch.randn(rows, 40 + 32, generator=generator).to(dtype)
     targets = (("q_proj", 0), ("k_proj", 40))
-    run_by_run = base.clone()
-    for target, column in targets:
-        step._add_run_by_run(run_by_run, x, 0, target, column, level)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        one_call = base.clone()
-        step.add_targets(one_call, x, 0, targets)
-    finally:
-        torch.set_num_threads(previous)
-    assert step.cpu_runs(dtype) is not None
-    assert torch.equal(one_call, run_by_run)
+    one_call = one_call_against_run_by_run(step, x, base, 0, targets, dtype, level, threads)
     assert torch.equal(one_call[-1], base[-1]) and not torch.equal(one_call[:-1], base[:-1])
