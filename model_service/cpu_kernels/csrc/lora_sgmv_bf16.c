@@ -40,6 +40,12 @@ typedef void (*bf16_expand_t_fn)(const float *s, int rank, const float *b_t, int
 /* out[i] = bf16(out[i] + alpha * delta[i]). */
 typedef void (*bf16_add_fn)(float alpha, const float *delta, uint16_t *out, int n);
 
+/* `rows` rows of `cols` bfloat16 values, `src_stride` apart, into dst as float32 (exact);
+ * the panels' copies and the grouped rows' factors (x86/lora_group_bf16_*.h). */
+static void widen(const uint16_t *src, int64_t src_stride, int rows, int cols, float *dst) {
+    for (int r = 0; r < rows; r++) load_row(dst + (int64_t)r * cols, src, r * src_stride, cols, DTYPE_BF16);
+}
+
 #include "generic/lora_bf16_portable.h"
 
 #if CPU_LEVELS_X86
@@ -81,10 +87,6 @@ static const bf16_group_fn group_levels[] = {
     [LORA_AVX2] = X86_LEVEL(bf16_group_avx2),
     [LORA_AVX512] = X86_LEVEL(bf16_group_avx512),
 };
-
-static void widen(const uint16_t *src, int64_t src_stride, int rows, int cols, float *dst) {
-    for (int r = 0; r < rows; r++) load_row(dst + (int64_t)r * cols, src, r * src_stride, cols, DTYPE_BF16);
-}
 
 /* A long run through the panels, on float32 copies of the run and the factors. */
 static int through_panels(const uint16_t *x, int64_t x_row_stride, int rows, int in_f, const uint16_t *a, int rank,

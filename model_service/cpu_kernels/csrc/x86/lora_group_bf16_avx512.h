@@ -9,12 +9,6 @@
 
 #include "lora_group_avx512.h"
 
-static void widen_avx512(const uint16_t *src, int64_t n, float *dst) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16_avx512(src + i));
-    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
-}
-
 /* The rows listed (x's and out's row indices), one adapter's factors for one target;
  * rank a whole number of sixteens. scratch: rank * (in_f + out_f) floats. */
 static void bf16_group_avx512(const uint16_t *x, int64_t x_stride, const int *rows, int count, int in_f,
@@ -22,7 +16,7 @@ static void bf16_group_avx512(const uint16_t *x, int64_t x_stride, const int *ro
                               int64_t out_stride, float *scratch) {
     const int width = out_f - out_f % 16;
     float *a_wide = scratch, *b_t = scratch + (int64_t)rank * in_f;
-    widen_avx512(a, (int64_t)rank * in_f, a_wide);
+    widen(a, in_f, rank, in_f, a_wide);
     transposed_avx512(b, 1, rank, width, b_t);
     for (int r = 0; r < count; r++) {
         const uint16_t *x_row = x + (int64_t)rows[r] * x_stride;
