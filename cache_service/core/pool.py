@@ -333,9 +333,6 @@ class KvPool:
         shape = geometry.pool_shape(sizing.num_blocks, sizing.block_size)
         if geometry.device == "cpu":
             self._memory = pool_memory.create_shared_pool(shape, geometry.dtype, directory=self.settings.shm_dir)
-            # Promotions copy into blocks this process never touched: their pages are mapped
-            # now, off the Lease calls' path (pagedkv/pool_memory/populate.py says why).
-            populate_in_background(self._memory.tensor)
         else:
             self._memory = torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
         self.geometry = geometry
@@ -363,7 +360,13 @@ class KvPool:
                                      geometry.dtype)
         sizing.add_tiers(tier_settings.host_cache_bytes, tier_settings.disk_cache_bytes,
                          file_bytes(disk_geometry, ("", "")) if tier_settings.disk_cache_dir else 0)
-        tensor = self._memory.tensor if isinstance(self._memory, pool_memory.SharedPool) else self._memory
+        tensor = self._memory
+        if isinstance(self._memory, pool_memory.SharedPool):
+            tensor = self._memory.tensor
+            # Promotions copy into blocks this process never touched: their pages are mapped
+            # now, off the Lease calls' path (pagedkv/pool_memory/populate.py says why). Without
+            # tiers this process never touches the pool's bytes, and maps nothing.
+            populate_in_background(tensor)
         self.tiers = KvTiers(self.ledger.pool, tensor, tier_settings, sizing.bytes_per_block, disk_geometry,
                              events=self.ledger.events, disk_folder=self.disk_folder, remote_key=self.remote_key)
         self.ledger.tiers = self.tiers
