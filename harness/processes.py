@@ -74,14 +74,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_PRCTL = libc.function("prctl")  # looked up before any fork: the child only calls it
-
-
-def _die_with_parent() -> None:
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class ServiceProcess:
     """One running service; see the module docstring."""
 
@@ -105,7 +97,7 @@ class ServiceProcess:
                 stdout=stderr,
                 stderr=stderr,
                 env=env,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=libc.die_with_parent if sys.platform.startswith("linux") else None,
                 # A preexec_fn forces a real fork, whose gRPC fork handlers may restart its
                 # poller in the child; closing every fd before exec then pulls the epoll fd
                 # from under that poller and the child aborts (grpc/grpc#43157; about 1 start

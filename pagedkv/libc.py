@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import signal
 
 
 def _load() -> ctypes.CDLL | None:
@@ -30,3 +31,15 @@ def function(name: str, argtypes: list | None = None, restype=ctypes.c_int):
         found.argtypes = argtypes
         found.restype = restype
     return found
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PRCTL = function("prctl")  # looked up before any fork: a child only calls it
+
+
+def die_with_parent() -> None:
+    """A subprocess's preexec_fn (it runs in the child between fork and exec): a parent killed
+    with SIGKILL cannot stop its children, so the kernel sends them SIGTERM when it dies
+    (Linux only; elsewhere a no-op)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)

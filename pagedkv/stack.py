@@ -38,7 +38,6 @@ from pagedkv.units import parse_bytes
 
 _STDERR_TAIL_LINES = 40
 _POLL_S = 0.1
-_PR_SET_PDEATHSIG = 1
 
 
 class ChildFailed(Exception):
@@ -91,16 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PRCTL = libc.function("prctl")  # looked up before any fork: the child only calls it
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: a stack killed with SIGKILL cannot stop its
-    # children, so the kernel sends them SIGTERM instead (Linux only; elsewhere a no-op).
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Child:
     """One service process: its stderr is forwarded to ours and its tail kept for errors."""
 
@@ -124,7 +113,7 @@ class Child:
                 # A session of its own: the terminal's Ctrl-C reaches only the stack,
                 # which then stops the children in order.
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=libc.die_with_parent if sys.platform.startswith("linux") else None,
                 # A preexec_fn forces a real fork, whose gRPC fork handlers may restart its
                 # poller in the child; closing every fd before exec then pulls the epoll fd
                 # from under that poller and the child aborts (grpc/grpc#43157; about 1 start
