@@ -12,7 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness.processes import _die_with_parent, free_port
+from harness.processes import free_port
+from pagedkv import libc
 
 START_TIMEOUT_S = 30.0
 _POLL_S = 0.05
@@ -43,7 +44,7 @@ class StoreProcess(abc.ABC):
         exits first or ``timeout_s`` passes (then it is killed)."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=libc.die_with_parent)
         deadline = time.monotonic() + timeout_s
         while not self.answers():
             if self.process.poll() is not None:
