@@ -1,4 +1,5 @@
-"""glibc malloc settings for a long-running server: fewer arenas, free pages given back.
+"""glibc malloc settings for a long-running server: fewer arenas, free pages given back,
+but not between one layer's activations and the next's.
 
 The model service allocates from many threads (gRPC's, the HTTP server's, tokenizing and
 grammar-compiling workers, the engine's). glibc gives threads arenas of their own, up to
@@ -10,7 +11,15 @@ requests served although nothing is kept. Two remedies, each a flag:
   threads share a few arenas and reuse each other's free chunks;
 - ``trim_interval_s``: ``malloc_trim(0)`` on a thread of its own every so often, which
   gives every arena's free pages back (madvise), wherever they are in the arena. A trim
-  holds each arena's lock in turn for a moment; far apart, it costs nothing measurable.
+  holds each arena's lock in turn for a moment; far apart, it costs nothing measurable;
+- ``keep_free_bytes``: the free memory an arena keeps mapped rather than give back at once
+  (``M_TRIM_THRESHOLD``), with every allocation up to glibc's ceiling for it served from the
+  arenas (``M_MMAP_THRESHOLD``). A forward pass frees each layer's activations (tens of MB
+  in a long prefill) just before the next layer asks for as much again. glibc's own
+  thresholds give most of those blocks back at free (munmap, or madvise of an arena's top),
+  so every layer faulted each page in again, zeroed by the kernel: a large share of a long
+  prompt's prefill went to page faults. Kept, the next layer reuses them; the periodic trim
+  above still gives them back between bursts.
 
 On a C library without these functions (musl, macOS) both are skipped, with a log line.
 """
@@ -27,7 +36,10 @@ from pagedkv import libc
 
 log = structlog.get_logger()
 
-M_ARENA_MAX = -8  # malloc.h
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # malloc.h
+# glibc refuses an M_MMAP_THRESHOLD above this (4 MiB * sizeof(long) on 64-bit systems);
+# larger allocations are always mapped on their own.
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 # The model service's defaults (server.py): two arenas are enough for threads that mostly
 # wait on the engine and bound the arenas on a machine of many cores (glibc allows eight a
 # core); a trim every ten seconds is far from any request's path. Together they lower the
@@ -45,13 +57,14 @@ def _libc() -> SimpleNamespace | None:
     return SimpleNamespace(mallopt=mallopt, malloc_trim=malloc_trim)
 
 
-def configure(arena_max: int, trim_interval_s: float, stop: threading.Event | None = None) -> threading.Thread | None:
+def configure(arena_max: int, trim_interval_s: float, keep_free_bytes: int = 0,
+              stop: threading.Event | None = None) -> threading.Thread | None:
     """Applies the settings (0 leaves glibc's own); returns the trimming thread, if one runs
     (it ends when ``stop`` is set)."""
-    if arena_max < 0 or trim_interval_s < 0:
-        raise ValueError(f"--malloc-arena-max and --malloc-trim-interval-s must be 0 (glibc's default) or more, "
-                         f"got {arena_max} and {trim_interval_s:g}")
-    if not arena_max and not trim_interval_s:
+    if arena_max < 0 or trim_interval_s < 0 or keep_free_bytes < 0:
+        raise ValueError(f"--malloc-arena-max, --malloc-trim-interval-s and --malloc-keep-free-bytes must be 0 "
+                         f"(glibc's default) or more, got {arena_max}, {trim_interval_s:g} and {keep_free_bytes}")
+    if not arena_max and not trim_interval_s and not keep_free_bytes:
         return None
     glibc = _libc()
     if glibc is None:
@@ -59,7 +72,13 @@ def configure(arena_max: int, trim_interval_s: float, stop: threading.Event | No
         return None
     if arena_max and glibc.mallopt(M_ARENA_MAX, arena_max) != 1:
         log.warning("malloc_settings_skipped", reason=f"mallopt(M_ARENA_MAX, {arena_max}) refused")
-    log.info("malloc_settings", arena_max=arena_max or "glibc default", trim_interval_s=trim_interval_s or "off")
+    if keep_free_bytes:
+        for option, value in ((M_MMAP_THRESHOLD, min(keep_free_bytes, MMAP_THRESHOLD_MAX)),
+                              (M_TRIM_THRESHOLD, keep_free_bytes)):
+            if glibc.mallopt(option, value) != 1:
+                log.warning("malloc_settings_skipped", reason=f"mallopt({option}, {value}) refused")
+    log.info("malloc_settings", arena_max=arena_max or "glibc default", trim_interval_s=trim_interval_s or "off",
+             keep_free_bytes=keep_free_bytes or "glibc default")
     if not trim_interval_s:
         return None
     stop = stop or threading.Event()

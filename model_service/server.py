@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--malloc-trim-interval-s", default=allocator.DEFAULT_TRIM_INTERVAL_S, type=float,
              help="seconds between malloc_trim(0) calls on a thread of their own, giving the freed pages in every "
                   "malloc arena back to the system (0: never)")
+    # 128 MiB holds a long prompt's per-layer activations on the models a CPU serves; any
+    # value also turns off glibc's dynamic thresholds, which it replaces.
+    add_flag(parser, "--malloc-keep-free-bytes", default="128MiB", type=parse_bytes,
+             help="free memory a malloc arena keeps for the next layer's activations instead of giving it back "
+                  "at once (mallopt M_TRIM_THRESHOLD, and M_MMAP_THRESHOLD up to glibc's 32 MiB); the periodic "
+                  "trim still gives it back (0: glibc's dynamic thresholds)")
     add_flag(parser, "--http-port", default=8000, type=int,
              help="OpenAI-compatible HTTP API port on --host (0 picks a free one, -1 disables); TLS and "
                   "--auth-token apply as on gRPC")
@@ -264,7 +270,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grammar-compile-timeout-s must be more than 0, got {args.grammar_compile_timeout_s}")
     # Before the model loads and the servers start their threads: a thread takes its arena
     # at its first malloc (allocator.py).
-    allocator.configure(args.malloc_arena_max, args.malloc_trim_interval_s)
+    allocator.configure(args.malloc_arena_max, args.malloc_trim_interval_s, args.malloc_keep_free_bytes)
     # Read first: a broken keys file is a start-up error, before a model loads for minutes.
     api_keys = ApiKeys.configure(args.auth_token, args.api_keys)
     if api_keys is not None and api_keys.path is not None:

@@ -33,7 +33,7 @@ def libc(monkeypatch) -> FakeLibc:
 
 def test_the_arena_limit_is_set_and_the_trimmer_runs_until_stopped(libc):
     stop = threading.Event()
-    thread = allocator.configure(2, 0.01, stop)
+    thread = allocator.configure(2, 0.01, stop=stop)
     assert libc.mallopt_calls == [(allocator.M_ARENA_MAX, 2)]
     assert all(libc.trims.acquire(timeout=30) for _ in range(3)), "malloc_trim was not called every interval"
     stop.set()
@@ -47,11 +47,23 @@ def test_zero_leaves_glibc_alone(libc):
     assert allocator.configure(4, 0) is None and libc.mallopt_calls == [(allocator.M_ARENA_MAX, 4)]
 
 
+def test_keeping_free_memory_sets_both_thresholds_capped_where_glibc_caps_them(libc):
+    assert allocator.configure(0, 0, 128 << 20) is None
+    assert libc.mallopt_calls == [(allocator.M_MMAP_THRESHOLD, allocator.MMAP_THRESHOLD_MAX),
+                                  (allocator.M_TRIM_THRESHOLD, 128 << 20)]
+    libc.mallopt_calls.clear()
+    allocator.configure(0, 0, 1 << 20)
+    assert libc.mallopt_calls == [(allocator.M_MMAP_THRESHOLD, 1 << 20), (allocator.M_TRIM_THRESHOLD, 1 << 20)]
+
+
 def test_negative_values_are_refused_naming_the_flags(libc):
-    with pytest.raises(ValueError, match="--malloc-arena-max and --malloc-trim-interval-s must be 0"):
+    with pytest.raises(ValueError, match="--malloc-arena-max, --malloc-trim-interval-s and --malloc-keep-free-bytes "
+                                         "must be 0"):
         allocator.configure(-1, 0)
-    with pytest.raises(ValueError, match="got 0 and -1"):
+    with pytest.raises(ValueError, match="got 0, -1 and 0"):
         allocator.configure(0, -1)
+    with pytest.raises(ValueError, match="got 0, 0 and -1"):
+        allocator.configure(0, 0, -1)
 
 
 def test_the_c_library_here_has_both_functions():
