@@ -401,6 +401,25 @@ def test_body_over_max_request_bytes_is_413_before_it_is_read(model, cache):
     assert leased(cache) == 0
 
 
+def test_a_refused_body_the_client_is_still_sending_gets_its_answer_not_a_reset(model, cache):
+    # A client that sends its whole body before it reads (http.client, under urllib and
+    # many scripts) was reset while still sending when the server answered and closed with
+    # the body unread, and raised a connection error instead of the 413 (or 401) that says
+    # what to fix. (httpx, under the openai SDK, reads the answer after a failed write.)
+    def status(body: bytes, token: str) -> tuple[int, bytes]:
+        request = urllib.request.Request(f"{model.http_url}/completions", data=body, headers={
+            "content-type": "application/json", "authorization": f"Bearer {token}"})
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(request, timeout=120)
+        return error.value.code, error.value.read()
+    prompt = json.dumps({"model": MODEL, "prompt": "a" * (16 << 20), "max_tokens": 1}).encode()
+    code, answer = status(prompt, TOKEN)  # past --max-request-bytes (1 MiB), within the gate's drain
+    assert code == 413 and b"--max-request-bytes" in answer
+    within = json.dumps({"model": MODEL, "prompt": "a" * (900 << 10), "max_tokens": 1}).encode()
+    assert status(within, "wrong")[0] == 401  # a request the server would take, without its token
+    assert leased(cache) == 0
+
+
 def test_invalid_json_and_the_schema_without_a_token_are_401(model):
     for path, data in (("/v1/completions", b"{not json"), ("/openapi.json", None)):
         request = urllib.request.Request(f"http://127.0.0.1:{model.http_port}{path}", data=data,

@@ -6,12 +6,24 @@ comes after the cost: a huge body without a token was read and parsed whole, in 
 memory in proportion to it, before being refused, stalling every stream sharing the event loop. Here a request without a valid
 token gets 401, one past its tenant's max_requests_per_s 429 (request_rate.py), and one
 whose Content-Length is over --max-request-bytes 413, all three
-without reading the body (and with `connection: close`, so the unread body goes nowhere);
-a body without a length is read up to the limit and no further. Only /health is open.
+without reading the body into memory, and with `connection: close`; a body without a length
+is read up to the limit and no further. Only /health is open.
+
+A refused body is still drained, within bounds, after the answer has gone out: read and
+dropped, never kept. A server that closes with bytes of the body unread makes its kernel
+reset the connection, and a client still sending (an openai SDK's whole body goes out
+before it reads anything) then sees the reset instead of the answer that says what to fix.
+The drain stops at the body's end, at `DRAIN_MAX_BYTES` (a 413's; for a 401 or a 429, the
+size a request may have), when the client sends nothing for `DRAIN_IDLE_S`, or after
+`DRAIN_TOTAL_S`; a body announced larger than the bound, or one the client waits to be asked
+for (`Expect: 100-continue`), is not drained at all. So nobody, with or without a token,
+holds a connection or makes the server read more than a bound by sending slowly or forever.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,6 +32,11 @@ from model_service.api.openai_http.errors import ApiError
 from pagedkv.bearer import presented_token
 
 OPEN_PATHS = frozenset({"/health"})
+
+# How much of a refused body is read and dropped so that its answer arrives (module doc).
+DRAIN_MAX_BYTES = 64 * 1024 * 1024
+DRAIN_IDLE_S = 5.0
+DRAIN_TOTAL_S = 20.0
 
 
 # Where the gate leaves whose the key was (authenticate's answer) for the routes.
@@ -52,12 +69,13 @@ class Gate:
                 reason = "wrong token" if token else "missing Authorization header"
                 await refuse(ApiError(401, f"{reason}: send 'Authorization: Bearer <token>' matching the server's "
                                       "--auth-token or a key of its --api-keys (the openai client's api_key)", code="invalid_api_key"),
-                             scope, receive, send)
+                             scope, receive, send, drain_bytes=self.max_request_bytes)
                 return
             scope[PRINCIPAL] = principal
             refused = await self.throttle(principal) if self.throttle is not None else None
             if refused is not None:
-                await refuse(ApiError(429, refused, code="rate_limit_exceeded"), scope, receive, send)
+                await refuse(ApiError(429, refused, code="rate_limit_exceeded"), scope, receive, send,
+                             drain_bytes=self.max_request_bytes)
                 return
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -68,13 +86,14 @@ class Gate:
                              scope, receive, send)
                 return
             if length > self.max_request_bytes:
-                await refuse(self.too_large(f"{length:,} bytes"), scope, receive, send)
+                await refuse(self.too_large(f"{length:,} bytes"), scope, receive, send, drain_bytes=DRAIN_MAX_BYTES)
                 return
             await self.app(scope, receive, send)  # the server stops reading at Content-Length
             return
         body = await self.read_body(receive)
         if body is None:
-            await refuse(self.too_large(f"more than {self.max_request_bytes:,} bytes"), scope, receive, send)
+            await refuse(self.too_large(f"more than {self.max_request_bytes:,} bytes"), scope, receive, send,
+                         drain_bytes=DRAIN_MAX_BYTES)
             return
         await self.app(scope, replay(body, receive), send)
 
@@ -110,8 +129,40 @@ def replay(messages: list[Message], receive: Receive) -> Receive:
     return receive_again
 
 
-async def refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+async def refuse(error: ApiError, scope: Scope, receive: Receive, send: Send, drain_bytes: int = 0) -> None:
+    """Answers with `error` and closes the connection; before closing, drains up to
+    `drain_bytes` of the body the client may still be sending (module doc)."""
     response = error.response()
     # The body was not read: the connection cannot carry another request after it.
     response.headers["connection"] = "close"
-    await response(scope, receive, send)
+    # The whole answer goes out first with the response left open (more_body), so the client
+    # can read it while the rest of its body is dropped; the empty last part closes it.
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})
+    headers = dict(scope["headers"])
+    if drain_bytes and headers.get(b"expect", b"").lower() != b"100-continue":
+        declared = headers.get(b"content-length")
+        if declared is None or not declared.isdigit() or int(declared) <= drain_bytes:
+            await drain(receive, drain_bytes)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def drain(receive: Receive, max_bytes: int, idle_s: float = DRAIN_IDLE_S, total_s: float = DRAIN_TOTAL_S) -> int:
+    """Reads and drops the body's messages until its end, a disconnect, more than `max_bytes`,
+    `idle_s` without a message or `total_s` in all; returns the bytes dropped."""
+    dropped = 0
+    deadline = time.monotonic() + total_s
+    while dropped <= max_bytes:
+        wait = min(idle_s, deadline - time.monotonic())
+        if wait <= 0:
+            break
+        try:
+            message = await asyncio.wait_for(receive(), wait)
+        except TimeoutError:
+            break
+        if message["type"] != "http.request":
+            break
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return dropped
