@@ -1,5 +1,9 @@
 import sys
 
+from pagedkv import libc
+
+libc.die_with_launcher()  # first: a launcher killed from here on takes this process with it
+
 if len(sys.argv) > 1 and sys.argv[1] == "sizing":
     from cache_service.api.sizing_cli import main as sizing_main
 

@@ -96,12 +96,8 @@ class ServiceProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=stderr,
                 stderr=stderr,
-                env=env,
-                preexec_fn=libc.die_with_parent if sys.platform.startswith("linux") else None,
-                # A preexec_fn forces a real fork, whose gRPC fork handlers may restart its
-                # poller in the child; closing every fd before exec then pulls the epoll fd
-                # from under that poller and the child aborts (grpc/grpc#43157; about 1 start
-                # in 25 here). Our fds are close-on-exec anyway, so exec closes them instead.
+                env=libc.with_parent(env),  # the service dies with this process (libc.die_with_launcher)
+                # Our fds are close-on-exec: exec closes them without a loop over the fd table.
                 close_fds=False,
             )
         _running.add(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,8 +44,9 @@ class StoreProcess(abc.ABC):
         """Starts it and returns once it answers; RuntimeError, with its log's tail, if it
         exits first or ``timeout_s`` passes (then it is killed)."""
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=libc.die_with_parent)
+            # The binary dies with this process, killed or not (pagedkv/exec_with_parent.py).
+            self.process = subprocess.Popen([sys.executable, "-m", "pagedkv.exec_with_parent", *self.argv()],
+                                            stdout=log, stderr=subprocess.STDOUT, env=libc.with_parent())
         deadline = time.monotonic() + timeout_s
         while not self.answers():
             if self.process.poll() is not None:

@@ -1,6 +1,10 @@
 import os
 import sys
 
+from pagedkv import libc
+
+libc.die_with_launcher()  # first: a launcher killed from here on takes this process with it
+
 # Before torch loads libgomp, which reads it once: how long an OpenMP worker spins between
 # parallel regions before it sleeps on a futex. A forward pass's regions are separated by
 # the engine thread's own work (Python glue, sampling, the next step's inputs) for longer

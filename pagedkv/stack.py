@@ -110,14 +110,11 @@ class Child:
                 argv,
                 stdin=subprocess.DEVNULL,
                 stderr=write_fd,
+                env=libc.with_parent(),  # it dies with the stack, even one killed (libc.die_with_launcher)
                 # A session of its own: the terminal's Ctrl-C reaches only the stack,
                 # which then stops the children in order.
                 start_new_session=True,
-                preexec_fn=libc.die_with_parent if sys.platform.startswith("linux") else None,
-                # A preexec_fn forces a real fork, whose gRPC fork handlers may restart its
-                # poller in the child; closing every fd before exec then pulls the epoll fd
-                # from under that poller and the child aborts (grpc/grpc#43157; about 1 start
-                # in 25 here). Our fds are close-on-exec anyway, so exec closes them instead.
+                # Our fds are close-on-exec: exec closes them without a loop over the fd table.
                 close_fds=False,
             )
         except BaseException:

@@ -2,11 +2,11 @@
 
 import os
 
-# The tests start service processes with a preexec_fn (PR_SET_PDEATHSIG), so Popen
-# really forks; with gRPC's fork support on, its pre-fork handler waits for gRPC's own
-# threads to quiesce, and a test hung there for minutes (seen in test_multi_tenant, the
-# parent stuck in fork() inside cygrpc's atfork handler). The child only sets its death
-# signal and execs, so it needs none of that support.
+# With gRPC's fork support on, a real fork() runs its pre-fork handler, which waits for
+# gRPC's own threads to quiesce: a test hung there for minutes (the parent stuck in fork()
+# inside cygrpc's atfork handler). Services start without forking for real (Popen's vfork;
+# pagedkv/libc.py, with_parent), but a test that forks a child of its own
+# (multiprocessing's "fork") needs none of that support either.
 os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import statistics
@@ -64,12 +63,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-
-# The services start with a preexec_fn (PR_SET_PDEATHSIG), so Popen really forks; with
-# gRPC's fork support on, a fork after this process's GetSizing call can hang in gRPC's
-# pre-fork handler (seen: the parent stuck in fork() starting the third configuration's
-# model service, beside a grpc_shutdown thread). tests/conftest.py sets the same.
-os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
 import grpc
 
