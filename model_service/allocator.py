@@ -17,9 +17,8 @@ requests served although nothing is kept. Two remedies, each a flag:
   arenas (``M_MMAP_THRESHOLD``). A forward pass frees each layer's activations (tens of MB
   in a long prefill) just before the next layer asks for as much again. glibc's own
   thresholds give most of those blocks back at free (munmap, or madvise of an arena's top),
-  so every layer faulted each page in again, zeroed by the kernel: a large share of a long
-  prompt's prefill went to page faults. Kept, the next layer reuses them; the periodic trim
-  above still gives them back between bursts.
+  so each layer faulted those pages in again, each zeroed by the kernel. Kept, the next
+  layer reuses them; the periodic trim above still gives them back between bursts.
 
 On a C library without these functions (musl, macOS) both are skipped, with a log line.
 """
