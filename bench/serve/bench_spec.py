@@ -1,7 +1,8 @@
 """Speculative decoding: pagedkv with and without it, against vLLM's CPU engine with and without it.
 
 SmolLM2-135M-Instruct in float32, greedy, eos ignored (every path makes the same tokens).
-Workloads, fixed seeds:
+Workloads, fixed seeds, drawn anew for every round at every concurrency (no request is sent
+twice: its answer would be in the suffix proposer's history of earlier answers):
 
   - grounded: chat requests over synthetic documents of 300-1,500 tokens whose answers
     copy their input (extract invoices as JSON, quote a sentence, rewrite with small
@@ -71,11 +72,18 @@ def chat_token_ids(tokenizer, messages) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def round_requests(work: str, base, round_index: int, tokenizer, max_new: int) -> list[tuple[list[int], int]]:
-    """The round's (prompt ids, max_new_tokens): prompts no earlier round (nor the warm-up) sent."""
+def round_requests(work: str, args, draw: int, tokenizer, max_new: int) -> list[tuple[list[int], int]]:
+    """The (prompt ids, max_new_tokens) of one round at one concurrency, the `draw`-th: documents,
+    questions and prompts no other round (nor the warm-up, draw -1) sent. A grounded request
+    sent twice would find its whole answer in the suffix proposer's history."""
     if work == "free":
-        return redraw(base, round_index, VOCAB)
-    return [(chat_token_ids(tokenizer, messages), max_new) for messages in spec_workloads.for_round(base, round_index)]
+        return redraw(w48_workload()[:args.requests], draw, VOCAB)
+    if work == "grounded":
+        base = spec_workloads.grounded(lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+                                       args.requests, seed=draw)
+    else:
+        base = spec_workloads.chat(args.requests, draw)
+    return [(chat_token_ids(tokenizer, messages), max_new) for messages in spec_workloads.for_round(base, draw)]
 
 
 def spec_flags(method: str, args, max_tokens: int = 0) -> list[str]:
@@ -201,10 +209,6 @@ def main() -> int:
 
     gguf = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    base = {"grounded": spec_workloads.grounded(lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-                                                args.requests),
-            "free": w48_workload()[:args.requests],
-            "chat": spec_workloads.chat(args.requests)}
     python = None if args.skip_vllm else ensure_vllm_venv()
     # vLLM reads a safetensors copy of the GGUF pagedkv's `--model smollm2` loads; then both read that copy.
     model = "smollm2" if args.skip_vllm else smollm2_checkpoint()
@@ -224,11 +228,13 @@ def main() -> int:
                 paths = dict(pagedkv)
                 if python is not None:
                     paths.update(vllm_stack.enter_context(vllm_paths(python, model, tmp, args, concurrency)))
+                warm_up = round_requests(workloads[0], args, -1, tokenizer, 8)[:2]
                 for run in paths.values():  # warm up, on prompts no round uses
-                    run(round_requests(workloads[0], base[workloads[0]][:2], -1, tokenizer, 8), concurrency)
+                    run(warm_up, concurrency)
                 for round_index in range(args.rounds):
+                    draw = concurrencies.index(concurrency) * args.rounds + round_index
                     for work in workloads:
-                        requests = round_requests(work, base[work], round_index, tokenizer, args.max_new_tokens)
+                        requests = round_requests(work, args, draw, tokenizer, args.max_new_tokens)
                         prompts[(round_index, work)] = [prompt for prompt, _ in requests]
                         order = list(paths.items())
                         for name, run in order if round_index % 2 == 0 else order[::-1]:

@@ -17,7 +17,9 @@ finds.
 
 Prompts are rendered by the model's own chat template (transformers' apply_chat_template on
 the wheel's GGUF) into token ids, which both engines take as they are. A system message
-names the round, so no round finds an earlier one's prompts in a prefix cache.
+names the round, and bench_spec.py draws new documents and questions for every round (and
+for every concurrency): a request seen before would find its answer in the suffix
+proposer's history of earlier answers, and speculation would look better than it is.
 """
 
 from __future__ import annotations
@@ -121,14 +123,15 @@ def grounded(count_tokens, num_requests: int, seed: int = 0) -> list[tuple[list[
     return requests
 
 
-def chat(num_requests: int, seed: int = 0) -> list[tuple[list[dict], str]]:
+def chat(num_requests: int, draw: int = 0) -> list[tuple[list[dict], str]]:
     """(messages without the round's system message, "chat") for `num_requests` open
-    questions, each question and topic pair drawn without repeats while the pairs last."""
-    rng = random.Random(seed)
+    questions: the `draw`-th run of a fixed shuffle of every question and topic pair, so
+    neither one draw nor the next repeat a pair while the pairs last."""
     pairs = [(question, topic) for question in QUESTIONS for topic in TOPICS]
-    rng.shuffle(pairs)
-    return [([{"role": "user", "content": question.format(topic=topic)}], "chat")
-            for question, topic in (pairs * (num_requests // len(pairs) + 1))[:num_requests]]
+    random.Random(0).shuffle(pairs)
+    start = draw * num_requests
+    return [([{"role": "user", "content": pairs[(start + index) % len(pairs)][0].format(
+        topic=pairs[(start + index) % len(pairs)][1])}], "chat") for index in range(num_requests)]
 
 
 def for_round(requests, round_index: int) -> list[list[dict]]:
