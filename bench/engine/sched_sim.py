@@ -113,10 +113,10 @@ def simulate(prompts, concurrency: int, cap: int, order: str, a0: float, a1: flo
         limits = dataclasses.replace(limits, prefill_aging_tokens=aging)
     scheduler = Scheduler(limits, NUM_BLOCKS)
     if order == "shortest":  # fewest prompt tokens left first, not aged
-        scheduler._prefill_order = lambda: sorted((seq for seq in scheduler.running if seq.num_uncomputed > 1),
-                                                  key=lambda seq: (seq.num_uncomputed, seq.arrival))
+        scheduler.policy.prefill_order = lambda running: sorted((seq for seq in running if seq.num_uncomputed > 1),
+                                                                key=lambda seq: (seq.num_uncomputed, seq.arrival))
     elif order == "admitted":  # first come, first chunked
-        scheduler._prefill_order = lambda: [seq for seq in scheduler.running if seq.num_uncomputed > 1]
+        scheduler.policy.prefill_order = lambda running: [seq for seq in running if seq.num_uncomputed > 1]
     cache = RoomyCache()
     arrivals: dict[str, float] = {}
     tokens_at: dict[str, list[float]] = {}

@@ -1,19 +1,18 @@
 """The engine: one thread that runs the continuous-batching loop.
 
 Each step: collect the answer to the lease call made last step and apply it, schedule,
-send the next lease call, and run the batch while that call is on the wire
-(step_execution.py: the forward pass, sampling, the scheduler told what came out, and
-each token's delta queued); then stream what the tokens made. A step that admits new sequences while others run first
-sends its call and waits for the answer, then schedules again, so the new prompts start
-in that step rather than the next. Callers talk to it only through submit(), cancel() and
-abort(), which post typed messages (inbox.py; admission.py keeps the ids and the queue
-limit they share with it); it talks back through each request's sink. Its record of live
-requests, their deadlines and the deltas going out is live_requests.py; what a stream
-receives is built in output.py (detokenizing, stop strings, logprobs, the n completions
-of a request); the session with the cache service, from Attach to Detach, is
-cache/session.py. A request whose deadline passes, queued or running, ends with
-DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away, every stream
-ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by itself.
+send the next lease call, and run the batch while that call is on the wire (step_cycle.py;
+the batch itself is step_execution.py: the forward pass, sampling, the scheduler told what
+came out, and each token's delta queued); then stream what the tokens made. Callers talk
+to it only through submit(), cancel() and abort(), which post typed messages (inbox.py;
+admission.py keeps the ids and the queue limit they share with it); it talks back through
+each request's sink. Its record of live requests, their deadlines and the deltas going
+out is live_requests.py; what a stream receives is built in output.py (detokenizing, stop
+strings, logprobs, the n completions of a request); the session with the cache service,
+from Attach to Detach, is cache/session.py. A request whose deadline passes, queued or
+running, ends with DEADLINE_EXCEEDED and frees its blocks. If the cache service goes away,
+every stream ends with UNAVAILABLE, health goes NOT_SERVING, and the engine re-attaches by
+itself.
 """
 
 from __future__ import annotations
@@ -38,14 +37,13 @@ from model_service.engine.inbox import Abort, Cancel, ComputeBudgets, Inbox, Mes
 from model_service.engine.live_requests import Deliver, LiveRequests
 from model_service.engine.output import RequestOutput, new_request
 from model_service.engine.settings import EngineSettings
-from model_service.engine.step_execution import StepExecution
+from model_service.engine.step_cycle import StepCycle
 from model_service.engine.step_sampler import StepSampler
 from model_service.engine.tenant_gauges import TenantBlockGauges
 from model_service.loading.loader import LoadedModel
 from model_service.sample.params import SamplingOptions
-from model_service.sched.lease_ops import LeaseLost, LeaseOps
+from model_service.sched.lease_ops import LeaseLost
 from model_service.sched.scheduler import Scheduler
-from model_service.sched.step import Step
 from model_service.sched.sequence import Finish
 from model_service.sched.tenant_budgets import compute_budgets
 from model_service.worker.decode_graphs import DecodeGraphPool
@@ -120,7 +118,7 @@ class Engine:
         self.sizing = None
         self.scheduler: Scheduler | None = None
         self.runner: ModelRunner | None = None
-        self._execution: StepExecution | None = None  # runs the steps on them (step_execution.py)
+        self._cycle: StepCycle | None = None  # runs the steps on them (step_cycle.py)
         self.connected = threading.Event()
         self._tenant_gauges = TenantBlockGauges()  # outlives attachments: the peaks are across them
 
@@ -258,7 +256,8 @@ class Engine:
         self.sizing = attachment.sizing
         self.runner = build_runner(self.loaded.model, attachment, self.device, self.decode_graph_pool)
         self.scheduler = build_scheduler(self.settings, attachment, self.eos_token_ids)
-        self._execution = StepExecution(self.runner, self.scheduler, self._sampler, self._requests)
+        self._cycle = StepCycle(self._session, self.scheduler, self.runner, self._sampler, self._requests,
+                                self._tenant_gauges)
         self.connected.set()
         metrics.CACHE_CONNECTED.set(1)
         self._on_serving(True)
@@ -269,102 +268,12 @@ class Engine:
                  lora_resident_bytes=attachment.sizing.lora_resident_bytes)
 
     def _step(self) -> None:
-        scheduler = self.scheduler
-        idle = not scheduler.has_work() and not self._session.in_flight
-        self._drain_inbox(block=idle)
-        started = time.perf_counter()
-        self._apply_answer()
-        self._requests.expire_deadlines()
-        self._retire_ended()
-        if not scheduler.has_work():
-            self._tenant_gauges.set(scheduler.tenant_blocks.take_changed())
-            metrics.lora_kv_blocks(scheduler.adapter_blocks.take_changed())
-            return
-        step = self._schedule()
-        if step.lease_ops.allocations and step.batch:
-            # Admitted while others run: their blocks would come with this step's call, so
-            # their prompts would start a whole step later (a step of every stream). A
-            # loopback lease call costs far less than a step: wait for it, and run their
-            # first chunks in this step (bench/engine/sched_sim.py --admit-now compares).
-            self._send(step.lease_ops)
-            self._apply_answer()
-            self._retire_ended()
-            step = self._schedule()
-        self._count_deferred(step)
-        self._send(step.lease_ops)
-        if step.batch:
-            self._session.check_lease_deadline()
-            try:
-                self._execution.run(step)
-            except Exception as error:  # noqa: BLE001 - one step's fault ends its requests, not the engine
-                self._execution.fail(step, error)
-        elif not self._session.in_flight:
-            # Nothing runnable and nothing asked: wait for an event instead of spinning.
-            self._drain_inbox(block=True, timeout_s=0.05)
-        metrics.ENGINE_STEP_SECONDS.inc(time.perf_counter() - started)
-        metrics.QUEUE_LENGTH.set(len(scheduler.waiting))
-        metrics.RUNNING.set(len(scheduler.running))
-        self._tenant_gauges.set(scheduler.tenant_blocks.take_changed())
-        metrics.lora_kv_blocks(scheduler.adapter_blocks.take_changed())
-
-    def _apply_answer(self) -> None:
-        """Applies the answer to the lease call in flight, if any (waiting for it); ends
-        the requests it can never serve."""
-        collected = self._session.collect()
-        if collected is None:
-            return
-        for seq, reason in self.scheduler.apply(*collected):
-            completion = self._requests.completions.get(seq)
-            if completion is not None:
-                self._requests.end_request(completion.request, Finish.ABORTED,
-                                           error=(grpc.StatusCode.RESOURCE_EXHAUSTED, reason))
-        # Forks' copy-on-write, before this step's forward pass writes into a copy.
-        self.runner.copy_blocks(self.scheduler.take_copies())
-
-    def _schedule(self) -> Step:
-        step = self.scheduler.schedule()
-        if step.preempted:
-            metrics.PREEMPTIONS.inc(len(step.preempted))
-            for seq in step.preempted:
-                metrics.TENANT_PREEMPTIONS.labels(metrics.tenant_label(seq.tenant)).inc()
-            log.info("preempted", requests=[s.request_id for s in step.preempted])
-        return step
-
-    @staticmethod
-    def _count_deferred(step: Step) -> None:
-        """The tokens tenants' compute budgets held back from the step that runs."""
-        for tenant, tokens in step.deferred.items():
-            label = metrics.tenant_label(tenant)
-            metrics.TENANT_BUDGET_DEFERRED_TOKENS.labels(label).inc(tokens)
-            metrics.TENANT_BUDGET_DEFERRED_STEPS.labels(label).inc()
-
-    def _send(self, ops: LeaseOps) -> None:
-        if ops:
-            self._fence_writes(ops)
-            self._session.send(ops)
-
-    def _fence_writes(self, ops: LeaseOps) -> None:
-        """Waits, before a lease call that releases or commits blocks, for every K/V write
-        enqueued so far: both put full blocks in the prefix index, where another request
-        (or another model service on the pool) may read them as soon as the call lands,
-        and a step with nothing to sample never waits for the device. The scheduler counts
-        a token computed once its step is enqueued; this is the one place that makes the
-        blocks it commits or releases hold what it counted. Nothing on CPU (a forward pass
-        returns after its writes), one event wait on CUDA."""
-        if ops.releases or ops.commits:
-            self.runner.wait_for_writes()
-
-    def _retire_ended(self) -> None:
-        """Tells the scheduler which completions ended (a stop string, a cancel, an abort,
-        a deadline, a failure); their blocks go back with the next lease call."""
-        for completion, finish in self._requests.take_ended():
-            self.scheduler.finish(completion.seq, finish)
-            self._sampler.release(completion)
+        self._cycle.step(self._drain_inbox)
 
     def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> None:
         for message in self._inbox.drain(block, timeout_s):
             self._handle(message)
-        self._retire_ended()
+        self._cycle.retire_ended()
 
     def _handle(self, message: Message) -> None:
         match message:
@@ -432,14 +341,8 @@ class Engine:
                        f"the cache service at {self.cache.address} went away mid-request ({describe_error(error)}); retry")
         self._fail_queued(grpc.StatusCode.UNAVAILABLE,
                           f"the cache service at {self.cache.address} went away; retry")
-        if self.runner is not None:
-            # Losing the session gives its blocks back (a detach, or its TTL), and dropping
-            # the runner unmaps the pool: neither while a step's kernels may still write.
-            self.runner.wait_for_writes()
-        self._session.lost(error)
-        self._tenant_gauges.zero()  # the lost session held them
-        metrics.LORA_KV_BLOCKS.clear()
-        self.scheduler = self.runner = self._execution = None
+        self._cycle.lost(error)
+        self.scheduler = self.runner = self._cycle = None
         if self.decode_graph_pool is not None:
             self.decode_graph_pool.drop()  # its graphs would replay into the lost pool
         self.sizing = None
@@ -451,16 +354,7 @@ class Engine:
             self._fail_all(grpc.StatusCode.UNAVAILABLE, "the model service is shutting down")
             return
         try:
-            collected = self._session.collect()
-            if collected is not None:
-                self.scheduler.apply(*collected)
-            for request in self._requests:
-                self._requests.end_request(request, Finish.ABORTED, error=(
-                    grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
-            self._retire_ended()
-            final_ops = self.scheduler.schedule().lease_ops  # only releases remain
-            self._fence_writes(final_ops)
-            self._session.close(final_ops)
+            self._cycle.close((grpc.StatusCode.UNAVAILABLE, "the model service is shutting down; retry elsewhere"))
         except (grpc.RpcError, LeaseLost) as error:
             log.warning("detach_failed", error=describe_error(error))
             self._session.attachment.heartbeat.stop()

@@ -1,11 +1,12 @@
 """How a lease call's answer changes the scheduler's sequences: blocks given (allocations,
 forks, extends, top-ups) join their tables and the tenant counts; refusals requeue, starve
-or fail a sequence; allocations refused while nothing runs are asked again after a
-backoff.
+or fail a sequence, and a refused allocation is asked again only after the policy's
+backoff (policy.py).
 
 A part of Scheduler (scheduler.py), in a file of its own because it is the one place
 where the cache service's answers enter the scheduler's state: `LeaseAnswers` reads and
-writes the queues and counts that Scheduler.__init__ sets up, and nothing else.
+writes the queues and counts that Scheduler.__init__ sets up, tells its policy of the
+allocations granted and refused, and touches nothing else.
 """
 
 from __future__ import annotations
@@ -14,12 +15,6 @@ from model_service.sched.lease_ops import (
     Allocated, Extended, Forked, ForkRequest, LeaseAnswer, LeaseLost, LeaseOps, Refused, Release,
 )
 from model_service.sched.sequence import Sequence, Status
-
-# When nothing runs, an allocation the service refused is asked again only after this
-# wait, doubling up to the cap: the blocks it lacks come back only when another
-# session releases some, and asking every step would send thousands of calls a second.
-RETRY_REFUSED_MIN_S = 0.01
-RETRY_REFUSED_MAX_S = 0.5
 
 
 class LeaseAnswers:
@@ -115,19 +110,14 @@ class LeaseAnswers:
             seq.ready_step = self.steps
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._retry_refused_wait = 0.0
+            self.policy.granted()
         elif seq.status is Status.FINISHED:
             return
         elif outcome.code == "NO_FREE_BLOCKS" or (outcome.code == "LIMIT_EXCEEDED" and self._others_hold_blocks()):
             # Past the session's quota only while others hold blocks: wait for them.
             seq.status = Status.WAITING
             requeue.append(seq)
-            self._retry_refused_wait = min(max(2 * self._retry_refused_wait, RETRY_REFUSED_MIN_S),
-                                           RETRY_REFUSED_MAX_S)
-            self._retry_refused_at = self._clock() + self._retry_refused_wait
-            if outcome.code == "LIMIT_EXCEEDED":
-                # The pool's count says nothing of the quota: wait as after a refusal.
-                self._quota_retry_at = self._retry_refused_at
+            self.policy.refused(past_quota=outcome.code == "LIMIT_EXCEEDED")
         else:
             failed.append((seq, f"{outcome.code}: {outcome.message}"))
 

@@ -24,16 +24,10 @@ need, and a normally finished sequence's release may wait up to `release_hold_s`
 a call (lease_ahead.py): about one call every block_size steps at 48 streams, instead of
 nearly one a step.
 
-A waiting prompt whose leading full blocks another sequence is still computing is held
-back until they are committed (`prefix_hold_min_tokens`, inflight_prefixes.py): admitted
-then, it finds them cached instead of computing them beside that sequence.
+Who is admitted, which prompts get chunks first and who is preempted is the policy's
+choice (policy.py: `fcfs` or `priority`, tenants' shares of the pool, prompts held back
+while another sequence computes their prefix); the scheduler carries its choices out.
 
-Policies: `fcfs` admits by arrival and preempts the newest; `priority` admits by
-(priority, arrival) and preempts the lowest priority (largest number), newest first.
-Under either, tenants with a share of the pool (`tenant_kv_blocks`, from --api-keys
-`kv_blocks`) may hold more while there is room, but a tenant past its share is preempted
-before any other, and its waiting sequences that would put it past its share are
-admitted only after every other tenant's that can be (tenant_blocks.py keeps the counts).
 A tenant with a compute budget (`tenant_budgets`, from --api-keys `max_tokens_per_s`) runs
 only the tokens its bucket holds: past it, its sequences are skipped in a step, neither
 preempted nor failed (tenant_budgets.py).
@@ -53,11 +47,11 @@ import time
 from collections import deque
 from collections.abc import Collection, Mapping
 
-from model_service.sched.inflight_prefixes import BlockChains, InflightPrefixes
 from model_service.sched.lease_ahead import PendingReleases, top_ups
 from model_service.sched.lease_answers import LeaseAnswers
 from model_service.sched.lease_ops import ForkRequest, LeaseOps, Release, blocks_for
 from model_service.sched.limits import POLICIES, SchedulerLimits
+from model_service.sched.policy import SchedulingPolicy
 from model_service.sched.sequence import Finish, Sequence, Status
 from model_service.sched.step import Finished, Step, StepOutput, append_token
 from model_service.sched.spec_tails import truncation
@@ -77,16 +71,9 @@ class Scheduler(LeaseAnswers):
                  clock=time.monotonic, eos_token_ids: Collection[int] = (),
                  tenant_kv_blocks: Mapping[str, int] | None = None, speculator: Speculator | None = None,
                  tenant_budgets: Mapping[str, ComputeBudget] | None = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.limits = limits
-        self.policy = policy
         self.speculator = speculator
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._clock = clock
-        self._retry_refused_at = 0.0
-        self._quota_retry_at = 0.0  # no allocation asked before this, after one past the session's quota
-        self._retry_refused_wait = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.allocating: int = 0  # allocate and fork ops in flight
@@ -98,12 +85,12 @@ class Scheduler(LeaseAnswers):
         self._copies: list[tuple[int, int]] = []
         self._rejected: list[Sequence] = []  # speculating sequences whose last proposal was cut short
         self.preemptions = 0
-        self.steps = 0  # schedule() calls so far: how long a prompt has waited (_prefill_order)
+        self.steps = 0  # schedule() calls so far: how long a prompt has waited (policy.prefill_order)
         self.tenant_blocks = TenantBlocks(tenant_kv_blocks)
         self.budgets = TenantBudgets(tenant_budgets, clock)
         # The same count by LoRA adapter name (no shares: for its metric only).
         self.adapter_blocks = TenantBlocks()
-        self._block_chains = BlockChains(limits.block_size)  # what InflightPrefixes hashed, kept
+        self.policy = SchedulingPolicy(limits, policy, self.tenant_blocks, clock)  # policy.py
 
     # -- requests come and go -------------------------------------------------------
 
@@ -155,38 +142,6 @@ class Scheduler(LeaseAnswers):
     def _queue_unforked(self, child: Sequence) -> None:
         child.status = Status.WAITING
         self.waiting.appendleft(child)
-
-    def _order(self, seq: Sequence) -> tuple[int, int, int]:
-        """Who goes first: admission takes the smallest, preemption the largest."""
-        if self.policy == "priority":
-            return (seq.priority, seq.arrival, seq.index)
-        return (0, seq.arrival, seq.index)
-
-    def _victim_order(self, seq: Sequence) -> tuple[bool, int, int, int]:
-        """Preemption takes the largest: a tenant past its share first."""
-        return (self.tenant_blocks.over_share(seq.tenant), *self._order(seq))
-
-    def _next_waiting(self, admitted: dict[str, int], prefixes: InflightPrefixes) -> Sequence | None:
-        """The waiting sequence to admit next, None when every one waits for a prefix
-        another sequence is computing (`prefixes`). With tenant shares, one whose tenant
-        would pass its share (counting `admitted`, the blocks it was given this step) goes
-        after every other tenant's."""
-        if not self.tenant_blocks.shares and self.policy == "fcfs":
-            return next((seq for seq in self.waiting if not prefixes.holds(seq)), None)
-        waiting = [seq for seq in self.waiting if not prefixes.holds(seq)]
-        if not waiting:
-            return None
-        if not self.tenant_blocks.shares:
-            return min(waiting, key=self._order)
-        block_size = self.limits.block_size
-        over_share = self.tenant_blocks.over_share
-
-        def deferred(seq: Sequence) -> bool:
-            return over_share(seq.tenant, admitted.get(seq.tenant, 0) + blocks_for(len(seq.token_ids), block_size))
-
-        if self.policy == "fcfs":  # the queue's order: preempted sequences are at its front
-            return next((seq for seq in waiting if not deferred(seq)), waiting[0])
-        return min(waiting, key=lambda seq: (deferred(seq), *self._order(seq)))
 
     def seats_taken(self) -> int:
         """Sequences running or on their way, and the completions that will fork from them."""
@@ -298,7 +253,7 @@ class Scheduler(LeaseAnswers):
         batch.extend(speculating)
         if batch and self.limits.max_prefill_tokens_while_decoding:
             budget = min(budget, self.limits.max_prefill_tokens_while_decoding)
-        for seq in self._prefill_order():
+        for seq in self.policy.prefill_order(self.running):
             if budget <= 0:
                 break
             chunk = self.budgets.grant(seq.tenant, min(seq.num_uncomputed, budget), least=block_size)
@@ -362,21 +317,6 @@ class Scheduler(LeaseAnswers):
                 truncates.append((seq, tokens))
         return truncates
 
-    def _prefill_order(self) -> list[Sequence]:
-        """Running sequences with prompt tokens to compute, in the order they get chunks:
-        fewest tokens left first, which brings the most first tokens soonest (TTFT), less
-        `prefill_aging_tokens` for each step a prompt has waited since it was ready, so a
-        later prompt overtakes one only if it is that much shorter, and none waits forever.
-        Under the priority policy, by priority first. First come, first chunked gave later
-        median first tokens under steady load, and shortest first unaged later last ones
-        in a burst (bench/engine/sched_sim.py compares the orders).
-        """
-        aging = self.limits.prefill_aging_tokens
-        prefills = [seq for seq in self.running if seq.num_uncomputed > 1]
-        return sorted(prefills, key=lambda seq: (seq.priority if self.policy == "priority" else 0,
-                                                 seq.num_uncomputed + aging * seq.ready_step,
-                                                 seq.arrival, seq.index))
-
     def _others_hold_blocks(self) -> bool:
         """Whether this session holds blocks at the cache service that will come back: a
         sequence runs or is being given blocks, or a release waits to be sent."""
@@ -397,54 +337,25 @@ class Scheduler(LeaseAnswers):
         return due
 
     def _relieve_starvation(self) -> list[Sequence]:
-        """A sequence with no block for its next token frees room by preempting the newest."""
+        """A sequence with no block for its next token frees room by preempting the policy's victim."""
         preempted: list[Sequence] = []
         for seq in [s for s in self.running if s.starved]:
             if seq.status is not Status.RUNNING:
                 continue  # preempted already, as someone's victim
-            victim = max(self.running, key=self._victim_order)
+            victim = self.policy.victim(self.running)
             self.preempt(victim)
             preempted.append(victim)
         return preempted
 
     def _admit(self, ops: LeaseOps, available: int) -> int:
-        """Admits waiting sequences while seats and blocks last; returns the blocks left."""
-        block_size = self.limits.block_size
-        prompt_tokens = 0
-        seats = self.seats_taken()
-        admitted: dict[str, int] = {}  # blocks given to each tenant's sequences in this call
-        prefixes = InflightPrefixes(self._block_chains, self.limits.prefix_hold_min_tokens)
-        if self.waiting:
-            prefixes.track(self.running)
-            prefixes.track(self._allocations)
-        while self.waiting:
-            seq = self._next_waiting(admitted, prefixes)
-            if seq is None:
-                break
-            busy = bool(self.running or self.allocating or ops.allocations)
-            wanted = 1 + len(seq.fork_children)
-            # An n-request bigger than --max-num-seqs runs alone rather than never.
-            if seats + wanted > self.limits.max_num_seqs and (busy or seats):
-                break
-            needed = blocks_for(len(seq.token_ids), block_size)
-            # When nothing else runs, ask anyway: cached blocks may be evictable, and the
-            # service's reply corrects our count; but not again right after a refusal.
-            if needed > available and (busy or self._clock() < self._retry_refused_at):
-                break
-            if busy and self._clock() < self._quota_retry_at:
-                break
-            if prompt_tokens and prompt_tokens + len(seq.token_ids) > self.limits.max_batch_tokens:
-                break
-            self.waiting.remove(seq)
+        """Admits the waiting sequences the policy takes while seats and blocks last; returns
+        the blocks left."""
+        taken, available = self.policy.admit(self.waiting, self.running, self._allocations, self.seats_taken(),
+                                             bool(self.running or self.allocating), available)
+        for seq in taken:
             seq.status = Status.ALLOCATING
             self.allocating += 1
-            seats += wanted
             self._allocating_children += len(seq.fork_children)
             ops.allocations.append(seq)
             self._allocations.append(seq)
-            prefixes.track((seq,))
-            available -= needed
-            admitted[seq.tenant] = admitted.get(seq.tenant, 0) + needed
-            prompt_tokens += len(seq.token_ids)
         return available
-

@@ -42,7 +42,7 @@ class ModelRunner:
         # a step has finished writing when execute returns). A step with nothing to sample
         # never waits for the GPU, so its blocks may still be being written when the next
         # lease call commits or releases them as prefix cache: the engine calls
-        # wait_for_writes before such a call (Engine._fence_writes).
+        # wait_for_writes before such a call (StepCycle.fence_writes).
         self.new_event: Callable[[], Any] | None = torch.cuda.Event if self.device.type == "cuda" else None
         self._writes: Any = None
         # The logits of the proposed positions of the latest step's speculating sequences.
