@@ -25,7 +25,7 @@ import structlog
 from model_service import metrics
 from model_service.cache.session import CacheSession
 from model_service.engine.live_requests import LiveRequests
-from model_service.engine.step_execution import StepExecution
+from model_service.engine.step_execution import StepExecution, decode_only
 from model_service.engine.step_sampler import StepSampler
 from model_service.engine.tenant_gauges import TenantBlockGauges
 from model_service.sched.lease_ops import LeaseOps
@@ -63,6 +63,7 @@ class StepCycle:
             self.tenant_gauges.set(scheduler.tenant_blocks.take_changed())
             metrics.lora_kv_blocks(scheduler.adapter_blocks.take_changed())
             return
+        scheduled = time.perf_counter()
         step = self._schedule()
         if step.lease_ops.allocations and step.batch:
             # Admitted while others run: their blocks would come with this step's call, so
@@ -72,15 +73,18 @@ class StepCycle:
             self._send(step.lease_ops)
             self.apply_answer()
             self.retire_ended()
+            scheduled = time.perf_counter()
             step = self._schedule()
         self._count_deferred(step)
         self._send(step.lease_ops)
         if step.batch:
             self.session.check_lease_deadline()
             try:
-                self.execution.run(step)
+                tokens = self.execution.run(step)
             except Exception as error:  # noqa: BLE001 - one step's fault ends its requests, not the engine
                 self.execution.fail(step, error)
+            else:
+                self._time_whole_step(step, tokens, time.perf_counter() - scheduled)
         elif not self.session.in_flight:
             # Nothing runnable and nothing asked: wait for an event instead of spinning.
             drain(block=True, timeout_s=0.05)
@@ -89,6 +93,14 @@ class StepCycle:
         metrics.RUNNING.set(len(scheduler.running))
         self.tenant_gauges.set(scheduler.tenant_blocks.take_changed())
         metrics.lora_kv_blocks(scheduler.adapter_blocks.take_changed())
+
+    def _time_whole_step(self, step: Step, tokens: int, seconds: float) -> None:
+        """Tells the speculator what a decode-only step brought, timed from its scheduling
+        (proposals looked up) to its tokens sampled and verified: what it weighs looking up
+        proposals against (spec/pays.py)."""
+        speculator = self.scheduler.speculator
+        if speculator is not None and decode_only(step):
+            speculator.step_done(len(step.batch), step.looked_up, tokens, seconds)
 
     def apply_answer(self) -> None:
         """Applies the answer to the lease call in flight, if any (waiting for it); ends

@@ -34,9 +34,9 @@ class StepExecution:
         self.sampler = sampler
         self.requests = requests
 
-    def run(self, step: Step) -> None:
+    def run(self, step: Step) -> int:
         """Runs the step's batch, samples the rows that are due, lets the scheduler write the
-        results into its sequences, and queues each token's delta."""
+        results into its sequences, and queues each token's delta; returns the tokens appended."""
         completions = self.requests.completions
         output = StepOutput()
         prompt_logits = self.sampler.prompt_logits_wanted(step.batch, completions)
@@ -56,12 +56,13 @@ class StepExecution:
         finished = self.scheduler.update_from_output(step, output)
         if due:
             self.requests.emit(*sampled, {ended.seq: ended for ended in finished})
+        return len(output.sampled)
 
     def _time_decode_step(self, step: Step, seconds: float) -> None:
         """Tells the speculator what a step of only decoding sequences (and their proposals)
         cost, by its rows: what it weighs proposals against (spec/step_costs.py)."""
         speculator = self.scheduler.speculator
-        if speculator is not None and all(new_tokens == 1 or seq in step.proposals for seq, new_tokens in step.batch):
+        if speculator is not None and decode_only(step):
             speculator.step_took(sum(new_tokens for _, new_tokens in step.batch), seconds)
 
     def fail(self, step: Step, error: Exception) -> None:
@@ -76,3 +77,8 @@ class StepExecution:
         status = step_failure_status(error)
         for request in requests.values():
             self.requests.end_request(request, Finish.ABORTED, error=status)
+
+
+def decode_only(step: Step) -> bool:
+    """Whether every row of the step decodes (a token, or a token and its proposal)."""
+    return all(new_tokens == 1 or seq in step.proposals for seq, new_tokens in step.batch)

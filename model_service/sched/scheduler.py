@@ -217,11 +217,11 @@ class Scheduler(LeaseAnswers):
 
     # -- one step ---------------------------------------------------------------------
 
-    def _proposals(self, decodes: list[Sequence], budget: int) -> dict[Sequence, list[int]]:
+    def _proposals(self, decodes: list[Sequence], budget: int) -> dict[Sequence, list[int]] | None:
         """What each decoding sequence proposes this step (Speculator.proposals), a tenant's
-        spare tokens bounding its sequences' proposals."""
-        if self.speculator is None:
-            return {}
+        spare tokens bounding its sequences' proposals; None when none were looked up."""
+        if self.speculator is None or not self.speculator.looks_up(len(decodes)):
+            return None
         return self.speculator.proposals(decodes, budget, lambda seq, most: self.budgets.spare(seq.tenant, most))
 
     def schedule(self) -> Step:
@@ -240,8 +240,9 @@ class Scheduler(LeaseAnswers):
         budget -= len(decodes)
         speculating: list[tuple[Sequence, int]] = []
         wanted = self._proposals(decodes, budget)
+        looked_up = wanted is not None
         for seq in decodes:
-            proposal = wanted.get(seq, [])[:self.budgets.spare(seq.tenant, budget)]
+            proposal = wanted.get(seq, [])[:self.budgets.spare(seq.tenant, budget)] if looked_up else []
             if proposal:
                 # After the plain decodes: the attention's decode rows lead the batch.
                 proposals[seq] = proposal
@@ -293,7 +294,7 @@ class Scheduler(LeaseAnswers):
             ops.top_ups = top_ups(batch, ops.extends, available, block_size, self.limits.lookahead_tokens,
                                   self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted, proposals=proposals,
-                    deferred=self.budgets.close_step())
+                    deferred=self.budgets.close_step(), looked_up=looked_up)
 
     def _truncate_rejected(self) -> list[tuple[Sequence, int]]:
         """Cuts the tables that rejected proposals left holding whole blocks past their

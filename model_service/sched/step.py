@@ -27,6 +27,8 @@ class Step:
     proposals: dict[Sequence, list[int]] = field(default_factory=dict)
     # Tokens each tenant's compute budget held back from this step (tenant_budgets.py).
     deferred: dict[str, int] = field(default_factory=dict)
+    # Whether the speculator looked up proposals for this step's decodes (spec/pays.py).
+    looked_up: bool = False
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from model_service import metrics
 from model_service.sched.sequence import Sequence
 from model_service.spec.adaptive import ProposalState, row_chances
 from model_service.spec.ngram import NgramIndex
+from model_service.spec.pays import SpeculationPays
 from model_service.spec.request_trie import RequestTrie
 from model_service.spec.settings import SpeculativeSettings
 from model_service.spec.step_costs import StepCosts
@@ -57,6 +58,8 @@ class Speculator:
                                      settings.suffix_cache_tokens) if settings.method == "suffix" else None
         # Decode steps' seconds by their rows, recorded by the engine (`step_took`).
         self.costs = StepCosts()
+        # Whole decode steps' tokens a second with and without proposals (`step_done`).
+        self.pays = SpeculationPays()
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -174,9 +177,20 @@ class Speculator:
         most = min(budget, decodes * self.settings.num_speculative_tokens)
         return most if self.settings.always else self.costs.allowance(decodes, most)
 
+    def looks_up(self, decodes: int) -> bool:
+        """Whether a step with `decodes` decoding sequences looks up proposals at all: where
+        speculating has measured slower than not (spec/pays.py), most steps do not, and pay
+        nothing for it; always with --speculative-always."""
+        return decodes > 0 and (self.settings.always or self.pays.speculate(decodes))
+
     def step_took(self, rows: int, seconds: float) -> None:
-        """A decode-only step (proposed rows included) of `rows` rows took `seconds`."""
+        """A decode-only step's forward pass (proposed rows included) of `rows` rows took `seconds`."""
         self.costs.record(rows, seconds)
+
+    def step_done(self, decodes: int, looked_up: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of `decodes` sequences, which looked up proposals or not,
+        appended `tokens` in `seconds` on the engine thread, scheduling to sampling."""
+        self.pays.record(decodes, looked_up, tokens, seconds)
 
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: the suffix proposer keeps its output for its namespace's later requests."""

@@ -1,0 +1,71 @@
+"""Whether speculating pays at a batch size, by what it brought: the tokens a second of the
+decode steps that speculated against those of the steps that did not, each timed whole on
+the engine thread (the proposals looked up, the step scheduled and run, every row sampled
+and verified).
+
+step_costs.py weighs each proposed row against the forward pass's measured cost, which is
+what decides how many rows a step verifies. It cannot see what speculating costs besides:
+looking up proposals for every decoding sequence, sampling and verifying more rows, putting
+rejected tails back. Where little of what is proposed is kept (free text, many streams)
+those costs outweigh the tokens gained even when the rows alone look worth it, and the
+only way to know is to compare the two kinds of step. So at each batch size (decoding
+sequences, exact up to EXACT_UP_TO, then by powers of two) the steps go the way that has
+measured faster, and one step in PROBE_EVERY goes the other way, so that both rates stay
+current as the requests change; until each way has MIN_STEPS steps, one in LEARN_EVERY.
+
+Plain bookkeeping: no tensors, no clock of its own (the engine times its steps).
+"""
+
+from __future__ import annotations
+
+import collections
+
+# Each step's tokens a second moves its way's rate this far.
+EMA_WEIGHT = 0.1
+MIN_STEPS = 8
+LEARN_EVERY = 4
+PROBE_EVERY = 32
+EXACT_UP_TO = 16
+
+
+def bucket(decodes: int) -> int:
+    """The batch sizes measured together: exact up to EXACT_UP_TO, then each power of two's range."""
+    if decodes <= EXACT_UP_TO:
+        return decodes
+    return 1 << (decodes - 1).bit_length()
+
+
+class SpeculationPays:
+    def __init__(self) -> None:
+        # (bucket, speculated) -> [tokens a second (moving average), steps measured]
+        self._rates: dict[tuple[int, bool], list[float]] = {}
+        self._steps: collections.Counter[int] = collections.Counter()
+
+    def speculate(self, decodes: int) -> bool:
+        """Whether a step with `decodes` decoding sequences looks up proposals at all."""
+        size = bucket(decodes)
+        self._steps[size] += 1
+        speculated, plain = self._rates.get((size, True)), self._rates.get((size, False))
+        learning = speculated is None or plain is None or min(speculated[1], plain[1]) < MIN_STEPS
+        other_way = self._steps[size] % (LEARN_EVERY if learning else PROBE_EVERY) == 0
+        # Speculating is the way until plain steps have measured faster.
+        faster = speculated is None or plain is None or speculated[0] >= plain[0]
+        return faster != other_way
+
+    def record(self, decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step with `decodes` decoding sequences appended `tokens` in `seconds`,
+        having looked up proposals (`speculated`) or not."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        known = self._rates.get((bucket(decodes), speculated))
+        if known is None:
+            self._rates[(bucket(decodes), speculated)] = [rate, 1]
+        else:
+            known[0] += EMA_WEIGHT * (rate - known[0])
+            known[1] += 1
+
+    def rate(self, decodes: int, speculated: bool) -> float | None:
+        """The measured tokens a second of that way at that batch size, if any."""
+        known = self._rates.get((bucket(decodes), speculated))
+        return None if known is None else known[0]
