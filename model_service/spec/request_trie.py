@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from model_service.spec.suffix import SuffixTrie, _Node
+from model_service.spec.suffix import NONE, ROOT, SuffixTrie
 
 
 class RequestTrie(SuffixTrie):
@@ -25,23 +25,23 @@ class RequestTrie(SuffixTrie):
         super().__init__(depth)
         self.taken = 0
         # The nodes of the suffixes that can still grow (shorter than depth), longest first.
-        self._open: list[_Node] = []
+        self._open: list[int] = []
 
     def extend(self, tokens: Iterable[int]) -> None:
+        counts, edges = self._count, self._edges
         for token in tokens:
             grown = []
-            for node in (*self._open, self.root):
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
-                    self.nodes += 1
-                child.count += 1
+            for node in (*self._open, ROOT):
+                child = edges.get(node << 32 | token, NONE)
+                if child == NONE:
+                    child = self._grow(node, token)
+                counts[child] += 1
                 grown.append(child)
             # The longest has reached the depth: it is counted, and grows no further.
             self._open = grown[-(self.depth - 1):] if self.depth > 1 else []
             self.taken += 1
 
-    def _followed(self, node: _Node) -> int:
+    def _followed(self, node: int) -> int:
         # The occurrence that ends at the sequence's last token is where the proposal goes
         # on from, not an occurrence that nothing followed.
-        return node.count - any(node is open_node for open_node in self._open)
+        return self._count[node] - (node in self._open)
