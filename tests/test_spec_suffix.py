@@ -75,3 +75,21 @@ def test_counting_outputs_out_leaves_the_trie_that_the_held_ones_make():
         assert history.nodes == fresh.nodes
         context = [rng.randrange(4) for _ in range(3)]
         assert history.propose(A, context, 1, 3, 4) == fresh.propose(context, 1, 3, 4)
+
+
+def test_the_history_gives_the_garbage_collector_nothing_to_walk():
+    # A trie of node objects held a million of them at the default bound, and every full
+    # collection walked them all while the model service stood still.
+    import gc
+
+    rng = random.Random(7)
+    history = SuffixHistory(depth=21, max_tokens=20_000)
+    history.add(A, [rng.randrange(500) for _ in range(50)])
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(200):
+        history.add(A, [rng.randrange(500) for _ in range(128)])  # past the bound: evictions too
+    gc.collect()
+    assert history.nodes > 100_000
+    # the outputs held (about 150 of them) may be tracked; the trie's nodes, none
+    assert len(gc.get_objects()) - before < 1_000
