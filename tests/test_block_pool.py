@@ -363,7 +363,7 @@ def test_extend_returns_only_new_blocks():
     assert ledger.extend("a", allocation.sequence_id, 4) == []
     new = ledger.extend("a", allocation.sequence_id, 3 * BS + 1)
     assert len(new) == 3
-    assert ledger.sequence_blocks(allocation.sequence_id) == allocation.block_ids + new
+    assert ledger.sequences.sequence_blocks(allocation.sequence_id) == allocation.block_ids + new
     ledger.check_invariants()
 
 
@@ -382,7 +382,7 @@ def test_extend_no_free_blocks_is_atomic():
     with pytest.raises(NoFreeBlocks, match="needs 3 more blocks; only 2 of 3"):
         ledger.extend("a", allocation.sequence_id, 4 * BS)
     assert ledger.stats() == before
-    assert ledger.sequence_blocks(allocation.sequence_id) == allocation.block_ids
+    assert ledger.sequences.sequence_blocks(allocation.sequence_id) == allocation.block_ids
     # The sequence's length did not change either: extending to what fits still works.
     assert len(ledger.extend("a", allocation.sequence_id, 3 * BS)) == 2
     ledger.check_invariants()
@@ -601,9 +601,9 @@ def test_ledger_check_invariants_catches_shared_partial_block():
     parent = ledger.allocate("a", BS + 1)
     child = ledger.fork("a", parent.sequence_id)
     # Simulate a buggy fork that shared the partial block instead of copying it.
-    child_sequence = ledger._sequences[child.sequence_id]
+    child_sequence = ledger.sequences.by_id[child.sequence_id]
     ledger.pool.free([child_sequence.blocks[-1]])
-    child_sequence.blocks[-1] = ledger._sequences[parent.sequence_id].blocks[-1]
+    child_sequence.blocks[-1] = ledger.sequences.by_id[parent.sequence_id].blocks[-1]
     child_sequence.blocks[-1].ref_count += 1
     with pytest.raises(AssertionError, match="partial last block"):
         ledger.check_invariants()

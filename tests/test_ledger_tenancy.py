@@ -97,7 +97,7 @@ def test_limits_refuse_one_op_and_change_nothing():
     # Another session is not limited by a's usage.
     for _ in range(3):
         ledger.allocate("b", BS)
-    assert ledger.owner_usage("a") == (3, 5) and ledger.owner_usage("b") == (3, 3)
+    assert ledger.sequences.owner_usage("a") == (3, 5) and ledger.sequences.owner_usage("b") == (3, 3)
     ledger.check_invariants()
 
 
@@ -132,7 +132,7 @@ def test_release_owner_some_releases_in_chunks_and_stays_consistent():
         chunks += 1
         ledger.check_invariants()
     assert released == 42 and chunks == 7  # whole sequences of 2 until at least 5: 6 a chunk
-    assert ledger.owner_usage("a") == (0, 0) and ledger.owner_usage("b") == (1, 1)
+    assert ledger.sequences.owner_usage("a") == (0, 0) and ledger.sequences.owner_usage("b") == (1, 1)
     assert ledger.release_owner_some("a", 5) == (0, True)
 
 
