@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cache_service.core.ledger import InvalidLease, Ledger, LimitExceeded, SessionLimits
-from cache_service.core.pool import RELEASE_CHUNK_BLOCKS, KvPool, PoolSettings
+from cache_service.core.pool import KvPool, PoolSettings
+from cache_service.core.reclaim import RELEASE_CHUNK_BLOCKS
 from pagedkv.kv_geometry import KvGeometry
 from fake_clock import Clock
 
@@ -151,13 +152,13 @@ def test_expired_sessions_blocks_wait_out_the_grace(tmp_path):
         pool.ledger.allocate(stalled.owner, 6 * BS)
         clock.now += 1.5
         pool.heartbeat(other.session_id)
-        assert pool.expire_sessions() == 1
-        assert asyncio.run(pool.reclaim_expired()) == 0
+        assert pool.reclaims.expire_sessions() == 1
+        assert asyncio.run(pool.reclaims.reclaim_expired()) == 0
         # Gone as a session (its calls fail), but its blocks are nobody else's yet.
         assert pool.ledger.stats().blocks_leased == 6
         assert pool.ledger.blocks_available() == 2
         clock.now += 2.0
-        assert asyncio.run(pool.reclaim_expired()) == 6
+        assert asyncio.run(pool.reclaims.reclaim_expired()) == 6
         assert pool.ledger.stats().blocks_leased == 0
     finally:
         pool.close()
@@ -194,7 +195,7 @@ def test_detaching_a_huge_session_yields_to_the_event_loop(tmp_path):
 
             task = asyncio.create_task(ticker())
             await asyncio.sleep(0)
-            released = await pool.detach(session.session_id)
+            released = await pool.reclaims.detach(session.session_id)
             done.set()
             await task
             return released, ticks
