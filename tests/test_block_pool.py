@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache_service.blocks.block_pool import BlockPool
+from cache_service.blocks.block_pool_invariants import free_list
 from cache_service.core.ledger import (
     Allocation,
     Fork,
@@ -25,7 +26,7 @@ def tokens(count: int, start: int = 100) -> list[int]:
 
 
 def free_ids(ledger: Ledger) -> list[int]:
-    return [block.block_id for block in ledger.pool.free_list()]
+    return [block.block_id for block in free_list(ledger.pool)]
 
 
 # ------------------------------------------------------------------ prefix_hash
@@ -46,7 +47,7 @@ def test_block_hashes_are_chained_and_skip_partial_block():
 
 def test_pool_starts_all_free_in_id_order():
     pool = BlockPool(5, BS)
-    assert [b.block_id for b in pool.free_list()] == [0, 1, 2, 3, 4]
+    assert [b.block_id for b in free_list(pool)] == [0, 1, 2, 3, 4]
     assert (pool.num_free, pool.num_cached, pool.num_leased) == (5, 0, 0)
     pool.check_invariants()
 
@@ -65,7 +66,7 @@ def test_take_pops_head_and_free_appends_tail_first():
     assert pool.num_free == 3
     assert pool.free(taken) == 3
     # Tail first: the sequence's last block is freed first, so it is evicted first.
-    assert [b.block_id for b in pool.free_list()] == [3, 4, 5, 2, 1, 0]
+    assert [b.block_id for b in free_list(pool)] == [3, 4, 5, 2, 1, 0]
     pool.check_invariants()
 
 
@@ -102,12 +103,12 @@ def test_revive_cached_block_from_middle_of_free_list():
     blocks = pool.take(3)
     pool.register(blocks, tokens(3 * BS))
     pool.free(blocks)
-    assert [b.block_id for b in pool.free_list()] == [3, 4, 2, 1, 0]
+    assert [b.block_id for b in free_list(pool)] == [3, 4, 2, 1, 0]
     assert pool.num_cached == 3
     hits = pool.lookup(tokens(3 * BS), 2)
     assert [b.block_id for b in hits] == [0, 1]
     pool.acquire(hits)
-    assert [b.block_id for b in pool.free_list()] == [3, 4, 2]
+    assert [b.block_id for b in free_list(pool)] == [3, 4, 2]
     assert (pool.num_free, pool.num_cached) == (3, 1)
     pool.check_invariants()
 
@@ -363,7 +364,7 @@ def test_extend_returns_only_new_blocks():
     assert ledger.extend("a", allocation.sequence_id, 4) == []
     new = ledger.extend("a", allocation.sequence_id, 3 * BS + 1)
     assert len(new) == 3
-    assert ledger.sequence_blocks(allocation.sequence_id) == allocation.block_ids + new
+    assert ledger.sequences.sequence_blocks(allocation.sequence_id) == allocation.block_ids + new
     ledger.check_invariants()
 
 
@@ -382,7 +383,7 @@ def test_extend_no_free_blocks_is_atomic():
     with pytest.raises(NoFreeBlocks, match="needs 3 more blocks; only 2 of 3"):
         ledger.extend("a", allocation.sequence_id, 4 * BS)
     assert ledger.stats() == before
-    assert ledger.sequence_blocks(allocation.sequence_id) == allocation.block_ids
+    assert ledger.sequences.sequence_blocks(allocation.sequence_id) == allocation.block_ids
     # The sequence's length did not change either: extending to what fits still works.
     assert len(ledger.extend("a", allocation.sequence_id, 3 * BS)) == 2
     ledger.check_invariants()
@@ -601,9 +602,9 @@ def test_ledger_check_invariants_catches_shared_partial_block():
     parent = ledger.allocate("a", BS + 1)
     child = ledger.fork("a", parent.sequence_id)
     # Simulate a buggy fork that shared the partial block instead of copying it.
-    child_sequence = ledger._sequences[child.sequence_id]
+    child_sequence = ledger.sequences.by_id[child.sequence_id]
     ledger.pool.free([child_sequence.blocks[-1]])
-    child_sequence.blocks[-1] = ledger._sequences[parent.sequence_id].blocks[-1]
+    child_sequence.blocks[-1] = ledger.sequences.by_id[parent.sequence_id].blocks[-1]
     child_sequence.blocks[-1].ref_count += 1
     with pytest.raises(AssertionError, match="partial last block"):
         ledger.check_invariants()
@@ -643,13 +644,13 @@ def test_the_lazy_free_list_keeps_the_eager_order():
     pool = BlockPool(6, 4)
     a = pool.take(4)  # 0-3
     pool.free([a[0], a[1]])  # freed tail first: 1, 0
-    assert [block.block_id for block in pool.free_list()] == [4, 5, 1, 0]
+    assert [block.block_id for block in free_list(pool)] == [4, 5, 1, 0]
     pool.register(a[2:], list(range(8)))
     pool.free(a[2:])  # 3, 2 (cached)
-    assert [block.block_id for block in pool.free_list()] == [4, 5, 1, 0, 3, 2]
+    assert [block.block_id for block in free_list(pool)] == [4, 5, 1, 0, 3, 2]
     pool.acquire([a[2]])  # revive a cached block from the middle
     assert [block.block_id for block in pool.take(4)] == [4, 5, 1, 0]
-    assert [block.block_id for block in pool.free_list()] == [3]
+    assert [block.block_id for block in free_list(pool)] == [3]
     pool.check_invariants()
     with pytest.raises(IndexError, match="block 6 is not in a pool of 6"):
         pool.blocks[6]

@@ -22,12 +22,12 @@ def test_truncate_gives_back_the_blocks_past_the_cut_as_free_blocks():
     table = list(sequence.block_ids)
     before = ledger.stats()
     assert ledger.truncate("a", sequence.sequence_id, 5) == 2  # 5 tokens: 2 blocks, the second partial
-    assert ledger.sequence_blocks(sequence.sequence_id) == table[:2]
+    assert ledger.sequences.sequence_blocks(sequence.sequence_id) == table[:2]
     after = ledger.stats()
     assert (after.blocks_leased, after.blocks_free, after.blocks_cached) == (
         before.blocks_leased - 2, before.blocks_free + 2, before.blocks_cached)
     assert after.blocks_truncated == 2
-    assert ledger.owner_usage("a") == (1, 2)
+    assert ledger.sequences.owner_usage("a") == (1, 2)
     assert ledger.truncate("a", sequence.sequence_id, 5) == 0  # already that short: nothing to give back
     ledger.check_invariants()
     # The sequence grows again from the cut, and ends as ever.

@@ -371,7 +371,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for _ in range(calls):
             mine = {s for s, o in self.owner.items() if o == owner}
             released, done = self.ledger.release_owner_some(owner, chunk)
-            gone = {s for s in mine if s not in self.ledger._sequences}
+            gone = {s for s in mine if s not in self.ledger.sequences.by_id}
             assert released == sum(len(self.table[s]) for s in gone)
             assert released >= chunk or done, f"released {released} < {chunk} without finishing"
             assert done == (gone == mine)
@@ -391,7 +391,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def ref_counts_equal_table_occurrences(self):
         counts = [0] * NUM_BLOCKS
         for sequence_id, table in self.table.items():
-            assert self.ledger.sequence_blocks(sequence_id) == table
+            assert self.ledger.sequences.sequence_blocks(sequence_id) == table
             assert len(table) == -(-len(self.tokens[sequence_id]) // BLOCK_SIZE)
             for block in table:
                 counts[block] += 1
@@ -401,7 +401,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def every_session_within_its_limits(self):
         for owner in OWNERS:
             sequences, blocks = self.usage(owner)
-            assert self.ledger.owner_usage(owner) == (sequences, blocks)
+            assert self.ledger.sequences.owner_usage(owner) == (sequences, blocks)
             assert sequences <= LIMITS.max_sequences and blocks <= LIMITS.max_blocks
 
     @invariant()

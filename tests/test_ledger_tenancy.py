@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cache_service.core.ledger import InvalidLease, Ledger, LimitExceeded, SessionLimits
-from cache_service.core.pool import RELEASE_CHUNK_BLOCKS, KvPool, PoolSettings
+from cache_service.core.pool import KvPool, PoolSettings
+from cache_service.core.reclaim import RELEASE_CHUNK_BLOCKS
 from pagedkv.kv_geometry import KvGeometry
 from fake_clock import Clock
 
@@ -97,7 +98,7 @@ def test_limits_refuse_one_op_and_change_nothing():
     # Another session is not limited by a's usage.
     for _ in range(3):
         ledger.allocate("b", BS)
-    assert ledger.owner_usage("a") == (3, 5) and ledger.owner_usage("b") == (3, 3)
+    assert ledger.sequences.owner_usage("a") == (3, 5) and ledger.sequences.owner_usage("b") == (3, 3)
     ledger.check_invariants()
 
 
@@ -132,7 +133,7 @@ def test_release_owner_some_releases_in_chunks_and_stays_consistent():
         chunks += 1
         ledger.check_invariants()
     assert released == 42 and chunks == 7  # whole sequences of 2 until at least 5: 6 a chunk
-    assert ledger.owner_usage("a") == (0, 0) and ledger.owner_usage("b") == (1, 1)
+    assert ledger.sequences.owner_usage("a") == (0, 0) and ledger.sequences.owner_usage("b") == (1, 1)
     assert ledger.release_owner_some("a", 5) == (0, True)
 
 
@@ -151,13 +152,13 @@ def test_expired_sessions_blocks_wait_out_the_grace(tmp_path):
         pool.ledger.allocate(stalled.owner, 6 * BS)
         clock.now += 1.5
         pool.heartbeat(other.session_id)
-        assert pool.expire_sessions() == 1
-        assert asyncio.run(pool.reclaim_expired()) == 0
+        assert pool.reclaims.expire_sessions() == 1
+        assert asyncio.run(pool.reclaims.reclaim_expired()) == 0
         # Gone as a session (its calls fail), but its blocks are nobody else's yet.
         assert pool.ledger.stats().blocks_leased == 6
         assert pool.ledger.blocks_available() == 2
         clock.now += 2.0
-        assert asyncio.run(pool.reclaim_expired()) == 6
+        assert asyncio.run(pool.reclaims.reclaim_expired()) == 6
         assert pool.ledger.stats().blocks_leased == 0
     finally:
         pool.close()
@@ -194,7 +195,7 @@ def test_detaching_a_huge_session_yields_to_the_event_loop(tmp_path):
 
             task = asyncio.create_task(ticker())
             await asyncio.sleep(0)
-            released = await pool.detach(session.session_id)
+            released = await pool.reclaims.detach(session.session_id)
             done.set()
             await task
             return released, ticks

@@ -894,7 +894,7 @@ def test_a_sequence_past_the_session_quota_fails_alone_and_the_others_finish():
     drive(scheduler, cache)
     assert failures == [long] and long.num_output < 40
     assert bystander.num_output == 8 and bystander.status is Status.FINISHED
-    assert cache.ledger.owner_usage("engine#1") == (0, 0)  # every block back
+    assert cache.ledger.sequences.owner_usage("engine#1") == (0, 0)  # every block back
 
 
 def test_an_allocation_past_the_quota_waits_while_others_hold_blocks():
@@ -928,7 +928,7 @@ def test_a_rejected_proposals_blocks_go_back_in_a_truncate(truncate_tables):
         if pending is not None:
             assert not scheduler.apply(*pending)
             if seq.lease_id in cache.leases:  # the ledger's table and the scheduler's agree
-                assert cache.ledger.sequence_blocks(seq.lease_id) == seq.block_table
+                assert cache.ledger.sequences.sequence_blocks(seq.lease_id) == seq.block_table
         if not scheduler.has_work() and pending is None:
             break
         step = scheduler.schedule()

@@ -125,8 +125,8 @@ async def reap_forever(pool: KvPool) -> None:
     interval = pool.settings.lease_ttl_ms / 4000
     while True:
         await asyncio.sleep(interval)
-        metrics.SESSIONS_EXPIRED.inc(pool.expire_sessions())
-        await pool.reclaim_expired()
+        metrics.SESSIONS_EXPIRED.inc(pool.reclaims.expire_sessions())
+        await pool.reclaims.reclaim_expired()
 
 
 def pool_settings(args: argparse.Namespace) -> PoolSettings:

@@ -108,7 +108,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         except asyncio.CancelledError:
             # The holder's connection closed (or it cancelled the call): it sends no
             # heartbeat again, so its session ends now rather than at its TTL.
-            metrics.SESSIONS_EXPIRED.inc(self.pool.holder_gone(session))
+            metrics.SESSIONS_EXPIRED.inc(self.pool.reclaims.holder_gone(session))
             raise
         finally:
             ended.cancel()
@@ -121,7 +121,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     async def Detach(self, request, context):
         try:
-            released = await self.pool.detach(request.session_id)
+            released = await self.pool.reclaims.detach(request.session_id)
         except UnknownSession as error:
             await abort_for(context, error)
         return cache_pb2.DetachResponse(blocks_reclaimed=released)

@@ -21,12 +21,15 @@ go to the tail), so the free list is always "the never-leased ids from ``_next_f
 then the linked list": ``take`` gives out never-leased ids first, making their objects
 then. A pool of 10 million blocks is built in microseconds and holds no memory per block
 until blocks are used (a Block object is a small fixed size; docs/benchmark-log.md, "Block pool").
+
+The whole-pool check of all this (``check_invariants``) is block_pool_invariants.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from cache_service.blocks.block_pool_invariants import check_pool
 from cache_service.blocks.prefix_hash import DEFAULT_NAMESPACE, HashFn, Namespace, namespace_root
 
 
@@ -366,51 +369,6 @@ class BlockPool:
 
     # ---------------------------------------------------------------- checks
 
-    def free_list(self) -> list[Block]:
-        """The free list, head (next to be taken) first. For tests and invariant checks (it
-        makes the objects of never-leased blocks: keep it to small pools)."""
-        out = [self.blocks[block_id] for block_id in range(self._next_fresh, self.num_blocks)]
-        block = self._head.next
-        while block is not self._tail:
-            out.append(block)
-            if len(out) > self.num_blocks:
-                raise AssertionError("free list has a cycle or more entries than the pool has blocks")
-            block = block.next
-        return out
-
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken pool invariant."""
-        free_list = self.free_list()
-        ids = [block.block_id for block in free_list]
-        if len(set(ids)) != len(ids):
-            raise AssertionError(f"free list holds a block twice: {sorted(ids)}")
-        if len(free_list) != self.num_free:
-            raise AssertionError(f"free list has {len(free_list)} blocks but num_free is {self.num_free}")
-        previous = self._head
-        for block in free_list[self.num_blocks - self._next_fresh:]:
-            if block.prev is not previous:
-                raise AssertionError(f"{block!r}.prev does not point to the block before it in the free list")
-            previous = block
-        if self._tail.prev is not previous:
-            raise AssertionError("free-list tail sentinel does not point to the last free block")
-        in_list = set(ids)
-        for block in self.blocks:
-            if block.ref_count < 0:
-                raise AssertionError(f"{block!r} has a negative ref count")
-            if (block.ref_count == 0) != (block.block_id in in_list):
-                raise AssertionError(f"{block!r}: in free list = {block.block_id in in_list}, ref_count = {block.ref_count}")
-            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
-                raise AssertionError(f"{block!r} has a hash but is not the registered block for it")
-        for block_hash, block in self.cached.items():
-            if block.block_hash != block_hash:
-                raise AssertionError(f"prefix entry {block_hash} points to {block!r} whose hash is {block.block_hash}")
-            if block.token_ids is None or len(block.token_ids) != self.block_size:
-                raise AssertionError(f"registered {block!r} does not hold one full block of token ids")
-        num_cached = sum(1 for block in free_list if block.block_hash is not None)
-        if num_cached != self.num_cached:
-            raise AssertionError(f"{num_cached} cached blocks in the free list but num_cached is {self.num_cached}")
-        plain_free = self.num_free - self.num_cached
-        if plain_free + self.num_leased + self.num_cached != self.num_blocks:
-            raise AssertionError(
-                f"free {plain_free} + leased {self.num_leased} + cached {self.num_cached} != total {self.num_blocks}"
-            )
+        """Raise AssertionError naming the first broken pool invariant (block_pool_invariants.py)."""
+        check_pool(self)

@@ -11,6 +11,9 @@ dies, and an op past a limit fails alone.
 
 A sequence's namespace (model fingerprint, cache_salt) picks the prefix cache it reads
 and feeds: sequences of other models or salts never share a cached block.
+
+Who holds what (the sequences by id, owner and model, and the limits) is sequences.py's
+``Sequences``, ``ledger.sequences``: this module decides what each op does to the blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from cache_service.core.ledger_records import (
     DEFAULT_MAX_SESSION_BLOCKS, DEFAULT_MAX_SESSION_SEQUENCES, Allocation, Fork, InvalidLease, LeaseError,
     LedgerStats, LimitExceeded, ModelUsage, NoFreeBlocks, NotOwner, SessionLimits, UnknownSequence,
 )
+from cache_service.core.sequences import LeasedSequence, Sequences
 
 if TYPE_CHECKING:
     from cache_service.tiers.kv_tiers import KvTiers
@@ -39,18 +43,6 @@ __all__ = [
 ]
 
 
-class _Sequence:
-    __slots__ = ("owner", "num_tokens", "blocks", "namespace", "lora_name")
-
-    def __init__(self, owner: str, num_tokens: int, blocks: list[Block], namespace: Namespace,
-                 lora_name: str = "") -> None:
-        self.owner = owner
-        self.num_tokens = num_tokens
-        self.blocks = blocks
-        self.namespace = namespace
-        self.lora_name = lora_name  # for KV events only (AllocateOp.lora_name); "": the base model
-
-
 class Ledger:
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash,
                  limits: SessionLimits = SessionLimits(), events: BlockEventLog | None = None) -> None:
@@ -59,16 +51,11 @@ class Ledger:
         self.events = events
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.limits = limits
-        self._sequences: dict[int, _Sequence] = {}
-        self._by_owner: dict[str, set[int]] = {}
-        self._owner_blocks: dict[str, int] = {}  # block-table entries per owner
-        self._draining: dict[str, list[int]] = {}  # release_owner_some's order, newest last
-        self._last_sequence_id = 0
+        # Who holds what (sequences by id, owner and model), within the per-session limits.
+        self.sequences = Sequences(limits)
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._blocks_truncated = 0
-        self._models: dict[str, ModelUsage] = {}  # by model fingerprint
         # The host and disk tiers (cache_service/tiers), when the service has them: set
         # once, right after construction, by the pool.
         self.tiers: KvTiers | None = None
@@ -118,7 +105,7 @@ class Ledger:
             )
         # After the pool's own check: what the pool cannot hold is NO_FREE_BLOCKS (the
         # engine waits), whatever the session holds.
-        self._check_limits(owner, 1, needed, f"a sequence of {num_tokens} tokens")
+        self.sequences.check_limits(owner, 1, needed, f"a sequence of {num_tokens} tokens")
         cached_host = cached_disk = cached_remote = 0
         if entries:
             # The chain interleaves pool blocks and tier entries: each entry gets a fresh
@@ -143,19 +130,17 @@ class Ledger:
         cached_tokens = len(hits) * block_size
         self._prefix_queries += prompt_len
         self._prefix_hits += cached_tokens
-        model = self._model(namespace[0])
+        model = self.sequences.model(namespace[0])
         model.blocks_leased += fresh + revived  # the hits already leased were counted already
         model.prefix_queries += prompt_len
         model.prefix_hits += cached_tokens
-        self._last_sequence_id += 1
-        sequence_id = self._last_sequence_id
-        self._add(sequence_id, _Sequence(owner, num_tokens, blocks, namespace, lora_name))
+        sequence_id = self.sequences.add(LeasedSequence(owner, num_tokens, blocks, namespace, lora_name))
         return Allocation(sequence_id, [block.block_id for block in blocks], cached_tokens, cached_host, cached_disk,
                           cached_remote)
 
     def extend(self, owner: str, sequence_id: int, num_tokens: int) -> list[int]:
         """Grow a sequence to ``num_tokens`` tokens; returns only the newly appended block ids."""
-        sequence = self._owned(owner, sequence_id)
+        sequence = self.sequences.owned(owner, sequence_id)
         if num_tokens < sequence.num_tokens:
             raise InvalidLease(
                 f"extend cannot shrink sequence {sequence_id} from {sequence.num_tokens} to {num_tokens} tokens"
@@ -167,12 +152,12 @@ class Ledger:
                 f"extending sequence {sequence_id} to {num_tokens} tokens needs {more} more blocks; "
                 f"only {self.pool.num_free} of {self.num_blocks} are free or evictable"
             )
-        self._check_limits(owner, 0, more, f"extending sequence {sequence_id} to {num_tokens} tokens")
+        self.sequences.check_limits(owner, 0, more, f"extending sequence {sequence_id} to {num_tokens} tokens")
         new_blocks = self._take(more)
         sequence.blocks += new_blocks
         sequence.num_tokens = num_tokens
-        self._owner_blocks[owner] += len(new_blocks)
-        self._model(sequence.namespace[0]).blocks_leased += len(new_blocks)
+        self.sequences.resized(owner, len(new_blocks))
+        self.sequences.model(sequence.namespace[0]).blocks_leased += len(new_blocks)
         return [block.block_id for block in new_blocks]
 
     def fork(self, owner: str, sequence_id: int, num_tokens: int = 0) -> Fork:
@@ -184,7 +169,7 @@ class Ledger:
         Deciding from the reserved length instead would share a block the parent is
         still writing into whenever the reservation ends on a block boundary.
         """
-        parent = self._owned(owner, sequence_id)
+        parent = self.sequences.owned(owner, sequence_id)
         pool = self.pool
         block_size = self.block_size
         written = num_tokens or parent.num_tokens
@@ -201,7 +186,7 @@ class Ledger:
                 f"forking sequence {sequence_id} needs 1 free block for its partial last block; "
                 f"0 of {self.num_blocks} are free or evictable"
             )
-        self._check_limits(owner, 1, table_len, f"forking sequence {sequence_id}")
+        self.sequences.check_limits(owner, 1, table_len, f"forking sequence {sequence_id}")
         shared = parent.blocks[:full]
         pool.acquire(shared)
         copy = None
@@ -209,12 +194,10 @@ class Ledger:
             new_block = self._take(1)[0]
             copy = (parent.blocks[full].block_id, new_block.block_id)
             blocks = shared + [new_block]
-            self._model(parent.namespace[0]).blocks_leased += 1
+            self.sequences.model(parent.namespace[0]).blocks_leased += 1
         else:
             blocks = shared
-        self._last_sequence_id += 1
-        child_id = self._last_sequence_id
-        self._add(child_id, _Sequence(owner, written, blocks, parent.namespace, parent.lora_name))
+        child_id = self.sequences.add(LeasedSequence(owner, written, blocks, parent.namespace, parent.lora_name))
         return Fork(child_id, [block.block_id for block in blocks], copy)
 
     def truncate(self, owner: str, sequence_id: int, num_tokens: int) -> int:
@@ -226,7 +209,7 @@ class Ledger:
         end in, is registered in the prefix cache or shared: their tokens are committed,
         and the holder would write over a shared block's slots.
         """
-        sequence = self._owned(owner, sequence_id)
+        sequence = self.sequences.owned(owner, sequence_id)
         if not 1 <= num_tokens <= sequence.num_tokens:
             raise InvalidLease(f"truncate of sequence {sequence_id} to {num_tokens} tokens: it must keep from 1 "
                                f"to its {sequence.num_tokens} tokens (extend grows a sequence)")
@@ -245,8 +228,8 @@ class Ledger:
         dropped = sequence.blocks[keep:]
         del sequence.blocks[keep:]
         sequence.num_tokens = num_tokens
-        self._owner_blocks[owner] -= len(dropped)
-        self._model(sequence.namespace[0]).blocks_leased -= self.pool.free(dropped)
+        self.sequences.resized(owner, -len(dropped))
+        self.sequences.model(sequence.namespace[0]).blocks_leased -= self.pool.free(dropped)
         self._blocks_truncated += len(dropped)
         return len(dropped)
 
@@ -256,7 +239,7 @@ class Ledger:
         With ``cache_prefix`` and the sequence's ``token_ids``, its full blocks stay in the
         pool as evictable prefix cache instead of becoming plain free.
         """
-        sequence = self._owned(owner, sequence_id)
+        sequence = self.sequences.owned(owner, sequence_id)
         # The holder writes K/V into any slot of its blocks, not only the num_tokens it
         # asked for last (it extends only when it crosses a block boundary).
         capacity = len(sequence.blocks) * self.block_size
@@ -269,8 +252,8 @@ class Ledger:
             self._register(sequence, token_ids)
             if self.tiers is not None:
                 self.tiers.registered(sequence.blocks[:len(token_ids) // self.block_size])
-        self._forget(owner, sequence_id)
-        self._model(sequence.namespace[0]).blocks_leased -= self.pool.free(sequence.blocks)
+        self.sequences.forget(owner, sequence_id)
+        self._free(sequence)
         return len(sequence.blocks)
 
     def commit(self, owner: str, sequence_id: int, token_ids: Sequence[int]) -> int:
@@ -281,7 +264,7 @@ class Ledger:
         meanwhile with the same prefix shares the blocks instead of computing them again.
         The blocks stay leased; releasing the sequence later leaves them cached as usual.
         """
-        sequence = self._owned(owner, sequence_id)
+        sequence = self.sequences.owned(owner, sequence_id)
         capacity = len(sequence.blocks) * self.block_size
         if len(token_ids) > capacity:
             raise InvalidLease(
@@ -293,7 +276,7 @@ class Ledger:
             self.tiers.committed(sequence.blocks[:len(token_ids) // self.block_size])
         return registered
 
-    def _register(self, sequence: _Sequence, token_ids: Sequence[int]) -> int:
+    def _register(self, sequence: LeasedSequence, token_ids: Sequence[int]) -> int:
         tiers = self.tiers
         registered = self.pool.register(sequence.blocks, token_ids, sequence.namespace,
                                         tiers.index.get if tiers is not None else None)
@@ -323,30 +306,7 @@ class Ledger:
         For the event loop's sake: a session of millions of references is released a
         chunk per call, and the ledger is consistent between calls.
         """
-        order = self._draining.get(owner, [])
-        released = 0
-        sequences = self._sequences
-        while max_blocks is None or released < max_blocks:
-            if not order:
-                owned = self._by_owner.get(owner)
-                if not owned:
-                    break
-                # Oldest first in the list, popped from the end: forks give back their
-                # references before their parents.
-                order = sorted(owned)
-            sequence_id = order.pop()
-            sequence = sequences.get(sequence_id)
-            if sequence is None or sequence.owner != owner:
-                continue  # released by an op since the draining began
-            self._forget(owner, sequence_id)
-            self._model(sequence.namespace[0]).blocks_leased -= self.pool.free(sequence.blocks)
-            released += len(sequence.blocks)
-        done = owner not in self._by_owner
-        if done or not order:
-            self._draining.pop(owner, None)
-        else:
-            self._draining[owner] = order
-        return released, done
+        return self.sequences.drain(owner, max_blocks, self._free)
 
     # ---------------------------------------------------------------- queries
 
@@ -361,27 +321,11 @@ class Ledger:
             blocks_free=pool.num_free - pool.num_cached,
             blocks_leased=self.num_blocks - pool.num_free,
             blocks_cached=pool.num_cached,
-            sequences=len(self._sequences),
+            sequences=len(self.sequences.by_id),
             prefix_queries=self._prefix_queries,
             prefix_hits=self._prefix_hits,
             blocks_truncated=self._blocks_truncated,
         )
-
-    def model_usage(self) -> dict[str, ModelUsage]:
-        """Each model fingerprint's usage (a copy), for every model that has had a sequence."""
-        return {fingerprint: ModelUsage(usage.sequences, usage.blocks_leased, usage.prefix_queries,
-                                        usage.prefix_hits) for fingerprint, usage in self._models.items()}
-
-    def owner_usage(self, owner: str) -> tuple[int, int]:
-        """(sequences, block-table entries) ``owner`` holds now."""
-        return len(self._by_owner.get(owner, ())), self._owner_blocks.get(owner, 0)
-
-    def sequence_blocks(self, sequence_id: int) -> list[int]:
-        """The block table of a live sequence (for tests and debugging)."""
-        sequence = self._sequences.get(sequence_id)
-        if sequence is None:
-            raise UnknownSequence(f"sequence {sequence_id} is not leased (never allocated or already released)")
-        return [block.block_id for block in sequence.blocks]
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant of the ledger, the pool or the tiers."""
@@ -389,59 +333,12 @@ class Ledger:
 
     # ---------------------------------------------------------------- internals
 
-    def _owned(self, owner: str, sequence_id: int) -> _Sequence:
-        sequence = self._sequences.get(sequence_id)
-        if sequence is None:
-            raise UnknownSequence(f"sequence {sequence_id} is not leased (never allocated or already released)")
-        if sequence.owner != owner:
-            raise NotOwner(f"sequence {sequence_id} belongs to session {sequence.owner!r}, not {owner!r}")
-        return sequence
-
     def _take(self, count: int) -> list[Block]:
         taken = self.pool.take(count)
         if self.events is not None:
             self.events.taken(taken)  # the registered ones among them are evicted
         return taken
 
-    def _check_limits(self, owner: str, new_sequences: int, new_blocks: int, what: str) -> None:
-        sequences, blocks = self.owner_usage(owner)
-        limits = self.limits
-        if sequences + new_sequences > limits.max_sequences:
-            raise LimitExceeded(
-                f"{what} refused: session {owner!r} holds {sequences} sequences, the per-session limit "
-                f"(--max-session-sequences) is {limits.max_sequences}; release some first"
-            )
-        if blocks + new_blocks > limits.max_blocks:
-            raise LimitExceeded(
-                f"{what} refused: session {owner!r} holds {blocks} block-table entries and needs {new_blocks} "
-                f"more; the per-session limit (--max-session-blocks) is {limits.max_blocks}; release some first"
-            )
-
-    def _model(self, fingerprint: str) -> ModelUsage:
-        usage = self._models.get(fingerprint)
-        if usage is None:
-            usage = self._models[fingerprint] = ModelUsage()
-        return usage
-
-    def _add(self, sequence_id: int, sequence: _Sequence) -> None:
-        self._sequences[sequence_id] = sequence
-        self._model(sequence.namespace[0]).sequences += 1
-        owner = sequence.owner
-        owned = self._by_owner.get(owner)
-        if owned is None:
-            self._by_owner[owner] = {sequence_id}
-            self._owner_blocks[owner] = len(sequence.blocks)
-        else:
-            owned.add(sequence_id)
-            self._owner_blocks[owner] += len(sequence.blocks)
-
-    def _forget(self, owner: str, sequence_id: int) -> None:
-        sequence = self._sequences.pop(sequence_id)
-        self._model(sequence.namespace[0]).sequences -= 1
-        owned = self._by_owner[owner]
-        owned.discard(sequence_id)
-        if owned:
-            self._owner_blocks[owner] -= len(sequence.blocks)
-        else:
-            del self._by_owner[owner]
-            del self._owner_blocks[owner]
+    def _free(self, sequence: LeasedSequence) -> None:
+        """Gives back the block references of a sequence just forgotten."""
+        self.sequences.model(sequence.namespace[0]).blocks_leased -= self.pool.free(sequence.blocks)

@@ -1,4 +1,5 @@
-"""The live KV pool: physical memory, its sizing, the block ledger and the sessions.
+"""The live KV pool: physical memory, its sizing, the block ledger and the sessions
+(how an ended session's leases come back is reclaim.py's ``Reclaims``, ``pool.reclaims``).
 
 Plain code, no gRPC and no protos: the servicer validates requests, calls this and maps
 what it returns onto the wire (api/wire.py). The pool is
@@ -24,6 +25,7 @@ from cache_service.events.block_event_log import BlockEventLog
 from cache_service.events.publisher import KvEventPublisher
 from cache_service.core.lease_ops import AllocateOp, LeaseOp, LeaseOutcome, apply_op
 from cache_service.core.ledger import Ledger, SessionLimits
+from cache_service.core.reclaim import Reclaims
 from cache_service.core.sessions import Session, Sessions
 from cache_service.core.sizing import SizingError, SizingReport, measure_device_memory, size_pool
 from cache_service.core.stats import PoolStats, pool_stats
@@ -120,11 +122,6 @@ class Attachment:
     handle: pool_memory.SharedPoolHandle | pool_memory.CudaIpcInfo
 
 
-# Block references released between two yields to the event loop when a session goes:
-# small enough a piece of ledger work that no RPC waits long behind a huge session.
-RELEASE_CHUNK_BLOCKS = 8192
-
-
 class KvPool:
     def __init__(self, settings: PoolSettings, clock=time.monotonic,
                  kv_events: Sequence[KvEventPublisher] = (), disk_folder: DiskFolder | None = None,
@@ -136,11 +133,10 @@ class KvPool:
         self.remote_key = remote_key
         # One publisher per KV events endpoint, each for one served model name or (None) every model.
         self.kv_events = list(kv_events)
-        self._clock = clock
         self.sessions = Sessions(settings.lease_ttl_ms / 1000, clock)
-        self._reclaims: set[asyncio.Task] = set()  # a task the loop holds only weakly could be collected
-        # Expired sessions whose blocks wait out the reclaim grace: (release at, session).
-        self.quarantined: list[tuple[float, Session]] = []
+        # How an ended session's leases come back (detach, TTL expiry, holder gone).
+        self.reclaims = Reclaims(self.sessions, lambda: self.ledger, self.check_invariants, settings.lease_ttl_ms,
+                                 settings.reclaim_grace_ms, clock)
         self.geometry: KvGeometry | None = None
         self.sizing: SizingReport | None = None
         self.ledger: Ledger | None = None
@@ -188,68 +184,6 @@ class KvPool:
 
     def heartbeat(self, session_id: str) -> Session:
         return self.sessions.touch(session_id)
-
-    async def detach(self, session_id: str) -> int:
-        """Ends a session at its own request: it writes no more, so its blocks come back at once."""
-        session = self.sessions.close(session_id)
-        released = await self._release(session)
-        log.info("session_detached", session=session.owner, blocks_reclaimed=released)
-        self.check_invariants("detach")
-        return released
-
-    def expire_sessions(self) -> int:
-        """Drops the sessions that missed their TTL (their calls get NOT_FOUND from now on)
-        and queues their leases for reclaim once the grace has passed; returns how many."""
-        now = self._clock()
-        expired = self.sessions.expire()
-        for session in expired:
-            log.warning("session_expired", session=session.owner, client=session.client_name,
-                        ttl_ms=self.settings.lease_ttl_ms, reclaim_in_ms=self.settings.reclaim_grace_ms)
-            self.quarantined.append((now + self.settings.reclaim_grace_ms / 1000, session))
-        return len(expired)
-
-    def holder_gone(self, session: Session) -> int:
-        """Ends a session whose hold's connection closed, as a TTL expiry does (its leases
-        wait out the reclaim grace), without waiting for the TTL; returns the sessions
-        expired (0 when it had ended already: detached or expired)."""
-        if self.sessions.lapse(session.session_id) is None:
-            return 0
-        log.warning("session_holder_gone", session=session.owner, client=session.client_name,
-                    reclaim_in_ms=self.settings.reclaim_grace_ms)
-        expired = self.expire_sessions()
-        # The reaper looks only every quarter TTL: this reclaim runs when the grace ends.
-        task = asyncio.get_running_loop().create_task(self._reclaim_after(self.settings.reclaim_grace_ms / 1000))
-        self._reclaims.add(task)
-        task.add_done_callback(self._reclaims.discard)
-        return expired
-
-    async def _reclaim_after(self, delay_s: float) -> None:
-        await asyncio.sleep(delay_s)
-        await self.reclaim_expired()
-
-    async def reclaim_expired(self) -> int:
-        """Releases the leases of expired sessions whose grace has passed; returns blocks freed."""
-        released = 0
-        while self.quarantined and self.quarantined[0][0] <= self._clock():
-            _, session = self.quarantined.pop(0)
-            blocks = await self._release(session)
-            released += blocks
-            log.info("expired_session_reclaimed", session=session.owner, blocks_reclaimed=blocks)
-            self.check_invariants("reclaim")
-        return released
-
-    async def _release(self, session: Session) -> int:
-        """Every lease of a session, a chunk at a time, yielding to the event loop between
-        chunks: detaching a session of any size never stalls other RPCs for long."""
-        if self.ledger is None:
-            return 0
-        total = 0
-        while True:
-            released, done = self.ledger.release_owner_some(session.owner, RELEASE_CHUNK_BLOCKS)
-            total += released
-            if done:
-                return total
-            await asyncio.sleep(0)
 
     async def lease(self, session: Session, ops: Sequence[LeaseOp]) -> tuple[list[LeaseOutcome], int]:
         """Applies one Lease call's ops of ``session``'s in order; returns an outcome per op

@@ -47,7 +47,7 @@ def model_stats(sessions: Iterable[Session], ledger: Ledger) -> list[ModelStats]
     names: dict[str, list[str]] = {}
     for session in sessions:
         names.setdefault(session.model_fingerprint, []).append(session.served_model_name)
-    usage = ledger.model_usage()
+    usage = ledger.sequences.model_usage()
     out = []
     for fingerprint in sorted(set(names) | set(usage)):
         served = names.get(fingerprint, [])
