@@ -48,7 +48,16 @@ def test_batch_sizes_are_measured_apart_exactly_then_by_powers_of_two():
     assert [bucket(n) for n in (1, 8, 16, 17, 32, 33, 64, 100)] == [1, 8, 16, 32, 32, 64, 64, 128]
     monitor = SpeculationPays()
     ways(monitor, 8, 200, speculated_rate=300.0, plain_rate=400.0)
-    assert monitor.rate(1, True) is None and monitor.speculate(1)  # nothing learned at one stream
+    assert monitor.rate(1, True) is None  # nothing measured at one stream
+
+
+def test_a_batch_size_not_learned_yet_goes_the_way_the_nearest_learned_one_found_faster():
+    monitor = SpeculationPays()
+    ways(monitor, 8, 200, speculated_rate=300.0, plain_rate=400.0)  # plain faster at 8
+    ways(monitor, 2, 200, speculated_rate=300.0, plain_rate=100.0)  # speculating faster at 2
+    # 7 and 6 have nothing measured: as 8, plain but for one step in LEARN_EVERY
+    assert [monitor.speculate(7) for _ in range(pays.LEARN_EVERY)].count(True) == 1
+    assert [monitor.speculate(3) for _ in range(pays.LEARN_EVERY)].count(False) == 1  # as 2
 
 
 def test_a_step_with_nothing_appended_or_no_time_is_not_counted():

@@ -11,7 +11,9 @@ those costs outweigh the tokens gained even when the rows alone look worth it, a
 only way to know is to compare the two kinds of step. So at each batch size (decoding
 sequences, exact up to EXACT_UP_TO, then by powers of two) the steps go the way that has
 measured faster, and one step in PROBE_EVERY goes the other way, so that both rates stay
-current as the requests change; until each way has MIN_STEPS steps, one in LEARN_EVERY.
+current as the requests change; until each way has MIN_STEPS steps, one in LEARN_EVERY,
+and meanwhile the steps go the way the nearest batch size that has both measured found
+faster (speculating, before any has).
 
 Plain bookkeeping: no tensors, no clock of its own (the engine times its steps).
 """
@@ -45,12 +47,19 @@ class SpeculationPays:
         """Whether a step with `decodes` decoding sequences looks up proposals at all."""
         size = bucket(decodes)
         self._steps[size] += 1
-        speculated, plain = self._rates.get((size, True)), self._rates.get((size, False))
-        learning = speculated is None or plain is None or min(speculated[1], plain[1]) < MIN_STEPS
+        learning = not self._learned(size)
         other_way = self._steps[size] % (LEARN_EVERY if learning else PROBE_EVERY) == 0
+        if learning:  # as the nearest batch size that has both ways measured
+            size = min((known for known, _ in self._rates if self._learned(known)),
+                       key=lambda known: abs(known - size), default=size)
+        speculated, plain = self._rates.get((size, True)), self._rates.get((size, False))
         # Speculating is the way until plain steps have measured faster.
         faster = speculated is None or plain is None or speculated[0] >= plain[0]
         return faster != other_way
+
+    def _learned(self, size: int) -> bool:
+        speculated, plain = self._rates.get((size, True)), self._rates.get((size, False))
+        return speculated is not None and plain is not None and min(speculated[1], plain[1]) >= MIN_STEPS
 
     def record(self, decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step with `decodes` decoding sequences appended `tokens` in `seconds`,
