@@ -1,8 +1,9 @@
 """Causal attention of prompt chunks by csrc/prefill_attention.c (cpu_kernels/prefill_attention.py)
-at every level this CPU runs, over float32 and bfloat16 pools, against a float64 reference
-over the same paged pool: cached prefixes, grouped query heads, windows, tails of queries
-and keys that fill no whole tile or block; a query's bits the same whatever chunk it is
-computed in; and what it does not take, refused."""
+at every level this CPU runs (portable, AVX2, AVX-512F, AVX-512 BF16), over float32 and
+bfloat16 pools, against a float64 reference over the same paged pool: cached prefixes,
+grouped query heads, windows, tails of queries and keys that fill no whole tile or block;
+a query's bits the same whatever chunk it is computed in; and what it does not take,
+refused."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def attend(q, layer, table, query_len, context, scale, window=None, level=None):
     (20, 300, 6, 2, 128, 16, None), # a chunk after a cached prefix
     (40, 100, 4, 4, 64, 8, 24),     # a sliding window
     (9, 30, 2, 1, 48, 16, 5),       # the generic head_dim, a window narrower than a tile
+    (33, 61, 6, 2, 64, 16, 13),     # a window between the eight- and sixteen-lane tiles' widths
 ])
 def test_matches_float64_attention(level, dtype, query_len, context, q_heads, kv_heads, head_dim, block_size, window):
     layer, table = paged_pool(context, kv_heads, head_dim, block_size, seed=query_len + context, dtype=dtype)
@@ -108,9 +110,24 @@ def test_two_sequences_in_one_call_and_rows_apart(level, dtype):
 
 def test_the_best_level_is_the_cpus():
     flags = set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
-    expected = (2 if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
-                else 1 if {"avx2", "fma", "f16c"} <= flags else 0)
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    expected = (3 if avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+                else 2 if avx2 and "avx512f" in flags else 1 if avx2 else 0)
     assert prefill_attention.best_level(library) == expected
+
+
+@pytest.mark.skipif(library is None or prefill_attention.best_level(library) < prefill_attention.LEVELS.index("avx512_bf16"),
+                    reason="this CPU lacks AVX-512 BF16 (prefill attention: avx512_bf16)")
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_float32_pool_at_avx512_bf16_takes_the_avx512_tile(window):
+    """The dpbf16ps tile takes bfloat16 pools only: float32 at AVX-512 BF16 is the AVX-512F
+    level's sixteen-lane tile, bit for bit (and sixteen lanes, not eight: not the AVX2 bits)."""
+    layer, table = paged_pool(80, 3, 64, 16, seed=11, dtype=torch.float32)
+    q = torch.randn((50, 9, 64), generator=torch.Generator().manual_seed(12))
+    at = {name: attend(q, layer, table, 50, 80, 0.125, window, level=prefill_attention.LEVELS.index(name))
+          for name in ("avx2", "avx512", "avx512_bf16")}
+    assert torch.equal(at["avx512_bf16"], at["avx512"])
+    assert not torch.equal(at["avx512"], at["avx2"])
 
 
 def test_what_it_does_not_take_is_refused(monkeypatch):
@@ -133,5 +150,5 @@ def test_what_it_does_not_take_is_refused(monkeypatch):
         with pytest.raises(ValueError, match="this CPU runs"):
             prefill_attention.chosen_level()
     monkeypatch.setenv(prefill_attention.ENV, "avx9")
-    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512_bf16"):
+    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512, avx512_bf16"):
         attend(q, layer, table, 4, 8, 1.0)

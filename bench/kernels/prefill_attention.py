@@ -4,7 +4,8 @@ kernel with each prompt token a query over its own context (what attention/backe
 did for float32 pools, and for bfloat16 ones without AVX-512 BF16, before the prefill
 kernel had other levels) at each of its levels this CPU runs, and the prefill kernel
 (cpu_kernels/prefill_attention.py: eight queries a vector at the portable and AVX2
-levels, sixteen at AVX-512 BF16) at each of its levels.
+levels, sixteen at AVX-512F and AVX-512 BF16, where a float32 pool takes the AVX-512F
+tile) at each of its levels.
 
     .venv/bin/python -m bench.kernels.prefill_attention [--threads 2] [--rounds 3] [--seconds 0.4]
         [--dtype float32|bfloat16]

@@ -1,11 +1,13 @@
 """Causal attention of prompt chunks by csrc/prefill_attention.c, for bfloat16 and float32
-pools: a query head's queries a vector, a lane each (eight at the portable and AVX2 levels,
-sixteen at AVX-512 BF16, which takes bfloat16 pools; a float32 pool takes the AVX2 tile
-there). Other pools attend each prompt token as a decode query (paged_decode.py).
+pools: a query head's queries a vector, a lane each (eight at the portable and AVX2
+levels, sixteen at AVX-512F, and at AVX-512 BF16, whose dpbf16ps tile takes bfloat16 pools;
+a float32 pool takes the AVX-512F tile there, and a bfloat16 pool at the AVX-512F level
+takes that tile too, widened to float32). Other pools attend each prompt token as a decode
+query (paged_decode.py).
 
 PAGEDKV_PREFILL_KERNELS picks the level: unset or "auto", the highest this CPU runs;
-"portable", "avx2" or "avx512_bf16", that level (one above the CPU's is refused with a
-ValueError). At one level a query's result is the same bits whatever chunk computes it.
+"portable", "avx2", "avx512" or "avx512_bf16", that level (one above the CPU's is refused
+with a ValueError). At one level a query's result is the same bits whatever chunk computes it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ import torch
 from model_service.cpu_kernels import levels
 from model_service.cpu_kernels.build import DTYPE_CODES, load
 
-LEVELS = ("portable", "avx2", "avx512_bf16")
+LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # prefill_attention.c's PREFILL_*
 ENV = "PAGEDKV_PREFILL_KERNELS"
 CHOICES = ("auto", *LEVELS)
 MAX_HEAD_DIM = 256  # prefill_attention.c's PREFILL_MAX_HEAD_DIM
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-FAMILY = levels.register(levels.Family(name="prefill attention", env=ENV, levels=LEVELS, best="prefill_best_level", requires={"avx2": "AVX2, FMA and F16C", "avx512_bf16": "AVX-512 BF16, BW and VL"}))
+FAMILY = levels.register(levels.Family(
+    name="prefill attention", env=ENV, levels=LEVELS, best="prefill_best_level",
+    requires={"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512F (with AVX2, FMA and F16C)",
+              "avx512_bf16": "AVX-512 BF16, BW and VL"}))
 
 
 def best_level(library: ctypes.CDLL | None = None) -> int:

@@ -58,8 +58,9 @@ static inline int cpu_avx512_bf16(void) {
            && __builtin_cpu_supports("avx512vl");
 }
 
-/* And with AVX-512F named too (prefill attention's 512-bit tile). */
-static inline int cpu_avx512f_bf16(void) { return cpu_avx512f() && cpu_avx512_bf16(); }
+/* And AVX-512F with AVX2, FMA and F16C besides (prefill attention's top level: its dpbf16ps
+ * tile, and the AVX-512F level's tile for float32 pools). */
+static inline int cpu_avx512f_avx2_bf16(void) { return cpu_avx512f_avx2() && cpu_avx512_bf16(); }
 
 /* AVX-512 VNNI with VL and BW, on top of AVX2 and FMA (the quantized products). */
 static inline int cpu_avx512_vnni(void) {

@@ -1,19 +1,21 @@
 /* Causal attention of a prompt chunk's queries over their sequence's keys in the pool, for
- * bfloat16 and float32 pools, at three levels (prefill_best_level; prefill_attention.py's
- * LEVELS): portable C, AVX2 with FMA, and AVX-512 BF16 (bfloat16 pools; a float32 pool
- * takes the AVX2 tile there).
+ * bfloat16 and float32 pools, at four levels (prefill_best_level; prefill_attention.py's
+ * LEVELS): portable C, AVX2 with FMA, AVX-512F, and AVX-512 BF16 (bfloat16 pools; a
+ * float32 pool takes the AVX-512F tile there).
  *
  * Decode attention (paged_decode.c) takes one query at a time: its dot products are
  * reductions along head_dim, a few per key. A prompt chunk has many queries over the same
  * keys, so here several of them, of one query head, share a vector: a lane a query. The
  * online softmax of flash attention runs lane by lane, with no reduction across lanes; the
  * output accumulates in float32, a vector of queries a dimension, each key's value broadcast.
+ * - portable, AVX2 and AVX-512F: one body in GCC's vector extension
+ *   (generic/prefill_attention_tile.h), K/V widened to float32 rows once a block of keys,
+ *   scores by multiply-adds a dimension; eight queries a vector built for the -march the
+ *   library has and for AVX2+FMA+F16C, sixteen (a 512-bit vector) for AVX-512F. At the
+ *   AVX-512F level a bfloat16 pool takes the sixteen-lane body too, widened to float32.
  * - AVX-512 BF16: sixteen queries a 512-bit vector; scores are one `dpbf16ps` a pair of
  *   dimensions and key (the queries laid out as bf16_matmul.c's panels, the key's pair
- *   broadcast).
- * - portable and AVX2: eight queries a vector of GCC's vector extension (tile8_body), K/V
- *   widened to float32 rows once a block of keys, scores by multiply-adds a dimension; one
- *   body built twice, for the -march the library has and for AVX2+FMA+F16C.
+ *   broadcast); bfloat16 pools only.
  *
  * A lane's arithmetic depends on its own query and keys alone: keys go a tile's width at a
  * time in blocks aligned to multiples of it from key 0, and a key a lane must not see
@@ -37,12 +39,14 @@
 #include "pagedkv_kernels.h"
 
 #define PREFILL_MAX_HEAD_DIM 256
-#define PREFILL_LANES 16 /* the AVX-512 tile's queries and keys */
+#define PREFILL_LANES 16 /* the AVX-512 tiles' queries and keys */
 #define TILE8 8 /* the portable and AVX2 tile's */
 
-enum { PREFILL_PORTABLE = 0, PREFILL_AVX2 = 1, PREFILL_AVX512_BF16 = 2 };
+enum { PREFILL_PORTABLE = 0, PREFILL_AVX2 = 1, PREFILL_AVX512 = 2, PREFILL_AVX512_BF16 = 3 };
 
-static const cpu_check_fn prefill_checks[] = {0, X86_LEVEL(cpu_avx2_fma_f16c), X86_LEVEL(cpu_avx512f_bf16)};
+/* AVX-512 BF16 needs the AVX-512F level's sets too: a float32 pool takes that tile there. */
+static const cpu_check_fn prefill_checks[] = {0, X86_LEVEL(cpu_avx2_fma_f16c), X86_LEVEL(cpu_avx512f_avx2),
+                                              X86_LEVEL(cpu_avx512f_avx2_bf16)};
 
 /* The highest level this CPU runs. */
 int prefill_best_level(void) { return best_level(prefill_checks); }
@@ -87,15 +91,20 @@ static inline __attribute__((always_inline)) void lane_key_ranges(const prefill_
     }
 }
 
-#include "generic/prefill_attention_tile8.h"
+#define PREFILL_TILE_W TILE8
+#include "generic/prefill_attention_tile.h"
+#undef PREFILL_TILE_W
+
+static void tile8_portable(const prefill_call *c, const prefill_seq *seq, int h, int t0) { tile8_cases(c, seq, h, t0); }
 
 #if CPU_LEVELS_X86
 #include "x86/prefill_attention_avx2.h"
+#include "x86/prefill_attention_avx512.h"
 #include "x86/prefill_attention_avx512_bf16.h"
 #endif
 
 /* Each level's tile (cpu_levels.h's scheme): a call takes the highest at or below its level
- * that takes its dtype (a float32 pool takes the AVX2 tile at the AVX-512 BF16 level). */
+ * that takes its dtype (a float32 pool takes the AVX-512F tile at the AVX-512 BF16 level). */
 typedef struct {
     tile_fn tile;
     int lanes, bf16_only;
@@ -105,6 +114,7 @@ static const prefill_level prefill_levels[] = {
     [PREFILL_PORTABLE] = {tile8_portable, TILE8, 0},
 #if CPU_LEVELS_X86
     [PREFILL_AVX2] = {tile8_avx2, TILE8, 0},
+    [PREFILL_AVX512] = {tile16_avx512, PREFILL_LANES, 0},
     [PREFILL_AVX512_BF16] = {tile16_avx512_bf16, PREFILL_LANES, 1},
 #endif
 };
