@@ -58,9 +58,6 @@ class SuffixTrie:
             yield child
             child = self._next[child]
 
-    def count(self, node: int) -> int:
-        return self._count[node]
-
     def _grow(self, node: int, token: int) -> int:
         """Makes `node`'s child by `token` (count 0), which it does not have yet."""
         if self._free:
