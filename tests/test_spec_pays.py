@@ -4,6 +4,8 @@ rates stay current; the speculator asks it before looking up any proposal."""
 
 from __future__ import annotations
 
+import itertools
+
 from model_service.spec import pays
 from model_service.spec.pays import SpeculationPays, bucket
 from model_service.spec.settings import SpeculativeSettings
@@ -42,6 +44,29 @@ def test_where_speculating_is_faster_plain_steps_are_only_probed_and_a_change_is
     # the requests change: proposals stop being kept; the probes see it and the way turns
     ways(monitor, 1, pays.PROBE_EVERY * 40, speculated_rate=40.0, plain_rate=50.0)
     assert ways(monitor, 1, pays.PROBE_EVERY, 40.0, 50.0).count(True) == 1
+
+
+def test_a_probe_stands_for_the_steps_since_its_way_was_last_measured():
+    # Documents (long contexts, proposals kept): plain steps are slow, speculating wins.
+    monitor = SpeculationPays()
+    ways(monitor, 8, 200, speculated_rate=60.0, plain_rate=50.0)
+    # Then free text at short contexts: both ways run faster, plain now the faster. The
+    # first plain probe weighs the 31 steps since the last, not one, and the way turns at once.
+    after = ways(monitor, 8, pays.PROBE_EVERY * 2, speculated_rate=70.0, plain_rate=100.0)
+    assert after[pays.PROBE_EVERY:].count(True) <= 1
+    assert monitor.rate(8, False) > 95.0
+
+
+def test_a_lucky_speculating_probe_does_not_turn_the_way():
+    # What a speculating step appends swings with what its proposals hit; its tokens a
+    # second average 75 here against plain steps' steady 100.
+    monitor, swings, taken = SpeculationPays(), itertools.cycle([40.0, 60.0, 150.0, 50.0]), []
+    for _ in range(pays.PROBE_EVERY * 40):
+        speculated = monitor.speculate(8)
+        taken.append(speculated)
+        monitor.record(8, speculated, 8, 8 / (next(swings) if speculated else 100.0))
+    later = taken[pays.PROBE_EVERY * 8:]
+    assert later.count(True) <= len(later) // pays.PROBE_EVERY + 2  # the probes, hardly more
 
 
 def test_batch_sizes_are_measured_apart_exactly_then_by_powers_of_two():

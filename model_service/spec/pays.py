@@ -15,15 +15,30 @@ current as the requests change; until each way has MIN_STEPS steps, one in LEARN
 and meanwhile the steps go the way the nearest batch size that has both measured found
 faster (speculating, before any has).
 
+Each way's rate is a `Rate`: an estimate that grows less sure with every step of its
+bucket that did not measure it, and trusts a sample by how much that way's samples scatter.
+The way taken seldom (one step in PROBE_EVERY) is measured as the requests are now, not as
+they were when it last led: a step's time moves with the contexts' lengths and what the
+proposals hit, and a stale plain rate held against a fresh speculating one kept a server
+speculating through a whole round of free text after a round of documents. And one lucky
+speculating probe does not turn the way: what a speculating step appends swings with what
+its proposals hit, where a plain step's hardly moves.
+
 Plain bookkeeping: no tensors, no clock of its own (the engine times its steps).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
-# Each step's tokens a second moves its way's rate this far.
-EMA_WEIGHT = 0.1
+# How much less sure of a rate (its relative variance) each step of its bucket that did not
+# measure it leaves the estimate: about 3 % a step, 18 % over PROBE_EVERY steps.
+DRIFT = 1e-3
+# A way's samples' scatter (relative variance) before it has two of its own, and how far
+# each sample moves the running figure.
+FIRST_SCATTER = 1e-2
+SCATTER_WEIGHT = 0.1
 MIN_STEPS = 8
 LEARN_EVERY = 4
 PROBE_EVERY = 32
@@ -37,10 +52,32 @@ def bucket(decodes: int) -> int:
     return 1 << (decodes - 1).bit_length()
 
 
+@dataclasses.dataclass(slots=True)
+class Rate:
+    """One way's tokens a second at one batch size: a one-state Kalman filter on the rate,
+    in relative terms (variances are of the rate's fraction). `unsure` is the estimate's
+    variance, `scatter` the samples' about it."""
+
+    value: float
+    measured_at: int  # the bucket's step count at the last sample
+    steps: int = 1
+    unsure: float = FIRST_SCATTER
+    scatter: float = FIRST_SCATTER
+
+    def add(self, rate: float, now: int) -> None:
+        self.unsure += DRIFT * max(now - self.measured_at, 1)
+        surprise = (rate - self.value) / self.value
+        gain = self.unsure / (self.unsure + self.scatter)
+        self.value += gain * (rate - self.value)
+        self.unsure *= 1.0 - gain
+        self.scatter += SCATTER_WEIGHT * (surprise * surprise - self.scatter)
+        self.steps += 1
+        self.measured_at = now
+
+
 class SpeculationPays:
     def __init__(self) -> None:
-        # (bucket, speculated) -> [tokens a second (moving average), steps measured]
-        self._rates: dict[tuple[int, bool], list[float]] = {}
+        self._rates: dict[tuple[int, bool], Rate] = {}  # (bucket, speculated) -> its rate
         self._steps: collections.Counter[int] = collections.Counter()
 
     def speculate(self, decodes: int) -> bool:
@@ -54,27 +91,26 @@ class SpeculationPays:
                        key=lambda known: abs(known - size), default=size)
         speculated, plain = self._rates.get((size, True)), self._rates.get((size, False))
         # Speculating is the way until plain steps have measured faster.
-        faster = speculated is None or plain is None or speculated[0] >= plain[0]
+        faster = speculated is None or plain is None or speculated.value >= plain.value
         return faster != other_way
 
     def _learned(self, size: int) -> bool:
         speculated, plain = self._rates.get((size, True)), self._rates.get((size, False))
-        return speculated is not None and plain is not None and min(speculated[1], plain[1]) >= MIN_STEPS
+        return speculated is not None and plain is not None and min(speculated.steps, plain.steps) >= MIN_STEPS
 
     def record(self, decodes: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step with `decodes` decoding sequences appended `tokens` in `seconds`,
         having looked up proposals (`speculated`) or not."""
         if tokens <= 0 or seconds <= 0:
             return
-        rate = tokens / seconds
-        known = self._rates.get((bucket(decodes), speculated))
+        size = bucket(decodes)
+        known = self._rates.get((size, speculated))
         if known is None:
-            self._rates[(bucket(decodes), speculated)] = [rate, 1]
+            self._rates[(size, speculated)] = Rate(tokens / seconds, self._steps[size])
         else:
-            known[0] += EMA_WEIGHT * (rate - known[0])
-            known[1] += 1
+            known.add(tokens / seconds, self._steps[size])
 
     def rate(self, decodes: int, speculated: bool) -> float | None:
         """The measured tokens a second of that way at that batch size, if any."""
         known = self._rates.get((bucket(decodes), speculated))
-        return None if known is None else known[0]
+        return None if known is None else known.value
