@@ -40,7 +40,6 @@ from pagedkv.kv_geometry import SUPPORTED_DTYPES, dtype_name, is_fp8, kv_cache_d
 from pagedkv.model.v1 import model_pb2, model_pb2_grpc
 from pagedkv.units import parse_bytes
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, wait_for_stop_signal
-from pagedkv.startup_objects import freeze_startup_objects
 
 log = structlog.get_logger()
 
@@ -390,8 +389,6 @@ async def serve(args: argparse.Namespace) -> int:
         await http.start()
     await server.start(extra_ports={"http_port": http.port if http else -1})
     engine.start()
-    if args.gc_freeze == "on":
-        freeze_startup_objects()
     stop_signal = asyncio.ensure_future(wait_for_stop_signal())
     done, _ = await asyncio.wait([stop_signal, fatal], return_when=asyncio.FIRST_COMPLETED)
     if fatal in done:

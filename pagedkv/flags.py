@@ -71,6 +71,3 @@ def add_server_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port
     add_flag(parser, "--log-level", default="info", help="debug, info, warning or error")
     add_flag(parser, "--log-json", default=None, action="store_true", help="JSON log lines even on a terminal")
     add_flag(parser, "--port-file", default=None, help="write the bound gRPC and metrics ports here as JSON once serving (for supervisors and tests)")
-    add_flag(parser, "--gc-freeze", default="on", choices=["on", "off"],
-             help="once serving, move start-up's objects out of the garbage collector's full collections "
-                  "(gc.freeze), which would otherwise walk them all, stalling every stream")

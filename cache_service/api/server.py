@@ -23,7 +23,6 @@ from pagedkv.cache.v1 import cache_pb2, cache_pb2_grpc
 from pagedkv.flags import add_flag, add_server_flags
 from pagedkv.records import record_from
 from pagedkv.serving import GrpcServer, ServerConfig, run_server_main, serve_until_signal
-from pagedkv.startup_objects import freeze_startup_objects
 from pagedkv.units import parse_bytes
 
 log = structlog.get_logger()
@@ -163,8 +162,6 @@ async def serve(args: argparse.Namespace) -> None:
     tasks = []
     try:
         await server.start()
-        if args.gc_freeze == "on":
-            freeze_startup_objects()
         tasks.append(asyncio.create_task(reap_forever(pool)))
         await server.set_serving(True)
         await serve_until_signal(server, grace_s=args.grace_s)
