@@ -23,8 +23,9 @@ model_args)` starts `count` pairs of a cache service and a model service at once
 says SERVING; `extra_args` come last, so they override (`"--model", path`). Keyword-only
 options: `timeout_s` (default 120) for start-up, `env` (extra environment variables; the
 PAGEDKV_* variables of the calling shell are dropped so a developer's settings never leak
-into a test, except the CPU kernel levels' switches (cpu_kernels/levels.py): a bench run
-as `PAGEDKV_F32_KERNELS=avx2 python -m bench...` measures its services at that level, and
+into a test, except the CPU kernel levels' switches (cpu_kernels/levels.py, with
+PAGEDKV_CPU_LEVEL and PAGEDKV_CPU_ARCH): a bench run as `PAGEDKV_CPU_LEVEL=avx2 python -m
+bench...` (or `PAGEDKV_F32_KERNELS=avx2 ...`) measures its services at that level, and
 a suite run so tests it), `wait_serving=False` to return as soon as the port file exists (a model
 service with no cache service stays NOT_SERVING). If the process exits or the timeout
 passes first, it is killed and the error carries its stderr.
@@ -219,7 +220,7 @@ SHARED_LEASE_TTL = ("--lease-ttl-ms", "600000")
 def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
     from model_service.cpu_kernels import levels  # imports torch: not before a service starts
 
-    switches = {family.env for family in levels.families()}
+    switches = set(levels.switches())
     env = {name: value for name, value in os.environ.items() if not name.startswith("PAGEDKV_") or name in switches}
     env.update(extra or {})
     return env

@@ -170,6 +170,9 @@ def pytest_terminal_summary(terminalreporter, config):
             parts.append(f"skipped {', '.join(lacking)} (this CPU lacks "
                          f"{'; '.join(family.requires.get(name, name) for name in lacking)})")
         terminalreporter.write_line(f"cpu kernel levels, {family.name}: {'; '.join(parts)}")
+    build = sys.modules["model_service.cpu_kernels.build"]
+    if build.loaded_arch() is not None:  # PAGEDKV_CPU_ARCH, PAGEDKV_CPU_LEVEL (cpu_kernels/baseline.py)
+        terminalreporter.write_line(f"cpu kernel library: built for -march={build.loaded_arch()}")
     return result
 
 

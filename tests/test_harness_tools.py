@@ -43,9 +43,12 @@ def test_services_get_the_kernel_level_switches_and_no_other_pagedkv_setting(mon
     from harness.processes import _test_env
 
     monkeypatch.setenv("PAGEDKV_F32_KERNELS", "avx2")
+    monkeypatch.setenv("PAGEDKV_CPU_LEVEL", "avx2")  # the process-wide level and architecture too
+    monkeypatch.setenv("PAGEDKV_CPU_ARCH", "x86-64-v3")
     monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", "/somewhere/else")
     env = _test_env({"EXTRA": "1"})
     assert env["PAGEDKV_F32_KERNELS"] == "avx2" and env["EXTRA"] == "1"
+    assert env["PAGEDKV_CPU_LEVEL"] == "avx2" and env["PAGEDKV_CPU_ARCH"] == "x86-64-v3"
     assert "PAGEDKV_KERNEL_CACHE" not in env
 
 

@@ -6,9 +6,12 @@ attention's unrolled cases) with no torch extension toolchain, once per fresh ma
 container and CI run. The callers (paged_decode.py, layer_ops.py) pass data pointers of
 tensors they have checked.
 
-The shared object is cached under $PAGEDKV_KERNEL_CACHE (default ~/.cache/pagedkv/kernels),
-named by a hash of the sources, the compiler, its flags and this CPU's feature flags
-(-march=native code must not run on another CPU that shares the cache directory). Loading
+The whole library is compiled for one architecture: -march=native unless PAGEDKV_CPU_ARCH
+(or PAGEDKV_CPU_LEVEL) names another, from a fixed list (baseline.py: x86-64-v3 is what an
+AVX2 server runs). The shared object is cached under $PAGEDKV_KERNEL_CACHE (default
+~/.cache/pagedkv/kernels), named by a hash of the sources, the compiler, its flags (the
+architecture among them) and this CPU's feature flags (-march=native code must not run on
+another CPU that shares the cache directory). Loading
 a shared object runs its code, so a cached one is loaded only when this user owns it and
 its directory and neither is writable by the group or others (nor a symlink); any other
 is built again over it, and a directory others may write to is not used at all. Where
@@ -32,7 +35,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from model_service.cpu_kernels import header
+from model_service.cpu_kernels import baseline, header
 
 log = structlog.get_logger()
 
@@ -53,6 +56,14 @@ KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_error: str | None = None
+_arch: str | None = None  # the architecture the loaded library was built for
+
+
+def flags(arch: str = "native") -> tuple[str, ...]:
+    """FLAGS with the library built for `arch` (one of baseline.ARCHES) instead of native."""
+    if arch not in baseline.ARCHES:
+        raise ValueError(f"{baseline.ARCH_ENV}={arch!r}: expected one of {', '.join(baseline.ARCHES)}")
+    return tuple(f"-march={arch}" if flag == "-march=native" else flag for flag in FLAGS)
 
 
 def cache_dir() -> Path:
@@ -70,13 +81,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library built by `compiler` from these sources is cached."""
+def library_path(compiler: str, arch: str = "native") -> Path:
+    """Where the library built by `compiler` from these sources for `arch` is cached."""
     sources = [part for path in sorted(CSRC.rglob("*")) if path.suffix in (".c", ".h")
                for part in (path.relative_to(CSRC).as_posix().encode(), path.read_bytes())]
-    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*sources, compiler.encode(), " ".join(flags(arch)).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
     return cache_dir() / f"pagedkv-cpu-{key}.so"
+
+
+def find_compiler() -> str | None:
+    """The compiler load() builds with: $CC, else cc, else gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def untrusted(path: Path) -> str | None:
@@ -91,8 +107,9 @@ def untrusted(path: Path) -> str | None:
     return None
 
 
-def _build(compiler: str) -> Path:
-    target = library_path(compiler)
+def _build(compiler: str, arch: str = "native") -> Path:
+    target = library_path(compiler, arch)
+    build_flags = flags(arch)
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory_problem = untrusted(target.parent)
     if directory_problem:
@@ -108,7 +125,7 @@ def _build(compiler: str) -> Path:
     # 2-core machine one sequential compile of every source took past two minutes.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+        compile_flags = [flag for flag in build_flags if flag != "-shared"]
         objects = [Path(scratch) / f"{Path(name).stem}.o" for name in SOURCES]
         jobs = [subprocess.Popen([compiler, *compile_flags, "-c", "-o", str(obj), str(CSRC / name)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -126,19 +143,22 @@ def _build(compiler: str) -> Path:
                     job.wait()
         if failures:
             raise RuntimeError(f"{compiler} failed: {' '.join(failures)[-2000:]}")
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, objects), "-lm"],
+        result = subprocess.run([compiler, *build_flags, "-o", str(built), *map(str, objects), "-lm"],
                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         built.chmod(0o755)  # whatever the umask: a group-writable build would not be loaded again
         os.replace(built, target)
-    log.info("cpu kernels built", path=str(target), compiler=compiler)
+    log.info("cpu kernels built", path=str(target), compiler=compiler, arch=arch)
     return target
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first call; None (with one warning) where it cannot be."""
-    global _library, _load_error
+    """The kernel library, built on first call; None (with one warning) where it cannot be.
+    Built for baseline.arch(), read at the first call: a PAGEDKV_CPU_ARCH or
+    PAGEDKV_CPU_LEVEL not on its list is a ValueError (raised again at each call), not a
+    quiet fall back to the torch code."""
+    global _library, _load_error, _arch
     if _library is not None or _load_error is not None:  # every layer op asks: no lock once decided
         return _library
     with _lock:
@@ -147,12 +167,13 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("PAGEDKV_CPU_KERNELS", "1") == "0":
             _load_error = "PAGEDKV_CPU_KERNELS=0"
             return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        arch = baseline.arch()
+        compiler = find_compiler()
         try:
             if compiler is None:
                 raise RuntimeError("no C compiler (cc or gcc) on PATH and CC unset")
             signatures = header.signatures()
-            path = _build(compiler)
+            path = _build(compiler, arch)
             library = ctypes.CDLL(str(path))
         except Exception as error:  # a failed build must leave the service on the torch path
             _load_error = str(error)
@@ -163,11 +184,16 @@ def load() -> ctypes.CDLL | None:
             function = getattr(library, name)
             function.argtypes = argtypes
             function.restype = restype
-        _library = library
+        _library, _arch = library, arch
         # Each family's level is logged where it is chosen (levels.py), once per process.
-        log.info("cpu kernels loaded", path=str(path))
+        log.info("cpu kernels loaded", path=str(path), arch=arch)
         return library
 
 
 def load_error() -> str | None:
     return _load_error
+
+
+def loaded_arch() -> str | None:
+    """The architecture the loaded library was built for (None before it loaded, or where it did not)."""
+    return _arch

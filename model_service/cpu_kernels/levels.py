@@ -22,8 +22,15 @@ and calls `register(family)` at import. To add a family, declare and register it
 wrapper module and add that module's name to FAMILY_MODULES below, so `families()` (the
 logs, the test summary) sees it without anyone importing it first.
 
-`choose(name)` gives the level's (or other choice's) name: the switch read each call (a
-test sets it with monkeypatch), each distinct answer computed and logged once per process.
+One switch covers every family at once: PAGEDKV_CPU_LEVEL=avx2 (or portable), "run as a CPU
+of that level would" (baseline.py; it also builds the library for that level's
+architecture, x86-64-v3 or x86-64, so the code outside the levels is that CPU's too). Where
+a family's own switch is unset, the family runs what its `auto` runs on a CPU whose best
+level is the family's highest not above PAGEDKV_CPU_LEVEL's (every family's "avx2" on x86
+at avx2); a family's own switch, `auto` included, overrides it.
+
+`choose(name)` gives the level's (or other choice's) name: the switches read each call (a
+test sets them with monkeypatch), each distinct answer computed and logged once per process.
 The test suite's summary line (tests/conftest.py) reports, per family, the levels a test
 forced by its switch in this process and the levels this CPU cannot run.
 """
@@ -38,7 +45,8 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from model_service.cpu_kernels.build import load
+from model_service.cpu_kernels import baseline
+from model_service.cpu_kernels.build import load, loaded_arch
 
 log = structlog.get_logger()
 
@@ -94,10 +102,19 @@ def requested(name: str) -> str:
     return os.environ.get(family.env, "").strip().lower() or "auto"
 
 
+def switches() -> tuple[str, ...]:
+    """Every environment switch of the levels: each family's and the process-wide two."""
+    return (*(family.env for family in families()), baseline.LEVEL_ENV, baseline.ARCH_ENV)
+
+
 def choose(name: str) -> str:
-    """The level (or other choice) family `name` runs: its switch's, else the CPU's best.
-    ValueError for an unknown choice, or a level above the CPU's where the family refuses."""
-    return _choose(name, requested(name))
+    """The level (or other choice) family `name` runs: its switch's, else PAGEDKV_CPU_LEVEL's
+    (capped at the CPU's best), else the CPU's best. ValueError for an unknown choice, or a
+    level above the CPU's where the family refuses."""
+    family = _families[name]
+    if os.environ.get(family.env, "").strip():
+        return _choose(name, requested(name), None)
+    return _choose(name, "auto", baseline.level())
 
 
 def chosen_index(name: str) -> int | None:
@@ -123,15 +140,31 @@ def missing(family: Family) -> tuple[str, ...]:
     return family.levels[best(family.name) + 1:]
 
 
+def _capped(family: Family, ceiling: str) -> int:
+    """The index of the family's highest level that this CPU runs and that is not above
+    `ceiling` (baseline.LEVEL_ORDER's order; portable at least)."""
+    return max(index for index, level in enumerate(family.levels[:best(family.name) + 1])
+               if index == 0 or baseline.rank(level) <= baseline.rank(ceiling))
+
+
 @functools.cache
-def _choose(name: str, asked: str) -> str:
+def _choose(name: str, asked: str, ceiling: str | None) -> str:
+    """`asked`: the family's switch ("auto" where unset); `ceiling`: PAGEDKV_CPU_LEVEL's level
+    where the family's switch is unset (None otherwise, or where it is unset too)."""
     family = _families[name]
     if asked not in family.choices:
         raise ValueError(f"{family.env}={asked!r}: expected one of {', '.join(family.choices)}")
     top = family.levels[best(name)]
     lacking = family.levels[best(name) + 1:]
     cpu = f"the CPU's best ({top}" + (f"; it lacks {family.requires.get(lacking[0], lacking[0])})" if lacking else ")")
-    if asked == "auto":
+    if ceiling is not None:
+        as_if = family.levels[_capped(family, ceiling)]
+        choice = family.auto(as_if) if family.auto is not None else as_if
+        why = (f"{baseline.LEVEL_ENV}={ceiling} and {family.env} unset: "
+               + (f"{as_if}, below {cpu}" if as_if != top else cpu)
+               + ("" if choice == as_if else f"; auto on a CPU whose best level is {as_if}")
+               + f"; the library built for {loaded_arch() or 'nothing (not loaded)'}")
+    elif asked == "auto":
         choice = family.auto(top) if family.auto is not None else top
         why = cpu if choice == top else f"auto on a CPU whose best level is {top}"
     elif asked in family.levels and family.levels.index(asked) > best(name):
@@ -141,10 +174,11 @@ def _choose(name: str, asked: str) -> str:
         choice, why = top, f"{family.env}={asked}, above {cpu}"
     else:
         choice, why = asked, f"{family.env}={asked}"
-    if asked != "auto" and choice in family.levels:
+    if (asked != "auto" or ceiling is not None) and choice in family.levels:
         _forced.setdefault(name, set()).add(choice)
     log.info("cpu kernel level", family=name, chosen=choice, why=why)
     return choice
 
 
-__all__ = ["FAMILY_MODULES", "Family", "best", "choose", "chosen_index", "families", "forced", "missing", "register", "requested"]
+__all__ = ["FAMILY_MODULES", "Family", "best", "choose", "chosen_index", "families", "forced", "missing", "register",
+           "requested", "switches"]
