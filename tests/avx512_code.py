@@ -139,11 +139,35 @@ def avx512_uses(disassembly: str) -> dict[str, list[str]]:
     return found
 
 
+_PACKED_YMM_ARITHMETIC = re.compile(r"^v(?:fn?m(?:add|sub)\d*ps|(?:add|sub|mul|div)ps)\b.*%ymm")
+
+
+def packed_ymm_arithmetic(disassembly: str) -> dict[str, int]:
+    """Per function (by its C name), how many of its instructions are packed float32
+    arithmetic on ymm registers (an add, multiply, divide or FMA of 8 lanes): a loop
+    vectorized for AVX2 has them, one GCC left scalar has none."""
+    counts: dict[str, int] = {}
+    function = ""
+    for line in disassembly.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            function = header["name"].split("@")[0].split(".")[0]
+            continue
+        parts = line.split("\t")
+        if len(parts) >= 3 and _PACKED_YMM_ARITHMETIC.match(parts[2].strip()):
+            counts[function] = counts.get(function, 0) + 1
+    return counts
+
+
+def disassemble(objdump: str, library: Path) -> str:
+    return subprocess.run([objdump, "-d", "--wide", str(library)], capture_output=True, text=True,
+                          timeout=300, check=True).stdout
+
+
 def stray_avx512(objdump: str, library: Path, allowed: set[str]) -> dict[str, list[str]]:
     """The functions of `library` outside `allowed` that use AVX-512, with those instructions."""
-    disassembly = subprocess.run([objdump, "-d", "--wide", str(library)], capture_output=True, text=True,
-                                 timeout=300, check=True).stdout
-    return {name: uses for name, uses in avx512_uses(disassembly).items() if name not in allowed}
+    return {name: uses for name, uses in avx512_uses(disassemble(objdump, library)).items() if name not in allowed}
 
 
-__all__ = ["avx512_functions", "avx512_regions", "avx512_uses", "stray_avx512", "uses_avx512"]
+__all__ = ["avx512_functions", "avx512_regions", "avx512_uses", "disassemble", "packed_ymm_arithmetic", "stray_avx512",
+           "uses_avx512"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from avx512_code import avx512_functions, stray_avx512
+from avx512_code import avx512_functions, disassemble, packed_ymm_arithmetic, stray_avx512
 from model_service.cpu_kernels import baseline, build, levels
 
 COMPILER = build.find_compiler()
@@ -76,6 +76,17 @@ def test_built_for_native_on_an_avx512_cpu_the_rest_uses_avx512_too(built):
     found = strays(built("native"), "native")
     assert found
     assert any(name.endswith("_avx2") or "avx2" in name for name in found), summary(found)
+
+
+@needs_x86_compiler
+@pytest.mark.skipif(OBJDUMP is None, reason="no objdump")
+def test_built_for_x86_64_v3_the_layer_ops_are_vectorized(built):
+    """What an AVX2 server runs of the code outside the levels is vectorized too: without
+    AVX-512's masks GCC leaves a loop with a branch in it scalar, and SiLU-and-multiply was
+    (exp_f32's clamp and bfloat16's NaN case in cpu_math.h are selects by masks for it)."""
+    packed = packed_ymm_arithmetic(disassemble(OBJDUMP, built("x86-64-v3")))
+    scalar = [name for name in ("silu_mul", "rms_norm", "add_rms_norm", "rotary_in_place") if not packed.get(name)]
+    assert not scalar, f"no packed float32 arithmetic on ymm registers in {scalar}"
 
 
 def pytest_run(arch: str, *args: str) -> subprocess.CompletedProcess:

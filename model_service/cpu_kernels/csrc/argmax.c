@@ -8,31 +8,41 @@
  * the same index.
  *
  * Semantics are torch.argmax's: the first index of the maximum, and a NaN counts as
- * larger than everything (the first NaN wins). Sixteen lanes each keep their best value
- * and its index (a later index takes a lane only when strictly larger, so each lane
- * keeps its first); the lanes are then merged by value, ties by index.
+ * larger than everything (the first NaN wins). ARGMAX_LANES lanes each keep their best
+ * value and its index (a later index takes a lane only when strictly larger, so each lane
+ * keeps its first); the lanes are then merged by value, ties by index, so the answer is the
+ * same whatever the lane count. Sixteen lanes where the build has AVX-512, eight otherwise:
+ * GCC lowers a vector wider than the machine's through the stack, which on AVX2 made the
+ * loop slower than scalar code.
  */
 #include "cpu_math.h"
 #include "pagedkv_kernels.h"
 
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef _Float16 f16x16 __attribute__((vector_size(32), aligned(2)));
+#if defined(__AVX512F__)
+#define ARGMAX_LANES 16
+#else
+#define ARGMAX_LANES 8
+#endif
+typedef float lanes_f32 __attribute__((vector_size(4 * ARGMAX_LANES), aligned(4)));
+typedef int32_t lanes_i32 __attribute__((vector_size(4 * ARGMAX_LANES)));
+typedef uint32_t lanes_u32 __attribute__((vector_size(4 * ARGMAX_LANES)));
+typedef uint16_t lanes_u16 __attribute__((vector_size(2 * ARGMAX_LANES), aligned(2)));
+typedef _Float16 lanes_f16 __attribute__((vector_size(2 * ARGMAX_LANES), aligned(2)));
 
-static inline __attribute__((always_inline)) f32x16 load16_as_f32(const void *base, int64_t i, int dtype) {
+static inline __attribute__((always_inline)) lanes_f32 load_lanes_as_f32(const void *base, int64_t i, int dtype) {
     if (dtype == DTYPE_F32) {
-        f32x16 v;
+        lanes_f32 v;
         memcpy(&v, (const float *)base + i, sizeof v);
         return v;
     }
     if (dtype == DTYPE_BF16) {
-        u16x16 h;
+        lanes_u16 h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
-        return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+        return (lanes_f32)(__builtin_convertvector(h, lanes_u32) << 16);
     }
-    f16x16 h;
+    lanes_f16 h;
     memcpy(&h, (const _Float16 *)base + i, sizeof h);
-    return __builtin_convertvector(h, f32x16);
+    return __builtin_convertvector(h, lanes_f32);
 }
 
 /* Whether value a at index ia beats the best so far, b at ib (ib < 0: none yet). */
@@ -44,20 +54,23 @@ static inline int beats(float a, int64_t ia, float b, int64_t ib) {
 }
 
 static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, int64_t offset, int cols, int dtype) {
-    f32x16 best = {0};
-    i32x16 best_at = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
-    i32x16 at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    lanes_f32 best = {0};
+    lanes_i32 best_at, at;
+    for (int lane = 0; lane < ARGMAX_LANES; lane++) {
+        best_at[lane] = -1;
+        at[lane] = lane;
+    }
     int i = 0;
-    for (; i + 16 <= cols; i += 16, at += 16) {
-        const f32x16 v = load16_as_f32(x, offset + i, dtype);
+    for (; i + ARGMAX_LANES <= cols; i += ARGMAX_LANES, at += ARGMAX_LANES) {
+        const lanes_f32 v = load_lanes_as_f32(x, offset + i, dtype);
         /* take a lane: none yet, strictly larger, or the first NaN over a number */
-        const i32x16 take = (best_at < 0) | (v > best) | ((v != v) & (best == best));
-        best = (f32x16)((take & (i32x16)v) | (~take & (i32x16)best));
+        const lanes_i32 take = (best_at < 0) | (v > best) | ((v != v) & (best == best));
+        best = (lanes_f32)((take & (lanes_i32)v) | (~take & (lanes_i32)best));
         best_at = (take & at) | (~take & best_at);
     }
     float value = 0.0f;
     int64_t index = -1;
-    for (int lane = 0; lane < 16; lane++)
+    for (int lane = 0; lane < ARGMAX_LANES; lane++)
         if (best_at[lane] >= 0 && beats(best[lane], best_at[lane], value, index)) {
             value = best[lane];
             index = best_at[lane];

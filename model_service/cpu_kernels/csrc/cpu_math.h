@@ -28,12 +28,16 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+/* Rounded to nearest even, as torch does; a NaN stays a (quiet) NaN. The NaN case is a
+ * select by mask, not a branch: without AVX-512's masked stores GCC left every loop that
+ * stores bfloat16 through a branch here scalar (SiLU-and-multiply among them). */
+static inline uint16_t f32_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    const uint32_t is_nan = 0u - (uint32_t)((bits & 0x7fffffffu) > 0x7f800000u);
+    return (uint16_t)((quiet_nan & is_nan) | (rounded & ~is_nan));
 }
 
 /* 8-bit floats, read as float32 in units of fp8_unit(dtype) (e4m3's values come out 2^8
@@ -172,7 +176,16 @@ static inline void store_row(void *base, int64_t offset, const float *restrict s
  * float32's normal range: exp(-87) is about 1.6e-38, exp(88) about 1.7e38. */
 static inline float exp_f32(float x) {
     const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    /* x < -87 ? -87 : x > 88 ? 88 : x (a NaN stays NaN), as a select by masks: GCC left
+     * every loop calling this scalar with `?:` on floats where AVX-512's masks were missing. */
+    const float low = -87.0f, high = 88.0f;
+    uint32_t x_bits, low_bits, high_bits;
+    memcpy(&x_bits, &x, sizeof x_bits);
+    memcpy(&low_bits, &low, sizeof low_bits);
+    memcpy(&high_bits, &high, sizeof high_bits);
+    const uint32_t below = 0u - (uint32_t)(x < low), above = 0u - (uint32_t)(x > high);
+    x_bits = (low_bits & below) | (high_bits & above) | (x_bits & ~(below | above));
+    memcpy(&x, &x_bits, sizeof x);
     /* nearest integer by the 1.5 * 2^23 trick: vectorizes, where roundf is a call */
     float k = (x * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
     float r = (x - k * ln2_hi) - k * ln2_lo;
