@@ -295,6 +295,38 @@ def test_metrics_of_both_services_exist_and_move(stack, model, cache):
     assert cache_after['pagedkv_cache_blocks{state="leased"}'] == 0
 
 
+# -- the pool mapped ahead of use -------------------------------------------------------------
+
+
+def _pool_mapping(pid: int) -> tuple[int, int] | None:
+    """(size, resident bytes) of the model service's mapping of the pool file, from smaps."""
+    mapping = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
+            mapping = [0, 0] if re.search(r"/pagedkv-\d+-[0-9a-f]+\.kv$", fields[5]) else None
+        elif mapping is not None and fields[0] in ("Size:", "Rss:"):
+            mapping[fields[0] == "Rss:"] = int(fields[1]) * 1024
+            if fields[0] == "Rss:":
+                return mapping[0], mapping[1]
+    return None
+
+
+def test_the_model_service_maps_the_whole_pool_ahead_of_its_prompts(stack, cache):
+    """A fresh block's first touch would cost the engine thread a fault and a page clear a
+    page: the model service populates its view of the pool on a thread of its own."""
+    model_pid = stack.child_pid("model_service")
+    deadline = time.monotonic() + 120
+    while True:
+        found = _pool_mapping(model_pid)
+        assert found is not None, "no mapping of the pool's file in the model service"
+        size, resident = found
+        if resident >= size or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert size >= 2**20 and resident == size, f"{resident:,} of the pool's {size:,} bytes mapped"
+
+
 # -- many requests: no lease and no memory left behind ---------------------------------------
 
 

@@ -24,6 +24,7 @@ from model_service.cache.client import CacheClient, Heartbeat, LeaseDeadline
 from pagedkv import pool_memory
 from pagedkv.cache.v1 import cache_pb2
 from pagedkv.kv_geometry import KvGeometry
+from pagedkv.pool_memory.populate import populate_in_background
 
 log = structlog.get_logger()
 
@@ -106,6 +107,10 @@ def attach(cache: CacheClient, asked: AttachSettings, device: torch.device, *, s
         raise FatalAttachError(f"cannot map the cache service's KV pool: {error}") from error
     if kv_pool.device.type != device.type:
         kv_pool = kv_pool.to(device)  # pragma: no cover - a misconfigured deployment
+    if kv_pool.device.type == "cpu":
+        # The pool's pages into this process ahead of the prompts that would first touch
+        # them, off the engine thread (pagedkv/pool_memory/populate.py says why).
+        populate_in_background(kv_pool)
     lease_deadline = LeaseDeadline(reply.lease_ttl_ms / 1000, acked_at=sent_at)
     heartbeat = Heartbeat(cache, reply.session_id, reply.lease_ttl_ms / 3000, on_failure=on_heartbeat_failure,
                           deadline=lease_deadline).start()

@@ -5,10 +5,14 @@ of it: one page fault a page. The cache service first touches a block when it pr
 into it (a host, disk or remote block copied in during a Lease call), and a block of a
 real model is hundreds of KiB, so a promotion of a few dozen fresh blocks would take
 thousands of faults on the Lease call's path (in a virtual machine each costs
-microseconds). (The model service's own first touches, a prompt's K/V written into a
-fresh block, are a small share of that prefill's time: it maps nothing ahead.) ``MADV_POPULATE_WRITE`` (Linux 5.14) maps a range in one call without
-changing its bytes; the pool's file is already allocated (``shm_file._reserve``), so
-populating takes no new memory, only page-table entries.
+microseconds). The model service first touches a block when a prompt's K/V is written
+into it, on the engine thread; and a tmpfs page that `fallocate` reserved is zeroed at
+its first touch, so until every block has been written once (minutes into a fresh
+service) each fresh block costs the engine a page clear and a fault a page. The model
+service maps its own view of the pool ahead, too, on a thread of its own.
+``MADV_POPULATE_WRITE`` (Linux 5.14) maps a range in one call without changing its
+bytes; the pool's file is already allocated (``shm_file._reserve``), so populating takes
+no new memory, only page-table entries.
 
 Where the kernel refuses the call (older kernels, other systems) nothing is populated and
 first touches fault as before.
