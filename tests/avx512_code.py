@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 _PREFIXES = {"26", "2e", "36", "3e", "64", "65", "67"}  # the only prefixes an EVEX instruction may carry
@@ -124,9 +124,9 @@ def uses_avx512(raw: str, text: str) -> bool:
     return (bool(pairs) and pairs[0] == "62") or _OPMASK.search(text) is not None
 
 
-def avx512_uses(disassembly: str) -> dict[str, list[str]]:
-    """Per function of `objdump -d --wide` output (by its C name), its instructions that use AVX-512."""
-    found: dict[str, list[str]] = {}
+def instructions(disassembly: str) -> Iterator[tuple[str, str, str]]:
+    """(function by its C name, bytes as objdump's hex pairs, text) of each instruction of
+    `objdump -d --wide` output."""
     function = ""
     for line in disassembly.splitlines():
         header = _HEADER.match(line)
@@ -134,8 +134,16 @@ def avx512_uses(disassembly: str) -> dict[str, list[str]]:
             function = header["name"].split("@")[0].split(".")[0]
             continue
         parts = line.split("\t")
-        if len(parts) >= 3 and parts[0].strip().endswith(":") and uses_avx512(parts[1], parts[2]):
-            found.setdefault(function, []).append(parts[2].strip())
+        if len(parts) >= 3 and parts[0].strip().endswith(":"):
+            yield function, parts[1], parts[2].strip()
+
+
+def avx512_uses(disassembly: str) -> dict[str, list[str]]:
+    """Per function of `objdump -d --wide` output (by its C name), its instructions that use AVX-512."""
+    found: dict[str, list[str]] = {}
+    for function, raw, text in instructions(disassembly):
+        if uses_avx512(raw, text):
+            found.setdefault(function, []).append(text)
     return found
 
 
@@ -147,14 +155,8 @@ def packed_ymm_arithmetic(disassembly: str) -> dict[str, int]:
     arithmetic on ymm registers (an add, multiply, divide or FMA of 8 lanes): a loop
     vectorized for AVX2 has them, one GCC left scalar has none."""
     counts: dict[str, int] = {}
-    function = ""
-    for line in disassembly.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            function = header["name"].split("@")[0].split(".")[0]
-            continue
-        parts = line.split("\t")
-        if len(parts) >= 3 and _PACKED_YMM_ARITHMETIC.match(parts[2].strip()):
+    for function, _, text in instructions(disassembly):
+        if _PACKED_YMM_ARITHMETIC.match(text):
             counts[function] = counts.get(function, 0) + 1
     return counts
 
@@ -169,5 +171,5 @@ def stray_avx512(objdump: str, library: Path, allowed: set[str]) -> dict[str, li
     return {name: uses for name, uses in avx512_uses(disassemble(objdump, library)).items() if name not in allowed}
 
 
-__all__ = ["avx512_functions", "avx512_regions", "avx512_uses", "disassemble", "packed_ymm_arithmetic", "stray_avx512",
-           "uses_avx512"]
+__all__ = ["avx512_functions", "avx512_regions", "avx512_uses", "disassemble", "instructions", "packed_ymm_arithmetic",
+           "stray_avx512", "uses_avx512"]

@@ -148,6 +148,15 @@ def test_cpu_level_avx2_builds_for_x86_64_v3_and_runs_every_family_at_avx2(built
     assert "the library built for x86-64-v3" in result.stdout + result.stderr
 
 
+def on_x86_with(env: dict[str, str], monkeypatch) -> None:
+    """An x86 machine whose two process-wide switches are `env`'s (unset where it has none)."""
+    monkeypatch.delenv(baseline.ARCH_ENV, raising=False)
+    monkeypatch.delenv(baseline.LEVEL_ENV, raising=False)
+    monkeypatch.setattr(baseline, "is_x86", lambda: True)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({"PAGEDKV_CPU_ARCH": "skylake-avx512"}, "PAGEDKV_CPU_ARCH='skylake-avx512': expected one of native, x86-64,"),
     ({"PAGEDKV_CPU_ARCH": "native -fplugin=x.so"}, "PAGEDKV_CPU_ARCH='native -fplugin=x.so': expected one of"),
@@ -155,11 +164,7 @@ def test_cpu_level_avx2_builds_for_x86_64_v3_and_runs_every_family_at_avx2(built
     ({"PAGEDKV_CPU_LEVEL": "sse9", "PAGEDKV_CPU_ARCH": "x86-64-v3"}, "PAGEDKV_CPU_LEVEL='sse9': expected one of"),
 ])
 def test_anything_off_the_lists_is_refused_before_the_compiler(env, message, monkeypatch):
-    monkeypatch.delenv(baseline.ARCH_ENV, raising=False)
-    monkeypatch.delenv(baseline.LEVEL_ENV, raising=False)
-    monkeypatch.setattr(baseline, "is_x86", lambda: True)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    on_x86_with(env, monkeypatch)
     with pytest.raises(ValueError, match=message):
         baseline.arch()
 
@@ -201,11 +206,7 @@ def test_a_bad_switch_is_an_error_from_load_not_the_torch_path(tmp_path):
     ({"PAGEDKV_CPU_ARCH": "x86-64-v2"}, "x86-64-v2"),
 ])
 def test_the_architecture_follows_the_switches(env, arch, monkeypatch):
-    monkeypatch.delenv(baseline.ARCH_ENV, raising=False)
-    monkeypatch.delenv(baseline.LEVEL_ENV, raising=False)
-    monkeypatch.setattr(baseline, "is_x86", lambda: True)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    on_x86_with(env, monkeypatch)
     assert baseline.arch() == arch
 
 
