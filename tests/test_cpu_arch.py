@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from avx512_code import avx512_functions, disassemble, packed_ymm_arithmetic, stray_avx512
+from avx512_code import avx512_functions, disassemble, instructions, packed_ymm_arithmetic, stray_avx512
 from model_service.cpu_kernels import baseline, build, levels
 
 COMPILER = build.find_compiler()
@@ -87,6 +87,18 @@ def test_built_for_x86_64_v3_the_layer_ops_are_vectorized(built):
     packed = packed_ymm_arithmetic(disassemble(OBJDUMP, built("x86-64-v3")))
     scalar = [name for name in ("silu_mul", "rms_norm", "add_rms_norm", "rotary_in_place") if not packed.get(name)]
     assert not scalar, f"no packed float32 arithmetic on ymm registers in {scalar}"
+
+
+@needs_x86_compiler
+@pytest.mark.skipif(OBJDUMP is None, reason="no objdump")
+@pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
+def test_exp_f32_is_inlined_everywhere(built, arch):
+    """A call to exp_f32 is one element at a time. Where a file lowers the optimization
+    level (paged_decode_avx512.h's O2), GCC stopped inlining it once its clamp grew, and
+    decode attention's softmax called it for every score."""
+    calls = sorted({function for function, _, text in instructions(disassemble(OBJDUMP, built(arch)))
+                    if text.startswith("call") and "<exp_f32" in text})
+    assert not calls, f"exp_f32 called out of line from {calls}"
 
 
 def pytest_run(arch: str, *args: str) -> subprocess.CompletedProcess:

@@ -173,8 +173,10 @@ static inline void store_row(void *base, int64_t offset, const float *restrict s
 /* exp(x) in float32, vectorizable (libm's expf is a call per element): x = k ln2 + r
  * with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (error below 2 ulp over that
  * range), times 2^k built in the exponent bits. x is clamped to [-87, 88], inside
- * float32's normal range: exp(-87) is about 1.6e-38, exp(88) about 1.7e38. */
-static inline float exp_f32(float x) {
+ * float32's normal range: exp(-87) is about 1.6e-38, exp(88) about 1.7e38.
+ * Always inlined: a call is one element at a time, and GCC stops inlining it on its own
+ * where a file's optimize pragma lowers the level (x86/paged_decode_avx512.h's O2). */
+static inline __attribute__((always_inline)) float exp_f32(float x) {
     const float ln2_hi = 0.693145751953125f, ln2_lo = 1.428606765330187e-06f;
     /* x < -87 ? -87 : x > 88 ? 88 : x (a NaN stays NaN), as a select by masks: GCC left
      * every loop calling this scalar with `?:` on floats where AVX-512's masks were missing. */
