@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-batch-prefill-tokens", default=2048, type=int,
              help="tokens through the model in one step; the warmup pass runs at this size")
     add_flag(parser, "--max-prefill-tokens-while-decoding", default=DEFAULT_PREFILL_TOKENS_WHILE_DECODING, type=int,
-             help="prompt tokens a step carries beside sequences that decode (a step with none decoding takes "
-                  "up to --max-batch-prefill-tokens): every decoding stream waits for the whole step, so a long "
+             help="prompt tokens a step carries beside sequences that decode, unless more prompts wait for their "
+                  "first token than sequences decode (then, and in a step with none decoding, up to "
+                  "--max-batch-prefill-tokens): every decoding stream waits for the whole step, so a long "
                   "prompt goes in chunks of this size rather than in one long step; 0: no cap of its own")
     add_flag(parser, "--prefix-hold-min-tokens", default=DEFAULT_PREFIX_HOLD_MIN_TOKENS, type=int,
              help="a waiting prompt whose leading full blocks (at least this many tokens of them) another "

@@ -219,6 +219,24 @@ def test_with_nothing_decoding_a_prompt_takes_the_whole_step_budget():
     assert [chunk for step in drive(scheduler, cache) for chunk in prefill_chunks(step)] == [("r0", 40)]
 
 
+def test_while_more_prompts_wait_than_sequences_decode_a_step_takes_its_whole_budget():
+    """A burst: two prompts beside one decoding sequence go in one step, not 8 tokens a step
+    (the decoding stream waits once, two first tokens come sooner); once the prompts are
+    no more than the sequences decoding, the cap holds again."""
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=8, max_batch_tokens=64, max_prefill_tokens_while_decoding=8)
+    scheduler, cache = Scheduler(limits, 100), LedgerCache(100)
+    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=60))
+    burst = [make_seq(1, prompt_len=24, max_new=60), make_seq(2, prompt_len=20, max_new=60)]
+    for seq in burst:
+        scheduler.add(seq)
+    steps, pending = steps_until(scheduler, cache, pending, lambda: all(seq.num_output for seq in burst))
+    assert [chunk for step in steps for chunk in prefill_chunks(step)] == [("r2", 20), ("r1", 24)]
+    late = make_seq(3, prompt_len=24, max_new=2)
+    scheduler.add(late)
+    steps, _ = steps_until(scheduler, cache, pending, lambda: late.num_output > 0)
+    assert [chunk for step in steps for chunk in prefill_chunks(step)] == [("r3", 8)] * 3
+
+
 def test_no_prefill_cap_leaves_the_step_budget_to_prompts_beside_decodes():
     limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=4, max_batch_tokens=64)
     scheduler, cache = Scheduler(limits, 100), LedgerCache(100)
@@ -227,6 +245,17 @@ def test_no_prefill_cap_leaves_the_step_budget_to_prompts_beside_decodes():
     scheduler.add(prompt)
     steps, _ = steps_until(scheduler, cache, pending, lambda: prompt.num_output > 0)
     assert [chunk for step in steps for chunk in prefill_chunks(step)] == [("r1", 40)]
+
+
+def streams_decoding(scheduler, cache, count: int, max_new: int = 30, priority: int = 0):
+    """Starts `count` sequences (arrivals 100 on) and steps until each decodes: as many as
+    the prompts a test then sends, so that its steps keep the prefill cap (a step takes its
+    whole budget while more prompts wait than sequences decode)."""
+    pending = None
+    for arrival in range(100, 100 + count):
+        pending = decode_until_running(scheduler, cache, make_seq(arrival, prompt_len=6, max_new=max_new,
+                                                                  priority=priority), pending)
+    return pending
 
 
 def capped(policy: str = "fcfs", **limits) -> tuple[Scheduler, LedgerCache]:
@@ -239,7 +268,7 @@ def capped(policy: str = "fcfs", **limits) -> tuple[Scheduler, LedgerCache]:
 @pytest.mark.parametrize(("policy", "first"), [("fcfs", "r2"), ("priority", "r1")])
 def test_prompts_ready_together_are_chunked_shortest_first_or_by_priority(policy, first):
     scheduler, cache = capped(policy)
-    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=30, priority=5))
+    pending = streams_decoding(scheduler, cache, 2, priority=5)
     long_prompt, short_prompt = make_seq(1, prompt_len=32, max_new=2), make_seq(2, prompt_len=8, max_new=2, priority=5)
     scheduler.add(long_prompt)
     scheduler.add(short_prompt)
@@ -257,7 +286,7 @@ def test_a_later_prompt_overtakes_one_being_computed_only_if_shorter_by_its_wait
     """The long prompt has 24 tokens left when the short one (8) is ready 2 steps after it:
     each step waited counts as `aging` of its tokens done, 4 or 16 in all."""
     scheduler, cache = capped(prefill_aging_tokens=aging)
-    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=30))
+    pending = streams_decoding(scheduler, cache, 2)
     long_prompt, short_prompt = make_seq(1, prompt_len=32, max_new=2), make_seq(2, prompt_len=8, max_new=2)
     scheduler.add(long_prompt)
     chunks = []
@@ -275,9 +304,12 @@ def test_a_later_prompt_overtakes_one_being_computed_only_if_shorter_by_its_wait
 def test_shorter_prompts_arriving_every_step_delay_a_long_one_only_while_it_is_young(aging):
     """An 8-token prompt arrives every step, each filling a step's prefill budget alone:
     shortest first without aging computes none of the long prompt; with aging 2 it goes
-    first once it has waited (40 - 8) / 2 = 16 steps more than the newest."""
-    scheduler, cache = capped(prefill_aging_tokens=aging)
-    pending = decode_until_running(scheduler, cache, make_seq(0, prompt_len=6, max_new=200))
+    first once it has waited (40 - 8) / 2 = 16 steps more than the newest. (Eight sequences
+    decode: the short prompts that pile up meanwhile never outnumber them, so the cap holds.)"""
+    limits = SchedulerLimits(block_size=BLOCK, max_num_seqs=16, max_batch_tokens=64,
+                             max_prefill_tokens_while_decoding=8, prefill_aging_tokens=aging)
+    scheduler, cache = Scheduler(limits, 400), LedgerCache(400)
+    pending = streams_decoding(scheduler, cache, 8, max_new=200)
     long_prompt = make_seq(1, prompt_len=40, max_new=1)
     scheduler.add(long_prompt)
     steps = []

@@ -12,11 +12,13 @@ from model_service.spec.settings import SpeculativeSettings
 # Every decoding stream waits for a step's whole prefill chunk, and once the decode stack
 # runs in C each chunk token costs a step more than the decode rows do
 # (bench/engine/step_time_vs_chunk.py measures it), so a long chunk is a long gap between a
-# stream's tokens. 128 cut the inter-token latency's tail against vLLM's server in every cell
-# for a small share of the throughput, with time to first token still ahead
-# (docs/benchmark-log.md, "A bfloat16 decode stack"). Before that stack, 512 had been chosen:
-# a step of 32 streams was slow enough that smaller chunks cost c32 its lead ("the cap, quiet").
-DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 128
+# stream's tokens. The cap holds unless more prompts wait than streams decode
+# (Scheduler._prefill_capped); with that rule 64 brought the inter-token latency's tail
+# and the time to first token's under vLLM's server at eight streams, where 128 left the
+# first behind (docs/benchmark-log.md, "The prefill cap in a burst"). Before the decode
+# stack, 512 had been chosen: a step of 32 streams was slow enough that smaller chunks cost
+# c32 its lead ("the cap, quiet").
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING = 64
 # Two blocks of 16: a prompt waits a step or so for a prefix this long rather than compute it
 # again (sched/inflight_prefixes.py; bench/engine/sched_sim.py's prefix16 row in docs/benchmark-log.md).
 DEFAULT_PREFIX_HOLD_MIN_TOKENS = 32

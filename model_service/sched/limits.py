@@ -20,9 +20,10 @@ class SchedulerLimits:
     # How long the release of a sequence that finished normally may wait for a call that
     # goes out anyway, while others run and nobody waits for blocks; 0: the next step's.
     release_hold_s: float = 0.0
-    # Prefill tokens a step carries beside decoding sequences; 0: max_batch_tokens alone
-    # bounds them. Every decoding stream waits for the whole step, so a prompt's chunk is
-    # what each of them waits for once more: a long prompt is cut into short steps.
+    # Prefill tokens a step carries beside decoding sequences, unless more prompts wait for
+    # their first token than sequences decode; 0: max_batch_tokens alone bounds them. Every
+    # decoding stream waits for the whole step, so a prompt's chunk is what each of them
+    # waits for once more: a long prompt is cut into short steps.
     max_prefill_tokens_while_decoding: int = 0
     # Prompts being computed go shortest first, each step a prompt has waited counting as
     # this many of its tokens done: only prompts ready within (its tokens left) / this
