@@ -27,7 +27,9 @@
  * - AVX2 with FMA (x86-64 since 2013-2015, no bfloat16 arithmetic): a line is two 256-bit
  *   loads of eight rows' words, widened to float32 by that shift and that mask in
  *   registers, and two FMAs a token into float32 sums. The weights are read as bfloat16,
- *   half float32's bytes, which is what a decode step's time is;
+ *   half float32's bytes, which is what a decode step's time is. From
+ *   BF16_AVX2_WIDEN_MIN_TOKENS tokens on, a group of panels is widened once a block of
+ *   tokens instead, the same products in the same order;
  * - AVX-512 BF16 (`dpbf16ps`).
  * The levels' results differ in the last bits (dpbf16ps rounds its own way; the others add
  * a pair's two products one FMA at a time).
@@ -48,6 +50,13 @@
 /* The AVX2 level's tiles: sixteen 256-bit registers hold 2 x 2 x 3 sums, the widened
  * half-line and a token's two columns broadcast (four panels for one token: 8 sums). */
 #define BF16_AVX2_TOKEN_TILE 3
+/* From this many tokens the AVX2 level widens each group of panels to float32 once a block
+ * of tokens (widen_avx2, into a thread's scratch) and runs float32's tile over them: the
+ * tile that widens as it goes spends a shift and a mask a line and its registers on every
+ * tile of three tokens, and ran a prompt's products at two thirds of float32's pace
+ * (docs/benchmark-log.md, "bfloat16 at AVX2: panels widened once a block"). Below it,
+ * reading bfloat16, half float32's bytes, is what a decode step's time is. */
+#define BF16_AVX2_WIDEN_MIN_TOKENS 16
 /* Column pairs ahead that a tile asks the next lines of its panels for (2 KB): with the
  * hardware's prefetch alone, a step's 120 SmolLM2 linears at 8 tokens took 1.3x as long
  * (9.1 against 6.8 ms; 16 pairs ahead 7.3, 64 7.0). */
@@ -111,13 +120,27 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
                 int64_t y_stride, int level, int num_threads) {
     if (cols % 2 != 0 || tokens < 0 || rows <= 0 || level < 0 || level > bf16_cpu_level()) return -1;
     if (tokens == 0) return 0;
-    const panel_plan plan =
-        panel_plan_at(&LEVEL_PICK(bf16_levels, level), tokens, sizeof(uint16_t), sizeof(uint16_t), 0);
+    panel_plan plan = panel_plan_at(&LEVEL_PICK(bf16_levels, level), tokens, sizeof(uint16_t), sizeof(uint16_t), 0);
     const int pairs = cols / 2;
+    const int64_t panel_elems = (int64_t)pairs * 2 * BF16_PANEL_ROWS;
+    float *scratch = NULL;
+#if CPU_LEVELS_X86
+    if (plan.tile == tile_avx2 && tokens >= BF16_AVX2_WIDEN_MIN_TOKENS) {
+        const panel_plan widened_plan = {tile_avx2_widened, plan.group, plan.token_tile, plan.weight_bytes,
+                                         plan.x_bytes, plan.y_bytes, plan.min_parallel_macs, widen_avx2};
+        /* without the memory, the tile that widens as it goes: the same bits */
+        scratch = malloc((size_t)(num_threads > 1 ? num_threads : 1) *
+                         (size_t)panel_scratch_floats(&widened_plan, panel_elems) * sizeof(float));
+        if (scratch != NULL) plan = widened_plan;
+    }
+#endif
     float *widened = NULL;
     if (plan.x_bytes == sizeof(float)) { /* x widened once, exactly: the sums see the same values */
         widened = malloc((size_t)tokens * cols * sizeof(float));
-        if (widened == NULL) return -2;
+        if (widened == NULL) {
+            free(scratch);
+            return -2;
+        }
         for (int t = 0; t < tokens; t++) {
             const uint16_t *row = (const uint16_t *)x + t * x_stride;
             for (int c = 0; c < cols; c++) widened[(int64_t)t * cols + c] = bf16_to_f32(row[c]);
@@ -125,8 +148,8 @@ int bf16_linear(const void *x, int64_t x_stride, int tokens, int cols, int rows,
         x = widened;
         x_stride = cols;
     }
-    panel_drive(&plan, panels, (int64_t)pairs * 2 * BF16_PANEL_ROWS, pairs, rows, x, x_stride, tokens, y, y_stride,
-                num_threads);
+    panel_drive(&plan, panels, panel_elems, pairs, rows, x, x_stride, tokens, y, y_stride, num_threads, scratch);
     free(widened);
+    free(scratch);
     return 0;
 }

@@ -97,6 +97,6 @@ int f32_linear(const float *x, int64_t x_stride, int tokens, int cols, int rows,
     const panel_plan plan = panel_plan_at(&LEVEL_PICK(f32_levels, level), tokens, sizeof(float), sizeof(float),
                                           F32_MIN_PARALLEL_MACS);
     panel_drive(&plan, panels, (int64_t)cols * PANEL_ROWS, cols, rows, x, x_stride, tokens, y, y_stride,
-                num_threads);
+                num_threads, NULL);
     return 0;
 }

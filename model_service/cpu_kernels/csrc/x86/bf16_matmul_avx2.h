@@ -17,6 +17,28 @@ static inline __m128i avx2_to_bf16(__m256 v) {
     return _mm256_castsi256_si128(packed);
 }
 
+/* A tile's sums (NP panels, two eight-row halves, NT tokens) into y as bfloat16, rows past
+ * `rows` left out. */
+static inline __attribute__((always_inline)) void store_tile_avx2(__m256 acc[4][2][BF16_AVX2_TOKEN_TILE], const int NP,
+                                                                  const int NT, uint16_t *y, int64_t y_stride,
+                                                                  int row0, int rows) {
+    PANEL_UNROLL for (int p = 0; p < NP; p++) {
+        const int first = row0 + p * BF16_PANEL_ROWS, valid = rows - first;
+        PANEL_UNROLL for (int t = 0; t < NT; t++) {
+            uint16_t *yt = y + t * y_stride + first;
+            if (valid >= BF16_PANEL_ROWS) {
+                _mm_storeu_si128((__m128i *)yt, avx2_to_bf16(acc[p][0][t]));
+                _mm_storeu_si128((__m128i *)(yt + 8), avx2_to_bf16(acc[p][1][t]));
+            } else {
+                uint16_t out[BF16_PANEL_ROWS];
+                _mm_storeu_si128((__m128i *)out, avx2_to_bf16(acc[p][0][t]));
+                _mm_storeu_si128((__m128i *)(out + 8), avx2_to_bf16(acc[p][1][t]));
+                memcpy(yt, out, (size_t)valid * sizeof out[0]);
+            }
+        }
+    }
+}
+
 /* NP panels times NT tokens, 2 * NP * NT sums of eight rows in registers (NP and NT are
  * constants where it is inlined). A line's eight-row half is widened once and serves
  * every token of the tile. x is float32 (bf16_linear widens it once a call): a token's
@@ -48,21 +70,7 @@ static inline __attribute__((always_inline)) void tile_avx2_n(const uint16_t *pa
             }
         }
     }
-    PANEL_UNROLL for (int p = 0; p < NP; p++) {
-        const int first = row0 + p * BF16_PANEL_ROWS, valid = rows - first;
-        PANEL_UNROLL for (int t = 0; t < NT; t++) {
-            uint16_t *yt = y + t * y_stride + first;
-            if (valid >= BF16_PANEL_ROWS) {
-                _mm_storeu_si128((__m128i *)yt, avx2_to_bf16(acc[p][0][t]));
-                _mm_storeu_si128((__m128i *)(yt + 8), avx2_to_bf16(acc[p][1][t]));
-            } else {
-                uint16_t out[BF16_PANEL_ROWS];
-                _mm_storeu_si128((__m128i *)out, avx2_to_bf16(acc[p][0][t]));
-                _mm_storeu_si128((__m128i *)(out + 8), avx2_to_bf16(acc[p][1][t]));
-                memcpy(yt, out, (size_t)valid * sizeof out[0]);
-            }
-        }
-    }
+    store_tile_avx2(acc, NP, NT, y, y_stride, row0, rows);
 }
 
 #define BF16_AVX2_CASE(NP, NT)                                                                           \
@@ -84,4 +92,64 @@ static void tile_avx2(const void *panel_v, int64_t panel_elems, int np, const vo
     }
 }
 #undef BF16_AVX2_CASE
+
+/* np panels widened to float32 panels [cols][16] (panel_widen_fn): tile_avx2_n's shift
+ * and mask, done once a block of tokens rather than once a tile of three. */
+static void widen_avx2(const void *panels_v, int64_t panel_elems, int np, float *out) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    const int64_t pairs = panel_elems / (2 * BF16_PANEL_ROWS);
+    for (int p = 0; p < np; p++) {
+        const uint16_t *panel = (const uint16_t *)panels_v + p * panel_elems;
+        float *dst = out + p * panel_elems;
+        for (int64_t k = 0; k < pairs; k++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i words = _mm256_loadu_si256((const __m256i *)(panel + k * 2 * BF16_PANEL_ROWS + 16 * h));
+                _mm256_storeu_ps(dst + 2 * k * BF16_PANEL_ROWS + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+                _mm256_storeu_ps(dst + (2 * k + 1) * BF16_PANEL_ROWS + 8 * h,
+                                 _mm256_castsi256_ps(_mm256_and_si256(words, high)));
+            }
+    }
+}
+
+/* tile_avx2_n over widen_avx2's panels: each sum takes the same products in the same
+ * order (column 2k, then 2k + 1), so a token's result is the same bits either way. */
+static inline __attribute__((always_inline)) void tile_avx2_widened_n(const float *panel, int64_t panel_elems,
+                                                                      const int NP, const float *x, int64_t x_stride,
+                                                                      const int NT, int pairs, uint16_t *y,
+                                                                      int64_t y_stride, int row0, int rows) {
+    __m256 acc[4][2][BF16_AVX2_TOKEN_TILE];
+    PANEL_UNROLL for (int p = 0; p < NP; p++)
+        PANEL_UNROLL for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
+    for (int c = 0; c < 2 * pairs; c++) {
+        PANEL_UNROLL for (int p = 0; p < NP; p++) {
+            const float *line = panel + p * panel_elems + (int64_t)c * BF16_PANEL_ROWS;
+            const __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);
+            PANEL_UNROLL for (int t = 0; t < NT; t++) {
+                const __m256 xs = _mm256_broadcast_ss(x + t * x_stride + c);
+                acc[p][0][t] = _mm256_fmadd_ps(w0, xs, acc[p][0][t]);
+                acc[p][1][t] = _mm256_fmadd_ps(w1, xs, acc[p][1][t]);
+            }
+        }
+    }
+    store_tile_avx2(acc, NP, NT, y, y_stride, row0, rows);
+}
+
+#define BF16_AVX2_WIDENED_CASE(NP, NT)                                                                   \
+    case NT:                                                                                             \
+        tile_avx2_widened_n(panel, panel_elems, NP, x, x_stride, NT, pairs, y, y_stride, row0, rows);    \
+        break;
+
+static void tile_avx2_widened(const void *panel_v, int64_t panel_elems, int np, const void *xv, int64_t x_stride,
+                              int nt, int pairs, void *y_v, int64_t y_stride, int row0, int rows) {
+    const float *x = xv, *panel = panel_v;
+    uint16_t *y = y_v;
+    if (np == 4) {
+        switch (nt) { BF16_AVX2_WIDENED_CASE(4, 1) }
+    } else if (np == 2) {
+        switch (nt) { BF16_AVX2_WIDENED_CASE(2, 1) BF16_AVX2_WIDENED_CASE(2, 2) BF16_AVX2_WIDENED_CASE(2, 3) }
+    } else {
+        switch (nt) { BF16_AVX2_WIDENED_CASE(1, 1) BF16_AVX2_WIDENED_CASE(1, 2) BF16_AVX2_WIDENED_CASE(1, 3) }
+    }
+}
+#undef BF16_AVX2_WIDENED_CASE
 #pragma GCC pop_options
