@@ -13,7 +13,7 @@ from model_service.spec.settings import SpeculativeSettings
 # runs in C each chunk token costs a step more than the decode rows do
 # (bench/engine/step_time_vs_chunk.py measures it), so a long chunk is a long gap between a
 # stream's tokens. The cap holds unless more prompts wait than streams decode
-# (Scheduler._prefill_capped); with that rule 64 brought the inter-token latency's tail
+# (SchedulingPolicy.prefill_capped); with that rule 64 brought the inter-token latency's tail
 # and the time to first token's under vLLM's server at eight streams, where 128 left the
 # first behind (docs/benchmark-log.md, "The prefill cap in a burst"). Before the decode
 # stack, 512 had been chosen: a step of 32 streams was slow enough that smaller chunks cost

@@ -84,6 +84,16 @@ class SchedulingPolicy:
                                                  seq.num_uncomputed + aging * seq.ready_step,
                                                  seq.arrival, seq.index))
 
+    def prefill_capped(self, decoding: int, prompts: int) -> bool:
+        """Whether a step's prompt tokens stay within max_prefill_tokens_while_decoding. The
+        cap shortens the steps that `decoding` streams each wait for; while more prompts
+        wait for their first token, a long step holds up fewer streams than it brings first
+        tokens to, so the step takes its whole budget. Streams started in one burst then end
+        together, and the next burst of prompts is computed before they decode, as vLLM's
+        batches run, rather than a cap's chunk at a time beside the few still decoding
+        (docs/benchmark-log.md, "The prefill cap in a burst")."""
+        return bool(decoding and self.limits.max_prefill_tokens_while_decoding and prompts <= decoding)
+
     def _next_waiting(self, waiting: deque[Sequence], admitted: dict[str, int],
                       prefixes: InflightPrefixes) -> Sequence | None:
         """The waiting sequence to admit next, None when every one waits for a prefix

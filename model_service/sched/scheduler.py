@@ -253,7 +253,7 @@ class Scheduler(LeaseAnswers):
                 batch.append((seq, 1))
         batch.extend(speculating)
         prefills = self.policy.prefill_order(self.running)
-        if self._prefill_capped(decoding=len(batch), prompts=len(prefills) + len(self.waiting)):
+        if self.policy.prefill_capped(decoding=len(batch), prompts=len(prefills) + len(self.waiting)):
             budget = min(budget, self.limits.max_prefill_tokens_while_decoding)
         for seq in prefills:
             if budget <= 0:
@@ -296,16 +296,6 @@ class Scheduler(LeaseAnswers):
                                   self.limits.max_model_len)
         return Step(batch=batch, lease_ops=ops, preempted=preempted, proposals=proposals,
                     deferred=self.budgets.close_step(), looked_up=looked_up)
-
-    def _prefill_capped(self, decoding: int, prompts: int) -> bool:
-        """Whether this step's prompt tokens stay within max_prefill_tokens_while_decoding.
-        The cap shortens the steps that `decoding` streams each wait for; while more prompts
-        wait for their first token, a long step holds up fewer streams than it brings first
-        tokens to, so the step takes its whole budget. Streams started in one
-        burst then end together, and the next burst of prompts is computed before they
-        decode, as vLLM's batches run, rather than a cap's chunk at a time beside the few
-        still decoding (docs/benchmark-log.md, "The prefill cap in a burst")."""
-        return bool(decoding and self.limits.max_prefill_tokens_while_decoding and prompts <= decoding)
 
     def _truncate_rejected(self) -> list[tuple[Sequence, int]]:
         """Cuts the tables that rejected proposals left holding whole blocks past their
