@@ -1,5 +1,6 @@
 /* bf16_matmul.c's AVX2 level (included by it on x86; its header comment says how the
- * level works): tile_avx2. */
+ * level works): tile_avx2, and for a prompt's many tokens widen_avx2 with
+ * tile_avx2_widened. */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
