@@ -5,6 +5,10 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+#include "f32_panel_sums_avx2.h"
+
+_Static_assert(BF16_AVX2_TOKEN_TILE == AVX2_F32_TILE_TOKENS, "the widened tile is f32_panel_sums_avx2.h's");
+
 /* Eight float32 sums as bfloat16, rounded to nearest even as f32_to_bf16 (NaN kept a NaN). */
 static inline __m128i avx2_to_bf16(__m256 v) {
     const __m256i bits = _mm256_castps_si256(v);
@@ -84,13 +88,7 @@ static void tile_avx2(const void *panel_v, int64_t panel_elems, int np, const vo
     const float *x = xv;
     const uint16_t *panel = panel_v;
     uint16_t *y = y_v;
-    if (np == 4) {
-        switch (nt) { BF16_AVX2_CASE(4, 1) }
-    } else if (np == 2) {
-        switch (nt) { BF16_AVX2_CASE(2, 1) BF16_AVX2_CASE(2, 2) BF16_AVX2_CASE(2, 3) }
-    } else {
-        switch (nt) { BF16_AVX2_CASE(1, 1) BF16_AVX2_CASE(1, 2) BF16_AVX2_CASE(1, 3) }
-    }
+    AVX2_TILE_SWITCH(BF16_AVX2_CASE)
 }
 #undef BF16_AVX2_CASE
 
@@ -112,26 +110,14 @@ static void widen_avx2(const void *panels_v, int64_t panel_elems, int np, float 
     }
 }
 
-/* tile_avx2_n over widen_avx2's panels: each sum takes the same products in the same
- * order (column 2k, then 2k + 1), so a token's result is the same bits either way. */
+/* tile_avx2_n over widen_avx2's panels: avx2_f32_panel_sums takes each sum's products in
+ * the same order (column 2k, then 2k + 1), so a token's result is the same bits either way. */
 static inline __attribute__((always_inline)) void tile_avx2_widened_n(const float *panel, int64_t panel_elems,
                                                                       const int NP, const float *x, int64_t x_stride,
                                                                       const int NT, int pairs, uint16_t *y,
                                                                       int64_t y_stride, int row0, int rows) {
-    __m256 acc[4][2][BF16_AVX2_TOKEN_TILE];
-    PANEL_UNROLL for (int p = 0; p < NP; p++)
-        PANEL_UNROLL for (int t = 0; t < NT; t++) acc[p][0][t] = acc[p][1][t] = _mm256_setzero_ps();
-    for (int c = 0; c < 2 * pairs; c++) {
-        PANEL_UNROLL for (int p = 0; p < NP; p++) {
-            const float *line = panel + p * panel_elems + (int64_t)c * BF16_PANEL_ROWS;
-            const __m256 w0 = _mm256_loadu_ps(line), w1 = _mm256_loadu_ps(line + 8);
-            PANEL_UNROLL for (int t = 0; t < NT; t++) {
-                const __m256 xs = _mm256_broadcast_ss(x + t * x_stride + c);
-                acc[p][0][t] = _mm256_fmadd_ps(w0, xs, acc[p][0][t]);
-                acc[p][1][t] = _mm256_fmadd_ps(w1, xs, acc[p][1][t]);
-            }
-        }
-    }
+    __m256 acc[4][2][AVX2_F32_TILE_TOKENS];
+    avx2_f32_panel_sums(panel, panel_elems, NP, x, x_stride, NT, 2 * pairs, acc);
     store_tile_avx2(acc, NP, NT, y, y_stride, row0, rows);
 }
 
@@ -144,13 +130,7 @@ static void tile_avx2_widened(const void *panel_v, int64_t panel_elems, int np, 
                               int nt, int pairs, void *y_v, int64_t y_stride, int row0, int rows) {
     const float *x = xv, *panel = panel_v;
     uint16_t *y = y_v;
-    if (np == 4) {
-        switch (nt) { BF16_AVX2_WIDENED_CASE(4, 1) }
-    } else if (np == 2) {
-        switch (nt) { BF16_AVX2_WIDENED_CASE(2, 1) BF16_AVX2_WIDENED_CASE(2, 2) BF16_AVX2_WIDENED_CASE(2, 3) }
-    } else {
-        switch (nt) { BF16_AVX2_WIDENED_CASE(1, 1) BF16_AVX2_WIDENED_CASE(1, 2) BF16_AVX2_WIDENED_CASE(1, 3) }
-    }
+    AVX2_TILE_SWITCH(BF16_AVX2_WIDENED_CASE)
 }
 #undef BF16_AVX2_WIDENED_CASE
 #pragma GCC pop_options
